@@ -1,0 +1,11 @@
+"""autopar: trace a PyTorch model, plan how to split it over devices, and run the plan."""
+
+from autopar.api import parallelize
+from autopar.errors import AutoparError, PlanError, TraceError, WorldError
+from autopar.graph import trace
+from autopar.plan import Plan
+from autopar.world import World
+
+__all__ = ["AutoparError", "Plan", "PlanError", "TraceError", "World", "WorldError",
+           "parallelize", "trace"]
+__version__ = "0.1.0"

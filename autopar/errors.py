@@ -1,0 +1,17 @@
+"""Exception types raised by autopar: each message is one sentence naming the cause and the fix."""
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class TraceError(AutoparError):
+    """Neither tracer could turn the model into a graph."""
+
+
+class PlanError(AutoparError):
+    """A plan is malformed, or cannot be realised on the model or world it is applied to."""
+
+
+class WorldError(AutoparError):
+    """The world (devices, process group, hardware profile) is not what the request needs."""

@@ -1,0 +1,281 @@
+"""Turn a model into an aten-level fx graph with a symbolic batch dimension.
+
+torch.export (non-strict, training IR) is tried first. When it fails, the model is traced
+with torch.fx.symbolic_trace (every module inlined), and that graph is exported through
+an fx.Interpreter, so both paths end in the same aten vocabulary and the rest of autopar
+sees one kind of graph. Module paths survive the detour through node meta.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch.export import Dim
+
+from autopar.errors import TraceError
+
+BATCH = sympy.Symbol("B", integer=True, positive=True)
+"""The symbol of the (micro-)batch size in every traced shape."""
+
+_WRAPPED = "model"
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_TRACE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter or buffer the graph reads with get_attr."""
+
+    target: str  # attribute path inside the traced GraphModule
+    names: tuple[str, ...]  # every key of the original model's state_dict that holds it
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_parameter: bool
+
+
+@dataclass
+class TracedGraph:
+    """An aten-level graph of a model, with analysis attached by `autopar.graph.analyse`."""
+
+    gm: fx.GraphModule
+    tracer: str  # "export" or "fx"
+    example_batch: int
+    params: dict[str, ParamInfo]
+    with_loss: bool
+    fallback_reason: str | None = None
+    layers: list = field(default_factory=list)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def info(self, node: fx.Node):
+        return node.meta["autopar"]
+
+
+class _Wrapper(nn.Module):
+    """The model under a fixed attribute name, followed by the user's loss when given.
+
+    `forward` takes exactly as many positional tensors as the example (see `_wrap`), since
+    both tracers turn positional parameters, not *args, into graph inputs.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def run(self, args):
+        if self.loss_fn is None:
+            return self.model(*args)
+        *inputs, target = args
+        return self.loss_fn(self.model(*inputs), target)
+
+
+def _wrap(model: nn.Module, loss_fn, n_args: int) -> _Wrapper:
+    names = ", ".join(f"a{i}" for i in range(n_args))
+    namespace: dict = {}
+    exec(f"def forward(self, {names}):\n    return self.run(({names},))\n", namespace)  # noqa: S102
+    cls = type(f"{_Wrapper.__name__}{n_args}", (_Wrapper,), {"forward": namespace["forward"]})
+    return cls(model, loss_fn)
+
+
+class _InlineTracer(fx.Tracer):
+    """symbolic_trace that inlines every module, so parameters become get_attr nodes."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return False
+
+
+class _Interpret(nn.Module):
+    """Runs an fx graph node by node, letting export see each node's module path."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *args):
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(self.gm).run(*args)
+
+
+def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None,
+          train: bool = True) -> TracedGraph:
+    """Trace `model` (and `loss_fn(model(*inputs), target)` when given) into an analysed graph.
+
+    Every tensor input must have the batch on dimension 0; the batch becomes the symbol
+    `BATCH` in all shapes, so one graph serves any micro-batch or data-parallel shard.
+    """
+    from autopar.graph.analysis import analyse
+
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise TraceError("example_inputs must be a non-empty tuple of tensors with the batch on "
+                         "dimension 0; pass e.g. example_inputs=(x,).")
+    with_loss = loss_fn is not None
+    if with_loss:
+        if not isinstance(example_target, torch.Tensor):
+            raise TraceError("tracing with a loss needs example_target, a tensor with the batch on "
+                             "dimension 0.")
+        inputs = inputs + (example_target,)
+    batch = inputs[0].shape[0] if inputs[0].dim() else 0
+    if any(t.dim() == 0 or t.shape[0] != batch for t in inputs):
+        raise TraceError("every example input (and target) must have the same batch size on "
+                         f"dimension 0; got shapes {[tuple(t.shape) for t in inputs]}.")
+    if batch < 2:  # export specialises sizes 0 and 1, which would bake the batch in
+        inputs = tuple(t.expand(2, *t.shape[1:]).contiguous() if batch == 1 else t for t in inputs)
+        batch = 2
+    wrapper = _wrap(model, loss_fn, len(inputs))
+    was_training = model.training
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    model.train(train)
+    if use_cache:  # transformers models: a generation cache is no tensor output to shard
+        config.use_cache = False
+    try:
+        gm, tracer, reason = _trace_either(wrapper, inputs)
+    finally:
+        model.train(was_training)
+        if use_cache:
+            config.use_cache = use_cache
+    params = _param_table(gm, model)
+    traced = TracedGraph(gm=gm, tracer=tracer, example_batch=batch, params=params,
+                         with_loss=with_loss, fallback_reason=reason)
+    analyse(traced)
+    return traced
+
+
+def _trace_either(wrapper: nn.Module, inputs: tuple) -> tuple[fx.GraphModule, str, str | None]:
+    try:
+        return _via_export(wrapper, inputs), "export", None
+    except Exception as export_error:  # noqa: BLE001 - any failure sends us to the fallback
+        export_reason = _describe_failure(export_error)
+    try:
+        return _via_fx(wrapper, inputs), "fx", f"torch.export failed: {export_reason}"
+    except Exception as fx_error:  # noqa: BLE001
+        fx_reason = _describe_failure(fx_error)
+    name = type(wrapper.model).__name__
+    raise TraceError(f"could not trace {name}: torch.export failed at {export_reason}; "
+                     f"torch.fx.symbolic_trace failed at {fx_reason}. Remove data-dependent "
+                     "Python control flow at that line, or trace a submodule.")
+
+
+def _batch_dims(n: int):
+    batch = Dim("batch")
+    return batch, tuple({0: batch} for _ in range(n))
+
+
+def _via_export(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
+    _, dims = _batch_dims(len(inputs))
+    ep = torch.export.export(wrapper, inputs, dynamic_shapes=dims, strict=False)
+    gm = ep.module()
+    _finish(gm, inputs, prefix="")
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        path = list(stack.values())[-1][0] if stack else ""
+        node.meta["autopar_module"] = _strip(path, _WRAPPED)
+    return gm
+
+
+def _via_fx(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
+    graph = _InlineTracer().trace(wrapper)
+    inner = fx.GraphModule(wrapper, graph)
+    for node in inner.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        path = list(stack.values())[-1][0] if stack else ""
+        node.meta["custom"] = {"autopar_module": _strip(path, _WRAPPED)}
+    _, dims = _batch_dims(len(inputs))
+    ep = torch.export.export(_Interpret(inner), inputs, dynamic_shapes=(dims,), strict=False)
+    gm = ep.module()
+    _finish(gm, inputs, prefix="gm.")
+    for node in gm.graph.nodes:
+        node.meta["autopar_module"] = (node.meta.get("custom") or {}).get("autopar_module", "")
+    return gm
+
+
+LOSS_MODULE = "<loss>"
+"""Module path of the nodes the loss function adds after the model."""
+
+
+def _strip(path: str, prefix: str) -> str:
+    """A module path of the wrapper as a path of the user's model ("" is the model's root)."""
+    if path == prefix:
+        return ""
+    if path.startswith(prefix + "."):
+        return path[len(prefix) + 1:]
+    return LOSS_MODULE
+
+
+def _finish(gm: fx.GraphModule, inputs: tuple, prefix: str) -> None:
+    """Drop export's input guards (they pin the traced batch range) and unused attribute reads
+    (the second name of a tied weight), and name the batch symbol."""
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            if hasattr(gm, "_guards_fn"):
+                delattr(gm, "_guards_fn")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch_syms = set()
+    for node in placeholders:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], torch.SymInt):
+            batch_syms |= val.shape[0].node.expr.free_symbols
+    if len(batch_syms) != 1:
+        raise TraceError("the batch dimension could not be kept symbolic: the model fixes it "
+                         "(e.g. a view with a literal batch size); use x.size(0) or -1 instead.")
+    gm.meta["autopar_batch_symbol"] = next(iter(batch_syms))
+    gm.meta["autopar_param_prefix"] = prefix
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _param_table(gm: fx.GraphModule, model: nn.Module) -> dict[str, ParamInfo]:
+    prefix = gm.meta["autopar_param_prefix"] + _WRAPPED + "."
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        aliases.setdefault(id(tensor), []).append(name)
+    by_name = {name: names for names in aliases.values() for name in names}
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    table = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = _getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = node.target[len(prefix):] if node.target.startswith(prefix) else node.target
+        names = tuple(n for n in by_name.get(name, [name]) if n in persistent) or (name,)
+        table[node.target] = ParamInfo(target=node.target, names=names, shape=tuple(value.shape),
+                                       dtype=value.dtype,
+                                       is_parameter=isinstance(value, nn.Parameter))
+    return table
+
+
+def _getattr(module: nn.Module, target: str):
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _describe_failure(error: BaseException) -> str:
+    """The user's source line where tracing broke, and the tracer's reason, in one line."""
+    where = "an unknown location"
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        filename = os.path.abspath(frame.filename)
+        if not filename.startswith(_TORCH_DIR) and not filename.startswith(_TRACE_DIR) \
+                and "<" not in frame.filename:
+            where = f"{frame.filename}:{frame.lineno} ({frame.line or frame.name})"
+            break
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{where}: {type(error).__name__}: {reason}"

@@ -1,0 +1,396 @@
+"""The model zoo: published configurations, a spec language, and ``build``.
+
+A model is named either by a zoo name (``"llama2-70b"``, ``"gpt-tiny"``) or by a
+spec such as ``"gpt:layers=48,hidden=8192,heads=64,vocab=51200"``. ``build``
+turns either into a model and example inputs, on the meta device by default so
+that planning for a trillion-parameter model allocates nothing.
+"""
+
+import difflib
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autopar.models.bert import Bert, BertConfig
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.llama import Llama, LlamaConfig
+from autopar.models.mlp import MLP, MLPConfig
+from autopar.models.vit import ViT, ViTConfig
+
+ModelConfig = GPTConfig | LlamaConfig | BertConfig | ViTConfig | MLPConfig
+
+
+@dataclass(frozen=True)
+class MegatronRun:
+    """One row of Table 1 of Narayanan et al. 2021: a GPT size and how it was run.
+
+    All runs used A100 GPUs (312 TFLOP/s peak in 16-bit), sequence length 2048 and
+    vocabulary 51200; ``batch`` is the global batch in sequences.
+    """
+
+    name: str  # the zoo name of the matching configuration
+    params_billion: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops_per_gpu: float
+    percent_of_peak: float
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM", SC 2021 (arXiv 2104.04473), Table 1: weak scaling of PTD-P.
+MEGATRON_TABLE1: tuple[MegatronRun, ...] = (
+    MegatronRun("megatron-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    MegatronRun("megatron-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    MegatronRun("megatron-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    MegatronRun("megatron-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    MegatronRun("megatron-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    MegatronRun("megatron-76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    MegatronRun("megatron-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    MegatronRun("megatron-310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    MegatronRun("megatron-529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    MegatronRun("megatron-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+)
+
+_ZOO: dict[str, ModelConfig] = {
+    # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 175B),
+    # with the 50257-token GPT-2 byte-pair vocabulary the paper reuses.
+    "gpt3-175b": GPTConfig(vocab_size=50257, n_layer=96, n_head=96, n_embd=12288, block_size=2048),
+    # Megatron Table 1 above; every run there uses sequence 2048 and vocabulary 51200.
+    **{
+        run.name: GPTConfig(
+            vocab_size=51200,
+            n_layer=run.layers,
+            n_head=run.heads,
+            n_embd=run.hidden,
+            block_size=2048,
+        )
+        for run in MEGATRON_TABLE1
+    },
+    # Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models" (4k context,
+    # grouped-query attention for 70B); widths as in the released model parameters.
+    "llama2-7b": LlamaConfig(
+        vocab_size=32000,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=32,
+        dim=4096,
+        ffn_hidden=11008,
+        max_seq=4096,
+    ),
+    "llama2-13b": LlamaConfig(
+        vocab_size=32000,
+        n_layer=40,
+        n_head=40,
+        n_kv_head=40,
+        dim=5120,
+        ffn_hidden=13824,
+        max_seq=4096,
+    ),
+    "llama2-70b": LlamaConfig(
+        vocab_size=32000,
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        dim=8192,
+        ffn_hidden=28672,
+        max_seq=4096,
+    ),
+    # Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers", BERT-LARGE
+    # (L=24, H=1024, A=16, feed-forward 4H), with the 30522-token uncased WordPiece vocabulary.
+    "bert-large": BertConfig(
+        vocab_size=30522, n_layer=24, n_head=16, hidden=1024, intermediate=4096, max_position=512
+    ),
+    # Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", Table 1: ViT-L/16 and ViT-H/14
+    # at 224x224 resolution with an ImageNet-1k head.
+    "vit-large": ViTConfig(
+        image_size=224,
+        patch_size=16,
+        n_layer=24,
+        n_head=16,
+        hidden=1024,
+        mlp_dim=4096,
+        num_classes=1000,
+    ),
+    "vit-huge": ViTConfig(
+        image_size=224,
+        patch_size=14,
+        n_layer=32,
+        n_head=16,
+        hidden=1280,
+        mlp_dim=5120,
+        num_classes=1000,
+    ),
+    # Test sizes: a few CPU milliseconds per step, with widths divisible by 8 so that
+    # every tensor-parallel degree up to 8 divides them (llama-tiny's 4 kv heads up to 4).
+    "gpt-tiny": GPTConfig(vocab_size=256, n_layer=2, n_head=8, n_embd=64, block_size=32),
+    "llama-tiny": LlamaConfig(
+        vocab_size=256, n_layer=2, n_head=8, n_kv_head=4, dim=64, ffn_hidden=192, max_seq=32
+    ),
+    "bert-tiny": BertConfig(
+        vocab_size=256, n_layer=2, n_head=8, hidden=64, intermediate=256, max_position=32
+    ),
+    "vit-tiny": ViTConfig(
+        image_size=32, patch_size=8, n_layer=2, n_head=8, hidden=64, mlp_dim=256, num_classes=16
+    ),
+    "mlp-tiny": MLPConfig(in_features=32, hidden=64, out_features=16, n_layer=3),
+}
+
+ZOO_NAMES: list[str] = sorted(_ZOO)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What a spec family name stands for: its config, its model, and its spec keys."""
+
+    config: type
+    model: type[nn.Module]
+    keys: dict[str, str]  # spec key -> config field, in the order format_spec writes them
+    required: tuple[str, ...]
+
+
+_FAMILIES: dict[str, _Family] = {
+    "gpt": _Family(
+        GPTConfig,
+        GPT,
+        {
+            "layers": "n_layer",
+            "hidden": "n_embd",
+            "heads": "n_head",
+            "vocab": "vocab_size",
+            "seq": "block_size",
+        },
+        ("layers", "hidden", "heads"),
+    ),
+    "llama": _Family(
+        LlamaConfig,
+        Llama,
+        {
+            "layers": "n_layer",
+            "hidden": "dim",
+            "heads": "n_head",
+            "kv_heads": "n_kv_head",
+            "ffn": "ffn_hidden",
+            "vocab": "vocab_size",
+            "seq": "max_seq",
+        },
+        ("layers", "hidden", "heads"),
+    ),
+    "bert": _Family(
+        BertConfig,
+        Bert,
+        {
+            "layers": "n_layer",
+            "hidden": "hidden",
+            "heads": "n_head",
+            "intermediate": "intermediate",
+            "vocab": "vocab_size",
+            "seq": "max_position",
+        },
+        ("layers", "hidden", "heads"),
+    ),
+    "vit": _Family(
+        ViTConfig,
+        ViT,
+        {
+            "layers": "n_layer",
+            "hidden": "hidden",
+            "heads": "n_head",
+            "mlp": "mlp_dim",
+            "image": "image_size",
+            "patch": "patch_size",
+            "channels": "channels",
+            "classes": "num_classes",
+        },
+        ("layers", "hidden", "heads"),
+    ),
+    "mlp": _Family(
+        MLPConfig,
+        MLP,
+        {"in": "in_features", "hidden": "hidden", "out": "out_features", "layers": "n_layer"},
+        ("in", "hidden", "out", "layers"),
+    ),
+}
+
+
+def _spec_defaults(family: str, given: dict[str, int]) -> dict[str, int]:
+    """Values for the optional spec keys: those of the family's original published model."""
+    hidden = given["hidden"]
+    if family == "gpt":
+        return {"vocab": 50257, "seq": 2048}
+    if family == "llama":
+        # LLaMA's SwiGLU width: two thirds of 4 * hidden, rounded up to a multiple of 256.
+        ffn = -(-(2 * 4 * hidden // 3) // 256) * 256
+        return {"kv_heads": given["heads"], "ffn": ffn, "vocab": 32000, "seq": 4096}
+    if family == "bert":
+        return {"intermediate": 4 * hidden, "vocab": 30522, "seq": 512}
+    if family == "vit":
+        return {"mlp": 4 * hidden, "image": 224, "patch": 16, "channels": 3, "classes": 1000}
+    return {}
+
+
+def _family_of(cfg: ModelConfig) -> str:
+    for name, family in _FAMILIES.items():
+        if type(cfg) is family.config:
+            return name
+    expected = ", ".join(family.config.__name__ for family in _FAMILIES.values())
+    raise TypeError(f"{type(cfg).__name__} is not a zoo config; expected one of {expected}.")
+
+
+def parse_spec(spec: str) -> ModelConfig:
+    """Parse ``family:key=value,...`` into a config; optional keys take published defaults.
+
+    Families and keys: gpt (layers, hidden, heads, vocab, seq), llama (also kv_heads, ffn),
+    bert (also intermediate), vit (layers, hidden, heads, mlp, image, patch, channels,
+    classes), mlp (in, hidden, out, layers). Every value is a positive integer.
+    """
+    family_name, colon, body = spec.partition(":")
+    family_name = family_name.strip()
+    if not colon:
+        raise ValueError(
+            f"Spec {spec!r} has no ':'; write family:key=value,... (e.g. "
+            f"'gpt:layers=2,hidden=64,heads=8') with family one of {', '.join(sorted(_FAMILIES))}."
+        )
+    if family_name not in _FAMILIES:
+        raise ValueError(
+            f"Unknown model family {family_name!r} in spec {spec!r}; "
+            f"valid families: {', '.join(sorted(_FAMILIES))}."
+        )
+    family = _FAMILIES[family_name]
+    valid_keys = ", ".join(family.keys)
+    given: dict[str, int] = {}
+    for item in body.split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key:
+            raise ValueError(
+                f"Malformed item {item!r} in spec {spec!r}: expected key=value "
+                f"with key one of {valid_keys}."
+            )
+        if key not in family.keys:
+            raise ValueError(
+                f"Unknown key {key!r} in spec {spec!r}; valid keys for {family_name}: {valid_keys}."
+            )
+        if key in given:
+            raise ValueError(f"Key {key!r} is given twice in spec {spec!r}.")
+        if not re.fullmatch(r"[1-9][0-9]*", value):
+            raise ValueError(
+                f"Value {value!r} of key {key!r} in spec {spec!r} is not a positive integer."
+            )
+        given[key] = int(value)
+    missing = [key for key in family.required if key not in given]
+    if missing:
+        raise ValueError(
+            f"Spec {spec!r} lacks required key(s) {', '.join(missing)}; "
+            f"{family_name} needs {', '.join(family.required)}."
+        )
+    values = {**_spec_defaults(family_name, given), **given}
+    try:
+        return family.config(**{family.keys[key]: value for key, value in values.items()})
+    except ValueError as err:
+        raise ValueError(f"Spec {spec!r} is inconsistent: {err}") from None
+
+
+def format_spec(cfg: ModelConfig) -> str:
+    """The spec that ``parse_spec`` turns back into ``cfg``.
+
+    The spec covers the shape of the model; fields it has no key for (dropout, bias,
+    tied embeddings, rope_theta, norm_eps) come back at their defaults.
+    """
+    family_name = _family_of(cfg)
+    keys = _FAMILIES[family_name].keys
+    return (
+        family_name + ":" + ",".join(f"{key}={getattr(cfg, field)}" for key, field in keys.items())
+    )
+
+
+def get_config(name: str) -> ModelConfig:
+    """The published or test configuration registered under ``name``."""
+    if name not in _ZOO:
+        close = difflib.get_close_matches(name, ZOO_NAMES, n=3, cutoff=0.5)
+        hint = f"closest: {', '.join(close)}; " if close else ""
+        raise ValueError(
+            f"Unknown model {name!r}; {hint}zoo names: {', '.join(ZOO_NAMES)} "
+            f"(or write a spec such as 'gpt:layers=2,hidden=64,heads=8')."
+        )
+    return _ZOO[name]
+
+
+def _example_inputs(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    family_name = _family_of(cfg)
+    seq_field = _FAMILIES[family_name].keys.get("seq")
+    if seq_field is None and seq is not None:
+        raise ValueError(f"seq={seq} given, but {family_name} models take no sequence length.")
+    if seq_field is not None:
+        max_seq = getattr(cfg, seq_field)
+        seq = max_seq if seq is None else seq
+        if not 1 <= seq <= max_seq:
+            raise ValueError(
+                f"seq={seq} is out of range for this {family_name} model: 1 <= seq <= {max_seq}."
+            )
+        shape, int_high = (batch, seq), cfg.vocab_size
+    elif family_name == "vit":
+        shape, int_high = (batch, cfg.channels, cfg.image_size, cfg.image_size), None
+    else:
+        shape, int_high = (batch, cfg.in_features), None
+    if device.type == "meta":
+        return (torch.empty(shape, dtype=torch.long if int_high else dtype, device=device),)
+    # Drawn on the CPU from a private generator: the same inputs on every device,
+    # and the caller's random streams are left alone.
+    gen = torch.Generator().manual_seed(seed)
+    if int_high:
+        x = torch.randint(0, int_high, shape, generator=gen)
+    else:
+        x = torch.randn(shape, generator=gen, dtype=dtype)
+    return (x.to(device),)
+
+
+def build(
+    name_or_spec: str | ModelConfig,
+    *,
+    batch: int = 2,
+    seq: int | None = None,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Build a zoo model and example inputs for its forward.
+
+    ``name_or_spec`` is a zoo name, a spec (see ``parse_spec``) or a config. On the meta
+    device nothing is allocated. With ``seed`` on a real device the weights are
+    initialised on the CPU under that seed and then moved, so a seed gives the same
+    weights on every device, and the caller's random state is left untouched; the
+    example inputs are seeded with ``seed`` (0 when not given) in the same way. ``seq``
+    (sequence models only) defaults to the longest the config supports.
+    """
+    if isinstance(name_or_spec, str):
+        cfg = parse_spec(name_or_spec) if ":" in name_or_spec else get_config(name_or_spec)
+    else:
+        cfg = name_or_spec
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be at least 1.")
+    model_cls = _FAMILIES[_family_of(cfg)].model
+    device = torch.device(device)
+    inputs = _example_inputs(cfg, batch, seq, device, dtype, 0 if seed is None else seed)
+    if seed is not None and device.type != "meta":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(cfg)
+        model = model.to(device=device, dtype=dtype)
+    else:
+        with device:
+            model = model_cls(cfg)
+        model = model.to(dtype=dtype)
+    return model, inputs

@@ -1,0 +1,238 @@
+"""Passes that apply a sharding solution to a graph; each returns a new GraphModule.
+
+    localize_ops        ops to their sharded form: local sizes in views, row-split linears
+                        followed by their all-reduce, vocabulary-parallel embedding and
+                        cross-entropy, dropout on the right random stream
+    insert_collectives  one explicit Redistribute node per transition of the solution
+    shard_parameters    every parameter replaced by this rank's slice
+
+`apply_solution` runs the three in order. The emitted collectives are exactly those the
+solution lists, which is what makes predicted and measured communication equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.runtime.collectives import Redistribute
+from autopar.runtime.kernels import StreamCall, StreamDropout, VocabParallelCrossEntropy, \
+    VocabParallelEmbedding
+from autopar.sharding.layout import Layout
+from autopar.sharding.solve import Solution
+
+aten = torch.ops.aten
+
+
+def clone_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A GraphModule with a copy of gm's graph (node meta kept) sharing gm's tensors."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen  # keeps export's pytree calling convention
+    mapping: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, mapping)
+    new_output = graph.output(out)
+    mapping[next(n for n in gm.graph.nodes if n.op == "output")] = new_output
+    for old, new in mapping.items():
+        new.meta = dict(old.meta)
+    new_gm = fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    return new_gm, mapping
+
+
+def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int] | None) -> \
+        fx.GraphModule:
+    """Sharded ops, explicit collectives and (when `coords` gives this rank's index on each
+    axis) this rank's parameter slices, as a new GraphModule."""
+    out, mapping = clone_graph_module(gm)
+    localize_ops(out, solution, mapping)
+    insert_collectives(out, solution, mapping)
+    if coords is not None:
+        shard_parameters(out, solution, coords)
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
+def _add_module(gm: fx.GraphModule, stem: str, module: nn.Module) -> str:
+    name, i = stem, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{stem}_{i}"
+    gm.add_submodule(name, module)
+    return name
+
+
+def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
+    """Rewrite each op into the sharded form its strategy names (in place on gm's graph)."""
+    size, axis = solution.size, solution.axis
+    for old, strategy in solution.strategies.items():
+        node = mapping.get(old)
+        if node is None or node.op != "call_function":
+            continue
+        out_layout = solution.layouts.get(old)
+        if strategy.rewrite == "local_sizes":
+            _local_sizes(node, out_layout, size)
+        elif strategy.rewrite == "row_linear":
+            _row_linear(gm, node, axis)
+        elif strategy.rewrite == "vocab_parallel_embedding":
+            padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            _replace_with_module(gm, node, "vocab_embedding", VocabParallelEmbedding(axis, padding),
+                                 (node.args[0], node.args[1]))
+        elif strategy.rewrite == "vocab_parallel_cross_entropy":
+            args = list(node.args) + [None] * (6 - len(node.args))
+            reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+            ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+            _replace_with_module(gm, node, "vocab_cross_entropy",
+                                 VocabParallelCrossEntropy(axis, reduction, ignore),
+                                 (node.args[0], node.args[1]))
+        if node.target is aten.dropout.default:
+            stream = _stream(out_layout, axis)
+            _replace_with_module(gm, node, "dropout", StreamDropout(node.args[1], node.args[2], stream),
+                                 (node.args[0],))
+        elif node.target is aten.scaled_dot_product_attention.default and _attn_dropout(node):
+            name = _add_module(gm, "attention", StreamCall(node.target, _stream(out_layout, axis)))
+            node.op, node.target = "call_module", name
+
+
+def _stream(layout, axis: str) -> str:
+    split = isinstance(layout, Layout) and layout.shard_on(axis) is not None
+    return "split" if split else "replicated"
+
+
+def _attn_dropout(node: fx.Node) -> bool:
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return bool(p)
+
+
+def _replace_with_module(gm, node: fx.Node, stem: str, module: nn.Module, args: tuple) -> None:
+    name = _add_module(gm, stem, module)
+    node.op, node.target, node.args, node.kwargs = "call_module", name, args, {}
+
+
+def _local_sizes(node: fx.Node, layout, size: int) -> None:
+    """Divide the size arguments of a view, expand or split by the ranks on the split dim."""
+    target = node.target
+    if target in (aten.split.Tensor, aten.split_with_sizes.default):
+        sizes = node.args[1]
+        local = [s // size for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // size
+        node.args = (node.args[0], local) + tuple(node.args[2:])
+        return
+    if target is aten.chunk.default:
+        return
+    if target in (aten.flatten.using_ints,):
+        return
+    if target is aten.unflatten.int:
+        sizes = list(node.args[2])
+        for shard in layout.shards:
+            rel = shard.dim - node.args[1]
+            if 0 <= rel < len(sizes) and isinstance(sizes[rel], int) and sizes[rel] > 0:
+                sizes[rel] //= size
+        node.args = (node.args[0], node.args[1], sizes)
+        return
+    sizes = list(node.args[1])
+    for shard in layout.shards:
+        value = sizes[shard.dim]
+        if isinstance(value, fx.Node):
+            raise ValueError(f"{node.name}: the split dimension {shard.dim} has a symbolic size")
+        if value != -1:
+            sizes[shard.dim] = value // size
+    node.args = (node.args[0], sizes) + tuple(node.args[2:])
+
+
+def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str) -> None:
+    """linear(x, W, b) -> all_reduce(linear(x, W_local)) + b, so the bias is added once."""
+    graph = gm.graph
+    if node.target is aten.addmm.default:
+        bias, x, w = node.args[0], node.args[1], node.args[2]
+        product_args, product_target = (x, w), aten.mm.default
+    else:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        product_args, product_target = (x, w), aten.linear.default
+    with graph.inserting_before(node):
+        product = graph.call_function(product_target, product_args)
+        product.meta = dict(node.meta)
+        name = _add_module(gm, f"tp_all_reduce_{node.name}", Redistribute("reduce", axis))
+        reduced = graph.call_module(name, (product,))
+        reduced.meta = dict(node.meta)
+        result = reduced
+        if bias is not None:
+            result = graph.call_function(aten.add.Tensor, (reduced, bias))
+            result.meta = dict(node.meta)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+
+
+def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
+    """Insert each transition's steps as call_module nodes between producer and consumers."""
+    graph = gm.graph
+    for t in solution.transitions:
+        producer = mapping[t.producer]
+        consumers = [mapping[c] for c in t.consumers]
+        current = producer
+        anchor = min(consumers, key=_index(graph))
+        for step in t.steps:
+            stem = f"{step.axis}_{step.kind}_{producer.name}"
+            name = _add_module(gm, stem, Redistribute(step.kind, step.axis, step.dim, step.groups))
+            with graph.inserting_before(anchor):
+                nxt = graph.call_module(name, (current,))
+            nxt.meta = dict(producer.meta)
+            current = nxt
+        for consumer in consumers:
+            consumer.replace_input_with(producer, current)
+
+
+def _index(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def shard_parameters(gm: fx.GraphModule, solution: Solution, coords: dict[str, int]) -> None:
+    """Replace every parameter and buffer the graph reads by this rank's slice of it."""
+    done: dict[int, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, attr = _owner(gm, node.target)
+        full = getattr(owner, attr)
+        if not isinstance(full, torch.Tensor):
+            continue
+        layout = solution.params.get(node.target)
+        key = id(full)
+        if key not in done:
+            done[key] = local_slice(full, layout, coords, solution.size)
+        local = done[key]
+        if isinstance(full, nn.Parameter):
+            owner._parameters.pop(attr, None)
+            setattr(owner, attr, local)
+        else:
+            owner._buffers.pop(attr, None)
+            owner.register_buffer(attr, local)
+
+
+def local_slice(full: torch.Tensor, layout: Layout | None, coords: dict[str, int], size: int):
+    """This rank's slice of a full tensor under `layout` (a new Parameter for parameters)."""
+    data = full.detach()
+    if layout is not None:
+        for shard in layout.shards:
+            parts = size
+            shape = list(data.shape)
+            m = shape[shard.dim] // (shard.groups * parts)
+            blocks = data.reshape(shape[:shard.dim] + [shard.groups, parts, m] + shape[shard.dim + 1:])
+            data = blocks.select(shard.dim + 1, coords[shard.axis])
+            data = data.reshape(shape[:shard.dim] + [shard.groups * m] + shape[shard.dim + 1:])
+    data = data.clone() if data.device.type != "meta" else data
+    if isinstance(full, nn.Parameter):
+        return nn.Parameter(data, requires_grad=full.requires_grad)
+    return data
+
+
+def _owner(gm: nn.Module, target: str):
+    *path, attr = target.split(".")
+    owner = gm
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+

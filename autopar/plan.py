@@ -1,0 +1,231 @@
+"""A parallel plan as plain data: mesh, per-layer strategy, pipeline, ZeRO, recompute.
+
+A plan is read from JSON, from a Colossal-AI style `parallel` dict, or produced by the
+planner; it is validated when made, and written back as the JSON of the public contract.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from autopar.errors import PlanError
+from autopar.world import World
+
+AXES = ("pp", "dp", "cp", "tp")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+SEQUENCE_MODES = ("ulysses", "ring")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+_TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data"}
+
+
+@dataclass
+class LayerPlan:
+    name: str
+    tp_mode: str = "1d"  # or "replicate"
+    sp: str = "none"
+    recompute: str = "none"
+    stage: int = 0
+
+
+@dataclass
+class PipelinePlan:
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 1
+    micro_batch_size: int | None = None
+
+
+@dataclass
+class ZeroPlan:
+    stage: int = 0
+    offload: bool = False
+
+
+@dataclass
+class Plan:
+    """How a model is split over a world. `mesh` sizes multiply to the world size."""
+
+    mesh: dict = field(default_factory=lambda: {"pp": 1, "dp": 1, "cp": 1, "tp": 1})
+    tp_mode: str = "1d"
+    tp_depth: int = 1
+    sequence_parallel: bool = False
+    sequence_mode: str | None = None
+    layers: list[LayerPlan] = field(default_factory=list)
+    pipeline: PipelinePlan = field(default_factory=PipelinePlan)
+    zero: ZeroPlan = field(default_factory=ZeroPlan)
+    recompute: str = "none"
+    world: World | None = None
+    predicted: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.mesh = {axis: int(self.mesh.get(axis, 1)) for axis in AXES}
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        out = 1
+        for v in self.mesh.values():
+            out *= v
+        return out
+
+    def validate(self) -> None:
+        for axis, v in self.mesh.items():
+            if v < 1:
+                raise PlanError(f"mesh axis '{axis}' has size {v}; every axis needs size >= 1.")
+        _choice("tensor mode", self.tp_mode, TP_MODES)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("pipeline schedule", self.pipeline.schedule, SCHEDULES)
+        if self.sequence_mode is not None:
+            _choice("sequence mode", self.sequence_mode, SEQUENCE_MODES)
+        if self.zero.stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero stage must be 0, 1, 2 or 3, not {self.zero.stage!r}.")
+        if self.world is not None and self.world.devices != self.world_size:
+            raise PlanError(f"the plan's mesh {self._mesh_text()} uses {self.world_size} devices "
+                            f"but the world has {self.world.devices}.")
+
+    def _mesh_text(self) -> str:
+        return " x ".join(f"{a}{v}" for a, v in self.mesh.items() if v > 1) or "1 device"
+
+    def layer_modes(self) -> dict[str, str]:
+        return {lp.name: lp.tp_mode for lp in self.layers}
+
+    def unsupported(self) -> list[str]:
+        """Parts of this plan the runtime cannot execute yet (they can still be planned)."""
+        out = []
+        if self.mesh["pp"] > 1:
+            out.append("pipeline parallelism (pp > 1)")
+        if self.mesh["cp"] > 1 or self.sequence_mode:
+            out.append("sequence parallelism over a cp axis")
+        if self.mesh["tp"] > 1 and self.tp_mode != "1d":
+            out.append(f"{self.tp_mode} tensor parallelism")
+        if self.sequence_parallel:
+            out.append("Megatron sequence parallelism")
+        if self.zero.stage or self.zero.offload:
+            out.append(f"ZeRO stage {self.zero.stage}" + (" with offload" if self.zero.offload else ""))
+        if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):
+            out.append("recomputation")
+        return out
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict:
+        return {
+            "version": 1,
+            "world": self.world.to_json() if self.world else None,
+            "mesh": dict(self.mesh),
+            "tensor": {"mode": self.tp_mode, "depth": self.tp_depth,
+                       "sequence_parallel": self.sequence_parallel},
+            "sequence": {"mode": self.sequence_mode},
+            "layers": [asdict(lp) for lp in self.layers],
+            "pipeline": asdict(self.pipeline),
+            "zero": asdict(self.zero),
+            "recompute": self.recompute,
+            "predicted": dict(self.predicted),
+            "search": dict(self.search),
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Plan:
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise PlanError("a plan file must be a JSON object with \"version\": 1, as written by "
+                            "Plan.save or `autopar search -o`.")
+        try:
+            tensor = data.get("tensor") or {}
+            return cls(mesh=data["mesh"], tp_mode=tensor.get("mode", "1d"),
+                       tp_depth=tensor.get("depth", 1),
+                       sequence_parallel=tensor.get("sequence_parallel", False),
+                       sequence_mode=(data.get("sequence") or {}).get("mode"),
+                       layers=[LayerPlan(**lp) for lp in data.get("layers", [])],
+                       pipeline=PipelinePlan(**data.get("pipeline", {})),
+                       zero=ZeroPlan(**data.get("zero", {})),
+                       recompute=data.get("recompute", "none"),
+                       world=World(**data["world"]) if data.get("world") else None,
+                       predicted=data.get("predicted", {}), search=data.get("search", {}),
+                       notes=data.get("notes", []))
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"the plan file is malformed ({e}); write it with Plan.save.") from e
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+
+    @classmethod
+    def load(cls, path) -> Plan:
+        if not os.path.exists(path):
+            raise PlanError(f"no plan file at {path}; write one with `autopar search -o {path}`.")
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise PlanError(f"{path} is not valid JSON ({e}).") from e
+        return cls.from_json(data)
+
+    # ------------------------------------------------------- Colossal-AI style
+    @classmethod
+    def from_dict(cls, spec: dict, world_size: int) -> Plan:
+        """A plan from Colossal-AI's `parallel` dict; data-parallel size is inferred."""
+        if not isinstance(spec, dict):
+            raise PlanError(f"a plan dict must be a dict, not {type(spec).__name__}.")
+        unknown = set(spec) - _TOP_KEYS
+        if unknown:
+            raise PlanError(f"unknown plan key(s) {sorted(unknown)}; valid keys are "
+                            f"{sorted(_TOP_KEYS)}.")
+        pipeline = _sub(spec, "pipeline", {"size", "schedule", "microbatches", "chunks"})
+        tensor = _sub(spec, "tensor", {"size", "mode", "depth", "sequence_parallel"})
+        sequence = _sub(spec, "sequence", {"size", "mode"})
+        zero = _sub(spec, "zero", {"stage", "offload"})
+        pp = _int(pipeline.get("size", 1), "pipeline size")
+        tp = _int(tensor.get("size", 1), "tensor size")
+        cp = _int(sequence.get("size", 1), "sequence size")
+        model_parallel = pp * tp * cp
+        if world_size % model_parallel:
+            raise PlanError(f"pipeline x tensor x sequence = {pp} x {tp} x {cp} = {model_parallel} "
+                            f"does not divide the world size {world_size}; choose sizes whose "
+                            f"product divides {world_size}.")
+        dp = world_size // model_parallel
+        if "data" in spec and _int(spec["data"], "data size") != dp:
+            raise PlanError(f"data size {spec['data']} does not match world {world_size} / "
+                            f"(pipeline x tensor x sequence = {model_parallel}) = {dp}.")
+        recompute = spec.get("recompute", "none")
+        return cls(mesh={"pp": pp, "dp": dp, "cp": cp, "tp": tp},
+                   tp_mode=str(tensor.get("mode", "1d")),
+                   tp_depth=_int(tensor.get("depth", 1), "tensor depth"),
+                   sequence_parallel=bool(tensor.get("sequence_parallel", False)),
+                   sequence_mode=sequence.get("mode") if cp > 1 or "mode" in sequence else None,
+                   pipeline=PipelinePlan(schedule=pipeline.get("schedule", "1f1b"),
+                                         microbatches=_int(pipeline.get("microbatches", 1),
+                                                           "microbatches"),
+                                         chunks=_int(pipeline.get("chunks", 1), "chunks")),
+                   zero=ZeroPlan(stage=_int(zero.get("stage", 0), "zero stage"),
+                                 offload=bool(zero.get("offload", False))),
+                   recompute=recompute)
+
+
+def _sub(spec: dict, key: str, allowed: set) -> dict:
+    value = spec.get(key, {})
+    if isinstance(value, int) and not isinstance(value, bool) and "size" in allowed:
+        return {"size": value}
+    if not isinstance(value, dict):
+        raise PlanError(f"plan key '{key}' must be a size or a dict with keys {sorted(allowed)}, "
+                        f"not {value!r}.")
+    unknown = set(value) - allowed
+    if unknown:
+        raise PlanError(f"unknown key(s) {sorted(unknown)} under '{key}'; valid keys are "
+                        f"{sorted(allowed)}.")
+    return value
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 and what != "zero stage":
+        raise PlanError(f"{what} must be a positive whole number, not {value!r}.")
+    return value
+
+
+def _choice(what: str, value, options) -> None:
+    if value not in options:
+        raise PlanError(f"unknown {what} {value!r}; choose one of {', '.join(options)}.")

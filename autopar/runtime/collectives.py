@@ -1,0 +1,225 @@
+"""Autograd-aware collectives on one mesh axis, each logging what it sends.
+
+The six conjugate pairs of `autopar.sharding.redistribute` as autograd Functions, plus the
+`Redistribute` module the rewrite pass puts into graphs. A split dimension with `groups`
+blocks is handled blockwise: the rank's slice is its part of every block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PHASES = ("forward", "backward", "step", "init")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    axis: str
+    bytes: int
+    phase: str
+
+
+@dataclass
+class CommLog:
+    """Every collective run, in order: op, mesh axis, payload bytes, phase."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    enabled: bool = True
+
+    def add(self, op: str, axis: str, nbytes: int, phase: str) -> None:
+        if self.enabled:
+            self.records.append(CommRecord(op, axis, int(nbytes), phase))
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def totals(self, phases=None) -> dict[tuple[str, str], int]:
+        """Bytes per (op, axis), over the given phases (all by default)."""
+        out: dict[tuple[str, str], int] = {}
+        for r in self.records:
+            if phases is None or r.phase in phases:
+                out[(r.op, r.axis)] = out.get((r.op, r.axis), 0) + r.bytes
+        return out
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+@dataclass
+class AxisGroup:
+    """One mesh axis as seen from this rank: its process group, size, index and the log."""
+
+    axis: str
+    size: int
+    rank: int
+    group: object | None  # torch ProcessGroup; None when size == 1
+    log: CommLog
+
+    def all_reduce(self, x: torch.Tensor, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        x = x.contiguous()
+        self.log.add("all_reduce", self.axis, x.numel() * x.element_size(), phase)
+        if self.size > 1:
+            dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int, groups: int, phase: str) -> torch.Tensor:
+        x = x.contiguous()
+        self.log.add("all_gather", self.axis, x.numel() * x.element_size() * self.size, phase)
+        if self.size == 1:
+            return x
+        out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.reshape(-1), group=self.group)
+        return _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, groups: int, phase: str) -> torch.Tensor:
+        self.log.add("reduce_scatter", self.axis, x.numel() * x.element_size(), phase)
+        if self.size == 1:
+            return x
+        stacked = _deinterleave(x, dim, groups, self.size).contiguous()
+        out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, stacked.reshape(-1), group=self.group)
+        return out.view(stacked.shape[1:])
+
+    def local_slice(self, x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return _deinterleave(x, dim, groups, self.size)[self.rank].contiguous()
+
+
+def _interleave(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    """[P, ..., g*m, ...] (rank-major) -> [..., g*P*m, ...] (each block's slices in rank order)."""
+    parts, shape = stacked.shape[0], list(stacked.shape[1:])
+    dim = dim % len(shape)
+    m = shape[dim] // groups
+    x = stacked.reshape([parts] + shape[:dim] + [groups, m] + shape[dim + 1:])
+    x = x.movedim(0, dim + 1)  # [..., g, P, m, ...]
+    return x.reshape(shape[:dim] + [groups * parts * m] + shape[dim + 1:])
+
+
+def _deinterleave(x: torch.Tensor, dim: int, groups: int, parts: int) -> torch.Tensor:
+    """[..., g*P*m, ...] -> [P, ..., g*m, ...]: rank r's slice of every block, stacked by rank."""
+    shape = list(x.shape)
+    dim = dim % len(shape)
+    m = shape[dim] // (groups * parts)
+    y = x.reshape(shape[:dim] + [groups, parts, m] + shape[dim + 1:])
+    y = y.movedim(dim + 1, 0)  # [P, ..., g, m, ...]
+    return y.reshape([parts] + shape[:dim] + [groups * m] + shape[dim + 1:])
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
+        ctx.g, ctx.dim, ctx.groups = g, dim, groups
+        return g.local_slice(x, dim, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.g.all_gather(grad, ctx.dim, ctx.groups, "backward"), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
+        ctx.g, ctx.dim, ctx.groups = g, dim, groups
+        return g.all_gather(x, dim, groups, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.g.local_slice(grad, ctx.dim, ctx.groups), None, None, None
+
+
+class _GatherSumGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
+        ctx.g, ctx.dim, ctx.groups = g, dim, groups
+        return g.all_gather(x, dim, groups, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.g.reduce_scatter(grad, ctx.dim, ctx.groups, "backward"), None, None, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, dim, groups):
+        return g.all_reduce(x.clone(), "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
+        ctx.g, ctx.dim, ctx.groups = g, dim, groups
+        return g.reduce_scatter(x, dim, groups, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.g.all_gather(grad, ctx.dim, ctx.groups, "backward"), None, None, None
+
+
+class _SumGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, dim, groups):
+        ctx.g = g
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.g.all_reduce(grad.clone(), "backward"), None, None, None
+
+
+FUNCTIONS = {"split": _Split, "gather": _Gather, "gather_sum_grads": _GatherSumGrads,
+             "reduce": _Reduce, "reduce_scatter": _ReduceScatter, "sum_grads": _SumGrads}
+
+
+class Bound(nn.Module):
+    """A graph module that needs a mesh axis; the runtime binds it before the graph runs."""
+
+    def __init__(self, axis: str):
+        super().__init__()
+        self.axis = axis
+        self.group: AxisGroup | None = None
+
+    def bind(self, groups: dict[str, AxisGroup]) -> None:
+        self.group = groups[self.axis]
+
+    def _g(self) -> AxisGroup:
+        if self.group is None:
+            raise RuntimeError(f"{type(self).__name__} on axis '{self.axis}' runs before the "
+                               "graph was bound to a mesh; call autopar.runtime.bind(gm, groups).")
+        return self.group
+
+
+class Redistribute(Bound):
+    """One redistribution step as a node of the rewritten graph (see the module docstring)."""
+
+    def __init__(self, kind: str, axis: str, dim: int | None = None, groups: int = 1):
+        super().__init__(axis)
+        if kind not in FUNCTIONS:
+            raise ValueError(f"unknown redistribution {kind!r}; expected one of {sorted(FUNCTIONS)}")
+        self.kind, self.dim, self.groups = kind, dim, groups
+
+    def extra_repr(self) -> str:
+        dim = "" if self.dim is None else f", dim={self.dim}, groups={self.groups}"
+        return f"{self.kind}, axis={self.axis}{dim}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FUNCTIONS[self.kind].apply(x, self._g(), self.dim, self.groups)
+
+
+def bind(gm: nn.Module, groups: dict[str, AxisGroup]) -> None:
+    """Give every collective of a rewritten graph its process group."""
+    for module in gm.modules():
+        if isinstance(module, Bound):
+            module.bind(groups)

@@ -1,0 +1,226 @@
+"""The training engine `autopar.parallelize` returns: sharded graphs, optimizer, data parallelism.
+
+Each rank runs two rewritten graphs that share its parameter slices: the model followed by
+the loss (traced at the first `train_step`, when the target's shape is known) and the model
+alone for inference. Data parallelism is the engine's: it hands each rank its slice of the
+global batch and averages gradients over the `dp` axis after the backward pass.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.errors import PlanError
+from autopar.graph.trace import BATCH, trace
+from autopar.passes.tensor_parallel import apply_solution
+from autopar.plan import Plan
+from autopar.runtime.collectives import AxisGroup, CommLog, bind
+from autopar.runtime.kernels import RandomStreams, bind_streams
+from autopar.sharding.layout import Layout
+from autopar.sharding.solve import Solution, solve
+
+
+class Engine(nn.Module):
+    """A model split over a mesh: `train_step`, forward, `comm_log`, `full_state_dict`."""
+
+    def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
+                 example_inputs: tuple, loss_fn, optimizer, seed: int = 0):
+        super().__init__()
+        self.plan = plan
+        self.groups = groups
+        self.comm_log: CommLog = groups["tp"].log
+        self.loss_fn = loss_fn
+        self._model = model  # kept until the training graph is traced, then released
+        self._tp, self._dp = groups["tp"], groups["dp"]
+        self._streams = RandomStreams(seed, self._dp.rank, self._tp.rank)
+        self._state_keys = list(model.state_dict().keys())
+        self._untraced_state = {}
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.forward_graph = trace(model, _blank(example_inputs, self._device), train=False)
+        self.forward_solution = self._solve(self.forward_graph, fixed=None)
+        self._local: dict[int, torch.Tensor] = {}  # id(full tensor) -> this rank's slice
+        self._names: dict[int, tuple] = {}
+        self._layouts: dict[int, Layout] = {}
+        self.forward_gm = self._build(self.forward_graph, self.forward_solution)
+        self._keep_untraced(model)
+        self.train_graph = None
+        self.train_solution: Solution | None = None
+        self.train_gm: fx.GraphModule | None = None
+        params = self._unique_params()
+        self.optimizer = optimizer(params) if optimizer is not None else None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ building
+    def _solve(self, traced, fixed) -> Solution:
+        return solve(traced, axis="tp", size=self._tp.size, modes=self.plan.layer_modes(),
+                     default_mode=self.plan.tp_mode, fixed_params=fixed)
+
+    def _build(self, traced, solution: Solution) -> fx.GraphModule:
+        """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
+        from autopar.passes.tensor_parallel import _owner, local_slice
+
+        gm = apply_solution(traced.gm, solution, coords=None)
+        for target, pinfo in traced.params.items():
+            owner, attr = _owner(gm, target)
+            full = getattr(owner, attr)
+            key = _key(pinfo)
+            if key not in self._local:
+                if full.device.type == "meta":
+                    raise PlanError(f"parameter {pinfo.names[0]} is on the meta device; "
+                                    "parallelize needs real weights (autopar.plan works on meta).")
+                layout = solution.params.get(target)
+                self._local[key] = local_slice(full, layout, {"tp": self._tp.rank}, self._tp.size)
+                self._names[key] = pinfo.names
+                self._layouts[key] = layout
+            elif self._layouts[key] != solution.params.get(target):
+                raise PlanError(f"parameter {pinfo.names[0]} is laid out as {self._layouts[key]} "
+                                f"for inference but {solution.params.get(target)} for training.")
+            local = self._local[key]
+            if isinstance(local, nn.Parameter):
+                owner._parameters.pop(attr, None)
+                setattr(owner, attr, local)
+            else:
+                owner._buffers.pop(attr, None)
+                owner.register_buffer(attr, local)
+        gm.recompile()
+        bind(gm, self.groups)
+        bind_streams(gm, self._streams)
+        return gm
+
+    def _keep_untraced(self, model: nn.Module) -> None:
+        """State the graphs never read is kept whole, so full_state_dict loses nothing."""
+        read = {name for names in self._names.values() for name in names}
+        for key, value in model.state_dict().items():
+            if key not in read:
+                self._untraced_state[key] = value.detach().clone()
+
+    def _unique_params(self) -> list[nn.Parameter]:
+        return [p for p in self._local.values() if isinstance(p, nn.Parameter)]
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._unique_params())
+
+    def _ensure_train_graph(self, inputs: tuple, target: torch.Tensor) -> None:
+        if self.train_gm is not None:
+            return
+        if self.loss_fn is None:
+            raise PlanError("train_step needs a loss_fn; pass loss_fn=... to autopar.parallelize.")
+        fixed = {t: self._layouts[_key(p)] for t, p in self.forward_graph.params.items()}
+        self.train_graph = trace(self._model, _blank(inputs, self._device), loss_fn=self.loss_fn,
+                                 example_target=_blank((target,), self._device)[0], train=True)
+        fixed = {t: fixed[t] for t in fixed if t in self.train_graph.params}
+        self.train_solution = self._solve(self.train_graph, fixed=fixed)
+        self.train_gm = self._build(self.train_graph, self.train_solution)
+        self._model = None
+
+    # ------------------------------------------------------------------ running
+    def _local_batch(self, tensors: tuple) -> tuple:
+        dp = self._dp.size
+        out = []
+        for t in tensors:
+            if t.shape[0] % dp:
+                raise PlanError(f"the global batch {t.shape[0]} does not split over {dp} "
+                                f"data-parallel ranks; use a multiple of {dp}.")
+            n = t.shape[0] // dp
+            out.append(t[self._dp.rank * n:(self._dp.rank + 1) * n])
+        return tuple(out)
+
+    def train_step(self, inputs, targets) -> float:
+        """One optimizer step on a global batch; the loss equals the single-device loss."""
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        *local_inputs, local_target = self._local_batch(inputs + (targets,))
+        self._ensure_train_graph(tuple(local_inputs), local_target)
+        self.train_gm.train()
+        loss = self.train_gm(*local_inputs, local_target)
+        loss.backward()
+        self._average_gradients()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        value = loss.detach().float().reshape(1)
+        if self._dp.size > 1:
+            value = self._dp.all_reduce(value, "step") / self._dp.size
+        return float(value)
+
+    def _average_gradients(self) -> None:
+        if self._dp.size == 1:
+            return
+        params = [p for p in self._unique_params() if p.grad is not None]
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self._dp.all_reduce(flat, "backward")
+        flat /= self._dp.size
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+    def forward(self, *inputs):
+        """Inference on the whole batch on every rank; outputs are whole on every rank."""
+        return self.forward_gm(*inputs)
+
+    # ------------------------------------------------------------------ accounting
+    def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
+        """Bytes per (collective, axis) of one train_step at this global batch, from the plan."""
+        if self.train_solution is None:
+            raise PlanError("the training graph is traced at the first train_step; call it first.")
+        local = global_batch // self._dp.size
+        out: dict[tuple[str, str], int] = {}
+        for c in self.train_solution.comm:
+            key = (c.op, c.axis)
+            out[key] = out.get(key, 0) + int(sympy.sympify(c.bytes).subs(BATCH, local))
+        if self._dp.size > 1:
+            grad_bytes = sum(p.numel() * p.element_size() for p in self._unique_params()
+                             if p.requires_grad)
+            out[("all_reduce", "dp")] = grad_bytes + 4  # the gradients, then the loss
+        return out
+
+    def parameter_bytes(self) -> dict[str, tuple[int, int]]:
+        """Per parameter name: (bytes held by this rank, bytes of the whole parameter)."""
+        out = {}
+        for key, local in self._local.items():
+            layout = self._layouts[key]
+            parts = 1
+            if layout is not None:
+                for shard in layout.shards:
+                    parts *= self.groups[shard.axis].size
+            nbytes = local.numel() * local.element_size()
+            out[self._names[key][0]] = (nbytes, nbytes * parts)
+        return out
+
+    def replicated_parameters(self) -> list[str]:
+        """Names of the parameters every tensor-parallel rank holds whole."""
+        return sorted(self._names[k][0] for k, lay in self._layouts.items()
+                      if isinstance(self._local[k], nn.Parameter)
+                      and (lay is None or not lay.shards))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole weights on every rank, keyed and ordered as the original model's state_dict."""
+        whole = {}
+        for key, local in self._local.items():
+            layout = self._layouts[key]
+            value = local.detach()
+            if layout is not None:
+                for shard in layout.shards:
+                    value = self.groups[shard.axis].all_gather(value, shard.dim, shard.groups,
+                                                               "state")
+            for name in self._names[key]:
+                whole[name] = value.clone()
+        whole.update(self._untraced_state)
+        return {k: whole[k] for k in self._state_keys if k in whole}
+
+
+def _key(pinfo) -> int:
+    return hash(pinfo.names)
+
+
+def _blank(tensors: tuple, device: torch.device) -> tuple:
+    """Zero tensors shaped like the examples, on the model's device (tracing reads no values)."""
+    return tuple(torch.zeros(t.shape, dtype=t.dtype, device=device)
+                 if isinstance(t, torch.Tensor) else t for t in tensors)

@@ -1,0 +1,149 @@
+"""Sharded forms of ops that need more than a redistribution: the graph modules the rewrite emits.
+
+Vocabulary-parallel embedding and cross-entropy (Megatron-LM's vocab-parallel layers, by
+Shoeybi et al. 2019), and dropout drawn from the random stream that matches the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.runtime.collectives import FUNCTIONS, AxisGroup, Bound
+
+
+class VocabParallelEmbedding(Bound):
+    """Lookup in this rank's rows of the table; rows owned elsewhere give zeros; then all-reduce."""
+
+    def __init__(self, axis: str, padding_idx: int = -1):
+        super().__init__(axis)
+        self.padding_idx = padding_idx
+
+    def forward(self, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        g = self._g()
+        rows = weight.shape[0]
+        start = g.rank * rows
+        outside = (idx < start) | (idx >= start + rows)
+        local = (idx - start).masked_fill(outside, 0)
+        pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
+        out = F.embedding(local, weight, padding_idx=pad if pad >= 0 else None)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return FUNCTIONS["reduce"].apply(out, g, None, 1)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, g: AxisGroup, reduction: int, ignore_index: int):
+        cols = logits.shape[1]
+        start = g.rank * cols
+        logits = logits.float()
+        row_max = g.all_reduce(logits.max(dim=1).values, "forward", op=dist.ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(1)
+        exp = shifted.exp()
+        sum_exp = g.all_reduce(exp.sum(dim=1), "forward")
+        inside = (target >= start) & (target < start + cols)
+        local_t = (target - start).masked_fill(~inside, 0)
+        picked = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1) * inside
+        picked = g.all_reduce(picked, "forward")
+        valid = (target != ignore_index).to(logits.dtype)
+        losses = (sum_exp.log() - picked) * valid
+        count = valid.sum()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(1), local_t, inside, valid, count)
+        ctx.reduction = reduction
+        if reduction == 0:
+            return losses
+        if reduction == 2:
+            return losses.sum()
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, inside, valid, count = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local_t] -= inside.to(grad_logits.dtype)
+        if ctx.reduction == 0:
+            scale = grad * valid
+        elif ctx.reduction == 2:
+            scale = grad * valid
+        else:
+            scale = grad * valid / count
+        return grad_logits * scale.unsqueeze(1), None, None, None, None
+
+
+class VocabParallelCrossEntropy(Bound):
+    """Cross-entropy over logits split by class: three all-reduces of one value per row."""
+
+    def __init__(self, axis: str, reduction: int = 1, ignore_index: int = -100):
+        super().__init__(axis)
+        self.reduction, self.ignore_index = reduction, ignore_index
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out = _VocabParallelCE.apply(logits, target, self._g(), self.reduction, self.ignore_index)
+        return out.to(logits.dtype)
+
+
+class RandomStreams:
+    """Two generators per rank: one shared by the ranks of the tensor axis, one of the rank's own.
+
+    Where an activation is whole on every rank of the axis, its dropout mask must be the same
+    on all of them; where it is split, each rank's slice needs its own mask.
+    """
+
+    def __init__(self, seed: int, data_rank: int, tensor_rank: int):
+        base = seed + 1_000_003 * data_rank
+        self.replicated = torch.Generator().manual_seed(base)
+        self.split = torch.Generator().manual_seed(base + 7919 * (tensor_rank + 1))
+
+    def get(self, stream: str) -> torch.Generator:
+        return self.replicated if stream == "replicated" else self.split
+
+
+class StreamDropout(nn.Module):
+    """Dropout whose mask comes from the stream its input's layout calls for."""
+
+    def __init__(self, p: float, train: bool, stream: str):
+        super().__init__()
+        self.p, self.train_mode, self.stream = p, train, stream
+        self.streams: RandomStreams | None = None
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, stream={self.stream}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.train_mode or self.p == 0.0:
+            return x
+        if self.p >= 1.0:
+            return x * 0.0
+        mask = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self.streams.get(self.stream))
+        return x * mask / (1.0 - self.p)
+
+
+class StreamCall(nn.Module):
+    """Runs an op that draws from torch's default generator (attention dropout) on a given stream."""
+
+    def __init__(self, op, stream: str):
+        super().__init__()
+        self.op, self.stream = op, stream
+        self.streams: RandomStreams | None = None
+
+    def extra_repr(self) -> str:
+        return f"{self.op}, stream={self.stream}"
+
+    def forward(self, *args, **kwargs):
+        generator = self.streams.get(self.stream)
+        saved = torch.get_rng_state()
+        torch.set_rng_state(generator.get_state())
+        try:
+            return self.op(*args, **kwargs)
+        finally:
+            generator.set_state(torch.get_rng_state())
+            torch.set_rng_state(saved)
+
+
+def bind_streams(gm: nn.Module, streams: RandomStreams) -> None:
+    for module in gm.modules():
+        if isinstance(module, (StreamDropout, StreamCall)):
+            module.streams = streams

@@ -1,0 +1,580 @@
+"""The strategy catalog: for each op kind, how it runs under each tensor-parallel mode.
+
+A rule looks at the layouts of an op's inputs and returns a `Strategy`: the layout each
+input must have (the solver inserts the redistribution), the output layout, the
+collectives the op runs itself, and the sharded form the rewrite pass gives it. The same
+entry is what the cost model prices, what the rewrite emits and what explain prints.
+
+Modes: "1d" (Megatron-style: linear layers split by columns then rows, attention by
+heads, vocabulary-parallel embedding and cross-entropy) and "replicate" (every input
+gathered, the op run whole on every rank). An op with no entry runs replicated, and the
+strategy says so.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.graph.analysis import NodeInfo, OpKind
+from autopar.sharding.layout import Layout, Shard, divisible
+from autopar.sharding.strategy import CommOp, Need, Strategy
+
+aten = torch.ops.aten
+
+
+@dataclass
+class RuleContext:
+    """What a rule may ask about the op it is deciding."""
+
+    node: fx.Node
+    axis: str
+    size: int  # ranks on the axis
+    mode: str  # the layer's tensor-parallel mode
+    layouts: dict  # node -> Layout (or list for multi-output ops); params absent while free
+    hints: dict  # node name -> ("groups", g) | ("replicate",)
+    new_hints: dict  # filled by rules that need a producer to choose differently
+
+    @property
+    def info(self) -> NodeInfo:
+        return self.node.meta["autopar"]
+
+    def layout(self, node: fx.Node):
+        """The layout of a value; a parameter no op has placed yet reads as replicated."""
+        if node not in self.layouts and node.op == "get_attr":
+            return Layout.replicated(len(self.shape(node)))
+        return self.layouts.get(node)
+
+    def placed(self, node: fx.Node) -> Layout | None:
+        """A parameter's layout once an earlier op fixed it, else None."""
+        return self.layouts.get(node)
+
+    def shape(self, node: fx.Node) -> tuple:
+        return node.meta["autopar"].shape
+
+    def hint(self):
+        return self.hints.get(self.node.name)
+
+    def bytes_of(self, node: fx.Node) -> sympy.Expr:
+        info = node.meta["autopar"]
+        return sympy.Mul(*info.shape) * _itemsize(info.dtype)
+
+    def comm(self, op: str, node: fx.Node, phase: str = "forward") -> CommOp:
+        return CommOp(op, self.axis, phase, self.bytes_of(node), self.node.name)
+
+    def ask_producer(self, node: fx.Node, hint: tuple) -> bool:
+        """Ask the linear layer that produced `node` to lay its output out differently."""
+        source = _producing_linear(node)
+        if source is None or self.hints.get(source.name) == hint:
+            return False
+        self.new_hints[source.name] = hint
+        return True
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued nodes among an op's arguments, in order, each once."""
+    seen: dict[fx.Node, None] = {}
+    for a in _flatten(node):
+        if isinstance(a, fx.Node) and a.meta.get("autopar") and a.meta["autopar"].shape is not None:
+            seen.setdefault(a, None)
+    return list(seen)
+
+
+def _flatten(node: fx.Node) -> list:
+    out = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def _producing_linear(node: fx.Node) -> fx.Node | None:
+    while node is not None:
+        kind = node.meta["autopar"].kind
+        if kind is OpKind.LINEAR:
+            return node
+        if kind not in (OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.DROPOUT):
+            return None
+        inputs = tensor_inputs(node)
+        node = inputs[0] if len(inputs) >= 1 else None
+    return None
+
+
+def _rep(node: fx.Node) -> Layout:
+    return Layout.replicated(len(node.meta["autopar"].shape))
+
+
+def _out_layouts(ctx: RuleContext, layout_fn: Callable[[tuple], Layout]):
+    val = ctx.node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return [layout_fn(tuple(v.shape)) if isinstance(v, torch.Tensor) else None for v in val]
+    if ctx.info.shape is None:
+        return None
+    return layout_fn(ctx.info.shape)
+
+
+def replicate(ctx: RuleContext, note: str = "") -> Strategy:
+    """Every input whole on every rank; the op runs unchanged."""
+    needs = {n: Need(_rep(n)) for n in tensor_inputs(ctx.node)}
+    out = _out_layouts(ctx, lambda shape: Layout.replicated(len(shape)))
+    return Strategy("replicate", needs, out, note=note)
+
+
+def follow(ctx: RuleContext, x: fx.Node, out: Layout, name: str = "follow",
+           rewrite: str | None = None) -> Strategy:
+    """One tensor input keeps its layout; the others (weights, masks) stay replicated."""
+    needs = {n: Need(_rep(n)) for n in tensor_inputs(ctx.node) if n is not x}
+    needs[x] = Need(ctx.layout(x))
+    return Strategy(name, needs, out, rewrite=rewrite)
+
+
+# ----------------------------------------------------------------------------- linear
+
+def linear(ctx: RuleContext) -> Strategy:
+    """Megatron 1D: a column split when the input is whole, a row split when it is split."""
+    node = ctx.node
+    if node.target is aten.addmm.default:  # transformers' Conv1D: addmm(bias, x, W[in, out])
+        bias, x, w = node.args[0], node.args[1], node.args[2]
+        in_dim, out_dim = 0, 1
+    else:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        in_dim, out_dim = 1, 0
+    if ctx.mode != "1d" or ctx.hint() == ("replicate",):
+        return replicate(ctx)
+    w_shape = ctx.shape(w)
+    x_layout = ctx.layout(x)
+    x_shard = x_layout.shard_on(ctx.axis)
+    last = len(ctx.shape(x)) - 1
+    fixed_w = ctx.placed(w)
+    if x_shard is not None and x_shard.dim == last and not x_layout.partial \
+            and divisible(w_shape[in_dim], ctx.size * x_shard.groups):
+        needs = {x: Need(x_layout), w: Need(_rep(w).with_shard(in_dim, ctx.axis, x_shard.groups))}
+        if bias is not None:
+            needs[bias] = Need(_rep(bias))
+        out = Layout.replicated(len(ctx.info.shape))
+        return Strategy("row", needs, out, comm=[ctx.comm("all_reduce", node)], rewrite="row_linear")
+    hint = ctx.hint()
+    groups = hint[1] if hint and hint[0] == "groups" else 1
+    if fixed_w is not None and fixed_w.shard_on(ctx.axis) is not None and \
+            fixed_w.shard_on(ctx.axis).dim == out_dim:
+        groups = fixed_w.shard_on(ctx.axis).groups
+    if divisible(w_shape[out_dim], ctx.size * groups):
+        needs = {x: Need(_rep(x), sum_grads=True),
+                 w: Need(_rep(w).with_shard(out_dim, ctx.axis, groups))}
+        if bias is not None:
+            needs[bias] = Need(_rep(bias).with_shard(0, ctx.axis, groups))
+        out = Layout.replicated(len(ctx.info.shape)).with_shard(-1, ctx.axis, groups)
+        return Strategy("column", needs, out)
+    return replicate(ctx, note=f"output features {w_shape[out_dim]} do not split over "
+                               f"{ctx.size} ranks")
+
+
+# -------------------------------------------------------------------------- embedding
+
+def embedding(ctx: RuleContext) -> Strategy:
+    """Vocabulary-parallel lookup: each rank owns a slice of the rows, the sum is all-reduced."""
+    w, idx = ctx.node.args[0], ctx.node.args[1]
+    fixed = ctx.placed(w)
+    split_rows = _rep(w).with_shard(0, ctx.axis)
+    usable = fixed == split_rows or (fixed is None and divisible(ctx.shape(w)[0], ctx.size))
+    if ctx.mode != "1d" or not usable:
+        return replicate(ctx)
+    needs = {w: Need(split_rows), idx: Need(_rep(idx))}
+    return Strategy("vocab_parallel", needs, Layout.replicated(len(ctx.info.shape)),
+                    comm=[ctx.comm("all_reduce", ctx.node)], rewrite="vocab_parallel_embedding")
+
+
+# ------------------------------------------------------------------------------- norm
+
+def norm(ctx: RuleContext) -> Strategy:
+    """Statistics over the last dims: fine while those dims are whole."""
+    x = ctx.node.args[0]
+    k = len(ctx.node.args[1])
+    layout = ctx.layout(x)
+    ndim = len(ctx.shape(x))
+    if layout.partial or any(s.dim >= ndim - k for s in layout.shards):
+        return replicate(ctx)
+    return follow(ctx, x, layout)
+
+
+# -------------------------------------------------------------------------- attention
+
+def attention(ctx: RuleContext) -> Strategy:
+    """Split by heads: each rank attends with whole heads, no communication."""
+    q, k, v = ctx.node.args[:3]
+    mask = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
+    heads_split = any(_shard_dim(ctx, n) == 1 for n in (q, k, v))
+    if ctx.mode != "1d" or not heads_split or not all(
+            divisible(ctx.shape(n)[1], ctx.size) for n in (q, k, v)):
+        return replicate(ctx)
+    needs = {n: Need(_rep(n).with_shard(1, ctx.axis)) for n in (q, k, v)}
+    if isinstance(mask, fx.Node):
+        mshape = ctx.shape(mask)
+        split_mask = len(mshape) == 4 and mshape[1] != 1
+        needs[mask] = Need(_rep(mask).with_shard(1, ctx.axis) if split_mask else _rep(mask))
+    out = Layout.replicated(len(ctx.info.shape)).with_shard(1, ctx.axis)
+    return Strategy("heads", needs, out, rewrite="split_stream")
+
+
+def _shard_dim(ctx: RuleContext, node: fx.Node) -> int | None:
+    layout = ctx.layout(node)
+    shard = layout.shard_on(ctx.axis) if layout is not None else None
+    return shard.dim if shard is not None and shard.groups == 1 else None
+
+
+# ----------------------------------------------------------------------------- matmul
+
+def matmul(ctx: RuleContext) -> Strategy:
+    """Activation x activation: batch dims split alike, or rows of one operand, or columns."""
+    node = ctx.node
+    if node.target not in (aten.matmul.default, aten.bmm.default, aten.mm.default):
+        return replicate(ctx)
+    a, b = node.args[0], node.args[1]
+    sa, sb = ctx.layout(a), ctx.layout(b)
+    if sa.partial or sb.partial:
+        return replicate(ctx)
+    na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.info.shape)
+    if na < 2 or nb < 2:
+        return replicate(ctx)
+    da, db = _shard_dim(ctx, a), _shard_dim(ctx, b)
+    out = Layout.replicated(nout)
+    for d, n in ((da, na), (db, nb)):
+        if d is not None and d < n - 2:  # a batch dim: split the other operand alike
+            od = d + nout - n
+            needs = {}
+            for operand, m in ((a, na), (b, nb)):
+                od_in = od - (nout - m)
+                if od_in >= 0 and ctx.shape(operand)[od_in] != 1:
+                    needs[operand] = Need(_rep(operand).with_shard(od_in, ctx.axis))
+                else:
+                    needs[operand] = Need(_rep(operand))
+            return Strategy("batch", needs, out.with_shard(od, ctx.axis))
+    if da == na - 2 and db is None:
+        return Strategy("rows", {a: Need(sa), b: Need(sb, sum_grads=True)},
+                        out.with_shard(nout - 2, ctx.axis))
+    if db == nb - 1 and da is None:
+        return Strategy("columns", {a: Need(sa, sum_grads=True), b: Need(sb)},
+                        out.with_shard(nout - 1, ctx.axis))
+    if da == na - 1 and db == nb - 2:
+        return Strategy("contraction", {a: Need(sa), b: Need(sb)}, out.with_partial(ctx.axis))
+    return replicate(ctx)
+
+
+# ---------------------------------------------------------------------- softmax, loss
+
+def softmax(ctx: RuleContext) -> Strategy:
+    x, dim = ctx.node.args[0], ctx.node.args[1]
+    layout = ctx.layout(x)
+    ndim = len(ctx.shape(x))
+    if layout.partial or layout.shard_of_dim(dim % ndim) is not None:
+        return replicate(ctx)
+    return follow(ctx, x, layout)
+
+
+def loss(ctx: RuleContext) -> Strategy:
+    """Vocabulary-parallel cross-entropy: max, sum of exponentials and target logit all-reduced."""
+    node = ctx.node
+    if node.target is not aten.cross_entropy_loss.default or ctx.mode != "1d":
+        return replicate(ctx)
+    logits, target = node.args[0], node.args[1]
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    if _shard_dim(ctx, logits) != 1 or len(ctx.shape(logits)) != 2 or weight is not None \
+            or smoothing:
+        return replicate(ctx)
+    rows = ctx.shape(logits)[0] * _itemsize(logits.meta["autopar"].dtype)
+    comm = [CommOp("all_reduce", ctx.axis, "forward", rows, node.name) for _ in range(3)]
+    needs = {logits: Need(ctx.layout(logits)), target: Need(_rep(target))}
+    return Strategy("vocab_parallel", needs, Layout.replicated(len(ctx.info.shape)), comm=comm,
+                    rewrite="vocab_parallel_cross_entropy")
+
+
+# ------------------------------------------------------------------- dropout, reduction
+
+def dropout(ctx: RuleContext) -> Strategy:
+    """Same random stream where the tensor is whole on the axis, a rank's own where split."""
+    x = ctx.node.args[0]
+    layout = ctx.layout(x)
+    if layout.partial:
+        return replicate(ctx)
+    return follow(ctx, x, layout, rewrite="stream_dropout")
+
+
+def reduction(ctx: RuleContext) -> Strategy:
+    node = ctx.node
+    x = node.args[0]
+    layout = ctx.layout(x)
+    ndim = len(ctx.shape(x))
+    dims = node.args[1] if len(node.args) > 1 and node.target not in (aten.sum.default,
+                                                                      aten.mean.default) \
+        else list(range(ndim))
+    dims = [dims] if isinstance(dims, int) else list(dims or range(ndim))
+    dims = sorted(d % ndim for d in dims)
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim"))
+    if layout.partial:
+        return replicate(ctx)
+    shard = layout.shard_on(ctx.axis)
+    if shard is None:
+        return follow(ctx, x, Layout.replicated(len(ctx.info.shape)))
+    if shard.dim in dims:
+        if node.target in (aten.sum.dim_IntList, aten.sum.default):
+            return Strategy("partial_sum", {x: Need(layout)},
+                            Layout.replicated(len(ctx.info.shape)).with_partial(ctx.axis))
+        return replicate(ctx)
+    new_dim = shard.dim if keepdim else shard.dim - sum(1 for d in dims if d < shard.dim)
+    out = Layout.replicated(len(ctx.info.shape)).with_shard(new_dim, ctx.axis, shard.groups)
+    return follow(ctx, x, out)
+
+
+# -------------------------------------------------------------------------- elementwise
+
+def elementwise(ctx: RuleContext) -> Strategy:
+    """Broadcasting ops: inputs follow the first split input, partial sums only add up."""
+    node = ctx.node
+    inputs = tensor_inputs(node)
+    out_nd = len(ctx.info.shape)
+    layouts = [ctx.layout(n) for n in inputs]
+    linear_in_partials = node.target in (aten.add.Tensor, aten.sub.Tensor)
+    if inputs and all(lay.partial for lay in layouts) and linear_in_partials \
+            and len(set(layouts)) == 1:
+        return Strategy("partial", {n: Need(lay) for n, lay in zip(inputs, layouts)}, layouts[0])
+    if len(inputs) == 1 and layouts[0].partial and node.target in (
+            aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.clone.default,
+            aten.to.dtype, aten._to_copy.default, aten.alias.default):
+        return follow(ctx, inputs[0], layouts[0])
+    target_shard = None
+    for n, lay in zip(inputs, layouts):
+        shard = lay.shard_on(ctx.axis)
+        if shard is not None and not lay.partial:
+            target_shard = Shard(shard.dim + out_nd - len(ctx.shape(n)), ctx.axis, shard.groups)
+            break
+    out = Layout.replicated(out_nd)
+    if target_shard is None:
+        return Strategy("follow", {n: Need(_rep(n)) for n in inputs}, out)
+    needs = {}
+    for n in inputs:
+        shape = ctx.shape(n)
+        d = target_shard.dim - (out_nd - len(shape))
+        if d >= 0 and shape[d] != 1:
+            needs[n] = Need(_rep(n).with_shard(d, ctx.axis, target_shard.groups))
+        else:
+            needs[n] = Need(_rep(n))
+    return Strategy("follow", needs, out.with_shard(target_shard.dim, ctx.axis,
+                                                    target_shard.groups))
+
+
+# -------------------------------------------------------------------------------- views
+
+_IDENTITY_VIEWS = {aten.contiguous.default, aten.clone.default, aten.alias.default,
+                   aten.detach.default, aten.lift_fresh_copy.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.flatten.using_ints, aten.unflatten.int}
+
+
+def view(ctx: RuleContext) -> Strategy:
+    """Shape-only ops carry the split dimension along, or gather when they cannot."""
+    node = ctx.node
+    target = node.target
+    if target is operator.getitem:
+        source = ctx.layout(node.args[0])
+        if isinstance(source, list):
+            return Strategy("follow", {}, source[node.args[1]])
+        return replicate(ctx)
+    x = node.args[0]
+    layout = ctx.layout(x)
+    if layout is None or layout.partial:
+        return replicate(ctx)
+    shard = layout.shard_on(ctx.axis)
+    in_shape = ctx.shape(x)
+    if shard is None:
+        return follow(ctx, x, _out_layouts(ctx, lambda s: Layout.replicated(len(s))))
+    if target in _IDENTITY_VIEWS:
+        return follow(ctx, x, layout)
+    out_shape = ctx.info.shape
+    if target in _RESHAPES:
+        new, groups_needed = reshape_shard(in_shape, out_shape, shard, ctx.size)
+        if new is not None:
+            return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
+                new.dim, ctx.axis, new.groups), rewrite="local_sizes")
+        if groups_needed and ctx.ask_producer(x, ("groups", groups_needed)):
+            return replicate(ctx)
+        ctx.ask_producer(x, ("replicate",))
+        return replicate(ctx)
+    if target in (aten.transpose.int, aten.permute.default, aten.t.default):
+        nd = len(in_shape)
+        if target is aten.permute.default:
+            order = [d % nd for d in node.args[1]]
+        else:
+            d0, d1 = (node.args[1] % nd, node.args[2] % nd) if target is aten.transpose.int \
+                else (0, 1)
+            order = list(range(nd))
+            order[d0], order[d1] = order[d1], order[d0]
+        return follow(ctx, x, Layout.replicated(nd).with_shard(order.index(shard.dim), ctx.axis,
+                                                                shard.groups))
+    if target is aten.unsqueeze.default:
+        d = node.args[1] % (len(in_shape) + 1)
+        new_dim = shard.dim + (1 if d <= shard.dim else 0)
+        return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(new_dim, ctx.axis,
+                                                                            shard.groups))
+    if target in (aten.squeeze.dim, aten.squeeze.dims):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = {d % len(in_shape) for d in dims if in_shape[d % len(in_shape)] == 1}
+        new_dim = shard.dim - sum(1 for d in dims if d < shard.dim)
+        return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(new_dim, ctx.axis,
+                                                                            shard.groups))
+    if target is aten.expand.default:
+        new_dim = shard.dim + len(out_shape) - len(in_shape)
+        return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
+            new_dim, ctx.axis, shard.groups), rewrite="local_sizes")
+    if target is aten.slice.Tensor:
+        dim = node.args[1] % len(in_shape) if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        whole = start in (0, None) and step == 1 and (
+            end is None or (isinstance(end, int) and sympy.sympify(in_shape[dim]).is_number
+                            and end >= int(in_shape[dim])) or end >= 2 ** 62)
+        if dim != shard.dim or whole:
+            return follow(ctx, x, layout)
+        return replicate(ctx)
+    if target is aten.select.int:
+        dim = node.args[1] % len(in_shape)
+        if dim == shard.dim:
+            return replicate(ctx)
+        new_dim = shard.dim - (1 if dim < shard.dim else 0)
+        return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(new_dim, ctx.axis,
+                                                                            shard.groups))
+    if target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        return _split(ctx, x, layout, shard)
+    return replicate(ctx)
+
+
+def _split(ctx: RuleContext, x: fx.Node, layout: Layout, shard: Shard) -> Strategy:
+    node = ctx.node
+    nd = len(ctx.shape(x))
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    pieces = [tuple(v.shape) for v in node.meta["val"]]
+    if dim != shard.dim:
+        return follow(ctx, x, [layout for _ in pieces])
+    equal = len({p[dim] for p in pieces}) == 1
+    if equal and shard.groups == len(pieces):
+        outs = [Layout.replicated(nd).with_shard(dim, ctx.axis) for _ in pieces]
+        return follow(ctx, x, outs, rewrite="local_sizes")
+    if equal and shard.groups == 1 and ctx.ask_producer(x, ("groups", len(pieces))):
+        return replicate(ctx)
+    return replicate(ctx)
+
+
+def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
+    """Where a split dimension lands after a reshape.
+
+    Returns (Shard, None) when it lands on an output dimension, or (None, g) when it would
+    land there if the input were split in `g` blocks, or (None, None) when it cannot.
+    The split dimension (size n, in `groups` blocks, each block split in `parts`) sits in a
+    run of input dims that maps to a run of output dims with the same product. Counting the
+    blocks of that run, G = (product of the run before the split dim) x groups, the split
+    lands on output dim t of the run if the product A of the output run before t divides G
+    and (G / A) x parts divides the size of t.
+    """
+    run = _matching_runs(in_shape, out_shape)
+    for ins, outs in run:
+        if shard.dim not in ins:
+            continue
+        prefix_in = sympy.Mul(*[in_shape[d] for d in ins if d < shard.dim])
+        if not prefix_in.is_number:
+            return None, None
+        blocks = int(prefix_in) * shard.groups
+        prefix_out = 1
+        for t in outs:
+            size = out_shape[t]
+            if not sympy.sympify(size).is_number:
+                return None, None
+            size = int(size)
+            if blocks % prefix_out == 0 and size % ((blocks // prefix_out) * parts) == 0:
+                return Shard(t, shard.axis, blocks // prefix_out), None
+            prefix_out *= size
+        # not representable: the smallest block count that would be, off the innermost dim
+        prefix_out = 1
+        for t in outs[:-1]:
+            size = int(out_shape[t])
+            if prefix_out % blocks == 0 and prefix_out % int(prefix_in) == 0 \
+                    and size % parts == 0 and prefix_out > blocks:
+                return None, prefix_out // int(prefix_in)
+            prefix_out *= size
+        return None, None
+    return None, None
+
+
+def _matching_runs(in_shape, out_shape):
+    """Pair runs of input dims with runs of output dims of equal product (size-1 dims dropped)."""
+    runs, i, j = [], 0, 0
+    n, m = len(in_shape), len(out_shape)
+    while i < n or j < m:
+        ins, outs = [], []
+        p_in, p_out = sympy.Integer(1), sympy.Integer(1)
+        if i < n:
+            ins.append(i)
+            p_in = p_in * in_shape[i]
+            i += 1
+        if j < m:
+            outs.append(j)
+            p_out = p_out * out_shape[j]
+            j += 1
+        while sympy.simplify(p_in - p_out) != 0:
+            if (i < n and _smaller(p_in, p_out)) or j >= m:
+                if i >= n:
+                    break
+                ins.append(i)
+                p_in = p_in * in_shape[i]
+                i += 1
+            else:
+                outs.append(j)
+                p_out = p_out * out_shape[j]
+                j += 1
+        runs.append((ins, outs))
+    return runs
+
+
+def _smaller(a, b) -> bool:
+    ratio = sympy.simplify(b / a)
+    if ratio.is_number:
+        return bool(ratio > 1)
+    return bool(sympy.degree(sympy.numer(sympy.together(ratio))) > 0) if ratio.free_symbols \
+        else False
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+RULES: dict[OpKind, Callable[[RuleContext], Strategy]] = {
+    OpKind.LINEAR: linear,
+    OpKind.EMBEDDING: embedding,
+    OpKind.NORM: norm,
+    OpKind.ATTENTION: attention,
+    OpKind.MATMUL: matmul,
+    OpKind.SOFTMAX: softmax,
+    OpKind.LOSS: loss,
+    OpKind.DROPOUT: dropout,
+    OpKind.REDUCTION: reduction,
+    OpKind.ELEMENTWISE: elementwise,
+    OpKind.VIEW: view,
+}
+
+
+def decide(ctx: RuleContext) -> Strategy:
+    """The strategy of one op: its catalog rule, or replicated with the reason."""
+    kind = ctx.info.kind
+    if ctx.mode == "replicate" or ctx.size == 1:
+        return replicate(ctx)
+    rule = RULES.get(kind)
+    if rule is None:
+        return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; ran replicated")
+    return rule(ctx)

@@ -1,0 +1,97 @@
+"""Layouts: how one tensor lies on the named axes of a device mesh.
+
+A layout is a small immutable value. Each tensor dimension is either replicated (R) or
+split over one mesh axis (S(tp)); a tensor can also be a partial sum over an axis (P(tp)),
+waiting for a reduction. A split dimension may carry `groups`: the dimension is read as
+`groups` equal blocks and each block is split separately, which is how a fused QKV
+projection keeps q, k and v of the same heads on one rank (`S(tp)x3`).
+
+    >>> Layout.replicated(3).with_shard(2, "tp")
+    R R S(tp)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import sympy
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    """Dimension `dim` split over mesh axis `axis`, blockwise in `groups` blocks."""
+
+    dim: int
+    axis: str
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    ndim: int
+    shards: tuple[Shard, ...] = ()
+    partial: tuple[str, ...] = ()
+
+    @staticmethod
+    def replicated(ndim: int) -> Layout:
+        return Layout(ndim)
+
+    def __repr__(self) -> str:
+        dims = []
+        for d in range(self.ndim):
+            shard = self.shard_of_dim(d)
+            if shard is None:
+                dims.append("R")
+            else:
+                dims.append(f"S({shard.axis})" + (f"x{shard.groups}" if shard.groups > 1 else ""))
+        text = " ".join(dims) if dims else "scalar"
+        return text + "".join(f" P({a})" for a in self.partial)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.shards and not self.partial
+
+    def shard_of_dim(self, dim: int) -> Shard | None:
+        for shard in self.shards:
+            if shard.dim == dim:
+                return shard
+        return None
+
+    def shard_on(self, axis: str) -> Shard | None:
+        for shard in self.shards:
+            if shard.axis == axis:
+                return shard
+        return None
+
+    def with_shard(self, dim: int, axis: str, groups: int = 1) -> Layout:
+        dim = dim % self.ndim if self.ndim else dim
+        kept = tuple(s for s in self.shards if s.axis != axis and s.dim != dim)
+        return replace(self, shards=tuple(sorted(kept + (Shard(dim, axis, groups),))))
+
+    def without(self, axis: str) -> Layout:
+        return replace(self, shards=tuple(s for s in self.shards if s.axis != axis),
+                       partial=tuple(a for a in self.partial if a != axis))
+
+    def with_partial(self, axis: str) -> Layout:
+        return replace(self, partial=tuple(sorted(set(self.partial) | {axis})))
+
+    def with_ndim(self, ndim: int, shards: tuple[Shard, ...]) -> Layout:
+        return Layout(ndim, tuple(sorted(shards)), self.partial)
+
+    def local_shape(self, shape, sizes: dict[str, int]) -> tuple:
+        """The shape each rank holds, given the global shape and the mesh axis sizes."""
+        out = list(shape)
+        for shard in self.shards:
+            out[shard.dim] = out[shard.dim] // sizes[shard.axis]
+        return tuple(out)
+
+    def to_json(self) -> str:
+        return repr(self)
+
+
+def divisible(size, parts: int) -> bool:
+    """True when a (possibly symbolic) size splits into `parts` equal integer pieces."""
+    size = sympy.sympify(size)
+    if not size.is_number:
+        return False
+    return int(size) % parts == 0

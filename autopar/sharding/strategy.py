@@ -1,0 +1,52 @@
+"""The values the catalog produces: what an op needs of its inputs, and the collectives it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch.fx as fx
+
+from autopar.sharding.layout import Layout
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective of one training step: its kind, mesh axis, phase and payload bytes.
+
+    Payload bytes are those of the whole (unsplit) tensor on the axis: the all-reduced
+    tensor, the all-gathered output, the reduce-scattered input. They are sympy
+    expressions in the batch symbol, so one plan prices every micro-batch size.
+    """
+
+    op: str
+    axis: str
+    phase: str  # "forward" or "backward"
+    bytes: sympy.Expr
+    where: str  # the graph node that runs it
+
+
+@dataclass(frozen=True)
+class Need:
+    """The layout an op needs of one input.
+
+    `sum_grads`: the op uses the whole input on every rank to compute a split result, so the
+    gradient each rank computes for that input is a partial sum that must be all-reduced.
+    """
+
+    layout: Layout
+    sum_grads: bool = False
+
+
+@dataclass
+class Strategy:
+    """How one op runs on the mesh, as chosen by its catalog rule."""
+
+    name: str  # "column", "row", "vocab_parallel", "follow", "replicate", ...
+    needs: dict[fx.Node, Need]
+    out: Layout | list | None
+    comm: list[CommOp] = field(default_factory=list)  # collectives run inside the op
+    rewrite: str | None = None  # the sharded form the rewrite pass gives the op
+    note: str = ""  # why, for explain (e.g. an op with no catalog entry)

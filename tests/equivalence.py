@@ -1,0 +1,108 @@
+"""Shared check for the multi-process tests: a parallel run against the single-device run.
+
+`compare` runs on every rank of a pool: it builds the model from a seed, trains it with
+autopar under a plan and, in the same process, trains an identical copy on one device;
+it returns the largest relative differences and the predicted and measured bytes.
+
+AdamW runs with eps=1e-5: some parameters have a gradient that is exactly zero in exact
+arithmetic (the key slice of a fused QKV bias: softmax ignores a constant added to every
+score), so both runs feed Adam rounding noise, which the default eps=1e-8 would turn into
+full-size steps in random directions. A larger eps leaves real gradients' steps as they
+are and keeps the comparison about the parallelisation, not about that noise.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.nn.functional as F
+
+MODELS = ("gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny", "hf-gpt2", "hf-bert")
+
+
+def _lm_loss(out, target):
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def _cls_loss(out, target):
+    return F.cross_entropy(out, target)
+
+
+def build(name: str, batch: int, seed: int = 0):
+    """(model, inputs, targets, loss_fn) on the CPU, identical for a given seed."""
+    torch.manual_seed(seed)
+    if name == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+        x = torch.randint(0, 64, (batch, 8))
+        return model, (x,), torch.randint(0, 64, (batch, 8)), _lm_loss
+    if name == "hf-bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=16,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = BertForMaskedLM(cfg)
+        x = torch.randint(0, 64, (batch, 8))
+        return model, (x,), torch.randint(0, 64, (batch, 8)), _lm_loss
+    from autopar.models import build as zoo_build
+
+    model, (x,) = zoo_build(name, batch=batch, device="cpu", seed=seed)
+    x = x if x.dtype.is_floating_point else torch.randint(0, int(x.max()) + 2, x.shape)
+    if x.dtype.is_floating_point:
+        x = torch.randn(x.shape)
+    with torch.no_grad():
+        out = model(x)
+    if out.dim() == 2:
+        return model, (x,), torch.randint(0, out.shape[-1], (batch,)), _cls_loss
+    return model, (x,), torch.randint(0, out.shape[-1], x.shape), _lm_loss
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def compare(name: str, plan, steps: int = 5, batch: int = 8) -> dict:
+    import torch.distributed as dist
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(name, batch)
+    reference = copy.deepcopy(model)
+    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    engine = autopar.parallelize(model, world, example_inputs=tuple(t[:2] for t in inputs),
+                                 loss_fn=loss_fn, optimizer=opt, plan=plan)
+    ref_opt = opt(reference.parameters())
+    loss_errors, measured, predicted = [], {}, {}
+    for step in range(steps):
+        engine.comm_log.clear()
+        loss = engine.train_step(inputs, target)
+        if step == 0:
+            measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+            predicted = engine.predicted_comm(batch)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(reference(*inputs), target)
+        ref_loss.backward()
+        ref_opt.step()
+        loss_errors.append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
+    full = engine.full_state_dict()
+    ref_state = reference.state_dict()
+    floats = [k for k in ref_state if ref_state[k].dtype.is_floating_point]
+    # Tensors whose exact value stays 0 (a key bias: softmax ignores it, so its true gradient
+    # is 0) hold only rounding noise; relative error means nothing there, absolute does.
+    noise = [k for k in floats if ref_state[k].norm() < 1e-6]
+    weight_errors = {k: relative(full[k], ref_state[k]) for k in floats if k not in noise}
+    noise_error = max([float((full[k] - ref_state[k]).abs().max()) for k in noise] or [0.0])
+    held = engine.parameter_bytes()
+    return {"loss": max(loss_errors), "weights": max(weight_errors.values()),
+            "noise_abs": noise_error,
+            "keys_equal": list(full) == list(ref_state), "measured": measured,
+            "predicted": predicted, "held": held,
+            "replicated": engine.replicated_parameters()}

@@ -1,0 +1,248 @@
+"""Tests of the multi-process gloo test harness (tests/distributed.py).
+
+The functions sent to the workers live at module level: the workers import
+this module again (so nothing here may start a pool at import time).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import (
+    DistPool,
+    DistPoolBrokenError,
+    DistPoolTimeoutError,
+    DistWorkerDiedError,
+    DistWorkerError,
+    dist_pool_fixture,
+)
+
+pool2 = dist_pool_fixture(2, timeout_s=60)
+pool4 = dist_pool_fixture(4, timeout_s=60)
+
+# Per-worker state that must survive from one run() to the next.
+_STATE: dict = {}
+
+
+# --------------------------------------------------------------------------
+# Functions run on the workers
+# --------------------------------------------------------------------------
+
+
+def _all_reduce_sum(offset, *, scale=1.0):
+    rank = dist.get_rank()
+    t = torch.tensor([rank + offset, scale * rank * rank], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def _describe_rank():
+    rank = dist.get_rank()
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "pid": os.getpid(),
+        "env": {k: os.environ.get(k) for k in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT")},
+        "num_threads": torch.get_num_threads(),
+        "tensors": {"full": torch.full((3,), float(rank)),
+                    "arange": torch.arange(rank + 1)},
+    }
+
+
+def _remember(key, value):
+    _STATE[key] = value * (dist.get_rank() + 1)
+    _STATE["calls"] = _STATE.get("calls", 0) + 1
+    return sorted(_STATE)
+
+
+def _recall(key):
+    _STATE["calls"] = _STATE.get("calls", 0) + 1
+    return _STATE[key], _STATE["calls"], os.getpid()
+
+
+def _device_mesh_sums():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.get_group("tp"))
+    return list(mesh.get_coordinate()), t.item()
+
+
+def _fail_on_rank1(message):
+    if dist.get_rank() == 1:
+        raise ValueError(message)
+    # The other ranks block here, waiting for rank 1 forever.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _rank0_waits_for_nothing():
+    if dist.get_rank() == 0:
+        t = torch.zeros(1)
+        dist.recv(t, src=1)  # rank 1 never sends
+    return dist.get_rank()
+
+
+def _rank1_exits(code):
+    if dist.get_rank() == 1:
+        os._exit(code)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits on the dying peer
+    return t.item()
+
+
+def _rank():
+    return dist.get_rank()
+
+
+# --------------------------------------------------------------------------
+# Shared (module-scoped) pools
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_name, world", [("pool2", 2), ("pool4", 4)])
+def test_all_reduce_sum_on_every_rank(request, pool_name, world):
+    pool = request.getfixturevalue(pool_name)
+    results = pool.run(_all_reduce_sum, 10.0, scale=0.5)
+    expected = [float(sum(r + 10.0 for r in range(world))),
+                0.5 * sum(r * r for r in range(world))]
+    assert results == [expected] * world
+
+
+@pytest.mark.parametrize("pool_name, world", [("pool2", 2), ("pool4", 4)])
+def test_results_ordered_by_rank(request, pool_name, world):
+    pool = request.getfixturevalue(pool_name)
+    results = pool.run(_describe_rank)
+    assert isinstance(results, list) and len(results) == world
+    assert [r["rank"] for r in results] == list(range(world))
+    assert [r["pid"] for r in results] == pool.pids
+    for rank, r in enumerate(results):
+        assert r["world_size"] == world
+        assert r["backend"] == "gloo"
+        assert r["num_threads"] == 1
+        assert r["env"] == {
+            "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(pool.port)}
+        assert torch.equal(r["tensors"]["full"], torch.full((3,), float(rank)))
+        assert torch.equal(r["tensors"]["arange"], torch.arange(rank + 1))
+
+
+def test_same_pool_serves_several_calls_and_keeps_state(pool4):
+    pids = pool4.pids
+    assert pool4.run(_remember, "x", 7) == [["calls", "x"]] * 4
+    first = pool4.run(_recall, "x")
+    second = pool4.run(_recall, "x")
+    assert [v for v, _, _ in first] == [7, 14, 21, 28]
+    assert [pid for _, _, pid in second] == pids
+    # Each call bumped the per-worker counter exactly once.
+    assert [c2 - c1 for (_, c1, _), (_, c2, _) in zip(first, second)] == [1] * 4
+    assert pool4.run(_all_reduce_sum, 0.0) == [[6.0, 14.0]] * 4
+    assert pool4.pids == pids and pool4.broken is None
+
+
+def test_device_mesh_uses_the_pool_world(pool4):
+    results = pool4.run(_device_mesh_sums)
+    coords = [c for c, _ in results]
+    assert coords == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    # tp groups are {0, 1} and {2, 3}
+    assert [s for _, s in results] == [1.0, 1.0, 5.0, 5.0]
+
+
+def test_unpicklable_fn_fails_in_parent_and_pool_survives(pool2):
+    with pytest.raises(TypeError, match="module-level function"):
+        pool2.run(lambda: 1)
+    assert pool2.broken is None
+    assert pool2.run(_rank) == [0, 1]
+
+
+# --------------------------------------------------------------------------
+# Failures: each test gets a pool of its own, since failures break the pool
+# --------------------------------------------------------------------------
+
+
+def _assert_workers_gone(pool):
+    assert pool.processes
+    for p in pool.processes:
+        assert not p.is_alive()
+        assert p.exitcode is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
+
+
+def test_exception_on_rank1_is_reraised_and_pool_breaks():
+    with DistPool(4, timeout_s=60) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(DistWorkerError) as info:
+            pool.run(_fail_on_rank1, "boom from rank 1")
+        assert time.monotonic() - t0 < 10
+        err = info.value
+        text = str(err)
+        assert err.rank == 1
+        assert err.exc_type == "builtins.ValueError"
+        assert "ValueError on rank 1 of world_size=4" in text
+        assert "Traceback on rank 1" in text
+        assert "Traceback (most recent call last)" in text
+        assert "in _fail_on_rank1" in text
+        assert "raise ValueError(message)" in text
+        assert "ValueError: boom from rank 1" in text
+        assert "[0, 2, 3] did not answer" in text
+        assert isinstance(err.__cause__, ValueError)
+        assert str(err.__cause__) == "boom from rank 1"
+        _assert_workers_gone(pool)
+
+        t0 = time.monotonic()
+        with pytest.raises(DistPoolBrokenError, match="broken because of an earlier failure") as later:
+            pool.run(_rank)
+        assert time.monotonic() - t0 < 1.0
+        assert "ValueError on rank 1" in str(later.value)
+
+
+def test_hang_on_rank0_times_out_and_workers_are_gone():
+    with DistPool(2, timeout_s=5) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            pool.run(_rank0_waits_for_nothing)
+        elapsed = time.monotonic() - t0
+        assert 4.9 <= elapsed < 12
+        assert isinstance(info.value, DistPoolTimeoutError)
+        assert info.value.ranks == [0]
+        assert "ranks [0] of world_size=2 did not answer within 5 s" in str(info.value)
+        _assert_workers_gone(pool)
+        with pytest.raises(DistPoolBrokenError, match="TimeoutError"):
+            pool.run(_rank)
+
+
+def test_worker_exit_is_reported_with_exit_code():
+    with DistPool(2, timeout_s=60) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(DistWorkerDiedError) as info:
+            pool.run(_rank1_exits, 3)
+        assert time.monotonic() - t0 < 10
+        err = info.value
+        assert err.rank == 1
+        assert err.exitcode == 3
+        assert "rank 1" in str(err) and "exit code 3" in str(err)
+        _assert_workers_gone(pool)
+        with pytest.raises(DistPoolBrokenError, match="exit code 3"):
+            pool.run(_rank)
+
+
+def test_close_is_idempotent_and_stops_workers():
+    pool = DistPool(2, timeout_s=60)
+    assert pool.run(_rank) == [0, 1]
+    pool.close()
+    _assert_workers_gone(pool)
+    assert [p.exitcode for p in pool.processes] == [0, 0]  # clean exit
+    pool.close()
+    with pytest.raises(DistPoolBrokenError, match="closed"):
+        pool.run(_rank)

@@ -1,0 +1,47 @@
+"""World 4 (gloo): data, tensor and tensor x data plans against the single-device run.
+
+Also checks memory: under tensor size 4 each rank holds a quarter of every sharded
+parameter, and the engine lists what stays replicated.
+"""
+
+import pytest
+from distributed import dist_pool_fixture
+from equivalence import MODELS, compare
+
+pool4 = dist_pool_fixture(4)
+
+PLANS = {"data": None,
+         "tensor": {"tensor": {"size": 4, "mode": "1d"}},
+         "tensor x data": {"tensor": {"size": 2, "mode": "1d"}}}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("model", MODELS)
+def test_equals_single_device(pool4, model, plan):
+    results = pool4.run(compare, model, PLANS[plan])
+    for r in results:
+        assert r["loss"] <= 1e-5, r["loss"]
+        assert r["weights"] <= 1e-5, r["weights"]
+        assert r["noise_abs"] <= 1e-8, r["noise_abs"]
+        assert r["keys_equal"]
+        assert r["measured"] == r["predicted"]
+    axes = {axis for (_, axis) in results[0]["measured"]}
+    expected = {"data": {"dp"}, "tensor": {"tp"}, "tensor x data": {"tp", "dp"}}[plan]
+    assert axes == expected
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+def test_tensor4_holds_a_quarter_of_each_sharded_layer(pool4, model):
+    r = pool4.run(compare, model, PLANS["tensor"], 1)[0]
+    sharded = {k: v for k, v in r["held"].items() if k not in r["replicated"]}
+    assert sharded
+    for name, (held, whole) in sharded.items():
+        assert held * 4 == whole, name
+    for name in r["replicated"]:
+        held, whole = r["held"][name]
+        assert held == whole
+        assert name.endswith(("bias", "weight"))
+    # what stays whole is small: norms, biases of row-split layers, position tables
+    total_held = sum(h for h, _ in r["held"].values())
+    total_whole = sum(w for _, w in r["held"].values())
+    assert total_held < 0.5 * total_whole
