@@ -29,6 +29,16 @@ TINY = ["gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny"]
 SEQUENCE_FAMILIES = (GPTConfig, LlamaConfig, BertConfig)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """Run this module on one thread: the tiny models gain nothing from more, and on a
+    busy machine spinning worker threads made the module several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.cache
 def meta_build(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """One meta build per zoo name for the whole module: the big ones take a while to build."""

@@ -41,6 +41,7 @@ class Engine(nn.Module):
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.forward_graph = trace(model, _blank(example_inputs, self._device), train=False)
         self.forward_solution = self._solve(self.forward_graph, fixed=None)
+        check_divisible(self.forward_graph, self.forward_solution)
         self._local: dict[int, torch.Tensor] = {}  # id(full tensor) -> this rank's slice
         self._names: dict[int, tuple] = {}
         self._layouts: dict[int, Layout] = {}
@@ -195,10 +196,9 @@ class Engine(nn.Module):
         return out
 
     def replicated_parameters(self) -> list[str]:
-        """Names of the parameters every tensor-parallel rank holds whole."""
+        """Names of the parameters and buffers every tensor-parallel rank holds whole."""
         return sorted(self._names[k][0] for k, lay in self._layouts.items()
-                      if isinstance(self._local[k], nn.Parameter)
-                      and (lay is None or not lay.shards))
+                      if lay is None or not lay.shards)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole weights on every rank, keyed and ordered as the original model's state_dict."""
@@ -214,6 +214,30 @@ class Engine(nn.Module):
                 whole[name] = value.clone()
         whole.update(self._untraced_state)
         return {k: whole[k] for k in self._state_keys if k in whole}
+
+
+def check_divisible(traced, solution: Solution) -> None:
+    """Attention heads and block widths must split evenly over the tensor axis."""
+    from autopar.graph.analysis import OpKind
+
+    size = solution.size
+    if size == 1:
+        return
+    for node, strategy in solution.strategies.items():
+        info = node.meta["autopar"]
+        if solution.modes.get(info.layer) != "1d" or strategy.name != "replicate":
+            continue
+        if info.kind is OpKind.ATTENTION:
+            heads = int(info.shape[1])
+            if heads % size:
+                ok = [d for d in range(1, heads + 1) if heads % d == 0]
+                raise PlanError(f"attention in {info.module or info.layer} has {heads} heads, "
+                                f"which do not split over tensor size {size}; use a tensor size "
+                                f"that divides {heads} ({', '.join(map(str, ok))}).")
+        if info.kind is OpKind.LINEAR and any(c.isdigit() for c in info.layer):
+            width = int(info.shape[-1])
+            raise PlanError(f"{info.module} has {width} output features, which do not split "
+                            f"over tensor size {size}; use a tensor size that divides {width}.")
 
 
 def _key(pinfo) -> int:
