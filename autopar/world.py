@@ -2,44 +2,15 @@
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import asdict, dataclass
 
+from autopar.cost.hardware import GiB, Hardware, load_hardware  # noqa: F401
 from autopar.errors import WorldError
 
 
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Facts of one accelerator, from its data sheet."""
-
-    name: str
-    memory_bytes: int
-    peak_flops: dict  # dtype name -> FLOP/s (dense)
-
-
-GiB = 1024 ** 3
-
-# Peak dense FLOP/s and memory from the vendors' data sheets (NVIDIA A100, H100 SXM, H200).
-PROFILES = {
-    "a100-40gb": DeviceProfile("a100-40gb", 40 * GiB, {"fp32": 19.5e12, "tf32": 156e12,
-                                                       "bf16": 312e12, "fp16": 312e12}),
-    "a100-80gb": DeviceProfile("a100-80gb", 80 * GiB, {"fp32": 19.5e12, "tf32": 156e12,
-                                                       "bf16": 312e12, "fp16": 312e12}),
-    "h100-80gb": DeviceProfile("h100-80gb", 80 * GiB, {"fp32": 67e12, "tf32": 494.5e12,
-                                                       "bf16": 989.5e12, "fp16": 989.5e12}),
-    "h200": DeviceProfile("h200", 141 * GiB, {"fp32": 67e12, "tf32": 494.5e12,
-                                              "bf16": 989.5e12, "fp16": 989.5e12}),
-    "cpu": DeviceProfile("cpu", 24 * GiB, {"fp32": 50e9, "bf16": 50e9, "fp16": 50e9}),
-}
-
-
-def profile(name: str) -> DeviceProfile:
-    if name in PROFILES:
-        return PROFILES[name]
-    close = difflib.get_close_matches(name, PROFILES, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    raise WorldError(f"unknown device '{name}'; known devices are {', '.join(sorted(PROFILES))}."
-                     + hint)
+def profile(name: str) -> Hardware:
+    """The hardware profile named `name` (or a profile JSON file's path)."""
+    return load_hardware(name)
 
 
 @dataclass(frozen=True)
@@ -62,7 +33,7 @@ class World:
         return -(-self.devices // self.per_node)
 
     @property
-    def profile(self) -> DeviceProfile:
+    def profile(self) -> Hardware:
         return profile(self.device)
 
     def to_json(self) -> dict:
