@@ -4,8 +4,9 @@ from autopar.api import parallelize
 from autopar.errors import AutoparError, PlanError, TraceError, WorldError
 from autopar.graph import trace
 from autopar.plan import Plan
+from autopar.planner import plan
 from autopar.world import World
 
 __all__ = ["AutoparError", "Plan", "PlanError", "TraceError", "World", "WorldError",
-           "parallelize", "trace"]
+           "parallelize", "plan", "trace"]
 __version__ = "0.1.0"

@@ -25,7 +25,11 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     """
     size = _world_size(world)
     _init_process_group(size)
-    chosen = _resolve_plan(plan, size, world)
+    _check_process_group(size)
+    if plan is None:
+        chosen = _search_plan(model, size, world, example_inputs, loss_fn)
+    else:
+        chosen = _resolve_plan(plan, size, world)
     missing = chosen.unsupported()
     if missing:
         raise PlanError(f"this plan uses {', '.join(missing)}, which the runtime cannot execute "
@@ -54,9 +58,65 @@ def _init_process_group(size: int) -> None:
         dist.init_process_group(backend)
 
 
+def _check_process_group(size: int) -> None:
+    """Refuse a world that differs from the running job before any planning or collective."""
+    if size == 1 or not dist.is_available() or not dist.is_initialized():
+        return
+    job = dist.get_world_size()
+    if job != size:
+        raise WorldError(f"world={size} needs {size} processes but this job has {job}; launch "
+                         f"with --nproc-per-node {size} or pass world={job}.")
+
+
+def _search_plan(model, size: int, world, example_inputs, loss_fn) -> Plan:
+    """plan=None: search among the modes the runtime executes (and say what was left out)."""
+    from autopar.planner import plan as make_plan
+
+    if not isinstance(world, World):
+        world = World(devices=size, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+                      device=_local_device())
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else \
+        (example_inputs,)
+    target = None
+    if loss_fn is not None:
+        with torch.no_grad():
+            target = _example_target(model(*inputs), loss_fn)
+    chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
+                       example_target=target, executable=True, top=3)
+    chosen.notes.extend(f"left out: {n}" for n in chosen.search.get("left_out", []))
+    return chosen
+
+
+def _example_target(out, loss_fn):
+    """A target the loss accepts, for tracing: class indices over the output's last dim
+    (cross-entropy), else a tensor shaped like the output (regression losses)."""
+    logits = getattr(out, "logits", out)
+    for target in (torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device),
+                   torch.zeros_like(logits)):
+        try:
+            loss_fn(out, target)
+            return target
+        except (RuntimeError, ValueError, IndexError):
+            continue
+    raise PlanError("cannot make an example target for loss_fn (tried class indices and a "
+                    "tensor shaped like the output); pass a plan instead of plan=None.")
+
+
+def _local_device() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-80gb"
+    if "A100" in name:
+        total = torch.cuda.get_device_properties(0).total_memory
+        return "a100-80gb" if total > 50 * 1024 ** 3 else "a100-40gb"
+    return "a100-80gb"
+
+
 def _resolve_plan(plan, size: int, world) -> Plan:
-    if plan is None:
-        return Plan(mesh={"dp": size}, world=world if isinstance(world, World) else None)
     if isinstance(plan, Plan):
         chosen = plan
     elif isinstance(plan, (str, os.PathLike)):

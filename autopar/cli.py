@@ -1,4 +1,9 @@
-"""The `autopar` command line: `autopar explain MODEL ...`."""
+"""The `autopar` command line: explain, search and calibrate.
+
+    autopar explain MODEL --world 1024 --device a100-80gb [--tp 8 --pp 2 ...]
+    autopar search  MODEL --world 1024 -o plan.json
+    autopar calibrate -o profile.json
+"""
 
 from __future__ import annotations
 
@@ -6,86 +11,231 @@ import argparse
 import importlib
 import json
 import sys
+import time
+
+import torch
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
-from autopar.world import World
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _load_model(spec: str, batch: int, seq: int | None):
-    if ":" in spec and "=" not in spec.split(":", 1)[1].split(",")[0] and "." in spec.split(":")[0]:
+class Progress:
+    """A one-line progress bar on stderr, shown only once a search has run for a second."""
+
+    def __init__(self, stream=sys.stderr, after_s: float = 1.0):
+        self.stream, self.after, self.start, self.shown = stream, after_s, time.perf_counter(), False
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.perf_counter() - self.start < self.after or total <= 0:
+            return
+        self.shown = True
+        width = 30
+        filled = int(width * done / total)
+        self.stream.write(f"\rsearching [{'#' * filled}{'.' * (width - filled)}] "
+                          f"{100 * done // total:3d}%")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * 48 + "\r")
+            self.stream.flush()
+
+
+def load_model(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
+    """(model, inputs, loss_fn, target, layers) for a zoo name, a zoo spec or an import path.
+
+    `layers` is (traced, real) for zoo models (two blocks are traced and counted as many),
+    None for imported models (traced whole).
+    """
+    head = spec.split(":", 1)[0]
+    if ":" in spec and "." in head and "=" not in spec:
         module, factory = spec.split(":", 1)
         try:
-            model, inputs = getattr(importlib.import_module(module), factory)()
-        except (ImportError, AttributeError) as e:
+            made = getattr(importlib.import_module(module), factory)()
+            model, inputs = made
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
             raise AutoparError(f"cannot load {spec}: {e}; give package.module:factory where the "
                                "factory returns (model, example_inputs).") from e
-        return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    from autopar.models import build
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return model, inputs, None, None, None
+    from autopar.models import workload
 
     try:
-        return build(spec, batch=batch, seq=seq, device="meta")
+        w = workload(spec, batch=2, seq=seq, dtype=dtype)
     except ValueError as e:
         raise AutoparError(str(e)) from e
+    return w.model, w.inputs, w.loss_fn, w.target, (w.traced_layers, w.layers)
 
 
-def explain(args) -> int:
-    from autopar import explain as report_mod
-    from autopar.graph import trace
-    from autopar.sharding.solve import solve
-
-    world = World(devices=args.world, per_node=args.per_node, device=args.device)
+def constraints_of(args) -> dict:
+    out = {}
+    for name in ("tp", "pp", "dp", "cp", "zero", "microbatches", "schedule"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value
+    if args.tp_mode:
+        out["tp_mode"] = args.tp_mode
+    if args.sp:
+        out["sp"] = args.sp
+    if args.recompute:
+        out["recompute"] = args.recompute
+    if args.offload:
+        out["offload"] = True
     if args.plan:
-        plan = Plan.load(args.plan)
-    else:
-        tp = args.tp or 1
-        if args.world % tp:
-            raise AutoparError(f"tensor size {tp} does not divide the world {args.world}; choose "
-                               "a divisor of the world size.")
-        plan = Plan(mesh={"tp": tp, "dp": args.world // tp}, world=world)
-    if args.dp and args.dp != plan.mesh["dp"]:
-        raise AutoparError(f"--dp {args.dp} does not match world {args.world} / tp "
-                           f"{plan.mesh['tp']} = {plan.mesh['dp']}.")
-    if args.batch % plan.mesh["dp"]:
-        raise AutoparError(f"the global batch {args.batch} does not split over "
-                           f"{plan.mesh['dp']} data-parallel ranks; use a multiple of "
-                           f"{plan.mesh['dp']}.")
-    model, inputs = _load_model(args.model, 2, args.seq)
-    traced = trace(model, inputs, train=True)
-    solution = solve(traced, axis="tp", size=plan.mesh["tp"], default_mode=plan.tp_mode)
-    tokens = int(inputs[0].shape[1]) if inputs[0].dim() > 1 and not \
-        inputs[0].dtype.is_floating_point else 1
-    data = report_mod.report(traced, solution, plan, args.batch, tokens)
+        from autopar.plan import Plan
+
+        fixed = Plan.load(args.plan)
+        out.update({axis: size for axis, size in fixed.mesh.items()})
+        out.update(tp_mode=fixed.tp_mode, zero=fixed.zero.stage, offload=fixed.zero.offload,
+                   recompute=fixed.recompute)
+        if fixed.mesh["tp"] > 1:
+            out["sp"] = "megatron" if fixed.sequence_parallel else "none"
+        if fixed.mesh["cp"] > 1 and fixed.sequence_mode:
+            out["sp"] = fixed.sequence_mode
+        if fixed.mesh["pp"] > 1:
+            out["schedule"] = fixed.pipeline.schedule
+        if fixed.pipeline.micro_batch_size:
+            out["micro_batch_size"] = fixed.pipeline.micro_batch_size
+    return out
+
+
+def _plan(args, world_size: int | None = None):
+    from autopar import report
+    from autopar import planner
+    from autopar.search.search import divisors
+    from autopar.world import World
+
+    world = World(devices=world_size or args.world, per_node=args.per_node, device=args.device)
+    model, inputs, loss_fn, target, layers = load_model(args.model, args.batch, args.seq,
+                                                        _DTYPES[args.dtype])
+    constraints = constraints_of(args)
+    sizes = [constraints["tp"]] if "tp" in constraints else divisors(world.devices)
+    start = time.perf_counter()
+    chain = planner.prepare(model, inputs, loss_fn=loss_fn, example_target=target,
+                            tp_sizes=sizes, layers=layers)
+    progress = Progress()
+    try:
+        result = planner.search(chain, world, global_batch=args.batch, constraints=constraints,
+                                dtype=args.dtype, attention_kernel=args.attention,
+                                top=args.top_alternatives, progress=progress)
+    finally:
+        progress.close()
+    plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
+                           time.perf_counter() - start)
+    return plan, plan.detail
+
+
+def _emit(args, data: dict) -> None:
+    from autopar import report
+
     text = json.dumps(data, indent=2) if args.format == "json" else \
-        report_mod.as_text(data, args.top)
-    if args.output:
+        report.plan_text(data, top=args.top)
+    if args.command == "explain" and args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
     else:
         print(text)
+
+
+def explain(args) -> int:
+    if args.min_devices:
+        return min_devices(args)
+    plan, data = _plan(args)
+    _emit(args, data)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="autopar", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("explain", help="plan a model on a world and print the plan")
-    p.add_argument("model", help="zoo name, zoo spec (gpt:layers=..,hidden=..) or "
-                                 "package.module:factory")
-    p.add_argument("--world", type=int, default=1)
+def search(args) -> int:
+    if args.min_devices:
+        return min_devices(args)
+    plan, data = _plan(args)
+    if args.output:
+        plan.save(args.output)
+    _emit(args, data)
+    if args.output:
+        print(f"plan written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def min_devices(args) -> int:
+    """The fewest devices (at most --world) on which a plan fits, optionally at a floor of
+    --min-throughput tokens (samples for non-sequence models) per second."""
+    sizes = sorted({n for n in (1, 2, 4) if n < args.per_node} |
+                   set(range(args.per_node, args.world + 1, args.per_node)) | {args.world})
+    tried = []
+    for n in sizes:
+        if args.batch % 1:
+            continue
+        try:
+            plan, data = _plan(args, n)
+        except AutoparError as e:
+            tried.append(f"{n}: {e}")
+            continue
+        rate = plan.predicted["tokens_per_s"]
+        if args.min_throughput and rate < args.min_throughput:
+            tried.append(f"{n}: fits, {rate:.0f} tokens/s < {args.min_throughput:.0f}")
+            continue
+        data["min_devices"] = {"devices": n, "tried": tried}
+        if args.output and args.command == "search":
+            plan.save(args.output)
+        _emit(args, data)
+        return 0
+    last = tried[-1] if tried else "nothing tried"
+    raise AutoparError(f"no world of at most {args.world} devices fits this model"
+                       + (f" at {args.min_throughput:.0f} tokens/s" if args.min_throughput else "")
+                       + f" (largest tried: {last}); raise --world or relax the request.")
+
+
+def _add_plan_arguments(p) -> None:
+    p.add_argument("model", help="zoo name (gpt3-175b, llama2-7b, ...), zoo spec "
+                                 "(gpt:layers=..,hidden=..,heads=..) or package.module:factory")
+    p.add_argument("--world", type=int, default=8, help="devices (the most, with --min-devices)")
     p.add_argument("--per-node", type=int, default=8)
-    p.add_argument("--device", default="a100-80gb")
-    p.add_argument("--batch", type=int, default=8, help="global batch")
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--dp", type=int, default=None)
-    p.add_argument("--plan", default=None, help="a plan JSON file")
+    p.add_argument("--device", default="a100-80gb", help="a device profile name or a profile "
+                                                          "JSON written by `autopar calibrate`")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences or samples)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--dp", type=int)
+    p.add_argument("--cp", type=int)
+    p.add_argument("--tp-mode", choices=("1d", "2d", "2.5d", "3d"))
+    p.add_argument("--sp", choices=("none", "megatron", "ulysses", "ring"))
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--offload", action="store_true", help="offload optimizer states to the host")
+    p.add_argument("--recompute", choices=("none", "selective", "full"))
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
+    p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                   help="attention kernel to price: fused (FlashAttention) or scores in memory")
+    p.add_argument("--min-devices", action="store_true",
+                   help="find the fewest devices (up to --world) that fit the model")
+    p.add_argument("--min-throughput", type=float, default=None,
+                   help="with --min-devices: tokens per second the plan must reach")
+    p.add_argument("--plan", default=None, help="explain this plan file (its choices are fixed)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("-o", "--output", default=None)
-    p.add_argument("--top", type=int, default=None, help="show only the first K layers")
+    p.add_argument("--top", type=int, default=None, help="show only the first K layer rows")
+    p.add_argument("--top-alternatives", type=int, default=5,
+                   help="how many runner-up plans to keep, with why each lost")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan_arguments(sub.add_parser("explain", help="plan a model on a world and explain it"))
+    _add_plan_arguments(sub.add_parser("search", help="search the best plan and write it (-o)"))
+    from autopar.cost import calibrate
+
+    calibrate.add_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return explain(args)
+        if args.command == "calibrate":
+            return calibrate.run(args)
+        return {"explain": explain, "search": search}[args.command](args)
     except AutoparError as e:
         print(f"autopar: {e}", file=sys.stderr)
         return 2

@@ -107,7 +107,37 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
                                                  for (op, phase), b in lr.comm.items()},
                        "notes": lr.notes} for lr in layers]
     data["replicated_ops"] = solution.notes()
+    data["replicated_groups"] = replicated_groups(solution)
     return data
+
+
+def replicated_groups(solution: Solution) -> list[dict]:
+    """Ops that ran replicated, one entry per (op, reason): the nodes and the layers they are in.
+
+    A model of many identical layers gets one entry, not one per layer.
+    """
+    groups: dict[tuple[str, str], dict] = {}
+    for node, strategy in solution.strategies.items():
+        if not strategy.note:
+            continue
+        op = str(node.target) if isinstance(node.target, torch._ops.OpOverload) else \
+            getattr(node.target, "__name__", str(node.target))
+        group = groups.setdefault((op, strategy.note), {"op": op, "note": strategy.note,
+                                                        "nodes": [], "layers": []})
+        group["nodes"].append(node.name)
+        layer = node.meta["autopar"].layer
+        if layer not in group["layers"]:
+            group["layers"].append(layer)
+    return list(groups.values())
+
+
+def _replicated_line(group: dict) -> str:
+    nodes, layers = group["nodes"], group["layers"]
+    if len(nodes) == 1:
+        return f"{nodes[0]}: {group['note']}"
+    names = ", ".join(nodes) if len(nodes) == 2 else f"{nodes[0]} ... {nodes[-1]}"
+    where = f"in {layers[0]}" if len(layers) == 1 else f"in {len(layers)} layers"
+    return f"{names} ({len(nodes)} ops {where}): {group['note']}"
 
 
 def as_text(data: dict, top: int | None = None) -> str:
@@ -133,10 +163,10 @@ def as_text(data: dict, top: int | None = None) -> str:
                      + ", ".join(lr["strategies"]))
     if top is not None and len(data["layers"]) > top:
         lines.append(f"  ... {len(data['layers']) - top} more layers")
-    if data["replicated_ops"]:
+    if data["replicated_groups"]:
         lines.append("")
-        lines.append("  ran replicated (no catalog entry):")
-        lines.extend(f"    {n}" for n in data["replicated_ops"])
+        lines.append("  ran replicated:")
+        lines.extend(f"    {_replicated_line(g)}" for g in data["replicated_groups"])
     return "\n".join(lines)
 
 

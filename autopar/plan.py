@@ -61,6 +61,8 @@ class Plan:
     predicted: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the planner's full report (per-kind costs), kept in memory only; see explain()
+    detail: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.mesh = {axis: int(self.mesh.get(axis, 1)) for axis in AXES}
@@ -110,6 +112,17 @@ class Plan:
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):
             out.append("recomputation")
         return out
+
+    def explain(self, top: int | None = None) -> str:
+        """The plan as text a person reads: strategy, predicted time and memory, and why it
+        beat the alternatives (per-kind costs when the planner made it in this process)."""
+        from autopar.report import plan_text
+
+        if self.detail is not None:
+            return plan_text(self.detail, top)
+        data = self.to_json()
+        data["layer_kinds"] = []
+        return plan_text(data, top)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PLANS = {"data 4": None,
+PLANS = {"data 4": {"data": 4},
          "tensor 4": {"tensor": {"size": 4, "mode": "1d"}},
          "tensor 2 x data 2": {"tensor": {"size": 2, "mode": "1d"}}}
 WORLD = 4

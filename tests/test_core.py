@@ -13,7 +13,9 @@ import autopar
 from autopar.graph import OpKind, trace
 from autopar.graph.trace import BATCH
 from autopar.models import build
-from autopar.passes import apply_solution
+from autopar.passes import apply_solution, shard_parameters
+from autopar.passes.tensor_parallel import local_parameters
+from autopar.plan import Plan
 from autopar.runtime.collectives import Redistribute
 from autopar.sharding.catalog import reshape_shard
 from autopar.sharding.layout import Layout, Shard
@@ -179,6 +181,117 @@ def test_solver_finds_the_megatron_pattern(gpt_meta):
     assert len([c for c in block0 if c.phase == "backward"]) == 2 * 2 + 1  # + lm_head input
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_llama_attention_stays_head_sharded_through_rotary(size):
+    model, (x,) = build("llama-tiny", batch=2, device="meta")
+    traced = trace(model, (x,), loss_fn=_lm_loss, example_target=torch.zeros_like(x))
+    solution = solve(traced, size=size)
+    aten = torch.ops.aten
+    cats = [n for n in solution.strategies if n.target is aten.cat.default]
+    assert len(cats) == 2 * 2  # rotary on q and k in each of the two blocks
+    for cat in cats:
+        assert solution.strategies[cat].name == "follow"
+        assert repr(solution.layouts[cat]) == "R S(tp) R R"  # [B, heads, T, head_dim]
+    for attn in (n for n in solution.strategies if n.meta["autopar"].kind is OpKind.ATTENTION):
+        assert solution.strategies[attn].name == "heads"
+        for qkv in attn.args[:3]:
+            assert repr(solution.layouts[qkv]) == "R S(tp) R R"
+    # no op runs replicated, and the only redistribution left is the gradient sum in front
+    # of the column linears: q and k are never gathered and re-split around the rotation
+    assert solution.notes() == []
+    assert {s.kind for t in solution.transitions for s in t.steps} == {"sum_grads"}
+    assert {c.op for c in solution.comm} == {"all_reduce"}
+
+
+class _Joined(nn.Module):
+    """Two column-split projections joined on their split features, then a row-split one."""
+
+    def __init__(self, left: int = 32, right: int = 32):
+        super().__init__()
+        self.a = nn.Linear(16, left)
+        self.b = nn.Linear(16, right)
+        self.out = nn.Linear(left + right, 8)
+
+    def forward(self, x):
+        return self.out(torch.cat((self.a(x), self.b(x)), dim=-1))
+
+
+def test_cat_on_the_split_dim_keeps_one_block_per_input():
+    traced = trace(_Joined().to("meta"), (torch.randn(4, 16, device="meta"),))
+    solution = solve(traced, size=2)
+    cat = next(n for n in solution.strategies if n.target is torch.ops.aten.cat.default)
+    assert solution.strategies[cat].name == "blocks"
+    assert repr(solution.layouts[cat]) == "R S(tp)x2"
+    assert repr(solution.params["model.out.weight"]) == "R S(tp)x2"
+    assert [s.name for n, s in solution.strategies.items()
+            if n.meta["autopar"].kind is OpKind.LINEAR] == ["column", "column", "row"]
+    assert not any(s.kind == "gather" for t in solution.transitions for s in t.steps)
+    # pieces of unequal length cannot be blocks of one split: gathered, and explain says why
+    uneven = trace(_Joined(32, 16).to("meta"), (torch.randn(4, 16, device="meta"),))
+    solution = solve(uneven, size=2)
+    cat = next(n for n in solution.strategies if n.target is torch.ops.aten.cat.default)
+    assert solution.strategies[cat].name == "replicate"
+    assert "unequal sizes along dimension 1" in solution.strategies[cat].note
+    assert [s.kind for t in solution.transitions if cat in t.consumers for s in t.steps] == \
+        ["gather", "gather"]
+
+
+class _CumsumBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cumsum(self.lin(x), dim=1)
+
+
+class _RepeatedUnknown(nn.Module):
+    """Four identical layers, each with an op the catalog has no entry for."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_CumsumBlock() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.flip(0)
+
+
+def test_explain_groups_repeated_replicated_ops():
+    from autopar import explain
+
+    traced = trace(_RepeatedUnknown().to("meta"), (torch.randn(2, 16, device="meta"),))
+    solution = solve(traced, size=2)
+    data = explain.report(traced, solution, Plan(mesh={"tp": 2, "dp": 1}), 2, 1)
+    assert len(data["replicated_ops"]) == 5
+    text = explain.as_text(data)
+    cumsum_lines = [line for line in text.splitlines() if "cumsum" in line]
+    assert cumsum_lines == ["    cumsum ... cumsum_3 (4 ops in 4 layers): no catalog entry for "
+                            "aten.cumsum.default; ran replicated"]
+    assert "    flip: no catalog entry for aten.flip.default; ran replicated" in text
+
+
+def test_shard_parameters_installs_the_tensors_it_is_given():
+    model, (x,) = build("gpt-tiny", batch=2, device="cpu", seed=0)
+    traced = trace(model, (x,))
+    solution = solve(traced, size=2)
+    gm = apply_solution(traced.gm, solution, coords=None)
+    local = local_parameters(gm, solution, {"tp": 1})
+    qkv = next(t for t in local if t.endswith("c_attn.weight"))
+    whole = traced.gm.get_parameter(qkv)
+    assert local[qkv].shape[0] * 2 == whole.shape[0]
+    # rank 1's part of each of the q, k and v blocks
+    torch.testing.assert_close(local[qkv], torch.cat([b[b.shape[0] // 2:]
+                                                      for b in whole.detach().chunk(3)]))
+    shard_parameters(gm, local)
+    for target, tensor in local.items():
+        module, _, attr = target.rpartition(".")
+        assert getattr(gm.get_submodule(module), attr) is tensor
+    assert isinstance(gm.get_parameter(qkv), nn.Parameter)
+    assert traced.gm.get_parameter(qkv) is whole, "the traced graph keeps the whole tensor"
+
+
 def test_pass_emits_exactly_the_solution_collectives(gpt_meta):
     solution = solve(gpt_meta, size=2)
     gm = apply_solution(gpt_meta.gm, solution, coords=None)
@@ -238,10 +351,11 @@ def test_parallelize_world1_matches_eager_and_rejects_bad_input():
 def test_cli_explain_json(capsys):
     from autopar.cli import main
 
-    assert main(["explain", "gpt-tiny", "--world", "4", "--tp", "2", "--format", "json"]) == 0
+    assert main(["explain", "gpt-tiny", "--world", "4", "--tp", "2", "--pp", "1", "--format",
+                 "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["mesh"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
     assert data["predicted"]["comm_bytes_per_device"] > 0
     assert [lr["name"] for lr in data["layers"]][:2] == ["root", "wte"]
     assert main(["explain", "gpt-tiny", "--world", "4", "--tp", "3"]) == 2
-    assert "does not divide" in capsys.readouterr().err
+    assert "cannot tile a world of 4" in capsys.readouterr().err

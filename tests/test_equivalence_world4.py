@@ -10,7 +10,7 @@ from equivalence import MODELS, compare
 
 pool4 = dist_pool_fixture(4)
 
-PLANS = {"data": None,
+PLANS = {"data": {"data": 4},
          "tensor": {"tensor": {"size": 4, "mode": "1d"}},
          "tensor x data": {"tensor": {"size": 2, "mode": "1d"}}}
 
@@ -47,3 +47,11 @@ def test_tensor4_holds_a_quarter_of_each_sharded_layer(pool4, model):
     assert replicated < 0.1 * total_whole
     total_held = sum(h for h, _ in r["held"].values())
     assert total_held < 0.35 * total_whole
+
+
+def test_searched_plan_runs_and_equals_single_device(pool4):
+    """plan=None: the search picks among executable modes; the run still equals one device."""
+    results = pool4.run(compare, "gpt-tiny", None)
+    for r in results:
+        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5
+        assert r["measured"] == r["predicted"]

@@ -10,10 +10,12 @@ from autopar.models.zoo import (
     ZOO_NAMES,
     MegatronRun,
     ModelConfig,
+    Workload,
     build,
     format_spec,
     get_config,
     parse_spec,
+    workload,
 )
 
 __all__ = [
@@ -35,4 +37,6 @@ __all__ = [
     "format_spec",
     "get_config",
     "parse_spec",
+    "Workload",
+    "workload",
 ]

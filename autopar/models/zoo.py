@@ -6,6 +6,7 @@ turns either into a model and example inputs, on the meta device by default so
 that planning for a trillion-parameter model allocates nothing.
 """
 
+import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
@@ -394,3 +395,62 @@ def build(
             model = model_cls(cfg)
         model = model.to(dtype=dtype)
     return model, inputs
+
+
+def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def _class_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+@dataclass
+class Workload:
+    """A zoo model ready to plan: model and inputs on the meta device, its training loss,
+    and how many times its repeated block really occurs.
+
+    ``model`` may be built with fewer blocks than the configuration has (``traced_layers``),
+    since identical blocks are priced once; ``layers`` is the configuration's true count.
+    """
+
+    config: ModelConfig
+    model: nn.Module
+    inputs: tuple
+    loss_fn: object
+    target: torch.Tensor
+    layers: int
+    traced_layers: int
+    tokens_per_sample: int
+
+
+def workload(
+    name_or_spec: str | ModelConfig,
+    *,
+    batch: int = 2,
+    seq: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    max_layers: int | None = 2,
+) -> Workload:
+    """The model as the planner sees it: on the meta device with its training loss.
+
+    Language models (GPT, LLaMA, BERT's masked-LM head) train with cross-entropy over every
+    token, ViT and MLP with cross-entropy over one class per sample. With ``max_layers``
+    only that many blocks are built: they are structurally identical, so pricing two and
+    counting the configuration's number is exact and keeps a 96-layer model's trace short.
+    """
+    cfg = parse_spec(name_or_spec) if isinstance(name_or_spec, str) and ":" in name_or_spec \
+        else get_config(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
+    layers = cfg.n_layer
+    traced_layers = layers if max_layers is None else min(layers, max_layers)
+    small = dataclasses.replace(cfg, n_layer=traced_layers)
+    model, inputs = build(small, batch=batch, seq=seq, device="meta", dtype=dtype)
+    family = _family_of(cfg)
+    x = inputs[0]
+    if family in ("gpt", "llama", "bert"):
+        loss_fn, target = _token_loss, torch.empty(x.shape, dtype=torch.long, device="meta")
+        tokens = int(x.shape[1])
+    else:
+        loss_fn, target = _class_loss, torch.empty((x.shape[0],), dtype=torch.long, device="meta")
+        tokens = 1
+    return Workload(cfg, model, inputs, loss_fn, target, layers, traced_layers, tokens)

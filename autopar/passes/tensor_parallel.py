@@ -4,13 +4,16 @@
                         followed by their all-reduce, vocabulary-parallel embedding and
                         cross-entropy, dropout on the right random stream
     insert_collectives  one explicit Redistribute node per transition of the solution
-    shard_parameters    every parameter replaced by this rank's slice
+    shard_parameters    every parameter replaced by this rank's slice (`local_parameters`
+                        cuts the slices; the engine passes the ones it shares across graphs)
 
 `apply_solution` runs the three in order. The emitted collectives are exactly those the
 solution lists, which is what makes predicted and measured communication equal.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -48,7 +51,7 @@ def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int
     localize_ops(out, solution, mapping)
     insert_collectives(out, solution, mapping)
     if coords is not None:
-        shard_parameters(out, solution, coords)
+        shard_parameters(out, local_parameters(out, solution, coords))
     out.graph.lint()
     out.recompile()
     return out
@@ -188,27 +191,35 @@ def _index(graph: fx.Graph):
     return order.__getitem__
 
 
-def shard_parameters(gm: fx.GraphModule, solution: Solution, coords: dict[str, int]) -> None:
-    """Replace every parameter and buffer the graph reads by this rank's slice of it."""
+def shard_parameters(gm: fx.GraphModule, local: dict[str, torch.Tensor]) -> None:
+    """Swap each parameter and buffer the graph reads for the tensor `local` gives its target.
+
+    `local` maps get_attr targets to this rank's tensors (see `local_parameters`); targets
+    it leaves out keep their tensor.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in local:
+            module, _, attr = node.target.rpartition(".")
+            setattr(gm.get_submodule(module), attr, local[node.target])
+
+
+def local_parameters(gm: fx.GraphModule, solution: Solution, coords: dict[str, int]) -> \
+        dict[str, torch.Tensor]:
+    """This rank's slice of every tensor the graph reads, by target; a tensor read under two
+    targets (tied weights) is sliced once and shared."""
     done: dict[int, torch.Tensor] = {}
+    out = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        owner, attr = _owner(gm, node.target)
-        full = getattr(owner, attr)
+        full = operator.attrgetter(node.target)(gm)
         if not isinstance(full, torch.Tensor):
             continue
-        layout = solution.params.get(node.target)
-        key = id(full)
-        if key not in done:
-            done[key] = local_slice(full, layout, coords, solution.size)
-        local = done[key]
-        if isinstance(full, nn.Parameter):
-            owner._parameters.pop(attr, None)
-            setattr(owner, attr, local)
-        else:
-            owner._buffers.pop(attr, None)
-            owner.register_buffer(attr, local)
+        if id(full) not in done:
+            done[id(full)] = local_slice(full, solution.params.get(node.target), coords,
+                                         solution.size)
+        out[node.target] = done[id(full)]
+    return out
 
 
 def local_slice(full: torch.Tensor, layout: Layout | None, coords: dict[str, int], size: int):
@@ -226,13 +237,3 @@ def local_slice(full: torch.Tensor, layout: Layout | None, coords: dict[str, int
     if isinstance(full, nn.Parameter):
         return nn.Parameter(data, requires_grad=full.requires_grad)
     return data
-
-
-def _owner(gm: nn.Module, target: str):
-    *path, attr = target.split(".")
-    owner = gm
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, attr
-
-

@@ -8,6 +8,8 @@ global batch and averages gradients over the `dp` axis after the backward pass.
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 import torch.fx as fx
@@ -15,7 +17,7 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH, trace
-from autopar.passes.tensor_parallel import apply_solution
+from autopar.passes.tensor_parallel import apply_solution, local_slice, shard_parameters
 from autopar.plan import Plan
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
 from autopar.runtime.kernels import RandomStreams, bind_streams
@@ -61,35 +63,29 @@ class Engine(nn.Module):
 
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
-        from autopar.passes.tensor_parallel import _owner, local_slice
-
         gm = apply_solution(traced.gm, solution, coords=None)
-        for target, pinfo in traced.params.items():
-            owner, attr = _owner(gm, target)
-            full = getattr(owner, attr)
-            key = _key(pinfo)
-            if key not in self._local:
-                if full.device.type == "meta":
-                    raise PlanError(f"parameter {pinfo.names[0]} is on the meta device; "
-                                    "parallelize needs real weights (autopar.plan works on meta).")
-                layout = solution.params.get(target)
-                self._local[key] = local_slice(full, layout, {"tp": self._tp.rank}, self._tp.size)
-                self._names[key] = pinfo.names
-                self._layouts[key] = layout
-            elif self._layouts[key] != solution.params.get(target):
-                raise PlanError(f"parameter {pinfo.names[0]} is laid out as {self._layouts[key]} "
-                                f"for inference but {solution.params.get(target)} for training.")
-            local = self._local[key]
-            if isinstance(local, nn.Parameter):
-                owner._parameters.pop(attr, None)
-                setattr(owner, attr, local)
-            else:
-                owner._buffers.pop(attr, None)
-                owner.register_buffer(attr, local)
-        gm.recompile()
+        shard_parameters(gm, {target: self._local_tensor(traced.gm, pinfo, solution)
+                              for target, pinfo in traced.params.items()})
         bind(gm, self.groups)
         bind_streams(gm, self._streams)
         return gm
+
+    def _local_tensor(self, gm: fx.GraphModule, pinfo, solution: Solution) -> torch.Tensor:
+        """This rank's slice of one parameter or buffer, cut the first time a graph reads it."""
+        key = _key(pinfo)
+        layout = solution.params.get(pinfo.target)
+        if key not in self._local:
+            full = operator.attrgetter(pinfo.target)(gm)
+            if full.device.type == "meta":
+                raise PlanError(f"parameter {pinfo.names[0]} is on the meta device; "
+                                "parallelize needs real weights (autopar.plan works on meta).")
+            self._local[key] = local_slice(full, layout, {"tp": self._tp.rank}, self._tp.size)
+            self._names[key] = pinfo.names
+            self._layouts[key] = layout
+        elif self._layouts[key] != layout:
+            raise PlanError(f"parameter {pinfo.names[0]} is laid out as {self._layouts[key]} "
+                            f"for inference but {layout} for training.")
+        return self._local[key]
 
     def _keep_untraced(self, model: nn.Module) -> None:
         """State the graphs never read is kept whole, so full_state_dict loses nothing."""

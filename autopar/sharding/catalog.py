@@ -7,8 +7,9 @@ entry is what the cost model prices, what the rewrite emits and what explain pri
 
 Modes: "1d" (Megatron-style: linear layers split by columns then rows, attention by
 heads, vocabulary-parallel embedding and cross-entropy) and "replicate" (every input
-gathered, the op run whole on every rank). An op with no entry runs replicated, and the
-strategy says so.
+gathered, the op run whole on every rank). Rules are found by op kind, or by target for
+ops the analysis leaves unclassified (concatenation, narrow). An op with no entry runs
+replicated, and the strategy says so.
 """
 
 from __future__ import annotations
@@ -552,6 +553,53 @@ def _smaller(a, b) -> bool:
         else False
 
 
+# ------------------------------------------------------------------- concatenate, narrow
+
+def concat(ctx: RuleContext) -> Strategy:
+    """Joining tensors along `dim`: a split elsewhere is kept as it is, with no communication.
+
+    A split on the joined dimension itself is kept too when the inputs are equally long
+    there: each rank joins its slices, which is the output split in one block per input
+    (`S(tp)xN`). Inputs of unequal lengths are gathered.
+    """
+    node = ctx.node
+    pieces = [p for p in node.args[0] if isinstance(p, fx.Node)]
+    ndim = len(ctx.info.shape)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
+    if any(len(ctx.shape(p)) != ndim for p in pieces):
+        return replicate(ctx, note="joins tensors with different numbers of dimensions; "
+                                   "ran replicated")
+    layouts = [ctx.layout(p) for p in pieces]
+    if any(lay.partial for lay in layouts):
+        return replicate(ctx)
+    shard = next((lay.shard_on(ctx.axis) for lay in layouts if lay.shard_on(ctx.axis)), None)
+    out = Layout.replicated(ndim)
+    if shard is None:
+        return Strategy("follow", {p: Need(_rep(p)) for p in pieces}, out)
+    if shard.dim != dim:
+        needs = {p: Need(_rep(p).with_shard(shard.dim, ctx.axis, shard.groups)) for p in pieces}
+        return Strategy("follow", needs, out.with_shard(shard.dim, ctx.axis, shard.groups))
+    if len({ctx.shape(p)[dim] for p in pieces}) == 1:
+        needs = {p: Need(_rep(p).with_shard(dim, ctx.axis, shard.groups)) for p in pieces}
+        return Strategy("blocks", needs,
+                        out.with_shard(dim, ctx.axis, shard.groups * len(pieces)))
+    return replicate(ctx, note=f"joins pieces of unequal sizes along dimension {dim}, which "
+                               f"is split over '{ctx.axis}'; inputs gathered")
+
+
+def narrow(ctx: RuleContext) -> Strategy:
+    """A window of one dimension: a split elsewhere is kept; a split window is gathered."""
+    x, dim = ctx.node.args[0], ctx.node.args[1]
+    layout = ctx.layout(x)
+    if layout.partial:
+        return replicate(ctx)
+    shard = layout.shard_on(ctx.axis)
+    if shard is not None and shard.dim == dim % layout.ndim:
+        return replicate(ctx, note=f"narrows dimension {shard.dim}, which is split over "
+                                   f"'{ctx.axis}'; input gathered")
+    return follow(ctx, x, layout)
+
+
 # ------------------------------------------------------------------------------ dispatch
 
 RULES: dict[OpKind, Callable[[RuleContext], Strategy]] = {
@@ -569,12 +617,19 @@ RULES: dict[OpKind, Callable[[RuleContext], Strategy]] = {
 }
 
 
+# Ops the analysis does not classify (OpKind.OTHER), known to the catalog by their target.
+TARGET_RULES: dict[object, Callable[[RuleContext], Strategy]] = {
+    aten.cat.default: concat,
+    aten.narrow.default: narrow,
+}
+
+
 def decide(ctx: RuleContext) -> Strategy:
     """The strategy of one op: its catalog rule, or replicated with the reason."""
     kind = ctx.info.kind
     if ctx.mode == "replicate" or ctx.size == 1:
         return replicate(ctx)
-    rule = RULES.get(kind)
+    rule = TARGET_RULES.get(ctx.node.target) or RULES.get(kind)
     if rule is None:
         return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; ran replicated")
     return rule(ctx)

@@ -1,0 +1,365 @@
+"""What each layer of a traced graph costs, read once from the graph and the catalog.
+
+The planner prices a layer from numbers, not from the graph: FLOPs of every matrix
+multiplication, attention cores, bytes moved by memory-bound ops, parameters, the
+collectives the 1D catalog emits, the activation passed to the next layer, and the
+activations saved for backward. Every quantity is linear in the micro-batch ``B``
+(``Lin(a, b)`` = a + b·B). Structurally identical layers share one ``LayerType``, so a
+96-block model is read from two traced blocks and priced once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from autopar.cost.memory import activation_bytes
+from autopar.graph.analysis import OpKind
+from autopar.graph.trace import BATCH, TracedGraph
+from autopar.sharding.solve import Solution, solve
+
+_FREE = {OpKind.INPUT, OpKind.PARAM, OpKind.OUTPUT, OpKind.VIEW, OpKind.SYMBOLIC}
+
+
+@dataclass(frozen=True)
+class Lin:
+    """a + b * micro_batch."""
+
+    a: float = 0.0
+    b: float = 0.0
+
+    def __call__(self, batch: float) -> float:
+        return self.a + self.b * batch
+
+    def __add__(self, other: Lin) -> Lin:
+        return Lin(self.a + other.a, self.b + other.b)
+
+    def scale(self, k: float) -> Lin:
+        return Lin(self.a * k, self.b * k)
+
+    @staticmethod
+    def of(expr) -> Lin:
+        expr = sympy.expand(sympy.sympify(expr))
+        b = float(expr.coeff(BATCH, 1))
+        a = float(expr.subs(BATCH, 0))
+        return Lin(a, b)
+
+
+ZERO = Lin()
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matrix multiplication: ``tokens`` x ``k`` times ``k`` x ``n`` (global sizes).
+
+    ``flops`` counts multiply and add (2·M·K·N) of the forward. ``weight``: the right
+    operand is a parameter (a linear layer), so multi-dimensional tensor modes can split it.
+    """
+
+    flops: Lin
+    k: int
+    n: int
+    weight: bool
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention core: scores and the weighted sum (4·B·H·S·S_k·D FLOPs forward)."""
+
+    flops: Lin
+    score_elements: Lin  # B·H·S·S_k: what an unfused kernel writes and reads
+    heads: int
+    kv_heads: int
+
+
+@dataclass
+class Sharded:
+    """One layer under 1D tensor parallelism of size ``tp`` (from the catalog's solution)."""
+
+    tp: int
+    gemm_split: list[bool]  # per Gemm: its local FLOPs are 1/tp of the global
+    attention_split: list[bool]
+    traffic_split: Lin  # bytes of memory-bound ops whose values are split over tp
+    traffic_replicated: Lin  # ... replicated over tp (Megatron-SP splits them on sequence)
+    comm: list[tuple[str, str, Lin]]  # (op, phase, bytes of the whole tensor)
+    param_bytes: int  # per device
+    param_bytes_replicated: int  # of those, replicated over tp (norm weights, ...)
+    act_split: Lin  # saved-for-backward bytes per device of split values
+    act_replicated: Lin  # ... of replicated values (Megatron-SP splits them)
+    act_attention: Lin  # ... inside attention (scores, probabilities): selective drops them
+    replicated_ops: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LayerType:
+    """Everything the cost model needs of one kind of layer."""
+
+    name: str  # the first layer of this kind
+    names: list[str]  # every traced layer of this kind, in graph order
+    gemms: list[Gemm]
+    attention: list[Attention]
+    traffic: Lin  # bytes read and written by memory-bound ops (global, forward)
+    param_bytes: int
+    params: int  # parameter elements
+    boundary: Lin  # bytes of the activations this layer hands to the next one
+    input_bytes: Lin  # bytes of the activations this layer receives (kept by full recompute)
+    dtype_bytes: int
+    sharded: dict[int, Sharded] = field(default_factory=dict)
+
+    @property
+    def is_block(self) -> bool:
+        """A layer with linear algebra of its own: tensor modes, SP and recompute apply."""
+        return any(g.weight for g in self.gemms)
+
+    @property
+    def forward_flops(self) -> Lin:
+        out = ZERO
+        for g in self.gemms:
+            out = out + g.flops
+        for a in self.attention:
+            out = out + a.flops
+        return out
+
+
+@dataclass
+class LayerChain:
+    """The model as the planner sees it: layer kinds in order, with repeat counts."""
+
+    types: list[LayerType]
+    order: list[int]  # index into types, one per layer of the real model
+    tokens_per_sample: int
+    dtype_bytes: int
+    names: list[str] = field(default_factory=list)  # one per layer of the real model
+    refused: list[str] = field(default_factory=list)  # tensor sizes the model cannot take
+    traced: TracedGraph | None = None
+
+    def layers(self) -> list[LayerType]:
+        return [self.types[i] for i in self.order]
+
+    @property
+    def params(self) -> int:
+        return sum(self.types[i].params for i in self.order)
+
+
+def _nbytes(shape, dtype) -> sympy.Expr:
+    if shape is None or dtype is None:
+        return sympy.Integer(0)
+    n = sympy.Integer(1)
+    for s in shape:
+        n = n * s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape) -> sympy.Expr:
+    n = sympy.Integer(1)
+    for s in shape:
+        n = n * s
+    return n
+
+
+def _tensor_args(node):
+    return [a for a in node.all_input_nodes if a.meta.get("autopar") is not None
+            and a.meta["autopar"].shape is not None]
+
+
+def _gemm(node) -> Gemm:
+    info = node.meta["autopar"]
+    args = node.args
+    target = str(node.target)
+    if "addmm" in target or "baddbmm" in target:
+        a, w = args[1], args[2]
+    else:
+        a, w = args[0], args[1]
+    a_shape = a.meta["autopar"].shape
+    w_info = w.meta["autopar"]
+    k = a_shape[-1]
+    flops = 2 * _numel(info.shape) * k
+    if "linear" in target:
+        n = w_info.shape[0]
+    else:
+        n = w_info.shape[-1]
+    weight = w_info.kind is OpKind.PARAM or (w.op == "call_function" and any(
+        x.meta["autopar"].kind is OpKind.PARAM for x in w.all_input_nodes
+        if x.meta.get("autopar") and w.meta["autopar"].kind is OpKind.VIEW))
+    return Gemm(Lin.of(flops), int(k), int(n), weight)
+
+
+def _attention(node) -> Attention:
+    q, k, v = node.args[:3]
+    qs, ks, vs = (x.meta["autopar"].shape for x in (q, k, v))
+    b, h, s, d = qs
+    sk = ks[-2]
+    flops = 2 * b * h * s * sk * d + 2 * b * h * s * sk * vs[-1]
+    return Attention(Lin.of(flops), Lin.of(b * h * s * sk), int(h), int(ks[1]))
+
+
+def _split(layout) -> bool:
+    if isinstance(layout, (list, tuple)):
+        layout = layout[0] if layout else None
+    return layout is not None and not layout.is_replicated
+
+
+def _traffic(node) -> sympy.Expr:
+    info = node.meta["autopar"]
+    out = _nbytes(info.shape, info.dtype)
+    for a in _tensor_args(node):
+        ai = a.meta["autopar"]
+        if ai.kind is not OpKind.PARAM:
+            out = out + _nbytes(ai.shape, ai.dtype)
+    return out
+
+
+def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
+                tokens_per_sample: int = 1) -> LayerChain:
+    """Read the layer kinds of `traced`. ``repeat``: a layer name -> how many identical
+    copies the real model has where the trace has one (the zoo traces two blocks of 96)."""
+    repeat = repeat or {}
+    types: dict[int, LayerType] = {}
+    order: list[int] = []
+    owner = {}
+    for layer in traced.layers:
+        for node in layer.nodes:
+            owner[node] = layer.name
+    for layer in traced.layers:
+        if layer.group not in types:
+            types[layer.group] = _read_layer(traced, layer, owner)
+        else:
+            types[layer.group].names.append(layer.name)
+        order.extend([layer.group] * repeat.get(layer.name, 1))
+    group_index = {g: i for i, g in enumerate(types)}
+    type_list = list(types.values())
+    dtype_bytes = max(t.dtype_bytes for t in type_list)
+    return LayerChain(type_list, [group_index[g] for g in order], tokens_per_sample,
+                      dtype_bytes)
+
+
+def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
+    gemms, attention = [], []
+    traffic = sympy.Integer(0)
+    boundary = sympy.Integer(0)
+    inputs = sympy.Integer(0)
+    param_bytes = params = 0
+    dtype_bytes = 0
+    seen_inputs = set()
+    for node in layer.nodes:
+        info = node.meta["autopar"]
+        if node.op == "get_attr":
+            p = traced.params.get(node.target)
+            if p is not None and p.is_parameter:
+                n = int(_numel(p.shape))
+                params += n
+                param_bytes += n * torch.empty((), dtype=p.dtype).element_size()
+            continue
+        if info.dtype is not None and info.dtype.is_floating_point:
+            dtype_bytes = max(dtype_bytes, torch.empty((), dtype=info.dtype).element_size())
+        if info.kind in (OpKind.LINEAR, OpKind.MATMUL):
+            gemms.append(_gemm(node))
+        elif info.kind is OpKind.ATTENTION:
+            attention.append(_attention(node))
+        elif info.kind not in _FREE:
+            traffic = traffic + _traffic(node)
+        if any(owner.get(u, layer.name) != layer.name for u in node.users) and info.shape:
+            boundary = boundary + _nbytes(info.shape, info.dtype)
+        for a in _tensor_args(node):
+            if owner.get(a, layer.name) != layer.name and a not in seen_inputs and \
+                    a.meta["autopar"].kind not in (OpKind.PARAM,) and a.op != "get_attr":
+                seen_inputs.add(a)
+                inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
+    return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
+                     params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4)
+
+
+def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:
+    """Fill ``chain.types[*].sharded[t]`` for each tensor size t from the 1D catalog.
+
+    Returns the sizes the model cannot take, each with the reason.
+    """
+    by_name = {t.names[0]: t for t in chain.types}
+    layer_of = {layer.name: layer for layer in traced.layers}
+    refused = []
+    for size in sizes:
+        try:
+            solution = solve(traced, axis="tp", size=size)
+        except Exception as e:  # a size the model's shapes do not divide
+            refused.append(f"tp={size}: {e}")
+            continue
+        for name, lt in by_name.items():
+            lt.sharded[size] = _read_sharded(traced, layer_of[name], solution, size)
+        _add_activations(traced, by_name, solution, size)
+    return refused
+
+
+def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int) -> None:
+    """Saved-for-backward bytes per layer kind, split into what tensor parallelism splits,
+    what it leaves replicated (and Megatron-SP splits) and what lies inside attention.
+
+    The memory analysis gives each layer's local bytes A_t at size t and the global A_1;
+    with S split 1/t and R replicated, A_t = S/t + R, so R = (t A_t - A_1) / (t - 1).
+    """
+    def at(batch, recompute, sol):
+        return activation_bytes(traced, sol, micro_batch=batch, recompute=recompute)
+
+    one = {b: at(b, "none", None) for b in (1, 2)}
+    local = {(b, r): at(b, r, solution) for b in (1, 2) for r in ("none", "selective")}
+    for name, lt in by_name.items():
+        def lin(table):
+            return Lin(2 * table[1].get(name, 0) - table[2].get(name, 0),
+                       table[2].get(name, 0) - table[1].get(name, 0))
+
+        whole = lin(one)
+        kept = lin({b: local[(b, "none")] for b in (1, 2)})
+        no_attn = lin({b: local[(b, "selective")] for b in (1, 2)})
+        attention = kept + no_attn.scale(-1)
+        rest = no_attn
+        if size > 1:
+            whole_rest = whole + attention.scale(-size)
+            replicated = (rest.scale(size) + whole_rest.scale(-1)).scale(1 / (size - 1))
+        else:
+            replicated = rest
+        sharded = lt.sharded[size]
+        sharded.act_attention = attention
+        sharded.act_replicated = replicated
+        sharded.act_split = rest + replicated.scale(-1)
+
+
+def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> Sharded:
+    gemm_split, attention_split = [], []
+    t_split = t_repl = sympy.Integer(0)
+    param_bytes = param_repl = 0
+    comm = []
+    names = {n.name for n in layer.nodes}
+    for node in layer.nodes:
+        info = node.meta["autopar"]
+        if node.op == "get_attr":
+            p = traced.params.get(node.target)
+            if p is None or not p.is_parameter:
+                continue
+            nbytes = int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+            layout = solution.params.get(node.target)
+            if layout is not None and layout.shards:
+                param_bytes += nbytes // size
+            else:
+                param_bytes += nbytes
+                param_repl += nbytes
+            continue
+        layout = solution.layouts.get(node)
+        split = _split(layout) or (solution.strategies.get(node) is not None and any(
+            _split(solution.layouts.get(a)) for a in _tensor_args(node)))
+        if info.kind in (OpKind.LINEAR, OpKind.MATMUL):
+            gemm_split.append(split)
+        elif info.kind is OpKind.ATTENTION:
+            attention_split.append(split)
+        elif info.kind not in _FREE:
+            if split:
+                t_split = t_split + _traffic(node)
+            else:
+                t_repl = t_repl + _traffic(node)
+    for c in solution.comm:
+        if c.where in names:
+            comm.append((c.op, c.phase, Lin.of(c.bytes)))
+    notes = [f"{n.name}: {s.note}" for n, s in solution.strategies.items()
+             if s.note and n.name in names]
+    return Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
+                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes)

@@ -1,0 +1,620 @@
+"""Memory per device: the activations autograd saves, and parameter, gradient and optimizer state.
+
+Activations are found, not modelled. `saved_activations` runs the traced graph on fake CPU
+tensors (nothing is allocated: GPT-3 175B takes about 20 ms per block) under
+`torch.autograd.graph.saved_tensors_hooks`, with an fx.Interpreter that knows which node
+is running. Every tensor autograd saves is traced to its storage, and storages are what
+count: a tensor saved by several ops, or through several views, counts once, and saving a
+view (q, a slice of the fused qkv output) keeps its whole base alive. The graph runs at two
+batch sizes; sizes are linear in the batch, so each storage's bytes is `a + b*BATCH`.
+
+Attribution: a saved storage belongs to the *layer of the first op that saved it* (a
+block's input, made by the previous block's residual add and saved by this block's norm,
+is this block's memory, which is what a pipeline stage holding this block pays). Its
+*producer* is the graph node whose output first held the storage; a storage made inside an
+op (layer norm's mean and rstd, cross-entropy's log-probabilities, attention's logsumexp)
+has no node of its own and is *internal* to the op that saved it.
+
+Kernels are this machine's. On the CPU, scaled_dot_product_attention without dropout runs
+a fused kernel that saves q, k, v, the output and the logsumexp, as flash attention does
+on GPUs; with dropout it falls back to the math path, which saves the s x s scores,
+probabilities and dropout mask (and dropout keeps a float mask, not a bool one). Those
+s x s tensors, and the outputs of the nodes between an activation matmul, a softmax and
+the next activation matmul, are tagged `attention_inside`: what Megatron's selective
+recompute drops (Korthikanti et al. 2022, arXiv 2205.05198).
+
+Under a tensor-parallel `Solution` each storage counts the share one device holds: its
+producer's layout or, where the solver put a redistribution on the edge into the saving
+op, the layout that op receives (a new tensor at run time). An internal storage takes the
+layout of the saving op's output or input whose leading sizes it shares, and is whole
+otherwise. Two run-time effects stay outside the prediction: the vocabulary-parallel
+kernels save a few bytes per token more than the ops they replace (masks, per-row
+scalars), and a reshape that copies on one device can be a view on a shard (repeat_kv
+with one local key/value head), so the prediction is within a few percent, not exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.errors import PlanError
+from autopar.graph.analysis import OpKind
+from autopar.graph.trace import BATCH, TracedGraph
+from autopar.sharding.layout import Layout
+
+RECOMPUTE = ("none", "selective", "full")
+_BATCHES = (2, 3)  # the graph runs at these two batch sizes; every size is linear in between
+_CACHE_ATTR = "_autopar_memory"  # on the TracedGraph: the analysis lives and dies with it
+
+
+# ------------------------------------------------------------------------ saved activations
+@dataclass(frozen=True, eq=False)
+class SavedTensor:
+    """One storage autograd keeps for the backward pass: global sizes, one micro-batch."""
+
+    layer: str  # layer of the first op that saved it
+    node: fx.Node  # producer: the node whose output first held it (the saving op if internal)
+    savers: tuple  # ((op that saved it, the input node it came through or None), ...)
+    dtype: torch.dtype
+    shape: tuple  # sympy sizes in BATCH: the producer's output, or the saved view if internal
+    fixed_bytes: int  # the storage's bytes are fixed_bytes + sample_bytes * batch
+    sample_bytes: int
+    internal: bool  # made inside the saving op, not the output of any graph node
+    attention_inside: bool  # an s x s attention score, probability or dropout mask
+    parameter: bool  # a parameter or buffer (or a view of one): not an activation
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        """Bytes of the whole storage as a sympy expression in BATCH."""
+        return self.fixed_bytes + self.sample_bytes * BATCH
+
+    def bytes_at(self, micro_batch: int) -> int:
+        return self.fixed_bytes + self.sample_bytes * micro_batch
+
+    def __repr__(self) -> str:
+        tags = [name for name, on in (("internal", self.internal),
+                                      ("attention", self.attention_inside),
+                                      ("parameter", self.parameter)) if on]
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"SavedTensor({self.layer}: {self.node.name} {tuple(self.shape)} {dtype} "
+                f"{self.nbytes} B" + (f" [{', '.join(tags)}]" if tags else "") + ")")
+
+
+def saved_activations(traced: TracedGraph) -> list[SavedTensor]:
+    """Every storage autograd saves in one forward pass of `traced`, in the order first saved.
+
+    Computed once per traced graph and cached on it. Parameters and buffers are listed too,
+    tagged `parameter`, so nothing is hidden; `activation_bytes` leaves them out.
+    """
+    return _analysis(traced).saved
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    saved: list[SavedTensor]
+    owners: dict  # node -> the node whose output holds its storage (views -> their base)
+
+
+@dataclass
+class _Record:
+    key: int  # storage identity
+    nbytes: int
+    shape: tuple
+    dtype: torch.dtype
+    saver: fx.Node
+    via: fx.Node | None
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph on fake tensors and notes, for each tensor autograd saves, whose it is."""
+
+    def __init__(self, traced: TracedGraph, batch: int):
+        super().__init__(traced.gm)
+        self.batch = batch
+        self.current: fx.Node | None = None
+        self.owner: dict[int, fx.Node] = {}  # storage -> first node whose output held it
+        self.node_owner: dict[fx.Node, fx.Node] = {}
+        self.param_keys: set[int] = set()
+        self.records: list[_Record] = []
+        self._by_input: dict[int, fx.Node] | None = None  # storages of the current op's inputs
+        self._alive: list = []  # every storage stays referenced, so identities stay unique
+
+    def run_node(self, n: fx.Node):
+        self.current, self._by_input = n, None
+        if n.target is torch.ops.aten._assert_tensor_metadata.default:
+            return None  # a check of the traced device (meta), not a computation
+        try:
+            out = super().run_node(n)
+        except Exception as error:  # noqa: BLE001 - say which node, whatever failed
+            raise PlanError(f"memory analysis could not run {n.name} ({n.target}) on fake "
+                            f"tensors: {type(error).__name__}: {error}") from error
+        tensors = _tensors(out)
+        for t in tensors:
+            key = _key(t)
+            if key not in self.owner:
+                self.owner[key] = n
+                self._alive.append(t.untyped_storage())
+            if n.op == "get_attr":
+                self.param_keys.add(key)
+        if len(tensors) == 1:
+            self.node_owner[n] = self.owner[_key(tensors[0])]
+        return out
+
+    def placeholder(self, target, args, kwargs):
+        val = self.current.meta.get("val")
+        shape = [int(sympy.sympify(d).subs(BATCH, self.batch))
+                 for d in self.current.meta["autopar"].shape]
+        return torch.zeros(shape, dtype=val.dtype)
+
+    def get_attr(self, target, args, kwargs):
+        real = self.fetch_attr(target)
+        if not isinstance(real, torch.Tensor):
+            return real
+        grad = isinstance(real, torch.nn.Parameter) and real.requires_grad and \
+            real.dtype.is_floating_point
+        return torch.empty(real.shape, dtype=real.dtype, requires_grad=grad)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._by_input is None:
+            self._by_input = {}
+            for inp in self.current.all_input_nodes:
+                for v in _tensors(self.env.get(inp)):
+                    self._by_input.setdefault(_key(v), inp)
+        key = _key(t)
+        self._alive.append(t.untyped_storage())
+        self.records.append(_Record(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype,
+                                    self.current, self._by_input.get(key)))
+        return t
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _record(traced: TracedGraph, batch: int) -> _Recorder:
+    recorder = _Recorder(traced, batch)
+    placeholders = sum(1 for n in traced.graph.nodes if n.op == "placeholder")
+    with FakeTensorMode(), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        recorder.run(*[None] * placeholders)
+    return recorder
+
+
+def _analysis(traced: TracedGraph) -> _Analysis:
+    cached = getattr(traced, _CACHE_ATTR, None)
+    if cached is not None:
+        return cached
+    first, second = (_record(traced, b) for b in _BATCHES)
+    if len(first.records) != len(second.records) or any(
+            a.saver is not b.saver for a, b in zip(first.records, second.records)):
+        raise PlanError(f"the graph saves different tensors at batch {_BATCHES[0]} and "
+                        f"{_BATCHES[1]}; memory analysis needs saved tensors that only grow "
+                        "with the batch.")
+    inside = _attention_nodes(traced.gm)
+    merged: dict[int, dict] = {}
+    for a, b in zip(first.records, second.records):
+        entry = merged.get(a.key)
+        if entry is not None:
+            if (a.saver, a.via) not in entry["savers"]:
+                entry["savers"].append((a.saver, a.via))
+            continue
+        internal = a.key not in first.owner
+        producer = a.saver if internal else first.owner[a.key]
+        shape = tuple(_linear(x, y) for x, y in zip(a.shape, b.shape)) if internal else \
+            producer.meta["autopar"].shape
+        per_sample = (b.nbytes - a.nbytes) // (_BATCHES[1] - _BATCHES[0])
+        merged[a.key] = dict(layer=a.saver.meta["autopar"].layer, node=producer,
+                             savers=[(a.saver, a.via)], dtype=a.dtype, shape=shape,
+                             fixed_bytes=a.nbytes - per_sample * _BATCHES[0],
+                             sample_bytes=per_sample, internal=internal,
+                             attention_inside=_inside(producer, internal, shape, inside),
+                             parameter=a.key in first.param_keys)
+    saved = [SavedTensor(**{**e, "savers": tuple(e["savers"])}) for e in merged.values()]
+    analysis = _Analysis(saved, first.node_owner)
+    setattr(traced, _CACHE_ATTR, analysis)
+    return analysis
+
+
+def _linear(at_first: int, at_second: int) -> sympy.Expr:
+    b1, b2 = _BATCHES
+    return sympy.expand(at_first + sympy.Rational(at_second - at_first, b2 - b1) * (BATCH - b1))
+
+
+def _attention_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes between an activation matmul and the next one, through a softmax: the s x s core.
+
+    From each activation x activation matmul, walk forward through elementwise, softmax,
+    dropout and view ops; the nodes that also reach a matmul that way, when a softmax is
+    among them, are attention's inside (QK^T, its scaling and mask, the probabilities and
+    their dropout), together with the QK^T matmul itself.
+    """
+    passing = {OpKind.ELEMENTWISE, OpKind.SOFTMAX, OpKind.DROPOUT, OpKind.VIEW}
+
+    def kind(node: fx.Node) -> OpKind | None:
+        info = node.meta.get("autopar")
+        return info.kind if info is not None else None
+
+    matmuls = [n for n in gm.graph.nodes if kind(n) is OpKind.MATMUL]
+    reaches_matmul: set[fx.Node] = set()
+    stack = [a for m in matmuls for a in m.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in reaches_matmul and kind(node) in passing:
+            reaches_matmul.add(node)
+            stack.extend(node.all_input_nodes)
+    inside: set[fx.Node] = set()
+    for m in matmuls:
+        region, stack = set(), list(m.users)
+        while stack:
+            node = stack.pop()
+            if node not in region and kind(node) in passing:
+                region.add(node)
+                stack.extend(node.users)
+        region &= reaches_matmul
+        if any(kind(n) is OpKind.SOFTMAX for n in region):
+            inside |= region | {m}
+    return inside
+
+
+def _inside(producer: fx.Node, internal: bool, shape: tuple, inside: set[fx.Node]) -> bool:
+    """Is a saved storage one of attention's s x s tensors?
+
+    A node's own output is when the node is inside (see `_attention_nodes`). A storage made
+    inside an op is when the op is inside or is fused attention and the storage ends in the
+    score's sizes [..., query length, key length] (a matmul's folded copy of q is not).
+    """
+    if not internal:
+        return producer in inside
+    if producer.meta["autopar"].kind is OpKind.ATTENTION:
+        query, key = producer.args[0], producer.args[1]
+        score = (query.meta["autopar"].shape[-2], key.meta["autopar"].shape[-2])
+    elif producer in inside:
+        score = tuple(producer.meta["autopar"].shape[-2:])
+    else:
+        return False
+    return len(shape) >= 2 and tuple(shape[-2:]) == score
+
+
+# ------------------------------------------------------------------------ bytes per device
+def activation_bytes(traced: TracedGraph, solution=None, micro_batch: int = 1,
+                     recompute: str | dict[str, str] = "none") -> dict[str, int]:
+    """Bytes of saved activations one device holds after the forward pass, per layer.
+
+    `solution`: a tensor-parallel Solution (None: one device). `micro_batch`: the batch one
+    device runs (the global batch over data-parallel ranks and micro-batches).
+    `recompute`: "none", "selective" (attention's s x s tensors are dropped and recomputed),
+    "full" (a layer keeps only the activations it reads from outside itself), given for all
+    transformer blocks (the layers whose name ends in an index, as Megatron recomputes
+    whole blocks), or a dict from layer name to mode (missing layers: "none"). A storage
+    kept by several layers counts once, in the first layer that keeps it.
+    """
+    modes = _recompute_modes(traced, recompute)
+    saves = _layer_saves(traced, solution, micro_batch)
+    reads = _layer_reads(traced, solution, micro_batch) if "full" in modes.values() else {}
+    seen: set = set()
+    out: dict[str, int] = {}
+    for layer in traced.layers:
+        mode = modes[layer.name]
+        kept = reads.get(layer.name, {}) if mode == "full" else saves.get(layer.name, {})
+        total = 0
+        for key, (nbytes, attention_inside) in kept.items():
+            if key in seen or (mode == "selective" and attention_inside):
+                continue
+            seen.add(key)
+            total += nbytes
+        out[layer.name] = total
+    return out
+
+
+def _recompute_modes(traced: TracedGraph, recompute) -> dict[str, str]:
+    names = [layer.name for layer in traced.layers]
+    if isinstance(recompute, dict):
+        unknown = sorted(set(recompute) - set(names))
+        if unknown:
+            raise PlanError(f"recompute names {', '.join(unknown)}, which are not layers of this "
+                            f"graph; its layers are {', '.join(names)}.")
+        modes = {name: recompute.get(name, "none") for name in names}
+    else:
+        modes = {name: recompute if name.rsplit(".", 1)[-1].isdigit() else "none"
+                 for name in names}
+    for mode in set(modes.values()):
+        if mode not in RECOMPUTE:
+            raise PlanError(f"recompute {mode!r} is not one of {', '.join(RECOMPUTE)}.")
+    return modes
+
+
+def _fraction(layout, sizes: dict[str, int]) -> Fraction:
+    """The share of a tensor one device holds under `layout` (a partial sum is whole)."""
+    parts = 1
+    if isinstance(layout, Layout):
+        for shard in layout.shards:
+            parts *= sizes.get(shard.axis, 1)
+    return Fraction(1, parts)
+
+
+def _copies(solution) -> dict[tuple[fx.Node, fx.Node], Layout]:
+    """Edges (producer, consumer) where a redistribution hands the consumer a new tensor."""
+    out = {}
+    for t in solution.transitions:
+        if all(step.kind == "sum_grads" for step in t.steps):
+            continue  # a view: the consumer sees the producer's own storage
+        for consumer in t.consumers:
+            out[(t.producer, consumer)] = t.need.layout
+    return out
+
+
+def _internal_layout(saved: SavedTensor, solution, copies) -> Layout | None:
+    """An internal storage's layout: that of the op's output or input with its leading sizes."""
+    op = saved.node
+    candidates = [(op, solution.layouts.get(op))]
+    candidates += [(i, copies.get((i, op), solution.layouts.get(i))) for i in op.all_input_nodes]
+    for node, layout in candidates:
+        shape = node.meta["autopar"].shape
+        if not isinstance(layout, Layout) or not layout.shards or shape is None:
+            continue
+        if all(s.dim < len(saved.shape) and
+               tuple(saved.shape[:s.dim + 1]) == tuple(shape[:s.dim + 1]) for s in layout.shards):
+            return layout
+    return None
+
+
+def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, dict]:
+    """Per layer: each distinct storage its ops save -> (bytes per device, attention_inside)."""
+    sizes = {solution.axis: solution.size} if solution is not None else {}
+    copies = _copies(solution) if solution is not None else {}
+    out: dict[str, dict] = {}
+    for i, saved in enumerate(saved_activations(traced)):
+        if saved.parameter:
+            continue
+        whole = saved.bytes_at(micro_batch)
+        if solution is None or saved.internal:
+            layout = _internal_layout(saved, solution, copies) if solution is not None else None
+            out.setdefault(saved.layer, {})[("saved", i)] = (
+                math.ceil(whole * _fraction(layout, sizes)), saved.attention_inside)
+            continue
+        for op, via in saved.savers:
+            need = copies.get((via, op)) if via is not None else None
+            if need is None:
+                key = ("saved", i)
+                nbytes = whole * _fraction(solution.layouts.get(saved.node), sizes)
+            else:  # the op saves the redistributed copy it received
+                key = ("copy", via, need)
+                nbytes = _node_bytes(via, micro_batch) * _fraction(need, sizes)
+            out.setdefault(op.meta["autopar"].layer, {})[key] = (math.ceil(nbytes),
+                                                                  saved.attention_inside)
+    return out
+
+
+def _layer_reads(traced: TracedGraph, solution, micro_batch: int) -> dict[str, dict]:
+    """Per layer: the activations it reads from outside itself, which full recompute keeps."""
+    sizes = {solution.axis: solution.size} if solution is not None else {}
+    analysis = _analysis(traced)
+    params = {s.node for s in analysis.saved if s.parameter}
+    saved_as = {}  # a producer -> its storage's key among the saved tensors
+    for i, saved in enumerate(analysis.saved):
+        if not saved.internal:
+            saved_as.setdefault(saved.node, ("saved", i))
+    out: dict[str, dict] = {}
+    for layer in traced.layers:
+        members = set(layer.nodes)
+        reads = out.setdefault(layer.name, {})
+        for node in layer.nodes:
+            if node.op != "call_function":
+                continue
+            for inp in node.all_input_nodes:
+                src = analysis.owners.get(inp, inp)
+                info = src.meta["autopar"]
+                if inp in members or src.op == "get_attr" or src in params or \
+                        info.shape is None or info.dtype is None:
+                    continue
+                layout = solution.layouts.get(src) if solution is not None else None
+                nbytes = _node_bytes(src, micro_batch) * _fraction(layout, sizes)
+                reads[saved_as.get(src, ("read", src))] = (math.ceil(nbytes), False)
+    return out
+
+
+def _node_bytes(node: fx.Node, micro_batch: int) -> int:
+    info = node.meta["autopar"]
+    return int(sympy.Mul(*info.shape).subs(BATCH, micro_batch)) * _itemsize(info.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+# ------------------------------------------------------------------------ model state
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per parameter tensor: buffers shaped like it, and scalars."""
+
+    buffers: int  # tensors of the parameter's shape and dtype
+    scalar_bytes: int  # bytes per parameter tensor
+
+
+def _step_bytes() -> int:
+    # torch.optim.Adam and AdamW keep `step` as a 0-dim tensor of the default float dtype
+    # (on the CPU unless fused or capturable): 4 bytes per parameter tensor in float32.
+    return torch.empty((), dtype=torch.get_default_dtype(), device="meta").element_size()
+
+
+OPTIMIZERS: dict[str, Callable[[], OptimizerState]] = {
+    "adamw": lambda: OptimizerState(2, _step_bytes()),  # exp_avg, exp_avg_sq, step
+    "adam": lambda: OptimizerState(2, _step_bytes()),
+    "adamw_amsgrad": lambda: OptimizerState(3, _step_bytes()),  # + max_exp_avg_sq
+    "sgd_momentum": lambda: OptimizerState(1, 0),  # momentum_buffer
+    "sgd": lambda: OptimizerState(0, 0),
+}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one device holds across steps: weights, gradients, optimizer state, buffers."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.buffers
+
+    def to_json(self) -> dict:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer": self.optimizer, "buffers": self.buffers, "total": self.total}
+
+
+def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", zero_stage: int = 0,
+                dp: int = 1, grad_dtype: torch.dtype | None = None) -> StateBytes:
+    """Parameter, gradient, optimizer-state and buffer bytes one device holds.
+
+    Parameters and buffers are split as `solution.params` lays them out (whole without a
+    solution); a tied weight counts once. Only trainable floating-point parameters have
+    gradients (of their own dtype unless `grad_dtype`) and optimizer state (see
+    OPTIMIZERS). ZeRO over `dp` data-parallel ranks splits the optimizer state (stage 1),
+    also the gradients (stage 2), also the parameters (stage 3); each rank's share is
+    rounded up, as a flat buffer padded to `dp` equal parts would be.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer {optimizer!r} is unknown to the memory model; use one of "
+                        f"{', '.join(OPTIMIZERS)}.")
+    if zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"ZeRO stage {zero_stage} does not exist; use 0, 1, 2 or 3.")
+    if dp < 1:
+        raise PlanError(f"dp={dp}: the data-parallel size must be at least 1.")
+    opt = OPTIMIZERS[optimizer]()
+    sizes = {solution.axis: solution.size} if solution is not None else {}
+    params = grads = states = buffers = Fraction(0)
+    seen: set[tuple[str, ...]] = set()
+    for target, pinfo in traced.params.items():
+        if pinfo.names in seen:
+            continue
+        seen.add(pinfo.names)
+        layout = solution.params.get(target) if solution is not None else None
+        numel = math.prod(pinfo.shape) * _fraction(layout, sizes)
+        nbytes = numel * _itemsize(pinfo.dtype)
+        if not pinfo.is_parameter:
+            buffers += nbytes
+            continue
+        params += nbytes
+        if _trainable(traced, target, pinfo):
+            grads += numel * _itemsize(grad_dtype or pinfo.dtype)
+            states += opt.buffers * nbytes + opt.scalar_bytes
+    split = {stage: dp if zero_stage >= stage else 1 for stage in (1, 2, 3)}
+    return StateBytes(parameters=math.ceil(params / split[3]),
+                      gradients=math.ceil(grads / split[2]),
+                      optimizer=math.ceil(states / split[1]), buffers=math.ceil(buffers))
+
+
+def _trainable(traced: TracedGraph, target: str, pinfo) -> bool:
+    if not pinfo.dtype.is_floating_point:
+        return False
+    value = traced.gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return bool(getattr(value, "requires_grad", True))
+
+
+# ------------------------------------------------------------------------ measurement
+def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset = frozenset()) -> int:
+    held: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values())
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a view reaches, as [start, end)."""
+    if t.numel() == 0:
+        return (0, 0)
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (t.storage_offset() * t.element_size(), (last + 1) * t.element_size())
+
+
+def _union(spans: list[tuple[int, int]]) -> int:
+    total, end = 0, -1
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def measure_saved_activations(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = (),
+                              inputs: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while `fn()` runs (forward and backward).
+
+    A storage saved several times, or through several views, counts once and whole.
+    Storages of `exclude` (pass the parameters and buffers) do not count. Storages of
+    `inputs`, the batch the caller hands in and keeps anyway, count only the bytes the saved
+    views reach: a rank that saves its slice of a global batch holds that slice.
+    """
+    skip = frozenset(t.untyped_storage().data_ptr() for t in exclude)
+    batch = frozenset(t.untyped_storage().data_ptr() for t in inputs) - skip
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    spans: dict[int, list] = {}
+    for t in saved:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in batch:
+            spans.setdefault(ptr, []).append(_span(t))
+    return _storage_bytes(saved, skip | batch) + sum(_union(s) for s in spans.values())
+
+
+def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> StateBytes:
+    """Bytes this rank of an Engine holds in parameters, gradients, optimizer state, buffers.
+
+    The engine sets gradients to None once its optimizer has stepped, so with `step` (e.g.
+    `lambda: engine.train_step(x, y)`) the gradients are measured inside it, just before
+    the optimizer runs; without, the gradients present now are counted.
+    """
+    params = list(engine.parameters())
+    grads: list[int] = []
+
+    def before_step(optimizer, args, kwargs) -> None:
+        grads.append(_storage_bytes(p.grad for p in params if p.grad is not None))
+
+    if step is not None and engine.optimizer is not None:
+        handle = engine.optimizer.register_step_pre_hook(before_step)
+        try:
+            step()
+        finally:
+            handle.remove()
+    elif step is not None:
+        step()
+    if not grads:
+        grads.append(_storage_bytes(p.grad for p in params if p.grad is not None))
+    state = []
+    if engine.optimizer is not None:
+        for per_param in engine.optimizer.state.values():
+            state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    graphs = [gm for gm in (engine.forward_gm, engine.train_gm) if gm is not None]
+    buffers = [b for gm in graphs for b in gm.buffers()]
+    param_storages = frozenset(p.untyped_storage().data_ptr() for p in params)
+    return StateBytes(parameters=_storage_bytes(params), gradients=grads[-1],
+                      optimizer=_storage_bytes(state),
+                      buffers=_storage_bytes(buffers, param_storages))

@@ -1,0 +1,316 @@
+"""Seconds and bytes of one layer under one strategy, and of one training step.
+
+Compute is a roofline: a matrix multiplication of F FLOPs runs at
+``peak * gemm_efficiency * F / (F + gemm_half_flops)`` (small problems fill the device
+less), memory-bound ops move their bytes at ``memory_bandwidth * memory_efficiency``.
+Communication is priced by ``autopar.cost.comm`` (alpha-beta per link class). Memory per
+device is parameters + gradients + optimizer states (by ZeRO stage and offload) +
+activations (by recompute, sequence parallelism and micro-batches in flight) + buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import sympy
+
+from autopar.cost.comm import Placement, collective_time
+from autopar.cost.hardware import Hardware
+from autopar.cost.layer import LayerType, Lin
+
+# Mixed-precision Adam keeps an fp32 master copy and two fp32 moments: 12 bytes per
+# parameter on top of the 16-bit parameter and gradient (Rajbhandari et al. 2019, §3.1).
+# In fp32 training the parameter is its own master copy: 8 bytes of moments.
+OPTIMIZER_BYTES = {2: 12, 4: 8}
+
+TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
+SP_MODES = ("none", "megatron")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class TensorMode:
+    """A tensor-parallel mode over ``size`` devices: 1D, 2D (q x q), 2.5D (q x q x d),
+    3D (q x q x q)."""
+
+    name: str
+    size: int
+    q: int = 1
+    d: int = 1
+
+    @property
+    def batch_split(self) -> int:
+        """How many ways the multi-dimensional modes split the micro-batch of activations."""
+        return {"1d": 1, "2d": self.q, "2.5d": self.q * self.d, "3d": self.q * self.q}[self.name]
+
+    def __str__(self) -> str:
+        if self.name == "1d" or self.size == 1:
+            return self.name
+        if self.name == "2.5d":
+            return f"2.5d({self.q}x{self.q}x{self.d})"
+        return f"{self.name}({'x'.join([str(self.q)] * (2 if self.name == '2d' else 3))})"
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_modes(size: int, allowed=TENSOR_MODES) -> list[TensorMode]:
+    """Every tensor mode that ``size`` devices can form."""
+    out = [TensorMode("1d", size)] if "1d" in allowed else []
+    if size < 4:
+        return out
+    q = math.isqrt(size)
+    if "2d" in allowed and q * q == size:
+        out.append(TensorMode("2d", size, q, 1))
+    if "2.5d" in allowed:
+        for d in (d for d in range(2, size // 4 + 1) if size % d == 0):
+            q = math.isqrt(size // d)
+            if size % d == 0 and q > 1 and q * q * d == size:
+                out.append(TensorMode("2.5d", size, q, d))
+    c = round(size ** (1 / 3))
+    if "3d" in allowed and c > 1 and c ** 3 == size:
+        out.append(TensorMode("3d", size, c, c))
+    return out
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """The strategy of one layer: tensor mode, sequence parallelism, recompute."""
+
+    mode: TensorMode
+    sp: str = "none"
+    recompute: str = "none"
+
+    @property
+    def layout(self) -> tuple:
+        """What the layer hands its neighbour: equal layouts need no conversion."""
+        return (self.mode.name, self.mode.q, self.mode.d, self.sp)
+
+
+@dataclass
+class Context:
+    """Everything fixed while layers are priced: hardware, mesh placement, options."""
+
+    hw: Hardware
+    dtype: str
+    tp: Placement
+    cp: Placement
+    cp_mode: str | None = None
+    attention_kernel: str = "flash"  # or "unfused": scores written to memory (pre-2022)
+    tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
+
+
+@dataclass
+class StateCost:
+    """One layer, one micro-batch, one device."""
+
+    forward: float  # seconds of compute
+    backward: float
+    recompute: float
+    comm: float  # seconds of tensor/sequence-parallel communication not hidden by compute
+    comm_bytes: float
+    activations: float  # bytes kept for backward
+    params: float  # bytes of parameters held
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward + self.recompute + self.comm
+
+
+def gemm_time(flops: float, hw: Hardware, dtype: str) -> float:
+    if flops <= 0:
+        return 0.0
+    eff = hw.gemm_efficiency * flops / (flops + hw.gemm_half_flops)
+    return flops / (hw.flops(dtype) * eff)
+
+
+def memory_time(nbytes: float, hw: Hardware) -> float:
+    return max(nbytes, 0.0) / (hw.memory_bandwidth * hw.memory_efficiency)
+
+
+def _coll(op: str, nbytes: float, placement: Placement, hw: Hardware) -> float:
+    if placement.size <= 1 or nbytes <= 0:
+        return 0.0
+    return collective_time(op, nbytes, placement, hw)
+
+
+def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
+    """Price one layer kind under one state for a micro-batch of ``batch`` samples."""
+    mode, hw, dtype = state.mode, ctx.hw, ctx.dtype
+    t = mode.size
+    c = ctx.cp.size
+    sharded = lt.sharded[t if mode.name == "1d" else 1]
+    one_d = mode.name == "1d"
+    sp = state.sp == "megatron" and one_d and t > 1
+    # Compute: GEMMs at their local size (each of the backward's two GEMMs is as large).
+    gemm_fwd = 0.0
+    for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
+        local = g.flops(batch) / ((t if split or not one_d else 1) * c)
+        gemm_fwd += gemm_time(local, hw, dtype)
+    attn_fwd = 0.0
+    for a, split in zip(lt.attention, sharded.attention_split if one_d else
+                        [True] * len(lt.attention)):
+        parts = (t if split or not one_d else 1) * c
+        attn_fwd += gemm_time(a.flops(batch) / parts, hw, dtype)
+        if ctx.attention_kernel == "unfused":
+            # scores written by the first GEMM, softmax read+write, dropout read+write+mask,
+            # read by the second GEMM: about six passes over B·H·S·S_k values
+            attn_fwd += memory_time(6 * a.score_elements(batch) * lt.dtype_bytes / parts, hw)
+    if one_d:
+        traffic = sharded.traffic_split(batch) + sharded.traffic_replicated(batch) / (t if sp else 1)
+    else:
+        traffic = lt.traffic(batch) / t
+    mem_fwd = memory_time(traffic / c, hw)
+    forward = gemm_fwd + attn_fwd + mem_fwd
+    backward = 2 * forward
+    recompute = {"none": 0.0, "selective": attn_fwd, "full": forward}[state.recompute]
+    # Communication inside the layer (not overlapped with its compute).
+    comm = comm_bytes = 0.0
+    if one_d and t > 1:
+        for op, phase, nbytes in sharded.comm:
+            n = nbytes(batch) / c
+            reruns = 2 if phase == "forward" and state.recompute == "full" else 1
+            if sp and op == "all_reduce" and lt.is_block:
+                # Megatron-SP: each all-reduce around a tensor-parallel region becomes a
+                # reduce-scatter into the sequence-split region and an all-gather out of it
+                sec = _coll("reduce_scatter", n, ctx.tp, hw) + _coll("all_gather", n, ctx.tp, hw)
+            else:
+                sec = _coll(op, n, ctx.tp, hw)
+            comm += reruns * sec
+            comm_bytes += reruns * _wire_bytes(op, n, t)
+    elif t > 1:
+        sec, nbytes = _multi_d_comm(lt, mode, batch / c, ctx, state.recompute == "full")
+        comm += sec
+        comm_bytes += nbytes
+    if c > 1 and lt.attention:
+        sec, nbytes = _context_comm(lt, mode, batch, ctx, attn_fwd)
+        comm += sec * (1.5 if state.recompute in ("full", "selective") else 1)
+        comm_bytes += nbytes
+    # Memory: activations kept for backward, parameters held.
+    if state.recompute == "full":
+        acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)
+    elif one_d:
+        acts = sharded.act_split(batch) + sharded.act_replicated(batch) / (t if sp else 1)
+        if state.recompute == "none":
+            acts += sharded.act_attention(batch)
+    else:
+        whole = sharded.act_split(batch) + sharded.act_replicated(batch)
+        if state.recompute == "none":
+            whole += sharded.act_attention(batch)
+        acts = whole / t
+    acts /= c
+    if one_d:
+        params = sharded.param_bytes
+    elif mode.name == "2.5d":
+        params = lt.param_bytes / (mode.q * mode.q)
+    else:
+        params = lt.param_bytes / t
+    return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params)
+
+
+def _wire_bytes(op: str, nbytes: float, p: int) -> float:
+    """Bytes one rank sends for a collective on ``nbytes`` (ring algorithms)."""
+    if op == "all_reduce":
+        return 2 * (p - 1) / p * nbytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p * nbytes
+    return nbytes
+
+
+def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
+                  full_recompute: bool) -> tuple[float, float]:
+    """Communication of the weight GEMMs of one layer under 2D, 2.5D or 3D.
+
+    Per GEMM with activations M x K, weight K x N and output M x N (bytes e per value):
+    2D SUMMA (Xu et al. 2021, arXiv 2104.05343): forward broadcasts the blocks of the
+    activation along rows and of the weight along columns, (q-1)(MK + KN)/q^2 values per
+    device; the two backward products move (q-1)(MN + KN)/q^2 and (q-1)(MK + MN)/q^2.
+    2.5D (Wang et al. 2021, arXiv 2105.14500): the same on M/d rows per depth layer, plus an
+    all-reduce of the weight gradient over the d layers. 3D (Bian et al. 2021, arXiv
+    2105.14450): forward all-gathers the activation and the weight and reduce-scatters
+    the output within groups of q, (q-1)(MK + KN + MN)/q^3 values; backward twice that.
+    """
+    q, d, e = mode.q, mode.d, lt.dtype_bytes
+    group = _group(mode, ctx)
+    seconds = nbytes_total = 0.0
+    for g in lt.gemms:
+        if not g.weight:
+            continue
+        m = g.flops(batch) / (2 * g.k * g.n)  # tokens
+        mk, kn, mn = m * g.k * e, g.k * g.n * e, m * g.n * e
+        if mode.name == "2d":
+            fwd = (q - 1) * (mk + kn) / q ** 2
+            bwd = (q - 1) * (mn + kn + mk + mn) / q ** 2
+            extra = 0.0
+        elif mode.name == "2.5d":
+            fwd = (q - 1) * (mk / d + kn) / q ** 2
+            bwd = (q - 1) * (mn / d + kn + mk / d + mn / d) / q ** 2
+            extra = _coll("all_reduce", kn / q ** 2, _depth(mode, ctx), ctx.hw)
+        else:
+            fwd = (q - 1) * (mk + kn + mn) / q ** 3
+            bwd = 2 * fwd
+            extra = 0.0
+        runs = 2 if full_recompute else 1
+        # each received volume v travels as a broadcast/gather among q ranks: price it as an
+        # all-gather whose whole tensor is v * q / (q - 1)
+        for v, k in ((fwd, runs), (bwd, 1)):
+            seconds += k * _coll("all_gather", v * q / (q - 1), group, ctx.hw)
+            nbytes_total += k * v
+        seconds += extra
+    return seconds, nbytes_total
+
+
+def _group(mode: TensorMode, ctx: Context) -> Placement:
+    if ctx.tp_groups and mode in ctx.tp_groups:
+        return ctx.tp_groups[mode]["q"]
+    inner = min(mode.q, ctx.tp.per_node)
+    return Placement(mode.q, inner, ctx.tp.sharing)
+
+
+def _depth(mode: TensorMode, ctx: Context) -> Placement:
+    if ctx.tp_groups and mode in ctx.tp_groups:
+        return ctx.tp_groups[mode]["d"]
+    inner = max(1, min(mode.d, ctx.tp.per_node // (mode.q * mode.q)))
+    return Placement(mode.d, inner, ctx.tp.sharing)
+
+
+def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
+                  attn_fwd: float) -> tuple[float, float]:
+    """Sequence (context) parallelism over cp around each attention core.
+
+    Ulysses (Jacobs et al. 2023): four all-to-alls forward (q, k, v in, output back) and
+    four backward, each on the layer's local activation. Ring attention (Li et al. 2021,
+    arXiv 2105.13120): the key and value blocks travel c-1 hops forward and twice in
+    backward, overlapped with the attention blocks they feed.
+    """
+    c, hw = ctx.cp.size, ctx.hw
+    act = lt.boundary(batch) / (mode.size * c)
+    seconds = nbytes = 0.0
+    for a in lt.attention:
+        kv = 2 * act * a.kv_heads / a.heads
+        if ctx.cp_mode == "ring":
+            hop = _coll("p2p", kv, ctx.cp, hw) if c > 1 else 0.0
+            comm = 3 * (c - 1) * hop
+            seconds += max(0.0, comm - 3 * attn_fwd)
+            nbytes += 3 * (c - 1) * kv
+        else:
+            per = _coll("all_to_all", act * c, ctx.cp, hw)
+            seconds += 8 * per
+            nbytes += 8 * act * (c - 1) / c
+    return seconds, nbytes
+
+
+def formulas() -> dict[str, sympy.Expr]:
+    """The per-layer formulas, as sympy, for explain to print."""
+    b, s, h, a, t, L = sympy.symbols("b s h a t L", positive=True)
+    return {
+        # Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, bytes per layer, 16-bit values
+        "activations 1d": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "activations 1d+sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
+        "activations 1d+sp+selective": 34 * s * b * h / t,
+        "activations full recompute": 2 * s * b * h,
+        # Megatron-LM per-layer all-reduces of 2bsh bytes, forward and backward
+        "tp comm 1d (ring)": 4 * 2 * (t - 1) / t * 2 * b * s * h,
+        "model flops (Narayanan et al. 2021, Eq. 3)":
+            96 * b * s * L * h ** 2 * (1 + s / (6 * h)),
+    }

@@ -1,0 +1,218 @@
+"""`autopar.plan`: trace a model, read its layer costs, search, and return a Plan.
+
+This is the offline path (no devices needed) and also what `parallelize(plan=None)`
+runs, restricted to the modes the runtime executes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
+from autopar.cost.model import formulas
+from autopar.errors import PlanError
+from autopar.graph.trace import trace
+from autopar.plan import LayerPlan, PipelinePlan, Plan, ZeroPlan
+from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
+from autopar.world import World
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# What the runtime executes today; parallelize searches only these.
+EXECUTABLE = {"tp_modes": ("1d",), "axes": ("dp", "tp"), "recompute": ("none",),
+              "zero": (0,), "sp": (), "schedules": (), "offload": False}
+
+
+def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
+            repeat: dict[str, int] | None = None, tokens_per_sample: int | None = None,
+            tp_sizes=(), layers: tuple[int, int] | None = None) -> LayerChain:
+    """Trace `model` and read the cost of each kind of layer (once per kind).
+
+    `layers=(traced, real)`: the model was built with `traced` copies of its repeated block
+    where the real one has `real` (see autopar.models.workload); the chain counts `real`.
+    """
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    traced = trace(model, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target,
+                   train=True)
+    if layers is not None and layers[1] != layers[0]:
+        repeat = dict(repeat or {})
+        repeat.update(_scale_blocks(traced, *layers))
+    if tokens_per_sample is None:
+        x = example_inputs[0]
+        tokens_per_sample = int(x.shape[1]) if x.dim() > 1 and not x.dtype.is_floating_point \
+            else 1
+    chain = layer_chain(traced, repeat=repeat, tokens_per_sample=tokens_per_sample)
+    sizes = sorted({1, *tp_sizes})
+    chain.refused = add_tensor_parallel(traced, chain, sizes)
+    chain.traced = traced
+    chain.names = _names(traced, repeat or {})
+    return chain
+
+
+def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
+    """The last traced copy of the block repeated `traced_count` times stands for the rest."""
+    groups: dict[int, list[str]] = {}
+    for layer in traced.layers:
+        groups.setdefault(layer.group, []).append(layer.name)
+    for names in groups.values():
+        if len(names) == traced_count and traced_count >= 1 and real_count > traced_count:
+            return {names[-1]: real_count - traced_count + 1}
+    raise PlanError(f"cannot find the block repeated {traced_count} times to stand for "
+                    f"{real_count}.")
+
+
+def _names(traced, repeat: dict[str, int]) -> list[str]:
+    """Layer names of the real model: a traced `blocks.1` standing for 95 blocks becomes
+    blocks.1 ... blocks.95."""
+    out = []
+    for layer in traced.layers:
+        count = repeat.get(layer.name, 1)
+        m = re.match(r"^(.*\.)(\d+)$", layer.name)
+        if count > 1 and m:
+            start = int(m.group(2))
+            out.extend(f"{m.group(1)}{start + k}" for k in range(count))
+        else:
+            out.extend([layer.name] * count)
+    return out
+
+
+def search(chain: LayerChain, world: World, *, global_batch: int, constraints=None,
+           dtype: str = "bf16", attention_kernel: str = "flash", executable: bool = False,
+           top: int = 5, progress=None) -> SearchResult:
+    options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
+                      executable=EXECUTABLE if executable else None, top=top)
+    return Search(chain, world, options, constraints).run(progress)
+
+
+def plan(model, example_inputs, world, *, global_batch: int | None = None, constraints=None,
+         loss_fn=None, example_target=None, dtype: str | None = None,
+         attention_kernel: str = "flash", executable: bool = False, top: int = 5,
+         repeat: dict[str, int] | None = None, progress=None) -> Plan:
+    """The fastest plan for `model` on `world` that fits memory.
+
+    `world`: an int (devices of the default profile) or a World. `constraints`: any subset
+    of {tp, pp, dp, cp, tp_mode, sp, zero, offload, recompute, microbatches,
+    micro_batch_size, schedule} fixed. `global_batch` defaults to the example batch.
+    `executable=True` restricts the search to what `parallelize` runs today.
+    """
+    world = world if isinstance(world, World) else World(devices=world)
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    if global_batch is None:
+        global_batch = int(example_inputs[0].shape[0])
+    if dtype is None:
+        dtype = _DTYPES.get(next((p.dtype for p in model.parameters()), torch.float32), "fp32")
+    start = time.perf_counter()
+    c = Constraints.of(constraints)
+    sizes = [c.tp] if c.tp else [t for t in divisors(world.devices)]
+    chain = prepare(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                    repeat=repeat, tp_sizes=sizes)
+    result = search(chain, world, global_batch=global_batch, constraints=c, dtype=dtype,
+                    attention_kernel=attention_kernel, executable=executable, top=top,
+                    progress=progress)
+    return to_plan(chain, world, result, global_batch, dtype, time.perf_counter() - start)
+
+
+def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch: int,
+            dtype: str, total_s: float) -> Plan:
+    best = result.best
+    if best is None:
+        raise PlanError(_nothing_fits(result, world))
+    from autopar.report import plan_report
+
+    made = _plan_of(best, chain, world, result, global_batch, dtype, total_s)
+    made.detail = plan_report(made, chain)
+    return made
+
+
+def _nothing_fits(result: SearchResult, world: World) -> str:
+    if not result.alternatives:
+        return f"no plan exists for this model on {world.devices} devices."
+    closest, _ = min(result.alternatives, key=lambda a: a[0].memory_per_device)
+    need = closest.memory_per_device
+    cap = world.profile.memory_bytes * 0.92
+    per_device_scale = need / cap
+    return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
+            f"{closest.describe()}, needs {need / 2 ** 30:.1f} GiB per device of "
+            f"{cap / 2 ** 30:.1f} GiB usable; about "
+            f"{_round_up(world.devices * per_device_scale, world.per_node)} devices would be "
+            "needed (try that --world, or --min-devices to search for the fewest).")
+
+
+def _round_up(x: float, k: int) -> int:
+    n = int(-(-x // 1))
+    return -(-n // k) * k
+
+
+def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchResult,
+             global_batch: int, dtype: str, total_s: float) -> Plan:
+    block_states = [s for s, lt in zip(best.states, chain.layers()) if lt.is_block] or best.states
+    main = max(block_states, key=lambda s: (block_states.count(s), str(s.mode)))
+    layers = [LayerPlan(name, tp_mode=str(state.mode.name) if state.mode.size > 1 else "1d",
+                        sp=state.sp, recompute=state.recompute, stage=stage)
+              for name, state, stage in zip(chain.names, best.states, best.stages)]
+    flops = model_flops(chain, global_batch)
+    peak = world.profile.flops(dtype)
+    mesh = best.mesh
+    predicted = {
+        "step_time_s": best.step_time,
+        "compute_s": best.compute_s,
+        "comm_s": best.comm_s + best.dp_comm_s,
+        "tp_comm_s": best.comm_s,
+        "dp_comm_s": best.dp_comm_s,
+        "bubble_s": best.bubble_s,
+        "optimizer_s": best.optimizer_s,
+        "memory_per_device_bytes": int(best.memory_per_device),
+        "memory_breakdown_bytes": {k: int(v) for k, v in best.memory.items()},
+        "comm_bytes_per_device": int(best.comm_bytes_per_device),
+        "model_flops_per_step": flops,
+        "mfu": flops / (best.step_time * world.devices * peak) if best.step_time else 0.0,
+        "tokens_per_s": global_batch * chain.tokens_per_sample / best.step_time
+        if best.step_time else 0.0,
+    }
+    alternatives = [{"plan": c.describe(), "mesh": c.mesh, "step_time_s": c.step_time,
+                     "memory_per_device_bytes": int(c.memory_per_device), "fits": c.fits,
+                     "reason": reason} for c, reason in result.alternatives]
+    search_info = {"time_s": result.time_s, "total_s": total_s, "candidates": result.candidates,
+                   "alternatives": alternatives, "left_out": result.left_out,
+                   "winner": best.describe(), "dtype": dtype, "global_batch": global_batch,
+                   "attention_kernel": result.attention_kernel}
+    sequence_mode = best.cp_mode if mesh["cp"] > 1 else None
+    plan = Plan(mesh=dict(mesh), tp_mode=main.mode.name, tp_depth=main.mode.d if
+                main.mode.name == "2.5d" else 1,
+                sequence_parallel=main.sp == "megatron", sequence_mode=sequence_mode,
+                layers=layers,
+                pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else "1f1b",
+                                      microbatches=best.microbatches, chunks=best.chunks,
+                                      micro_batch_size=best.micro_batch),
+                zero=ZeroPlan(stage=best.zero, offload=best.offload),
+                recompute=main.recompute, world=world, predicted=predicted, search=search_info,
+                notes=_notes(chain))
+    return plan
+
+
+def _notes(chain: LayerChain) -> list[str]:
+    notes = list(getattr(chain, "refused", []))
+    for lt in chain.types:
+        for size, sh in sorted(lt.sharded.items()):
+            if size > 1 and sh.replicated_ops:
+                notes.append(f"{lt.name} at tp={size}: " + "; ".join(sh.replicated_ops[:3])
+                             + (f" (+{len(sh.replicated_ops) - 3} more)"
+                                if len(sh.replicated_ops) > 3 else ""))
+                break
+    return notes
+
+
+def model_flops(chain: LayerChain, global_batch: int) -> int:
+    """FLOPs of one step without recomputation: forward, plus backward at twice the forward
+    (the 6-FLOPs-per-parameter-per-token rule with attention included)."""
+    fwd = sum(lt.forward_flops(1) for lt in chain.layers())
+    return int(3 * fwd * global_batch)
+
+
+def formula_table() -> dict[str, str]:
+    return {k: str(v) for k, v in formulas().items()}

@@ -1,0 +1,1 @@
+"""The strategy search: mesh factorisations, per-layer choice, pipeline partition, ranking."""

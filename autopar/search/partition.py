@@ -1,0 +1,128 @@
+"""Pipeline stages balanced by cost, and the per-layer choice of strategy along the chain.
+
+Both are dynamic programs over the layer chain:
+
+- ``balance``: split layers into k contiguous stages minimising the slowest stage
+  (dp[j][s] = min_i max(dp[i][s-1], cost(i..j))), vectorised over i with numpy.
+- ``choose_states``: pick one state per layer minimising the sum of layer times, the
+  conversions between neighbours with different layouts, and ``price`` x activation
+  bytes (a Lagrange multiplier that trades time for memory); a Viterbi pass with numpy.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+
+def balance(costs, k: int) -> list[int]:
+    """Stage index of each layer: ``k`` contiguous stages, the slowest as fast as possible.
+
+    Parametric search: the smallest bottleneck B for which cutting greedily (each stage
+    takes layers while it stays within B) needs at most k stages, found by bisection on B;
+    exact (it gives the bottleneck of ``balance_dp``) and O(k log n) per probe, so the
+    search can afford it for every candidate. Every stage gets at least one layer.
+    """
+    costs = [float(c) for c in costs]
+    n = len(costs)
+    if k <= 1:
+        return [0] * n
+    if k > n:
+        raise ValueError(f"cannot split {n} layers into {k} stages.")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    total = prefix[-1]
+
+    def cuts(limit: float):
+        out, start = [], 0
+        while start < n:
+            end = bisect.bisect_right(prefix, prefix[start] + limit * (1 + 1e-12)) - 1
+            end = max(end, start + 1)
+            out.append(end)
+            start = end
+            if len(out) > k:
+                return None
+        return out
+
+    lo = max(max(costs), total / k)
+    hi = lo + max(costs)
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        if cuts(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    ends = cuts(hi)
+    # give every stage at least one layer: split the last stages' tails if greedy used fewer
+    while len(ends) < k:
+        widest = max(range(len(ends)), key=lambda s: ends[s] - (ends[s - 1] if s else 0))
+        start = ends[widest - 1] if widest else 0
+        if ends[widest] - start < 2:
+            break
+        ends.insert(widest, ends[widest] - 1)
+    stages, s = [0] * n, 0
+    for layer in range(n):
+        while layer >= ends[s]:
+            s += 1
+        stages[layer] = s
+    return stages
+
+
+def balance_dp(costs, k: int) -> list[int]:
+    """The same partition by dynamic programming over the chain (the reference ``balance``
+    is checked against): dp[s][j] = min_i max(dp[s-1][i], cost(i..j)). Exact, O(k n^2)."""
+    costs = np.asarray(costs, dtype=float)
+    n = len(costs)
+    if k <= 1:
+        return [0] * n
+    if k > n:
+        raise ValueError(f"cannot split {n} layers into {k} stages.")
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    inf = float("inf")
+    # best[s][j]: slowest stage of the best split of layers [0, j) into s+1 stages
+    best = np.full((k, n + 1), inf)
+    cut = np.zeros((k, n + 1), dtype=int)
+    best[0, 1:] = prefix[1:]
+    seg = prefix[None, :] - prefix[:, None]  # seg[i, j] = cost of layers [i, j)
+    idx = np.arange(n + 1)
+    for s in range(1, k):
+        # candidate i (last cut) must leave >= 1 layer per earlier stage and this stage
+        cand = np.maximum(best[s - 1][:, None], seg)
+        cand[idx[:, None] >= idx[None, :]] = inf
+        cand[: s, :] = inf
+        cut[s] = np.argmin(cand, axis=0)
+        best[s] = cand[cut[s], idx]
+    stages = [0] * n
+    j = n
+    for s in range(k - 1, -1, -1):
+        i = cut[s][j] if s > 0 else 0
+        for layer in range(i, j):
+            stages[layer] = s
+        j = i
+    return stages
+
+
+def choose_states(layer_states, time, memory, convert, price: float) -> tuple[list[int], float]:
+    """Viterbi over the chain. ``layer_states[l]``: how many states layer l has;
+    ``time[l][a]``, ``memory[l][a]``: arrays per state; ``convert[l][a, b]``: seconds to
+    go from state a of layer l-1 to state b of layer l. Returns (state per layer, cost)."""
+    n = len(layer_states)
+    cost = np.asarray(time[0]) + price * np.asarray(memory[0])
+    back = []
+    for layer in range(1, n):
+        step = cost[:, None] + convert[layer]
+        arg = np.argmin(step, axis=0)
+        back.append(arg)
+        cost = step[arg, np.arange(step.shape[1])] + np.asarray(time[layer]) + \
+            price * np.asarray(memory[layer])
+    last = int(np.argmin(cost))
+    total = float(cost[last])
+    path = [last]
+    for arg in reversed(back):
+        path.append(int(arg[path[-1]]))
+    path.reverse()
+    return path, total

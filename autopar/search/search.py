@@ -1,0 +1,788 @@
+"""The strategy search: mesh x per-layer strategy x pipeline x ZeRO x recompute.
+
+For every factorisation of the world into pp x dp x cp x tp (tp innermost, so a node's
+fast links carry it first), every micro-batch size and pipeline schedule, the search
+chooses each layer's tensor mode, sequence parallelism and recompute by a dynamic
+program over the layer chain, balances pipeline stages by a second one, picks the ZeRO
+stage and offload, and prices the step in seconds. Candidates that cannot fit memory are
+kept with the amount they miss by, so a report can say why they lost. Branch and bound
+skips candidates whose memory-free lower bound is already slower than the k-th best.
+
+Everything is deterministic: candidates are visited in a fixed order and ties go to the
+first, so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.cost.comm import collective_time, placements
+from autopar.cost.hardware import GiB, Hardware
+from autopar.cost.layer import LayerChain
+from autopar.cost.model import (
+    OPTIMIZER_BYTES,
+    RECOMPUTE,
+    Context,
+    LayerState,
+    TensorMode,
+    state_cost,
+    tensor_modes,
+)
+from autopar.errors import PlanError
+from autopar.search.partition import balance, choose_states
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+ORDER = ("tp", "cp", "dp", "pp")  # innermost first
+USABLE_MEMORY = 0.92  # the rest goes to the framework, kernels' workspaces, fragmentation
+
+
+@dataclass
+class Constraints:
+    """Any subset of the plan, fixed. None = the search chooses."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    cp: int | None = None
+    tp_mode: str | None = None
+    sp: str | None = None  # none | megatron | ulysses | ring
+    zero: int | None = None
+    offload: bool | None = None
+    recompute: str | None = None
+    microbatches: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+
+    @classmethod
+    def of(cls, value) -> Constraints:
+        if value is None:
+            return cls()
+        if isinstance(value, Constraints):
+            return value
+        if not isinstance(value, dict):
+            raise PlanError(f"constraints must be a dict, not {type(value).__name__}.")
+        names = set(cls.__dataclass_fields__)
+        unknown = set(value) - names
+        if unknown:
+            raise PlanError(f"unknown constraint(s) {sorted(unknown)}; valid ones are "
+                            f"{sorted(names)}.")
+        return cls(**value)
+
+
+@dataclass
+class Options:
+    global_batch: int
+    dtype: str = "bf16"
+    attention_kernel: str = "flash"
+    executable: set | None = None  # restrict to what the runtime runs: {"tp_modes": .., ...}
+    top: int = 5
+    max_micro_batch: int = 16
+
+
+@dataclass
+class Candidate:
+    mesh: dict
+    micro_batch: int
+    microbatches: int
+    schedule: str
+    chunks: int
+    zero: int
+    offload: bool
+    cp_mode: str | None
+    states: list  # LayerState per layer of the chain
+    stages: list  # stage (device) per layer
+    step_time: float
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    dp_comm_s: float
+    optimizer_s: float
+    memory: dict  # worst device: bytes by kind
+    memory_per_device: float
+    comm_bytes_per_device: float
+    fits: bool
+
+    def key(self) -> tuple:
+        return (self.mesh["pp"], self.mesh["dp"], self.mesh["cp"], self.mesh["tp"])
+
+    def describe(self) -> str:
+        m = self.mesh
+        modes = sorted({str(s.mode) for s in self.states if s.mode.size > 1}) or ["-"]
+        rc = sorted({s.recompute for s in self.states})
+        sp = sorted({s.sp for s in self.states} - {"none"})
+        parts = [f"pp{m['pp']} dp{m['dp']} cp{m['cp']} tp{m['tp']}", f"tp {'/'.join(modes)}"]
+        if sp:
+            parts.append("sp " + "/".join(sp))
+        if self.cp_mode:
+            parts.append(f"cp {self.cp_mode}")
+        if m["pp"] > 1:
+            parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else ""))
+        parts.append(f"mb {self.micro_batch}x{self.microbatches}")
+        parts.append(f"zero {self.zero}" + ("+offload" if self.offload else ""))
+        parts.append("recompute " + "/".join(rc))
+        return ", ".join(parts)
+
+
+@dataclass
+class SearchResult:
+    best: Candidate | None
+    alternatives: list  # (Candidate, reason) best first
+    candidates: int
+    time_s: float
+    left_out: list[str] = field(default_factory=list)
+    attention_kernel: str = "flash"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorisations(world: int, c: Constraints, n_blocks: int, seq_ok) -> list[dict]:
+    out = []
+    for tp in divisors(world):
+        if c.tp is not None and tp != c.tp:
+            continue
+        for pp in divisors(world // tp):
+            if (c.pp is not None and pp != c.pp) or pp > max(1, n_blocks):
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if (c.cp is not None and cp != c.cp) or not seq_ok(cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                if c.dp is not None and dp != c.dp:
+                    continue
+                out.append({"pp": pp, "dp": dp, "cp": cp, "tp": tp})
+    return out
+
+
+class Search:
+    """One search over one model and world; reusable for several questions."""
+
+    def __init__(self, chain: LayerChain, world, options: Options, constraints=None):
+        self.chain = chain
+        self.world = world
+        self.hw: Hardware = world.profile
+        self.opt = options
+        self.c = Constraints.of(constraints)
+        self.layers = chain.layers()
+        self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
+        self._cost_cache: dict = {}
+        self._balance_cache: dict = {}
+        self.left_out: list[str] = []
+        self.capacity = self.hw.memory_bytes * USABLE_MEMORY
+        self.candidates = 0
+        self._leaf_order: list = []
+
+    # ------------------------------------------------------------------ spaces
+    def _tp_modes(self, tp: int) -> list[TensorMode]:
+        allowed = ("1d", "2d", "2.5d", "3d")
+        if self.opt.executable is not None:
+            allowed = tuple(m for m in allowed if m in self.opt.executable.get("tp_modes", ()))
+        if self.c.tp_mode is not None:
+            allowed = (self.c.tp_mode,)
+        if tp == 1:
+            return [TensorMode("1d", 1)]
+        modes = tensor_modes(tp, allowed)
+        return [m for m in modes if all(tp in lt.sharded or m.name != "1d" for lt in
+                                        self.chain.types)]
+
+    def _sp_modes(self, mode: TensorMode) -> list[str]:
+        if mode.name != "1d" or mode.size == 1:
+            return ["none"]
+        allowed = ["none", "megatron"]
+        if self.opt.executable is not None and "megatron" not in self.opt.executable.get("sp", ()):
+            allowed = ["none"]
+        if self.c.sp in ("none", "megatron"):
+            allowed = [self.c.sp] if self.c.sp in allowed or self.opt.executable is None else []
+        return allowed
+
+    def _recompute(self) -> tuple:
+        rc = RECOMPUTE
+        if self.opt.executable is not None:
+            rc = tuple(r for r in rc if r in self.opt.executable.get("recompute", ("none",)))
+        if self.c.recompute is not None:
+            rc = (self.c.recompute,)
+        return rc
+
+    def _states(self, lt, tp: int) -> list[LayerState]:
+        key = ("states", id(lt), tp)
+        if key not in self._cost_cache:
+            self._cost_cache[key] = self._make_states(lt, tp)
+        return self._cost_cache[key]
+
+    def _make_states(self, lt, tp: int) -> list[LayerState]:
+        out = []
+        for mode in self._tp_modes(tp):
+            for sp in self._sp_modes(mode):
+                if lt.is_block:
+                    out.extend(LayerState(mode, sp, r) for r in self._recompute())
+                elif mode.name == "1d":
+                    out.append(LayerState(mode, sp, "none"))
+        return out
+
+    # ------------------------------------------------------------------ pricing
+    def _costs(self, ctx: Context, key, tp: int, b: int):
+        """Per layer kind: its states and their StateCosts (cached by tp placement and b)."""
+        ck = (key, b)
+        hit = self._cost_cache.get(ck)
+        if hit is not None:
+            return hit
+        per_type = []
+        for lt in self.chain.types:
+            states = [s for s in self._states(lt, tp) if b % s.mode.batch_split == 0]
+            costs = [state_cost(lt, s, b, ctx) for s in states]
+            per_type.append((states, costs))
+        self._cost_cache[ck] = per_type
+        return per_type
+
+    def run(self, progress=None) -> SearchResult:
+        """Price every leaf's lower bound, then evaluate leaves best bound first until the
+        bound passes the k-th best plan found (branch and bound: exact for the top k)."""
+        start = time.perf_counter()
+        world = self.world.devices
+        seq = self.chain.tokens_per_sample
+        has_attention = any(lt.attention for lt in self.chain.types)
+        heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
+
+        def seq_ok(cp: int) -> bool:
+            if cp == 1:
+                return True
+            if self.opt.executable is not None and "cp" not in self.opt.executable.get("axes", ()):
+                return False
+            return has_attention and seq % cp == 0 and seq // cp >= 256
+
+        meshes = factorisations(world, self.c, len(self.blocks) or 1, seq_ok)
+        if self.opt.executable is not None:
+            axes = self.opt.executable.get("axes", ("dp", "tp"))
+            kept = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)]
+            if len(kept) < len(meshes):
+                self.left_out.append("pipeline and sequence (cp) axes: the runtime cannot "
+                                     "execute them yet")
+            meshes = kept
+        if not meshes:
+            raise PlanError(self._no_mesh_reason(world))
+        leaves = []
+        for i, mesh in enumerate(meshes):
+            if progress:
+                progress(i, 2 * len(meshes))
+            leaves.extend(self._leaves(mesh, heads))
+        if not leaves:
+            raise PlanError(self._no_leaf_reason(meshes))
+        leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
+        top: list = []  # max-heap by time of the k best fitting candidates
+        per_mesh: dict = {}
+        bounds: dict = {}
+        for j, leaf in enumerate(leaves):
+            if progress and j % 64 == 0:
+                progress(len(meshes) + j * len(meshes) // len(leaves), 2 * len(meshes))
+            key = _mesh_key(leaf.mesh)
+            if len(top) >= self.opt.top and leaf.bound >= -top[0][0]:
+                bounds.setdefault(key, leaf)
+                continue
+            for cand in self._evaluate(leaf):
+                self.candidates += 1
+                prev = per_mesh.get(key)
+                if prev is None or _better(cand, prev):
+                    per_mesh[key] = cand
+                if cand.fits:
+                    item = (-cand.step_time, -self.candidates, cand)
+                    if len(top) < self.opt.top:
+                        heapq.heappush(top, item)
+                    elif cand.step_time < -top[0][0]:
+                        heapq.heapreplace(top, item)
+        ranked = sorted(per_mesh.values(), key=lambda c: (not c.fits, c.step_time if c.fits
+                                                          else c.memory_per_device))
+        winner = ranked[0] if ranked and ranked[0].fits else None
+        alternatives = [(c, self._reason(c, winner)) for c in ranked[(1 if winner else 0):]]
+        for key, leaf in bounds.items():
+            if key not in per_mesh and winner is not None:
+                alternatives.append((self._bound_candidate(leaf),
+                                     f"at least {100 * (leaf.bound / winner.step_time - 1):.1f}% "
+                                     "slower (lower bound: never fully priced)"))
+        alternatives = alternatives[: self.opt.top]
+        return SearchResult(winner, alternatives, self.candidates, time.perf_counter() - start,
+                            self.left_out, self.opt.attention_kernel)
+
+    def _no_mesh_reason(self, world: int) -> str:
+        fixed = {k: v for k, v in vars(self.c).items()
+                 if k in ("tp", "pp", "dp", "cp") and v is not None}
+        if fixed:
+            prod = math.prod(fixed.values())
+            near = [d for d in divisors(world)]
+            return (f"the fixed sizes {fixed} (product {prod}) cannot tile a world of {world} "
+                    f"devices; each size must divide {world} and their product must too "
+                    f"(divisors: {', '.join(map(str, near[:12]))}"
+                    f"{', ...' if len(near) > 12 else ''}).")
+        return f"no way to split this model over {world} devices."
+
+    def _reason(self, cand: Candidate, winner: Candidate | None) -> str:
+        if not cand.fits:
+            over = cand.memory_per_device - self.capacity
+            return (f"out of memory by {over / GiB:.1f} GiB per device "
+                    f"({cand.memory_per_device / GiB:.1f} GiB needed, "
+                    f"{self.capacity / GiB:.1f} GiB usable)")
+        if winner is None:
+            return "fits"
+        pct = 100 * (cand.step_time / winner.step_time - 1)
+        why = []
+        if cand.bubble_s > winner.bubble_s * 1.2 + 1e-9:
+            why.append(f"pipeline bubble {cand.bubble_s:.3f} s")
+        if cand.comm_s > winner.comm_s * 1.2 + 1e-9:
+            why.append(f"tensor/sequence comm {cand.comm_s:.3f} s")
+        if cand.dp_comm_s > winner.dp_comm_s * 1.2 + 1e-9:
+            why.append(f"data-parallel sync {cand.dp_comm_s:.3f} s")
+        if cand.compute_s > winner.compute_s * 1.05:
+            why.append(f"compute {cand.compute_s:.3f} s")
+        return f"{pct:.1f}% slower" + (f" ({', '.join(why)})" if why else "")
+
+    # ------------------------------------------------------------ one mesh
+    def _no_leaf_reason(self, meshes) -> str:
+        gb = self.opt.global_batch
+        dps = sorted({m["dp"] for m in meshes})
+        return (f"the global batch {gb} does not split over any data-parallel size this world "
+                f"allows ({', '.join(map(str, dps[:10]))}); use a batch that is a multiple of "
+                f"{dps[0]}" + (f" or fix --dp to a divisor of {gb}" if len(dps) > 1 else "") + ".")
+
+    # ------------------------------------------------------------ leaves
+    def _prepared(self, mesh, pl, cp_mode, b):
+        """Costs of every layer state for this tp/cp placement and micro-batch, the fastest
+        path through the chain and its per-layer numbers (shared by all pp x dp)."""
+        key = (mesh["tp"], pl["tp"], pl["cp"], cp_mode, b)
+        hit = self._cost_cache.get(key)
+        if hit is not None:
+            return hit
+        ctx = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"], cp_mode,
+                      self.opt.attention_kernel)
+        per_type = []
+        for lt in self.chain.types:
+            states = [s for s in self._states(lt, mesh["tp"]) if b % s.mode.batch_split == 0]
+            per_type.append((states, [state_cost(lt, s, b, ctx) for s in states]))
+        if any(not states for states, _ in per_type):
+            self._cost_cache[key] = None
+            return None
+        prep = _Prepared(self, per_type, pl, b)
+        self._cost_cache[key] = prep
+        return prep
+
+    def _leaves(self, mesh, heads):
+        c = self.c
+        pl = placements(mesh, ORDER, self.world.per_node)
+        gb, dp = self.opt.global_batch, mesh["dp"]
+        if gb % dp:
+            return []
+        per_replica = gb // dp
+        cp_modes = [None]
+        if mesh["cp"] > 1:
+            cp_modes = [c.sp] if c.sp in ("ulysses", "ring") else ["ulysses", "ring"]
+        micro = [b for b in divisors(per_replica) if b <= self.opt.max_micro_batch]
+        if c.micro_batch_size is not None:
+            micro = [b for b in divisors(per_replica) if b == c.micro_batch_size]
+        if c.microbatches is not None:
+            micro = [b for b in micro if per_replica // b == c.microbatches]
+        grad_pl = None
+        out = []
+        for cp_mode in cp_modes:
+            if cp_mode == "ulysses" and heads % (mesh["cp"] * mesh["tp"]):
+                continue
+            for b in micro:
+                prep = self._prepared(mesh, pl, cp_mode, b)
+                if prep is None:
+                    continue
+                if grad_pl is None:
+                    grad_pl = placements({"tp": mesh["tp"], "dpcp": mesh["dp"] * mesh["cp"],
+                                          "pp": mesh["pp"]}, ("tp", "dpcp", "pp"),
+                                         self.world.per_node)["dpcp"]
+                m = per_replica // b
+                zeros = self._zero_options(mesh)
+                if not zeros:
+                    continue
+                pp = mesh["pp"]
+                # lower bound without building the chain: every layer at its fastest state,
+                # stages perfectly balanced, parameters evenly spread
+                avg = prep.min_total / pp
+                slowest = max(avg, prep.min_single)
+                dp_lb = min(self._dp_time(prep.min_params / pp, z, m, grad_pl) for z, _ in zeros)
+                for schedule, v in self._schedule_options(pp, m):
+                    if pp * v > len(self.chain.order):
+                        continue
+                    if pp == 1:
+                        pipe = m * slowest
+                    elif schedule == "interleaved":
+                        pipe = m * slowest + (pp - 1) * avg / v
+                    elif schedule == "zero_bubble":
+                        pipe = m * slowest + (pp - 1) * avg / 3
+                    else:
+                        pipe = (m - 1) * slowest + pp * avg
+                    out.append(_Leaf(pipe + dp_lb, len(self._leaf_order), dict(mesh), pl,
+                                     grad_pl, cp_mode, b, m, schedule, v, prep, None, None,
+                                     zeros))
+                    self._leaf_order.append(None)
+        return out
+
+    def _schedule_options(self, pp, m):
+        if pp == 1:
+            return [("none", 1)]
+        if m < pp:  # fewer micro-batches than stages leaves stages idle whatever the schedule
+            return []
+        out = []
+        for s in SCHEDULES:
+            if self.c.schedule is not None and s != self.c.schedule:
+                continue
+            if self.opt.executable is not None and s not in self.opt.executable.get(
+                    "schedules", ()):
+                continue
+            if s == "interleaved":
+                for v in (2, 4):
+                    if len(self.blocks) % (pp * v) == 0 and m % pp == 0:
+                        out.append((s, v))
+            else:
+                out.append((s, 1))
+        return out
+
+    def _zero_options(self, mesh):
+        out = []
+        replicas = mesh["dp"] * mesh["cp"]
+        for zero in (0, 1, 2, 3):
+            if self.c.zero is not None and zero != self.c.zero:
+                continue
+            if zero and replicas == 1:
+                continue
+            if self.opt.executable is not None and zero not in self.opt.executable.get(
+                    "zero", (0,)):
+                continue
+            for offload in (False, True):
+                if self.c.offload is not None and offload != self.c.offload:
+                    continue
+                if offload and (zero == 0 or (self.opt.executable is not None and not
+                                              self.opt.executable.get("offload", False))):
+                    continue
+                out.append((zero, offload))
+        return out
+
+    def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl) -> float:
+        """Data-parallel gradient sync of one device's parameters. ZeRO-1 reduce-scatters
+        gradients and all-gathers parameters once; ZeRO-2 reduce-scatters every micro-batch;
+        ZeRO-3 also all-gathers parameters for each micro-batch's forward and backward
+        (Rajbhandari et al. 2019)."""
+        if grad_pl.size <= 1:
+            return 0.0
+        key = ("dp", param_bytes, grad_pl)
+        hit = self._cost_cache.get(key)
+        if hit is None:
+            hit = self._cost_cache[key] = tuple(
+                collective_time(op, param_bytes, grad_pl, self.hw)
+                for op in ("all_reduce", "reduce_scatter", "all_gather"))
+        ar, rs, ag = hit
+        return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * ag)}[zero]
+
+    def _pipeline_time(self, layer_time, device_of, stage_of, pp, v, m, schedule, pl, b):
+        """(step seconds of the pipeline, bubble seconds, per-device seconds per micro-batch)."""
+        dev = np.bincount(device_of, weights=layer_time, minlength=pp)
+        if pp > 1:
+            # activations cross each stage boundary forward and their gradients backward;
+            # under tensor parallelism each rank sends its 1/tp slice (Narayanan et al. 2021
+            # §4.1, scatter/gather), and interleaving crosses v times as many boundaries
+            boundary = max(self.layers[i].boundary(b) for i in range(len(stage_of) - 1)
+                           if stage_of[i] != stage_of[i + 1])
+            nbytes = boundary / (pl["tp"].size * pl["cp"].size)
+            dev = dev + 2 * v * collective_time("p2p", nbytes, pl["pp"], self.hw)
+        slowest = float(dev.max())
+        if pp == 1 or schedule == "none":
+            total = m * slowest
+        elif schedule == "interleaved":
+            total = m * slowest + (pp - 1) * slowest / v
+        elif schedule == "zero_bubble":
+            # ZB-H1 keeps 1F1B's memory and cuts its bubble to about a third
+            # (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR)
+            total = m * slowest + (float(dev.sum()) - slowest) / 3
+        else:
+            total = (m - 1) * slowest + float(dev.sum())
+        return total, total - m * slowest, dev
+
+    def _in_flight(self, schedule, pp, v, m) -> np.ndarray:
+        """Micro-batches whose activations each device holds at its peak."""
+        if pp == 1:
+            return np.ones(1)
+        if schedule == "gpipe":
+            return np.full(pp, float(m))
+        held = np.minimum(m, pp - np.arange(pp)).astype(float)
+        if schedule == "interleaved":
+            # the interleaved schedule warms up with more micro-batches in flight
+            # (Narayanan et al. 2021 §2.2.2): about (1 + (p-1)/(p v)) x 1F1B's
+            held = held * (1 + (pp - 1) / (pp * v))
+        return held
+
+    # ------------------------------------------------------------ evaluation
+    def _evaluate(self, leaf):
+        if leaf.stage_of is None:
+            leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
+            leaf.device_of = [s % leaf.mesh["pp"] for s in leaf.stage_of]
+        for zero, offload in leaf.zeros:
+            yield self._price(leaf, zero, offload)
+
+    def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight):
+        replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
+        e = self.chain.dtype_bytes
+        weights = params_dev / (replicas if zero == 3 else 1)
+        grads = params_dev / (replicas if zero >= 2 else 1)
+        optim = np.zeros_like(params_dev) if offload else \
+            params_dev / e * OPTIMIZER_BYTES.get(e, 12) / (replicas if zero else 1)
+        buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
+                               + (2 * biggest if zero == 3 else 0.0))
+        activations = acts_dev * in_flight
+        parts = dict(parameters=weights, gradients=grads, optimizer=optim, buffers=buffers,
+                     activations=activations)
+        return weights + grads + optim + buffers + activations, parts
+
+    def _price(self, leaf, zero, offload) -> Candidate:
+        prep, mesh = leaf.prep, leaf.mesh
+        pp = mesh["pp"]
+        in_flight = self._in_flight(leaf.schedule, pp, leaf.v, leaf.m)
+        chosen = list(prep.fast)
+        params_dev = np.bincount(leaf.device_of, weights=prep.params, minlength=pp)
+        acts_dev = np.bincount(leaf.device_of, weights=prep.acts, minlength=pp)
+        total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
+                                    in_flight)
+        if total.max() > self.capacity:
+            fixed = total - parts["activations"]
+            for d in range(pp):
+                if total[d] > self.capacity:
+                    budget = (self.capacity - fixed[d]) / in_flight[d]
+                    prep.fit(chosen, [i for i in range(len(chosen)) if leaf.device_of[i] == d],
+                             budget)
+            acts = np.array([prep.mem_layers[i][s] for i, s in enumerate(chosen)])
+            acts_dev = np.bincount(leaf.device_of, weights=acts, minlength=pp)
+            total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
+                                        in_flight)
+        layer_time = prep.path_time(chosen)
+        pipe, bubble, dev = self._pipeline_time(layer_time, leaf.device_of, leaf.stage_of, pp,
+                                                leaf.v, leaf.m, leaf.schedule, leaf.pl, leaf.b)
+        worst = float(params_dev.max())
+        replicas = mesh["dp"] * mesh["cp"]
+        dp_s = self._dp_time(worst, zero, leaf.m, leaf.grad_pl)
+        hw, e = self.hw, self.chain.dtype_bytes
+        local = worst / (replicas if zero else 1)
+        elements = local / e
+        if offload:
+            # gradients down and parameters up over the host link; the step runs on the host
+            optimizer_s = 2 * local / hw.host_bandwidth + elements * 16 / hw.host_bandwidth
+        else:
+            # read parameter, gradient, master and moments, write them back
+            optimizer_s = (2 * elements * OPTIMIZER_BYTES.get(e, 12) + 3 * local) / (
+                hw.memory_bandwidth * hw.memory_efficiency)
+        step = pipe + dp_s + optimizer_s
+        slow = int(np.argmax(dev))
+        on_slow = [i for i in range(len(chosen)) if leaf.device_of[i] == slow]
+        compute = leaf.m * sum(prep.compute(i, chosen[i]) for i in on_slow)
+        comm = leaf.m * sum(prep.cost(i, chosen[i]).comm for i in on_slow)
+        comm_bytes = leaf.m * sum(prep.cost(i, chosen[i]).comm_bytes for i in on_slow)
+        if replicas > 1:
+            comm_bytes += 2 * (replicas - 1) / replicas * worst * (1.5 if zero == 3 else 1)
+        worst_dev = int(np.argmax(total))
+        memory = {k: float(v[worst_dev]) for k, v in parts.items()}
+        return Candidate(dict(mesh), leaf.b, leaf.m, leaf.schedule if pp > 1 else "none",
+                         leaf.v, zero, offload, leaf.cp_mode, prep.states_of(chosen),
+                         leaf.stage_of, step, compute, comm, bubble, dp_s, optimizer_s, memory,
+                         float(total.max()), comm_bytes, bool(total.max() <= self.capacity))
+
+    def _bound_candidate(self, leaf) -> Candidate:
+        prep = leaf.prep
+        return Candidate(dict(leaf.mesh), leaf.b, leaf.m, leaf.schedule, leaf.v, 0, False,
+                         leaf.cp_mode, prep.states_of(prep.fast), [], leaf.bound,
+                         0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, True)
+
+
+@dataclass
+class _Leaf:
+    bound: float
+    order: int
+    mesh: dict
+    pl: dict
+    grad_pl: object
+    cp_mode: str | None
+    b: int
+    m: int
+    schedule: str
+    v: int
+    prep: object
+    stage_of: list
+    device_of: list
+    zeros: list
+
+
+class _Prepared:
+    """One tp/cp placement and micro-batch: per-layer state costs along the chain."""
+
+    def __init__(self, search: Search, per_type, pl, b):
+        order = search.chain.order
+        self.search = search
+        self.per_type = per_type
+        self.order = order
+        self.pl, self.b = pl, b
+        counts = np.bincount(order, minlength=len(per_type))
+        fastest = [min(c.time for c in costs) for _, costs in per_type]
+        self.min_total = float(np.dot(counts, fastest))
+        self.min_single = max(fastest[t] for t in set(order))
+        self.min_params = float(np.dot(counts, [min(c.params for c in costs)
+                                                for _, costs in per_type]))
+        self._built = False
+        self._stages: dict = {}
+
+    def __getattr__(self, name):
+        # the chain arrays, the fastest path and its numbers are built on first use
+        if name.startswith("__") or self.__dict__.get("_built", True):
+            raise AttributeError(name)
+        self._build()
+        return getattr(self, name)
+
+    def _build(self):
+        self._built = True
+        search, per_type, order, pl, b = self.search, self.per_type, self.order, self.pl, self.b
+        self.t_layers = [np.array([c.time for c in per_type[t][1]]) for t in order]
+        self.mem_layers = [np.array([c.activations for c in per_type[t][1]]) for t in order]
+        self.conv = [None]
+        for i in range(1, len(order)):
+            self.conv.append(self._conversion(search, order[i - 1], order[i], pl, b))
+        self.fast, _ = choose_states([len(t) for t in self.t_layers], self.t_layers,
+                                     self.mem_layers, self.conv, 0.0)
+        self.layer_time = self.path_time(self.fast)
+        self.params = np.array([self.cost(i, s).params for i, s in enumerate(self.fast)])
+        self.acts = np.array([self.mem_layers[i][s] for i, s in enumerate(self.fast)])
+        self.biggest = float(self.params.max()) if len(self.params) else 0.0
+
+    def _conversion(self, search, a, b_type, pl, b):
+        key = ("conv", a, b_type, b, pl["tp"], pl["cp"])
+        mat = search._cost_cache.get(key)
+        if mat is None:
+            prev_states, cur_states = self.per_type[a][0], self.per_type[b_type][0]
+            nbytes = search.chain.types[a].boundary(b) / max(1, pl["cp"].size)
+            gather = collective_time("all_gather", nbytes, pl["tp"], search.hw) \
+                if pl["tp"].size > 1 else 0.0
+            mat = np.array([[0.0 if sa.layout == sb.layout else gather for sb in cur_states]
+                            for sa in prev_states])
+            search._cost_cache[key] = mat
+        return mat
+
+    def cost(self, i, s):
+        return self.per_type[self.order[i]][1][s]
+
+    def compute(self, i, s):
+        c = self.cost(i, s)
+        return c.forward + c.backward + c.recompute
+
+    def states_of(self, chosen):
+        return [self.per_type[t][0][chosen[i]] for i, t in enumerate(self.order)]
+
+    def path_time(self, chosen) -> np.ndarray:
+        out = np.array([self.t_layers[i][s] for i, s in enumerate(chosen)])
+        for i in range(1, len(chosen)):
+            out[i] += self.conv[i][chosen[i - 1], chosen[i]]
+        return out
+
+    def stages(self, k: int) -> list[int]:
+        hit = self._stages.get(k)
+        if hit is None:
+            hit = self._stages[k] = balance(self.layer_time, k)
+        return hit
+
+    def fit(self, chosen, idx, budget) -> None:
+        """Fit one device's layers in ``budget`` activation bytes at the least extra time.
+
+        Layers of one kind on a device keep one layout (a switch between identical layers
+        costs a conversion and gains nothing) and choose their recompute freely; with three
+        recompute levels the exact optimum is found by counting: for each number of fully
+        recomputed layers, as many as fit keep everything, the rest recompute selectively.
+        """
+        groups: dict = {}
+        for i in idx:
+            groups.setdefault(self.order[i], []).append(i)
+        spare = budget - sum(self.mem_layers[i][chosen[i]] for i in idx)
+        # shrink the biggest groups first: each gets the share of the deficit it can cover
+        for t, members in sorted(groups.items(), key=lambda g: -len(g[1])):
+            states = self.per_type[t][0]
+            if len(states) <= 1 or spare >= 0:
+                continue
+            layout = states[chosen[members[0]]].layout
+            used = sum(self.mem_layers[i][chosen[i]] for i in members)
+            best = None
+            for lay in {s.layout for s in states}:
+                options = [k for k, s in enumerate(states) if s.layout == lay]
+                counts = _counts(options, self.t_layers[members[0]],
+                                 self.mem_layers[members[0]], len(members), used + spare)
+                if counts is None:
+                    continue
+                penalty = 0.0 if lay == layout else 2 * max(
+                    (float(m.max()) for m in (self.conv[members[0]],) if m is not None),
+                    default=0.0)
+                time_, mem, assignment = counts
+                if best is None or time_ + penalty < best[0]:
+                    best = (time_ + penalty, mem, assignment)
+            if best is None:  # nothing fits: take the least memory there is
+                k = int(np.argmin(self.mem_layers[members[0]]))
+                best = (0.0, len(members) * self.mem_layers[members[0]][k], [k] * len(members))
+            for i, k in zip(members, best[2]):
+                chosen[i] = k
+            spare = used + spare - best[1]
+
+
+def _counts(options, times, mems, n, budget):
+    """Exact cheapest assignment of ``options`` (state indices) to ``n`` identical layers
+    within ``budget`` bytes: enumerate how many take each option but the two cheapest in
+    time, which then split the rest (as many as fit on the faster one)."""
+    opts = sorted(options, key=lambda k: (times[k], mems[k]))
+    if not opts:
+        return None
+    best = None
+    fast, rest = opts[0], opts[1:]
+    if not rest:
+        mem = n * mems[fast]
+        return (n * times[fast], mem, [fast] * n) if mem <= budget else None
+    second = min(rest, key=lambda k: mems[k])
+    others = [k for k in rest if k != second]
+    # each "other" option gets a count; with three recompute levels that is one loop
+    for combo in _compositions(n, len(others)):
+        used_n = sum(combo)
+        mem_o = sum(c * mems[k] for c, k in zip(combo, others))
+        time_o = sum(c * times[k] for c, k in zip(combo, others))
+        left = n - used_n
+        room = budget - mem_o - left * mems[second]
+        if room < -1e-9:
+            continue
+        gap = mems[fast] - mems[second]
+        n_fast = left if gap <= 0 else min(left, int((room + 1e-9) // gap))
+        t = time_o + n_fast * times[fast] + (left - n_fast) * times[second]
+        mem = mem_o + n_fast * mems[fast] + (left - n_fast) * mems[second]
+        if best is None or t < best[0] - 1e-15:
+            assignment = [fast] * n_fast + [second] * (left - n_fast)
+            for c, k in zip(combo, others):
+                assignment += [k] * c
+            best = (t, mem, assignment)
+    return best
+
+
+def _compositions(n, k):
+    """Every tuple of k non-negative counts with sum <= n (k is 0, 1 or 2 here)."""
+    if k == 0:
+        yield ()
+        return
+    for first in range(n + 1):
+        for tail in _compositions(n - first, k - 1):
+            yield (first, *tail)
+
+
+def _mesh_key(mesh) -> tuple:
+    return (mesh["pp"], mesh["dp"], mesh["cp"], mesh["tp"])
+
+
+def _better(a: Candidate, b: Candidate) -> bool:
+    if a.fits != b.fits:
+        return a.fits
+    if a.fits:
+        return a.step_time < b.step_time
+    return a.memory_per_device < b.memory_per_device

@@ -1,0 +1,520 @@
+"""How fast the strategy search is, and whether it finds the optimum of its own space.
+
+    python benchmarks/bench_search.py [--skip-cli] [--only-time | --only-optimality]
+
+(a) Search time. GPT-3 175B (96 layers, hidden 12288) on 1024 A100-80GB, 8 per node,
+global batch 1536, sequence 2048: `prepare` (trace two blocks and read the layer costs)
+and `search` timed separately, the search as the median of three runs, and the command
+line `python -m autopar.cli explain gpt3-175b ... --format json` end to end in a fresh
+process. Targets: search < 1 s, end to end < 10 s. For context only (other systems, other
+models, other machines): Alpa reports about 2400 s to compile GPT-39B on 64 GPUs, and
+meta-pytorch's autoparallel about 47 s for LLaMA-8B.
+
+(b) Optimality. On models small enough to enumerate, an independent brute force walks the
+same space the search defines and prices each point with the search's own primitives
+(``state_cost``, ``Search._pipeline_time`` / ``_memory`` / ``_dp_time`` / ``_in_flight``),
+so a gap measures the search strategy (dynamic programs, branch and bound, the memory
+fit), not the cost model. The space, as ``autopar.search.search`` defines it:
+
+- every mesh pp x dp x cp x tp of the world with pp <= number of blocks, cp dividing the
+  sequence into pieces of at least 256 tokens, dp dividing the global batch;
+- cp modes ulysses (heads divisible by cp x tp) and ring; every micro-batch size b <= 16
+  dividing the per-replica batch; every schedule (gpipe, 1f1b, zero_bubble, interleaved
+  with 2 or 4 chunks when the blocks split evenly and the micro-batches divide by pp),
+  pipelines only with at least pp micro-batches;
+- every ZeRO stage (1-3 only with replicas) with and without offload (ZeRO >= 1 only);
+- stages: the search's ``balance`` of the fastest path's per-layer times into pp x chunks
+  stages (``Search._evaluate``); layer i runs on device stage(i) mod pp;
+- every assignment of per-layer states from the search's state lists under the search's
+  rule (``_Prepared.fit``): on one device, the layers of one kind share one layout (tensor
+  mode and sequence parallelism) and each chooses its recompute freely;
+- parameters, gradient sync and buffers are priced from the fastest path's states, as
+  ``Search._price`` does; activations and times from the chosen states.
+
+Device memory is made tight (a copy of the A100-80GB profile with a small
+``memory_bytes``, a fraction of what the unconstrained winner needs) so that recompute,
+ZeRO and offload decide. Prints two tables and writes benchmarks/results/search.json.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from autopar import planner  # noqa: E402
+from autopar.cost.comm import collective_time, placements  # noqa: E402
+from autopar.cost.hardware import load_hardware  # noqa: E402
+from autopar.cost.model import OPTIMIZER_BYTES, RECOMPUTE, Context, LayerState, state_cost, \
+    tensor_modes  # noqa: E402
+from autopar.models import workload  # noqa: E402
+from autopar.search.partition import balance  # noqa: E402
+from autopar.search.search import ORDER, Options, Search  # noqa: E402
+from autopar.world import World  # noqa: E402
+
+GPT3_TP_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+MAX_MICRO_BATCH = Options(global_batch=1).max_micro_batch
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+CONTEXT = (("Alpa (Zheng et al. 2022), GPT-39B on 64 GPUs, compile", 2400.0),
+           ("meta-pytorch autoparallel, LLaMA-8B", 47.0))
+
+
+# --------------------------------------------------------------------------- (a) time
+
+def gpt3_chain():
+    w = workload("gpt3-175b", seq=2048)
+    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                           repeat={"blocks.1": w.layers - 1},
+                           tokens_per_sample=w.tokens_per_sample, tp_sizes=GPT3_TP_SIZES)
+
+
+def time_search(skip_cli: bool) -> dict:
+    start = time.perf_counter()
+    chain = gpt3_chain()
+    prepare_s = time.perf_counter() - start
+    world = World(1024, per_node=8, device="a100-80gb")
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        res = planner.search(chain, world, global_batch=1536)
+        runs.append((time.perf_counter() - start, res))
+    search_s = statistics.median(t for t, _ in runs)
+    res = runs[0][1]
+    out = {"model": "gpt3-175b", "world": 1024, "per_node": 8, "global_batch": 1536,
+           "seq": 2048, "prepare_s": prepare_s, "search_s": search_s,
+           "search_runs_s": [t for t, _ in runs], "candidates": res.candidates,
+           "plan": res.best.describe(), "step_time_s": res.best.step_time,
+           "memory_gib": res.best.memory_per_device / 2 ** 30}
+    out["cli"] = None if skip_cli else time_cli()
+    return out
+
+
+def time_cli() -> dict:
+    cmd = [sys.executable, "-m", "autopar.cli", "explain", "gpt3-175b", "--world", "1024",
+           "--batch", "1536", "--seq", "2048", "--format", "json"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    info = {"command": " ".join(cmd[1:]), "wall_s": wall, "returncode": proc.returncode}
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        info["status"] = "no JSON on stdout: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return info
+    missing = [k for k in ("search", "predicted") if k not in data]
+    info["status"] = "ok" if not missing else f"JSON lacks {', '.join(missing)}: it does not " \
+                                               "run the search yet"
+    if not missing:
+        info["search_time_s"] = data["search"].get("time_s")
+        info["total_s"] = data["search"].get("total_s")
+        info["step_time_s"] = data["predicted"].get("step_time_s")
+        info["mesh"] = data.get("mesh")
+    return info
+
+
+def print_time(t: dict) -> None:
+    print("(a) search time: GPT-3 175B, 1024 x A100-80GB (8 per node), batch 1536, seq 2048")
+    print(f"  prepare (trace + layer costs)   {t['prepare_s']:8.2f} s")
+    runs = ", ".join(f"{x:.3f}" for x in t["search_runs_s"])
+    ok = "meets" if t["search_s"] < 1 else "MISSES"
+    print(f"  search (median of 3)            {t['search_s']:8.3f} s   [{runs}]  "
+          f"{ok} target < 1 s  ({t['candidates']} candidates priced)")
+    cli = t["cli"]
+    if cli is not None:
+        ok = "meets" if cli["wall_s"] < 10 and cli["status"] == "ok" else "MISSES"
+        print(f"  CLI explain --format json       {cli['wall_s']:8.2f} s   {ok} target < 10 s "
+              f"(rc {cli['returncode']}, {cli['status']})")
+    print(f"  plan: {t['plan']}; step {t['step_time_s']:.3f} s, "
+          f"{t['memory_gib']:.1f} GiB per device")
+    for name, seconds in CONTEXT:
+        print(f"  context only: {name}: about {seconds:.0f} s")
+
+
+# --------------------------------------------------------------------------- (b) optimality
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    spec: str
+    world: int
+    per_node: int
+    batch: int
+    memory_fraction: float  # of the bytes the unconstrained winner needs per device
+
+
+INSTANCES = (
+    Instance("gpt:layers=3,hidden=256,heads=8,vocab=1024,seq=512", 4, 4, 16, 0.5),
+    Instance("gpt:layers=3,hidden=256,heads=8,vocab=1024,seq=512", 8, 4, 16, 0.5),
+    Instance("gpt:layers=3,hidden=128,heads=8,vocab=8192,seq=512", 8, 4, 16, 0.4),
+    Instance("gpt:layers=3,hidden=1024,heads=16,vocab=2048,seq=1024", 8, 4, 4, 0.5),
+    Instance("gpt:layers=3,hidden=1024,heads=16,vocab=2048,seq=1024", 8, 8, 2, 0.4),
+    Instance("gpt:layers=3,hidden=2048,heads=16,vocab=4096,seq=1024", 4, 4, 4, 0.6),
+    Instance("gpt:layers=3,hidden=2048,heads=16,vocab=4096,seq=1024", 8, 8, 8, 0.4),
+    Instance("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=1024,seq=512",
+             8, 8, 16, 0.5),
+)
+
+
+def small_chain(spec: str, tp_sizes):
+    w = workload(spec, max_layers=None)
+    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                           tokens_per_sample=w.tokens_per_sample, tp_sizes=tp_sizes)
+
+
+def tight_world(inst: Instance, number: int, chain, folder: str):
+    """A copy of the A100-80GB profile whose memory is a fraction of what the unconstrained
+    winner of this instance needs per device; the world on it, and that winner."""
+    free = planner.search(chain, World(inst.world, per_node=inst.per_node),
+                          global_batch=inst.batch).best
+    hw = load_hardware("a100-80gb")
+    need = free.memory_per_device / 0.92
+    tight = dataclasses.replace(hw, name=f"a100-tight-{number}",
+                                memory_bytes=int(need * inst.memory_fraction))
+    path = os.path.join(folder, f"{tight.name}.json")
+    tight.save(path)
+    return World(inst.world, per_node=inst.per_node, device=path), free
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(world: int, blocks: int, seq: int, has_attention: bool) -> list[dict]:
+    out = []
+    for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
+        if world % (tp * pp * cp) or pp > max(1, blocks):
+            continue
+        if cp > 1 and not (has_attention and seq % cp == 0 and seq // cp >= 256):
+            continue
+        out.append({"pp": pp, "dp": world // (tp * pp * cp), "cp": cp, "tp": tp})
+    return out
+
+
+def _states(lt, tp: int, types, b: int) -> list[LayerState]:
+    modes = tensor_modes(tp) if tp > 1 else [tensor_modes(1)[0]]
+    if tp > 1 and not all(tp in t.sharded for t in types):
+        modes = [m for m in modes if m.name != "1d"]
+    out = []
+    for mode in modes:
+        if b % mode.batch_split:
+            continue
+        for sp in (("none", "megatron") if mode.name == "1d" and tp > 1 else ("none",)):
+            if lt.is_block:
+                out.extend(LayerState(mode, sp, r) for r in RECOMPUTE)
+            elif mode.name == "1d":
+                out.append(LayerState(mode, sp, "none"))
+    return out
+
+
+def _fastest(times, conv) -> list[int]:
+    """Fastest state path along the chain (sum of layer times and conversions); ties go to
+    the lower state index, as numpy's argmin does."""
+    cost = list(times[0])
+    back = []
+    for i in range(1, len(times)):
+        new, arg = [], []
+        for b in range(len(times[i])):
+            steps = [cost[a] + conv[i][a][b] for a in range(len(cost))]
+            k = min(range(len(steps)), key=lambda a: (steps[a], a))
+            arg.append(k)
+            new.append(steps[k] + times[i][b] + 0.0)
+        back.append(arg)
+        cost = new
+    path = [min(range(len(cost)), key=lambda a: (cost[a], a))]
+    for arg in reversed(back):
+        path.append(arg[path[-1]])
+    return path[::-1]
+
+
+def _assignments(order, states, device_of) -> np.ndarray:
+    """Every assignment under the search's rule: per device and layer kind, one layout;
+    per layer, any recompute within it. Rows: assignments; columns: layers."""
+    groups: dict = {}
+    for i, t in enumerate(order):
+        groups.setdefault((device_of[i], t), []).append(i)
+    columns, blocks = [], []
+    for (_, t), members in groups.items():
+        layouts = []
+        for s in states[t]:
+            if s.layout not in layouts:
+                layouts.append(s.layout)
+        rows = []
+        for lay in layouts:
+            idx = [k for k, s in enumerate(states[t]) if s.layout == lay]
+            rows.extend(itertools.product(idx, repeat=len(members)))
+        columns.extend(members)
+        blocks.append(np.array(rows, dtype=np.int64).reshape(len(rows), len(members)))
+    total = math.prod(len(b) for b in blocks)
+    if total > 3_000_000:
+        raise ValueError(f"{total} assignments: instance too large to enumerate")
+    out = np.zeros((1, 0), dtype=np.int64)
+    for blk in blocks:
+        out = np.concatenate([np.repeat(out, len(blk), axis=0),
+                              np.tile(blk, (len(out), 1))], axis=1)
+    result = np.empty_like(out)
+    result[:, columns] = out
+    return result
+
+
+def exhaustive(chain, world: World, global_batch: int, *, dtype: str = "bf16",
+               attention_kernel: str = "flash") -> dict:
+    """The optimum of the search's space by enumeration (see the module docstring)."""
+    search = Search(chain, world, Options(global_batch=global_batch, dtype=dtype,
+                                          attention_kernel=attention_kernel))
+    hw, layers, order, types = world.profile, chain.layers(), chain.order, chain.types
+    n_layers, e = len(order), chain.dtype_bytes
+    blocks = sum(lt.is_block for lt in layers)
+    attention = [a for lt in types for a in lt.attention]
+    heads = min((a.heads for a in attention), default=1)
+    best, points, checked = None, 0, 0
+    for mesh in _meshes(world.devices, blocks, chain.tokens_per_sample, bool(attention)):
+        tp, pp, cp, dp = mesh["tp"], mesh["pp"], mesh["cp"], mesh["dp"]
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        replicas = dp * cp
+        pl = placements(mesh, ORDER, world.per_node)
+        grad_pl = placements({"tp": tp, "dpcp": replicas, "pp": pp}, ("tp", "dpcp", "pp"),
+                             world.per_node)["dpcp"]
+        leaf = SimpleNamespace(mesh=mesh)
+        for cp_mode in ([None] if cp == 1 else ["ulysses", "ring"]):
+            if cp_mode == "ulysses" and heads % (cp * tp):
+                continue
+            ctx = Context(hw, dtype, pl["tp"], pl["cp"], cp_mode, attention_kernel)
+            for b in [d for d in _divisors(per_replica) if d <= MAX_MICRO_BATCH]:
+                m = per_replica // b
+                states = [_states(lt, tp, types, b) for lt in types]
+                if any(not s for s in states):
+                    continue
+                # the same lists, in the same order, as the search's own
+                assert all(st == [s for s in search._states(lt, tp) if b % s.mode.batch_split == 0]
+                           for lt, st in zip(types, states))
+                costs = [[state_cost(lt, s, b, ctx) for s in st] for lt, st in zip(types, states)]
+                t_type = [np.array([c.time for c in cs]) for cs in costs]
+                a_type = [np.array([c.activations for c in cs]) for cs in costs]
+                p_type = [np.array([c.params for c in cs]) for cs in costs]
+                conv = [None]
+                for i in range(1, n_layers):
+                    a, c = order[i - 1], order[i]
+                    gather = collective_time("all_gather", types[a].boundary(b) / cp, pl["tp"],
+                                             hw) if tp > 1 else 0.0
+                    conv.append(np.array([[0.0 if sa.layout == sc.layout else gather
+                                           for sc in states[c]] for sa in states[a]]))
+                fast = _fastest([t_type[t] for t in order], conv)
+                fast_time = [t_type[t][fast[i]] + (conv[i][fast[i - 1], fast[i]] if i else 0.0)
+                             for i, t in enumerate(order)]
+                fast_params = np.array([p_type[t][fast[i]] for i, t in enumerate(order)])
+                biggest = float(fast_params.max())
+                # pipelines need at least one micro-batch per stage
+                schedules = [("none", 1)] if pp == 1 else [] if m < pp else [
+                    (s, v) for s in SCHEDULES for v in ((2, 4) if s == "interleaved" else (1,))
+                    if s != "interleaved" or (blocks % (pp * v) == 0 and m % pp == 0)]
+                zeros = [(z, o) for z in range(4) for o in (False, True)
+                         if (z == 0 or replicas > 1) and (z > 0 or not o)]
+                for schedule, v in schedules:
+                    if pp * v > n_layers:
+                        continue
+                    stage_of = balance(fast_time, pp * v)
+                    device_of = np.array([s % pp for s in stage_of])
+                    assign = _assignments(order, states, device_of)
+                    t_lay = np.stack([t_type[t][assign[:, i]] for i, t in enumerate(order)], 1)
+                    for i in range(1, n_layers):
+                        t_lay[:, i] += conv[i][assign[:, i - 1], assign[:, i]]
+                    a_lay = np.stack([a_type[t][assign[:, i]] for i, t in enumerate(order)], 1)
+                    onehot = (device_of[:, None] == np.arange(pp)[None, :]).astype(float)
+                    dev = t_lay @ onehot
+                    acts_dev = a_lay @ onehot
+                    if pp > 1:
+                        cut = max(layers[i].boundary(b) for i in range(n_layers - 1)
+                                  if stage_of[i] != stage_of[i + 1])
+                        dev = dev + 2 * v * collective_time("p2p", cut / (tp * cp), pl["pp"], hw)
+                    slowest = dev.max(axis=1)
+                    if pp == 1:
+                        pipe = m * slowest
+                    elif schedule == "interleaved":
+                        pipe = m * slowest + (pp - 1) * slowest / v
+                    elif schedule == "zero_bubble":
+                        pipe = m * slowest + (dev.sum(axis=1) - slowest) / 3
+                    else:
+                        pipe = (m - 1) * slowest + dev.sum(axis=1)
+                    in_flight = search._in_flight(schedule, pp, v, m)
+                    params_dev = fast_params @ onehot
+                    worst = float(params_dev.max())
+                    for zero, offload in zeros:
+                        total, _ = search._memory(leaf, params_dev, acts_dev, biggest, zero,
+                                                  offload, in_flight)
+                        peak = total.max(axis=1)
+                        local = worst / (replicas if zero else 1)
+                        if offload:
+                            opt_s = 2 * local / hw.host_bandwidth + local / e * 16 / hw.host_bandwidth
+                        else:
+                            opt_s = (2 * local / e * OPTIMIZER_BYTES.get(e, 12) + 3 * local) / (
+                                hw.memory_bandwidth * hw.memory_efficiency)
+                        step = pipe + search._dp_time(worst, zero, m, grad_pl) + opt_s
+                        points += len(step)
+                        fits = peak <= search.capacity
+                        if not fits.any():
+                            continue
+                        k = int(np.argmin(np.where(fits, step, np.inf)))
+                        # the vectorised pipeline formula must equal the search's own
+                        ref, _, _ = search._pipeline_time(t_lay[k], list(device_of), stage_of, pp,
+                                                          v, m, schedule, pl, b)
+                        assert math.isclose(ref, pipe[k], rel_tol=1e-12), (ref, pipe[k])
+                        checked += 1
+                        if best is None or step[k] < best["step_time"]:
+                            chosen = [states[t][assign[k, i]] for i, t in enumerate(order)]
+                            best = {"step_time": float(step[k]), "memory": float(peak[k]),
+                                    "mesh": dict(mesh), "cp_mode": cp_mode, "micro_batch": b,
+                                    "microbatches": m, "schedule": schedule, "chunks": v,
+                                    "zero": zero, "offload": offload, "states": chosen,
+                                    "stages": list(stage_of)}
+    return {"best": best, "points": points, "checked": checked}
+
+
+def any_cut(chain, world: World, global_batch: int) -> float:
+    """The search's own evaluation (``Search._price``, memory fit included) of every leaf
+    under every contiguous split of the chain into pp x chunks stages, not only the
+    balanced split of the fastest path: the best fitting step time. Says whether taking
+    the partition from the fastest path (and ignoring what crosses each cut) loses time."""
+    search = Search(chain, world, Options(global_batch=global_batch))
+    heads = min((a.heads for lt in chain.types for a in lt.attention), default=1)
+    n, best = len(chain.order), math.inf
+    blocks = sum(lt.is_block for lt in chain.layers())
+    attention = any(lt.attention for lt in chain.types)
+    for mesh in _meshes(world.devices, blocks, chain.tokens_per_sample, attention):
+        for leaf in search._leaves(mesh, heads):
+            k = mesh["pp"] * leaf.v
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                leaf.stage_of = [sum(i >= c for c in cuts) for i in range(n)]
+                leaf.device_of = [s % mesh["pp"] for s in leaf.stage_of]
+                for zero, offload in leaf.zeros:
+                    cand = search._price(leaf, zero, offload)
+                    if cand.fits:
+                        best = min(best, cand.step_time)
+    return best
+
+
+def describe(p: dict) -> str:
+    """The brute-force optimum in the words of ``Candidate.describe``."""
+    m = p["mesh"]
+    modes = sorted({str(s.mode) for s in p["states"] if s.mode.size > 1}) or ["-"]
+    parts = [f"pp{m['pp']} dp{m['dp']} cp{m['cp']} tp{m['tp']}", f"tp {'/'.join(modes)}"]
+    sp = sorted({s.sp for s in p["states"]} - {"none"})
+    if sp:
+        parts.append("sp " + "/".join(sp))
+    if p["cp_mode"]:
+        parts.append(f"cp {p['cp_mode']}")
+    if m["pp"] > 1:
+        parts.append(p["schedule"] + (f"x{p['chunks']}" if p["chunks"] > 1 else ""))
+    parts.append(f"mb {p['micro_batch']}x{p['microbatches']}")
+    parts.append(f"zero {p['zero']}" + ("+offload" if p["offload"] else ""))
+    parts.append("recompute " + "/".join(sorted({s.recompute for s in p["states"]})))
+    return ", ".join(parts)
+
+
+def optimality(folder: str) -> list[dict]:
+    rows = []
+    for number, inst in enumerate(INSTANCES):
+        chain = small_chain(inst.spec, _divisors(inst.world))
+        world, free = tight_world(inst, number, chain, folder)
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            res = planner.search(chain, world, global_batch=inst.batch)
+            runs.append((time.perf_counter() - start, res))
+        search_s = statistics.median(t for t, _ in runs)
+        res = runs[0][1]
+        start = time.perf_counter()
+        brute = exhaustive(chain, world, inst.batch)
+        brute_s = time.perf_counter() - start
+        opt = brute["best"]
+        found = res.best.step_time if res.best else math.inf
+        gap = 100 * (found / opt["step_time"] - 1) if opt else math.nan
+        cut = any_cut(chain, world, inst.batch)
+        rows.append({"model": inst.spec, "world": inst.world, "per_node": inst.per_node,
+                     "global_batch": inst.batch, "memory_bytes": world.profile.memory_bytes,
+                     "exhaustive_step_s": opt["step_time"] if opt else None,
+                     "search_step_s": found if res.best else None, "gap_percent": gap,
+                     "any_cut_step_s": cut, "any_cut_gap_percent": 100 * (found / cut - 1),
+                     "exhaustive_s": brute_s, "search_s": search_s,
+                     "speedup": brute_s / search_s, "points": brute["points"],
+                     "search_candidates": res.candidates,
+                     "free_plan": free.describe(), "free_step_s": free.step_time,
+                     "exhaustive_plan": describe(opt) if opt else None,
+                     "search_plan": res.best.describe() if res.best else None})
+    return rows
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x != x else f"{0.0 if abs(x) < 1e-9 else x:+.3f}"
+
+
+def print_optimality(rows: list[dict]) -> None:
+    print("(b) optimality: search vs exhaustive enumeration of the same space "
+          "(memory made tight)")
+    head = (f"{'#':>2} {'model':<36} {'world':>5} {'MiB':>5} {'optimum ms':>10} "
+            f"{'search ms':>10} {'gap %':>7} {'cut %':>7} {'enum s':>7} {'search s':>8} "
+            f"{'speedup':>8} {'points':>9}")
+    print(head)
+    print("-" * len(head))
+    for i, r in enumerate(rows):
+        name = r["model"] if len(r["model"]) <= 36 else r["model"][:33] + "..."
+        world = f"{r['world']}/{r['per_node']}"
+        opt = f"{1e3 * r['exhaustive_step_s']:.4f}" if r["exhaustive_step_s"] else "none"
+        found = f"{1e3 * r['search_step_s']:.4f}" if r["search_step_s"] else "none"
+        print(f"{i:>2} {name:<36} {world:>5} {r['memory_bytes'] / 2 ** 20:>5.0f} {opt:>10} "
+              f"{found:>10} {_pct(r['gap_percent']):>7} {_pct(r['any_cut_gap_percent']):>7} "
+              f"{r['exhaustive_s']:>7.2f} {r['search_s']:>8.4f} {r['speedup']:>7.0f}x "
+              f"{r['points']:>9}")
+    print("gap %: search vs the exhaustive optimum of the search's space; cut %: search vs the "
+          "best of every contiguous stage split (search's own pricing and memory fit); MiB: "
+          "device memory; points: (assignment, ZeRO) pairs priced by the enumeration")
+    for i, r in enumerate(rows):
+        print(f"{i:>2} {r['model']}, world {r['world']} ({r['per_node']} per node), "
+              f"batch {r['global_batch']}")
+        print(f"     80 GB winner: {r['free_plan']}")
+        print(f"     search:       {r['search_plan']}")
+        if r["gap_percent"] > 1e-9 or r["gap_percent"] != r["gap_percent"]:
+            print(f"     optimum:      {r['exhaustive_plan']}")
+    worst = max(r["gap_percent"] for r in rows)
+    slowest = min(r["speedup"] for r in rows)
+    print(f"worst gap {_pct(worst)}% (bar 0), smallest speedup {slowest:.0f}x (bar 100x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-cli", action="store_true", help="do not time the CLI")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--only-time", action="store_true")
+    group.add_argument("--only-optimality", action="store_true")
+    args = parser.parse_args()
+    out = {}
+    if not args.only_optimality:
+        out["time"] = time_search(args.skip_cli)
+        print_time(out["time"])
+        print()
+    if not args.only_time:
+        with tempfile.TemporaryDirectory() as folder:
+            out["optimality"] = optimality(folder)
+        print_optimality(out["optimality"])
+    out["context_s"] = dict(CONTEXT)
+    out_dir = os.path.join(ROOT, "benchmarks", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "search.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
