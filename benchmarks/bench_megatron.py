@@ -54,8 +54,8 @@ def predict(run) -> dict:
                             constraints=constraints)
     best = result.best
     if best is None:
-        raise SystemExit(f"{run.name}: the search found no plan that fits "
-                         f"({result.alternatives[0][1] if result.alternatives else 'no candidates'})")
+        why = result.alternatives[0][1] if result.alternatives else "no candidates"
+        raise SystemExit(f"{run.name}: the search found no plan that fits ({why}).")
     flops = paper_flops(run.batch, run.layers, run.hidden)
     predicted = flops / (best.step_time * run.gpus) / 1e12
     error = 100 * (predicted / run.tflops_per_gpu - 1)

@@ -170,6 +170,9 @@ INSTANCES = (
     Instance("gpt:layers=3,hidden=2048,heads=16,vocab=4096,seq=1024", 8, 8, 8, 0.4),
     Instance("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=1024,seq=512",
              8, 8, 16, 0.5),
+    # one more block: the enumeration grows about threefold per block and device
+    Instance("gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=512", 8, 4, 16, 0.5),
+    Instance("gpt:layers=4,hidden=1024,heads=16,vocab=2048,seq=1024", 8, 4, 8, 0.5),
 )
 
 
@@ -274,119 +277,158 @@ def _assignments(order, states, device_of) -> np.ndarray:
     return result
 
 
+@dataclasses.dataclass
+class _Priced:
+    """Per layer kind, for one mesh placement and micro-batch: the states and their costs."""
+
+    states: list  # per kind: LayerState list, in the search's order
+    time: list  # per kind: seconds per state
+    acts: list  # per kind: activation bytes per state
+    params: list  # per kind: parameter bytes per state
+    conv: list  # per layer i > 0: seconds to convert state a of layer i-1 to state b of i
+    fast: list  # the fastest path: state per layer
+    fast_time: list  # its per-layer seconds (conversions included)
+
+
+def _price_states(search, chain, mesh, pl, ctx, b) -> _Priced | None:
+    hw, types, order = search.hw, chain.types, chain.order
+    states = [_states(lt, mesh["tp"], types, b) for lt in types]
+    if any(not s for s in states):
+        return None
+    # the same lists, in the same order, as the search's own
+    assert all(st == [s for s in search._states(lt, mesh["tp"]) if b % s.mode.batch_split == 0]
+               for lt, st in zip(types, states))
+    costs = [[state_cost(lt, s, b, ctx) for s in st] for lt, st in zip(types, states)]
+    conv = [None]
+    for i in range(1, len(order)):
+        a, c = order[i - 1], order[i]
+        gather = collective_time("all_gather", types[a].boundary(b) / mesh["cp"], pl["tp"],
+                                 hw) if mesh["tp"] > 1 else 0.0
+        conv.append(np.array([[0.0 if sa.layout == sc.layout else gather for sc in states[c]]
+                              for sa in states[a]]))
+    time_ = [np.array([c.time for c in cs]) for cs in costs]
+    fast = _fastest([time_[t] for t in order], conv)
+    fast_time = [time_[t][fast[i]] + (conv[i][fast[i - 1], fast[i]] if i else 0.0)
+                 for i, t in enumerate(order)]
+    return _Priced(states, time_, [np.array([c.activations for c in cs]) for cs in costs],
+                   [np.array([c.params for c in cs]) for cs in costs], conv, fast, fast_time)
+
+
+def _schedules(pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("none", 1)]
+    if m < pp:  # a pipeline needs at least one micro-batch per stage
+        return []
+    return [(s, v) for s in SCHEDULES for v in ((2, 4) if s == "interleaved" else (1,))
+            if s != "interleaved" or (blocks % (pp * v) == 0 and m % pp == 0)]
+
+
+def _pipeline(dev: np.ndarray, pp: int, v: int, m: int, schedule: str) -> np.ndarray:
+    """``Search._pipeline_time``'s formulas on a batch of per-device times (rows)."""
+    slowest = dev.max(axis=1)
+    if pp == 1:
+        return m * slowest
+    if schedule == "interleaved":
+        return m * slowest + (pp - 1) * slowest / v
+    if schedule == "zero_bubble":
+        return m * slowest + (dev.sum(axis=1) - slowest) / 3
+    return (m - 1) * slowest + dev.sum(axis=1)
+
+
+def _optimizer_time(local: float, offload: bool, hw, e: int) -> float:
+    """``Search._price``'s optimizer step on ``local`` bytes of parameters."""
+    if offload:
+        return 2 * local / hw.host_bandwidth + local / e * 16 / hw.host_bandwidth
+    return (2 * local / e * OPTIMIZER_BYTES.get(e, 12) + 3 * local) / (
+        hw.memory_bandwidth * hw.memory_efficiency)
+
+
+def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, best):
+    """Enumerate every assignment and ZeRO option on one stage split; the better of
+    ``best`` and what is found (the fitting plan with the shortest step)."""
+    hw, layers, order = search.hw, chain.layers(), chain.order
+    pp, n, e = mesh["pp"], len(order), chain.dtype_bytes
+    replicas = mesh["dp"] * mesh["cp"]
+    stage_of = balance(priced.fast_time, pp * v)
+    device_of = np.array([s % pp for s in stage_of])
+    assign = _assignments(order, priced.states, device_of)
+    t_lay = np.stack([priced.time[t][assign[:, i]] for i, t in enumerate(order)], 1)
+    for i in range(1, n):
+        t_lay[:, i] += priced.conv[i][assign[:, i - 1], assign[:, i]]
+    a_lay = np.stack([priced.acts[t][assign[:, i]] for i, t in enumerate(order)], 1)
+    onehot = (device_of[:, None] == np.arange(pp)[None, :]).astype(float)
+    dev, acts_dev = t_lay @ onehot, a_lay @ onehot
+    if pp > 1:
+        cut = max(layers[i].boundary(b) for i in range(n - 1) if stage_of[i] != stage_of[i + 1])
+        dev = dev + 2 * v * collective_time("p2p", cut / (mesh["tp"] * mesh["cp"]), pl["pp"], hw)
+    pipe = _pipeline(dev, pp, v, m, schedule)
+    in_flight = search._in_flight(schedule, pp, v, m)
+    fast_params = np.array([priced.params[t][priced.fast[i]] for i, t in enumerate(order)])
+    params_dev = fast_params @ onehot
+    worst = float(params_dev.max())
+    points = 0
+    for zero in range(4):
+        for offload in (False, True):
+            if (zero and replicas == 1) or (offload and not zero):
+                continue
+            total, _ = search._memory(SimpleNamespace(mesh=mesh), params_dev, acts_dev,
+                                      float(fast_params.max()), zero, offload, in_flight)
+            peak = total.max(axis=1)
+            step = pipe + search._dp_time(worst, zero, m, grad_pl) + _optimizer_time(
+                worst / (replicas if zero else 1), offload, hw, e)
+            points += len(step)
+            fits = peak <= search.capacity
+            if not fits.any():
+                continue
+            k = int(np.argmin(np.where(fits, step, np.inf)))
+            # the batched pipeline formula must equal the search's own
+            ref, _, _ = search._pipeline_time(t_lay[k], list(device_of), stage_of, pp, v, m,
+                                              schedule, pl, b)
+            assert math.isclose(ref, pipe[k], rel_tol=1e-12), (ref, pipe[k])
+            if best is None or step[k] < best["step_time"]:
+                best = {"step_time": float(step[k]), "memory": float(peak[k]),
+                        "mesh": dict(mesh), "micro_batch": b, "microbatches": m,
+                        "schedule": schedule, "chunks": v, "zero": zero, "offload": offload,
+                        "states": [priced.states[t][assign[k, i]] for i, t in enumerate(order)],
+                        "stages": list(stage_of)}
+    return best, points
+
+
 def exhaustive(chain, world: World, global_batch: int, *, dtype: str = "bf16",
                attention_kernel: str = "flash") -> dict:
     """The optimum of the search's space by enumeration (see the module docstring)."""
     search = Search(chain, world, Options(global_batch=global_batch, dtype=dtype,
                                           attention_kernel=attention_kernel))
-    hw, layers, order, types = world.profile, chain.layers(), chain.order, chain.types
-    n_layers, e = len(order), chain.dtype_bytes
-    blocks = sum(lt.is_block for lt in layers)
-    attention = [a for lt in types for a in lt.attention]
+    blocks = sum(lt.is_block for lt in chain.layers())
+    attention = [a for lt in chain.types for a in lt.attention]
     heads = min((a.heads for a in attention), default=1)
-    best, points, checked = None, 0, 0
+    best, points = None, 0
     for mesh in _meshes(world.devices, blocks, chain.tokens_per_sample, bool(attention)):
         tp, pp, cp, dp = mesh["tp"], mesh["pp"], mesh["cp"], mesh["dp"]
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
-        replicas = dp * cp
         pl = placements(mesh, ORDER, world.per_node)
-        grad_pl = placements({"tp": tp, "dpcp": replicas, "pp": pp}, ("tp", "dpcp", "pp"),
+        grad_pl = placements({"tp": tp, "dpcp": dp * cp, "pp": pp}, ("tp", "dpcp", "pp"),
                              world.per_node)["dpcp"]
-        leaf = SimpleNamespace(mesh=mesh)
         for cp_mode in ([None] if cp == 1 else ["ulysses", "ring"]):
             if cp_mode == "ulysses" and heads % (cp * tp):
                 continue
-            ctx = Context(hw, dtype, pl["tp"], pl["cp"], cp_mode, attention_kernel)
+            ctx = Context(search.hw, dtype, pl["tp"], pl["cp"], cp_mode, attention_kernel)
             for b in [d for d in _divisors(per_replica) if d <= MAX_MICRO_BATCH]:
                 m = per_replica // b
-                states = [_states(lt, tp, types, b) for lt in types]
-                if any(not s for s in states):
+                schedules = [(s, v) for s, v in _schedules(pp, m, blocks)
+                             if pp * v <= len(chain.order)]
+                priced = _price_states(search, chain, mesh, pl, ctx, b) if schedules else None
+                if priced is None:
                     continue
-                # the same lists, in the same order, as the search's own
-                assert all(st == [s for s in search._states(lt, tp) if b % s.mode.batch_split == 0]
-                           for lt, st in zip(types, states))
-                costs = [[state_cost(lt, s, b, ctx) for s in st] for lt, st in zip(types, states)]
-                t_type = [np.array([c.time for c in cs]) for cs in costs]
-                a_type = [np.array([c.activations for c in cs]) for cs in costs]
-                p_type = [np.array([c.params for c in cs]) for cs in costs]
-                conv = [None]
-                for i in range(1, n_layers):
-                    a, c = order[i - 1], order[i]
-                    gather = collective_time("all_gather", types[a].boundary(b) / cp, pl["tp"],
-                                             hw) if tp > 1 else 0.0
-                    conv.append(np.array([[0.0 if sa.layout == sc.layout else gather
-                                           for sc in states[c]] for sa in states[a]]))
-                fast = _fastest([t_type[t] for t in order], conv)
-                fast_time = [t_type[t][fast[i]] + (conv[i][fast[i - 1], fast[i]] if i else 0.0)
-                             for i, t in enumerate(order)]
-                fast_params = np.array([p_type[t][fast[i]] for i, t in enumerate(order)])
-                biggest = float(fast_params.max())
-                # pipelines need at least one micro-batch per stage
-                schedules = [("none", 1)] if pp == 1 else [] if m < pp else [
-                    (s, v) for s in SCHEDULES for v in ((2, 4) if s == "interleaved" else (1,))
-                    if s != "interleaved" or (blocks % (pp * v) == 0 and m % pp == 0)]
-                zeros = [(z, o) for z in range(4) for o in (False, True)
-                         if (z == 0 or replicas > 1) and (z > 0 or not o)]
                 for schedule, v in schedules:
-                    if pp * v > n_layers:
-                        continue
-                    stage_of = balance(fast_time, pp * v)
-                    device_of = np.array([s % pp for s in stage_of])
-                    assign = _assignments(order, states, device_of)
-                    t_lay = np.stack([t_type[t][assign[:, i]] for i, t in enumerate(order)], 1)
-                    for i in range(1, n_layers):
-                        t_lay[:, i] += conv[i][assign[:, i - 1], assign[:, i]]
-                    a_lay = np.stack([a_type[t][assign[:, i]] for i, t in enumerate(order)], 1)
-                    onehot = (device_of[:, None] == np.arange(pp)[None, :]).astype(float)
-                    dev = t_lay @ onehot
-                    acts_dev = a_lay @ onehot
-                    if pp > 1:
-                        cut = max(layers[i].boundary(b) for i in range(n_layers - 1)
-                                  if stage_of[i] != stage_of[i + 1])
-                        dev = dev + 2 * v * collective_time("p2p", cut / (tp * cp), pl["pp"], hw)
-                    slowest = dev.max(axis=1)
-                    if pp == 1:
-                        pipe = m * slowest
-                    elif schedule == "interleaved":
-                        pipe = m * slowest + (pp - 1) * slowest / v
-                    elif schedule == "zero_bubble":
-                        pipe = m * slowest + (dev.sum(axis=1) - slowest) / 3
-                    else:
-                        pipe = (m - 1) * slowest + dev.sum(axis=1)
-                    in_flight = search._in_flight(schedule, pp, v, m)
-                    params_dev = fast_params @ onehot
-                    worst = float(params_dev.max())
-                    for zero, offload in zeros:
-                        total, _ = search._memory(leaf, params_dev, acts_dev, biggest, zero,
-                                                  offload, in_flight)
-                        peak = total.max(axis=1)
-                        local = worst / (replicas if zero else 1)
-                        if offload:
-                            opt_s = 2 * local / hw.host_bandwidth + local / e * 16 / hw.host_bandwidth
-                        else:
-                            opt_s = (2 * local / e * OPTIMIZER_BYTES.get(e, 12) + 3 * local) / (
-                                hw.memory_bandwidth * hw.memory_efficiency)
-                        step = pipe + search._dp_time(worst, zero, m, grad_pl) + opt_s
-                        points += len(step)
-                        fits = peak <= search.capacity
-                        if not fits.any():
-                            continue
-                        k = int(np.argmin(np.where(fits, step, np.inf)))
-                        # the vectorised pipeline formula must equal the search's own
-                        ref, _, _ = search._pipeline_time(t_lay[k], list(device_of), stage_of, pp,
-                                                          v, m, schedule, pl, b)
-                        assert math.isclose(ref, pipe[k], rel_tol=1e-12), (ref, pipe[k])
-                        checked += 1
-                        if best is None or step[k] < best["step_time"]:
-                            chosen = [states[t][assign[k, i]] for i, t in enumerate(order)]
-                            best = {"step_time": float(step[k]), "memory": float(peak[k]),
-                                    "mesh": dict(mesh), "cp_mode": cp_mode, "micro_batch": b,
-                                    "microbatches": m, "schedule": schedule, "chunks": v,
-                                    "zero": zero, "offload": offload, "states": chosen,
-                                    "stages": list(stage_of)}
-    return {"best": best, "points": points, "checked": checked}
+                    found, n = _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m,
+                                              schedule, v, best)
+                    points += n
+                    if found is not best:
+                        best = dict(found, cp_mode=cp_mode)
+    return {"best": best, "points": points}
 
 
 def any_cut(chain, world: World, global_batch: int):

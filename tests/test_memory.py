@@ -47,6 +47,7 @@ def _lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
+@functools.lru_cache(maxsize=None)
 def _gpt_with_dropout():
     """gpt-tiny with dropout: attention takes the math path, which saves the s x s tensors."""
     torch.manual_seed(0)
@@ -128,9 +129,9 @@ def test_gpt3_block_shape_matches_korthikanti_table_2():
     model, (x,) = zoo_build("gpt:layers=2,hidden=12288,heads=96,seq=2048", batch=2,
                             dtype=torch.bfloat16)
     traced = trace(model, (x,), loss_fn=_lm_loss, example_target=x)
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other load does not count
     saved_activations(traced)
-    assert time.perf_counter() - start < 2.0  # two blocks, embeddings and the head
+    assert time.process_time() - start < 2.0  # two blocks, embeddings and the head
     sbh = 2048 * 1 * 12288
     for t in (1, 2, 8):
         per_block = activation_bytes(traced, solve(traced, axis="tp", size=t))["blocks.1"]
