@@ -284,11 +284,13 @@ def test_gpt3_plan_keeps_tp_in_a_node_and_fits(gpt3):
     assert math.prod(best.mesh.values()) == 1024
     assert best.mesh["dp"] * best.micro_batch * best.microbatches == 1536
     assert best.memory_per_device <= 0.92 * world.profile.memory_bytes
-    assert len(best.states) == len(best.stages) == 103  # embeddings + 96 blocks + head
-    # within the paper's range for this size on A100s: 30-70% of peak
+    # root, wte, wpe, drop, 96 blocks, ln_f, lm_head, loss
+    assert len(best.states) == len(best.stages) == 103
+    # a plausible fraction of peak (Megatron-LM reached 44-52% on A100s in 2021, before
+    # FlashAttention; the planner prices fused attention by default)
     flops = planner.model_flops(chain, 1536)
     mfu = flops / (best.step_time * 1024 * world.profile.flops("bf16"))
-    assert 0.3 < mfu < 0.75
+    assert 0.3 < mfu < 0.8
 
 
 def test_a_model_that_fits_nowhere_names_the_closest_plan_and_the_devices_needed(gpt3):

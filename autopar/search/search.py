@@ -180,12 +180,15 @@ class Search:
         self._leaf_order: list = []
 
     # ------------------------------------------------------------------ spaces
-    def _tp_modes(self, tp: int) -> list[TensorMode]:
+    def _tp_modes(self, tp: int, block: bool = True) -> list[TensorMode]:
+        """Tensor modes a layer may take. A fixed --tp-mode applies to blocks (layers with
+        weights of their own); embeddings, norms and the loss stay 1D, converting at the
+        block boundary as they would in any 2D/2.5D/3D plan."""
         allowed = ("1d", "2d", "2.5d", "3d")
         if self.opt.executable is not None:
             allowed = tuple(m for m in allowed if m in self.opt.executable.get("tp_modes", ()))
         if self.c.tp_mode is not None:
-            allowed = (self.c.tp_mode,)
+            allowed = (self.c.tp_mode,) if block else ("1d",)
         if tp == 1:
             return [TensorMode("1d", 1)]
         modes = tensor_modes(tp, allowed)
@@ -218,7 +221,7 @@ class Search:
 
     def _make_states(self, lt, tp: int) -> list[LayerState]:
         out = []
-        for mode in self._tp_modes(tp):
+        for mode in self._tp_modes(tp, lt.is_block):
             for sp in self._sp_modes(mode):
                 if lt.is_block:
                     out.extend(LayerState(mode, sp, r) for r in self._recompute())
@@ -227,20 +230,6 @@ class Search:
         return out
 
     # ------------------------------------------------------------------ pricing
-    def _costs(self, ctx: Context, key, tp: int, b: int):
-        """Per layer kind: its states and their StateCosts (cached by tp placement and b)."""
-        ck = (key, b)
-        hit = self._cost_cache.get(ck)
-        if hit is not None:
-            return hit
-        per_type = []
-        for lt in self.chain.types:
-            states = [s for s in self._states(lt, tp) if b % s.mode.batch_split == 0]
-            costs = [state_cost(lt, s, b, ctx) for s in states]
-            per_type.append((states, costs))
-        self._cost_cache[ck] = per_type
-        return per_type
-
     def run(self, progress=None) -> SearchResult:
         """Price every leaf's lower bound, then evaluate leaves best bound first until the
         bound passes the k-th best plan found (branch and bound: exact for the top k)."""
@@ -416,7 +405,7 @@ class Search:
                     elif schedule == "interleaved":
                         pipe = m * slowest + (pp - 1) * avg / v
                     elif schedule == "zero_bubble":
-                        pipe = m * slowest + (pp - 1) * avg / 3
+                        pipe = m * slowest + (pp * avg - slowest) / 3
                     else:
                         pipe = (m - 1) * slowest + pp * avg
                     out.append(_Leaf(pipe + dp_lb, len(self._leaf_order), dict(mesh), pl,
@@ -751,7 +740,7 @@ def _counts(options, times, mems, n, budget):
         mem_o = sum(c * mems[k] for c, k in zip(combo, others))
         time_o = sum(c * times[k] for c, k in zip(combo, others))
         left = n - used_n
-        room = budget - mem_o - left * mems[second]
+        room = budget - mem_o - left * min(mems[fast], mems[second])
         if room < -1e-9:
             continue
         gap = mems[fast] - mems[second]
