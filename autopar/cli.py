@@ -13,11 +13,9 @@ import json
 import sys
 import time
 
-import torch
-
 from autopar.errors import AutoparError
+from autopar.planner import DTYPES
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Progress:
@@ -108,7 +106,7 @@ def _plan(args, world_size: int | None = None):
 
     world = World(devices=world_size or args.world, per_node=args.per_node, device=args.device)
     model, inputs, loss_fn, target, layers = load_model(args.model, args.batch, args.seq,
-                                                        _DTYPES[args.dtype])
+                                                        DTYPES[args.dtype])
     constraints = constraints_of(args)
     sizes = [constraints["tp"]] if "tp" in constraints else divisors(world.devices)
     start = time.perf_counter()
@@ -165,8 +163,6 @@ def min_devices(args) -> int:
                    set(range(args.per_node, args.world + 1, args.per_node)) | {args.world})
     tried = []
     for n in sizes:
-        if args.batch % 1:
-            continue
         try:
             plan, data = _plan(args, n)
         except AutoparError as e:
@@ -196,7 +192,7 @@ def _add_plan_arguments(p) -> None:
                                                           "JSON written by `autopar calibrate`")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences or samples)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)

@@ -131,7 +131,7 @@ def replicated_groups(solution: Solution) -> list[dict]:
     return list(groups.values())
 
 
-def _replicated_line(group: dict) -> str:
+def replicated_line(group: dict) -> str:
     nodes, layers = group["nodes"], group["layers"]
     if len(nodes) == 1:
         return f"{nodes[0]}: {group['note']}"
@@ -166,7 +166,7 @@ def as_text(data: dict, top: int | None = None) -> str:
     if data["replicated_groups"]:
         lines.append("")
         lines.append("  ran replicated:")
-        lines.extend(f"    {_replicated_line(g)}" for g in data["replicated_groups"])
+        lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
     return "\n".join(lines)
 
 

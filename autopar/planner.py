@@ -12,14 +12,14 @@ import time
 import torch
 
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
-from autopar.cost.model import formulas
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.plan import LayerPlan, PipelinePlan, Plan, ZeroPlan
 from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
 from autopar.world import World
 
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # What the runtime executes today; parallelize searches only these.
 EXECUTABLE = {"tp_modes": ("1d",), "axes": ("dp", "tp"), "recompute": ("none",),
@@ -105,7 +105,8 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
     if global_batch is None:
         global_batch = int(example_inputs[0].shape[0])
     if dtype is None:
-        dtype = _DTYPES.get(next((p.dtype for p in model.parameters()), torch.float32), "fp32")
+        dtype = _DTYPE_NAMES.get(next((p.dtype for p in model.parameters()), torch.float32),
+                                 "fp32")
     start = time.perf_counter()
     c = Constraints.of(constraints)
     sizes = [c.tp] if c.tp else [t for t in divisors(world.devices)]
@@ -212,7 +213,3 @@ def model_flops(chain: LayerChain, global_batch: int) -> int:
     (the 6-FLOPs-per-parameter-per-token rule with attention included)."""
     fwd = sum(lt.forward_flops(1) for lt in chain.layers())
     return int(3 * fwd * global_batch)
-
-
-def formula_table() -> dict[str, str]:
-    return {k: str(v) for k, v in formulas().items()}

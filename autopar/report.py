@@ -162,10 +162,10 @@ def plan_text(data: dict, top: int | None = None) -> str:
     for note in search.get("left_out", []):
         lines.append(f"  left out: {note}")
     if data.get("replicated_groups"):
-        from autopar.explain import _replicated_line
+        from autopar.explain import replicated_line
 
         lines += ["", "  ran replicated:"]
-        lines.extend(f"    {_replicated_line(g)}" for g in data["replicated_groups"])
+        lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
     if data.get("notes"):
         lines.append("")
         lines.extend(f"  note: {n}" for n in data["notes"])

@@ -14,16 +14,15 @@ import argparse
 import functools
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from gloo_world import results_path, run_world  # noqa: E402
 
 PLANS = {"data 4": {"data": 4},
          "tensor 4": {"tensor": {"size": 4, "mode": "1d"}},
@@ -81,11 +80,7 @@ def measure(name: str, plan: dict, batch: int) -> dict:
     return {"predicted": predicted, "measured": measured, "micro_batch": micro_batch}
 
 
-def worker(rank, port, models, batch, out_path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def worker(rank, models, batch, out_path):
     rows = []
     for name in models:
         for plan_name, plan in PLANS.items():
@@ -100,7 +95,6 @@ def worker(rank, port, models, batch, out_path):
         with open(out_path, "w") as f:
             json.dump({"world": WORLD, "batch": batch, "device": "cpu (gloo)", "rows": rows},
                       f, indent=2)
-    dist.destroy_process_group()
 
 
 def _kib(n: int) -> str:
@@ -112,13 +106,8 @@ def main():
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
-    out_dir = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "memory.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.models, args.batch, out_path), nprocs=WORLD)
+    out_path = results_path("memory.json")
+    run_world(worker, (args.models, args.batch, out_path), WORLD)
     with open(out_path) as f:
         data = json.load(f)
     print(f"world {WORLD}, global batch {args.batch}, AdamW; KiB per rank, predicted / measured "

@@ -18,11 +18,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from gloo_world import results_path, run_world  # noqa: E402
 
 PLANS = {"data 4": {"data": 4},
          "tensor 4": {"tensor": {"size": 4, "mode": "1d"}},
@@ -34,14 +34,10 @@ def lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def worker(rank, port, model_name, batch, steps, out_path):
+def worker(rank, model_name, batch, steps, out_path):
     import autopar
     from autopar.models import build
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     rows = []
     for name, plan in PLANS.items():
         model, (x,) = build(model_name, batch=batch, device="cpu", seed=0)
@@ -68,7 +64,6 @@ def worker(rank, port, model_name, batch, steps, out_path):
         with open(out_path, "w") as f:
             json.dump({"world": WORLD, "model": model_name, "batch": batch, "rows": rows}, f,
                       indent=2)
-    dist.destroy_process_group()
 
 
 def main():
@@ -77,15 +72,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    out_dir = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "plans.json")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, args.model, args.batch, args.steps, out_path), nprocs=WORLD)
+    out_path = results_path("plans.json")
+    run_world(worker, (args.model, args.batch, args.steps, out_path), WORLD)
     with open(out_path) as f:
         data = json.load(f)
     base = data["rows"][0]["step_time_s"]

@@ -358,6 +358,13 @@ def _example_inputs(
     return (x.to(device),)
 
 
+def config_of(name_or_spec: str | ModelConfig) -> ModelConfig:
+    """The configuration a zoo name, a spec or a config stands for."""
+    if isinstance(name_or_spec, str):
+        return parse_spec(name_or_spec) if ":" in name_or_spec else get_config(name_or_spec)
+    return name_or_spec
+
+
 def build(
     name_or_spec: str | ModelConfig,
     *,
@@ -376,10 +383,7 @@ def build(
     example inputs are seeded with ``seed`` (0 when not given) in the same way. ``seq``
     (sequence models only) defaults to the longest the config supports.
     """
-    if isinstance(name_or_spec, str):
-        cfg = parse_spec(name_or_spec) if ":" in name_or_spec else get_config(name_or_spec)
-    else:
-        cfg = name_or_spec
+    cfg = config_of(name_or_spec)
     if batch < 1:
         raise ValueError(f"batch={batch} must be at least 1.")
     model_cls = _FAMILIES[_family_of(cfg)].model
@@ -439,8 +443,7 @@ def workload(
     only that many blocks are built: they are structurally identical, so pricing two and
     counting the configuration's number is exact and keeps a 96-layer model's trace short.
     """
-    cfg = parse_spec(name_or_spec) if isinstance(name_or_spec, str) and ":" in name_or_spec \
-        else get_config(name_or_spec) if isinstance(name_or_spec, str) else name_or_spec
+    cfg = config_of(name_or_spec)
     layers = cfg.n_layer
     traced_layers = layers if max_layers is None else min(layers, max_layers)
     small = dataclasses.replace(cfg, n_layer=traced_layers)

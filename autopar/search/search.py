@@ -108,9 +108,6 @@ class Candidate:
     comm_bytes_per_device: float
     fits: bool
 
-    def key(self) -> tuple:
-        return (self.mesh["pp"], self.mesh["dp"], self.mesh["cp"], self.mesh["tp"])
-
     def describe(self) -> str:
         m = self.mesh
         modes = sorted({str(s.mode) for s in self.states if s.mode.size > 1}) or ["-"]
@@ -177,7 +174,7 @@ class Search:
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
         self.candidates = 0
-        self._leaf_order: list = []
+        self._leaf_numbers = itertools.count()
 
     # ------------------------------------------------------------------ spaces
     def _tp_modes(self, tp: int, block: bool = True) -> list[TensorMode]:
@@ -408,10 +405,9 @@ class Search:
                         pipe = m * slowest + (pp * avg - slowest) / 3
                     else:
                         pipe = (m - 1) * slowest + pp * avg
-                    out.append(_Leaf(pipe + dp_lb, len(self._leaf_order), dict(mesh), pl,
+                    out.append(_Leaf(pipe + dp_lb, next(self._leaf_numbers), dict(mesh), pl,
                                      grad_pl, cp_mode, b, m, schedule, v, prep, None, None,
                                      zeros))
-                    self._leaf_order.append(None)
         return out
 
     def _schedule_options(self, pp, m):
@@ -509,6 +505,7 @@ class Search:
 
     # ------------------------------------------------------------ evaluation
     def _evaluate(self, leaf):
+        leaf.prep.build()
         if leaf.stage_of is None:
             leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
             leaf.device_of = [s % leaf.mesh["pp"] for s in leaf.stage_of]
@@ -581,7 +578,7 @@ class Search:
                          float(total.max()), comm_bytes, bool(total.max() <= self.capacity))
 
     def _bound_candidate(self, leaf) -> Candidate:
-        prep = leaf.prep
+        prep = leaf.prep.build()
         return Candidate(dict(leaf.mesh), leaf.b, leaf.m, leaf.schedule, leaf.v, 0, False,
                          leaf.cp_mode, prep.states_of(prep.fast), [], leaf.bound,
                          0.0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, True)
@@ -620,18 +617,15 @@ class _Prepared:
         self.min_single = max(fastest[t] for t in set(order))
         self.min_params = float(np.dot(counts, [min(c.params for c in costs)
                                                 for _, costs in per_type]))
-        self._built = False
+        self.built = False
         self._stages: dict = {}
 
-    def __getattr__(self, name):
-        # the chain arrays, the fastest path and its numbers are built on first use
-        if name.startswith("__") or self.__dict__.get("_built", True):
-            raise AttributeError(name)
-        self._build()
-        return getattr(self, name)
-
-    def _build(self):
-        self._built = True
+    def build(self) -> _Prepared:
+        """The chain arrays, the fastest path and its numbers: only for leaves that are
+        priced (the lower bounds above need none of it)."""
+        if self.built:
+            return self
+        self.built = True
         search, per_type, order, pl, b = self.search, self.per_type, self.order, self.pl, self.b
         self.t_layers = [np.array([c.time for c in per_type[t][1]]) for t in order]
         self.mem_layers = [np.array([c.activations for c in per_type[t][1]]) for t in order]
@@ -644,6 +638,7 @@ class _Prepared:
         self.params = np.array([self.cost(i, s).params for i, s in enumerate(self.fast)])
         self.acts = np.array([self.mem_layers[i][s] for i, s in enumerate(self.fast)])
         self.biggest = float(self.params.max()) if len(self.params) else 0.0
+        return self
 
     def _conversion(self, search, a, b_type, pl, b):
         key = ("conv", a, b_type, b, pl["tp"], pl["cp"])
