@@ -266,9 +266,21 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
         assert cand.zero == 0 and not cand.offload
         assert all(s.mode.name == "1d" and s.sp == "none" and s.recompute == "none"
                    for s in cand.states)
-    assert any("pipeline" in note and "cp" in note for note in res.left_out)
+    said = " | ".join(res.left_out)
+    for words in ("pipeline", "cp axis", "2d/2.5d/3d tensor", "Megatron sequence",
+                  "selective/full recomputation", "ZeRO stage 1/2/3", "offload"):
+        assert words in said, (words, said)
     plan = planner.to_plan(small, world, res, 16, "bf16", 0.0)
     assert plan.search["left_out"] == res.left_out
+
+
+def test_too_few_microbatches_for_the_pipeline_is_named(small):
+    # pp fixed to 2 with one sequence per step: fewer micro-batches than stages
+    with pytest.raises(PlanError, match="micro-batches as stages.*at least 2"):
+        planner.search(small, World(8, per_node=4), global_batch=1, constraints={"pp": 2})
+    # more stages than blocks
+    with pytest.raises(PlanError, match="pp 4 needs at least 4 blocks.*has 3; use --pp 2"):
+        planner.search(small, World(8, per_node=4), global_batch=16, constraints={"pp": 4})
 
 
 # ----------------------------------------------------------------------- GPT-3 175B

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 
@@ -98,6 +98,17 @@ class Context:
     cp_mode: str | None = None
     attention_kernel: str = "flash"  # or "unfused": scores written to memory (pre-2022)
     tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
+    # collective prices already worked out under this context: the states of one layer
+    # differ only in recompute and ask for the same collectives
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def coll(self, op: str, nbytes: float, placement: Placement) -> float:
+        """Seconds of one collective under this context's hardware (memoised)."""
+        key = (op, nbytes, placement)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = _coll(op, nbytes, placement, self.hw)
+        return hit
 
 
 @dataclass
@@ -173,9 +184,9 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
             if sp and op == "all_reduce" and lt.is_block:
                 # Megatron-SP: each all-reduce around a tensor-parallel region becomes a
                 # reduce-scatter into the sequence-split region and an all-gather out of it
-                sec = _coll("reduce_scatter", n, ctx.tp, hw) + _coll("all_gather", n, ctx.tp, hw)
+                sec = ctx.coll("reduce_scatter", n, ctx.tp) + ctx.coll("all_gather", n, ctx.tp)
             else:
-                sec = _coll(op, n, ctx.tp, hw)
+                sec = ctx.coll(op, n, ctx.tp)
             comm += reruns * sec
             comm_bytes += reruns * _wire_bytes(op, n, t)
     elif t > 1:
@@ -224,11 +235,16 @@ def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     Per GEMM with activations M x K, weight K x N and output M x N (bytes e per value):
     2D SUMMA (Xu et al. 2021, arXiv 2104.05343): forward broadcasts the blocks of the
     activation along rows and of the weight along columns, (q-1)(MK + KN)/q^2 values per
-    device; the two backward products move (q-1)(MN + KN)/q^2 and (q-1)(MK + MN)/q^2.
-    2.5D (Wang et al. 2021, arXiv 2105.14500): the same on M/d rows per depth layer, plus an
-    all-reduce of the weight gradient over the d layers. 3D (Bian et al. 2021, arXiv
-    2105.14450): forward all-gathers the activation and the weight and reduce-scatters
-    the output within groups of q, (q-1)(MK + KN + MN)/q^3 values; backward twice that.
+    device; backward, dX = dY W^T broadcasts the weight blocks and reduces the partial dX
+    blocks, dW = X^T dY broadcasts the activation blocks and reduces the partial dW
+    blocks: 2(q-1)(MK + KN)/q^2 (the output gradient never moves), as
+    ``autopar.runtime.multid`` runs it. 2.5D (Wang et al. 2021, arXiv 2105.14500): the same
+    on M/d rows per depth layer, plus an all-reduce of the weight gradient over the d
+    layers. 3D (Bian et al. 2021, arXiv 2105.14450): forward all-gathers the activation
+    and the weight and reduce-scatters the output within groups of q,
+    (q-1)(MK + KN + MN)/q^3 values; backward gathers the output gradient and
+    reduce-scatters the two input gradients, the same volume (the gathered activation and
+    weight are kept from the forward).
     """
     q, d, e = mode.q, mode.d, lt.dtype_bytes
     group = _group(mode, ctx)
@@ -240,21 +256,22 @@ def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
         mk, kn, mn = m * g.k * e, g.k * g.n * e, m * g.n * e
         if mode.name == "2d":
             fwd = (q - 1) * (mk + kn) / q ** 2
-            bwd = (q - 1) * (mn + kn + mk + mn) / q ** 2
+            bwd = 2 * fwd
             extra = 0.0
         elif mode.name == "2.5d":
             fwd = (q - 1) * (mk / d + kn) / q ** 2
-            bwd = (q - 1) * (mn / d + kn + mk / d + mn / d) / q ** 2
-            extra = _coll("all_reduce", kn / q ** 2, _depth(mode, ctx), ctx.hw)
+            bwd = 2 * fwd
+            extra = ctx.coll("all_reduce", kn / q ** 2, _depth(mode, ctx))
+            nbytes_total += 2 * (d - 1) / d * kn / q ** 2
         else:
             fwd = (q - 1) * (mk + kn + mn) / q ** 3
-            bwd = 2 * fwd
+            bwd = fwd
             extra = 0.0
         runs = 2 if full_recompute else 1
         # each received volume v travels as a broadcast/gather among q ranks: price it as an
         # all-gather whose whole tensor is v * q / (q - 1)
         for v, k in ((fwd, runs), (bwd, 1)):
-            seconds += k * _coll("all_gather", v * q / (q - 1), group, ctx.hw)
+            seconds += k * ctx.coll("all_gather", v * q / (q - 1), group)
             nbytes_total += k * v
         seconds += extra
     return seconds, nbytes_total
@@ -289,12 +306,12 @@ def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     for a in lt.attention:
         kv = 2 * act * a.kv_heads / a.heads
         if ctx.cp_mode == "ring":
-            hop = _coll("p2p", kv, ctx.cp, hw) if c > 1 else 0.0
+            hop = ctx.coll("p2p", kv, ctx.cp) if c > 1 else 0.0
             comm = 3 * (c - 1) * hop
             seconds += max(0.0, comm - 3 * attn_fwd)
             nbytes += 3 * (c - 1) * kv
         else:
-            per = _coll("all_to_all", act * c, ctx.cp, hw)
+            per = ctx.coll("all_to_all", act * c, ctx.cp)
             seconds += 8 * per
             nbytes += 8 * act * (c - 1) / c
     return seconds, nbytes

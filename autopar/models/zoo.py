@@ -60,9 +60,11 @@ MEGATRON_TABLE1: tuple[MegatronRun, ...] = (
 )
 
 _ZOO: dict[str, ModelConfig] = {
-    # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 175B),
-    # with the 50257-token GPT-2 byte-pair vocabulary the paper reuses.
-    "gpt3-175b": GPTConfig(vocab_size=50257, n_layer=96, n_head=96, n_embd=12288, block_size=2048),
+    # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 175B).
+    # Its 50257-token GPT-2 byte-pair vocabulary is padded to 51200, as Megatron-LM pads
+    # it (to a multiple of 128 x the tensor size), so the embedding and classifier split
+    # over any power-of-two tensor size up to 2048.
+    "gpt3-175b": GPTConfig(vocab_size=51200, n_layer=96, n_head=96, n_embd=12288, block_size=2048),
     # Megatron Table 1 above; every run there uses sequence 2048 and vocabulary 51200.
     **{
         run.name: GPTConfig(

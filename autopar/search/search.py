@@ -170,6 +170,7 @@ class Search:
         self.layers = chain.layers()
         self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
+        self._contexts: dict = {}  # (tp placement, cp placement, cp mode) -> Context
         self._balance_cache: dict = {}
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
@@ -246,11 +247,8 @@ class Search:
         meshes = factorisations(world, self.c, len(self.blocks) or 1, seq_ok)
         if self.opt.executable is not None:
             axes = self.opt.executable.get("axes", ("dp", "tp"))
-            kept = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)]
-            if len(kept) < len(meshes):
-                self.left_out.append("pipeline and sequence (cp) axes: the runtime cannot "
-                                     "execute them yet")
-            meshes = kept
+            meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)]
+            self.left_out.extend(_not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(self._no_mesh_reason(world))
         leaves = []
@@ -298,6 +296,12 @@ class Search:
     def _no_mesh_reason(self, world: int) -> str:
         fixed = {k: v for k, v in vars(self.c).items()
                  if k in ("tp", "pp", "dp", "cp") and v is not None}
+        blocks = len(self.blocks) or 1
+        tiles = world % math.prod(fixed.values()) == 0
+        if tiles and fixed.get("pp", 1) > blocks:
+            return (f"pp {fixed['pp']} needs at least {fixed['pp']} blocks to put one on each "
+                    f"stage, but the model has {blocks}; use --pp "
+                    f"{max(d for d in divisors(world) if d <= blocks)} or less.")
         if fixed:
             prod = math.prod(fixed.values())
             near = [d for d in divisors(world)]
@@ -331,6 +335,19 @@ class Search:
     def _no_leaf_reason(self, meshes) -> str:
         gb = self.opt.global_batch
         dps = sorted({m["dp"] for m in meshes})
+        split = [m for m in meshes if gb % m["dp"] == 0]
+        if split and all(m["pp"] > 1 for m in split):
+            m = min(split, key=lambda m: m["pp"])
+            per_replica = gb // m["dp"]
+            return (f"every mesh left has a pipeline, and none gets as many micro-batches as "
+                    f"stages: with pp {m['pp']} and dp {m['dp']} each replica has "
+                    f"{per_replica} sample(s) for {m['pp']} stages; use a global batch of at "
+                    f"least {m['pp'] * m['dp']}, or fewer stages (--pp).")
+        if split:
+            return (f"no micro-batch size fits the constraints: the global batch {gb} over dp "
+                    f"{split[0]['dp']} gives {gb // split[0]['dp']} sample(s) per replica; "
+                    "relax --microbatches or the tensor mode (2D/2.5D/3D split the micro-batch "
+                    "too).")
         return (f"the global batch {gb} does not split over any data-parallel size this world "
                 f"allows ({', '.join(map(str, dps[:10]))}); use a batch that is a multiple of "
                 f"{dps[0]}" + (f" or fix --dp to a divisor of {gb}" if len(dps) > 1 else "") + ".")
@@ -343,8 +360,11 @@ class Search:
         hit = self._cost_cache.get(key)
         if hit is not None:
             return hit
-        ctx = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"], cp_mode,
-                      self.opt.attention_kernel)
+        ctx_key = (pl["tp"], pl["cp"], cp_mode)
+        ctx = self._contexts.get(ctx_key)
+        if ctx is None:
+            ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"],
+                                                    cp_mode, self.opt.attention_kernel)
         per_type = []
         for lt in self.chain.types:
             states = [s for s in self._states(lt, mesh["tp"]) if b % s.mode.batch_split == 0]
@@ -544,7 +564,11 @@ class Search:
                              budget)
             acts = np.array([prep.mem_layers[i][s] for i, s in enumerate(chosen)])
             acts_dev = np.bincount(leaf.device_of, weights=acts, minlength=pp)
-            total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
+            # a layer that changed layout holds its parameters differently too
+            params = np.array([prep.cost(i, s).params for i, s in enumerate(chosen)])
+            params_dev = np.bincount(leaf.device_of, weights=params, minlength=pp)
+            biggest = float(params.max()) if len(params) else 0.0
+            total, parts = self._memory(leaf, params_dev, acts_dev, biggest, zero, offload,
                                         in_flight)
         layer_time = prep.path_time(chosen)
         pipe, bubble, dev = self._pipeline_time(layer_time, leaf.device_of, leaf.stage_of, pp,
@@ -770,3 +794,27 @@ def _better(a: Candidate, b: Candidate) -> bool:
     if a.fits:
         return a.step_time < b.step_time
     return a.memory_per_device < b.memory_per_device
+
+
+def _not_executable(executable: dict) -> list[str]:
+    """What the runtime cannot execute yet, in words, from the EXECUTABLE description."""
+    out = []
+    axes = executable.get("axes", ())
+    for axis, words in (("pp", "pipeline parallelism (pp > 1)"),
+                        ("cp", "sequence parallelism over a cp axis (Ulysses, ring)")):
+        if axis not in axes:
+            out.append(words)
+    modes = [m for m in ("2d", "2.5d", "3d") if m not in executable.get("tp_modes", ())]
+    if modes:
+        out.append("/".join(modes) + " tensor parallelism")
+    if "megatron" not in executable.get("sp", ()):
+        out.append("Megatron sequence parallelism")
+    rc = [r for r in ("selective", "full") if r not in executable.get("recompute", ())]
+    if rc:
+        out.append("/".join(rc) + " recomputation")
+    zero = [z for z in (1, 2, 3) if z not in executable.get("zero", ())]
+    if zero:
+        out.append("ZeRO stage " + "/".join(map(str, zero)))
+    if not executable.get("offload", False):
+        out.append("optimizer offload")
+    return [w + ": the runtime cannot execute it yet" for w in out]
