@@ -274,6 +274,21 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
     assert plan.search["left_out"] == res.left_out
 
 
+def test_identical_blocks_split_differently_by_1d_are_different_kinds():
+    # mlp-tiny: three Linear+GELU blocks of one structure; 1D splits the first by columns
+    # (its input needs no gradient), the second by rows (an all-reduce forward), the third
+    # by columns again with an all-reduce of its input's gradient
+    w = workload("mlp-tiny", max_layers=None)
+    chain = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                            tp_sizes=[2])
+    blocks = [lt for lt in chain.layers() if lt.name.startswith("blocks.")]
+    comm = [[(op, phase) for op, phase, _ in lt.sharded[2].comm] for lt in blocks]
+    assert comm == [[], [("all_reduce", "forward")], [("all_reduce", "backward")]]
+    assert len({id(lt) for lt in blocks}) == 3
+    kinds = [chain.types[i].name for i in chain.order]
+    assert [k for k in kinds if k.startswith("blocks.")] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
 def test_too_few_microbatches_for_the_pipeline_is_named(small):
     # pp fixed to 2 with one sequence per step: fewer micro-batches than stages
     with pytest.raises(PlanError, match="micro-batches as stages.*at least 2"):

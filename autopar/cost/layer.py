@@ -10,6 +10,7 @@ activations saved for backward. Every quantity is linear in the micro-batch ``B`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import sympy
@@ -132,6 +133,7 @@ class LayerChain:
     tokens_per_sample: int
     dtype_bytes: int
     names: list[str] = field(default_factory=list)  # one per layer of the real model
+    sources: list[str] = field(default_factory=list)  # per entry of order: its traced layer
     refused: list[str] = field(default_factory=list)  # tensor sizes the model cannot take
     traced: TracedGraph | None = None
 
@@ -218,6 +220,7 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     repeat = repeat or {}
     types: dict[int, LayerType] = {}
     order: list[int] = []
+    sources: list[str] = []
     owner = {}
     for layer in traced.layers:
         for node in layer.nodes:
@@ -228,11 +231,12 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
         else:
             types[layer.group].names.append(layer.name)
         order.extend([layer.group] * repeat.get(layer.name, 1))
+        sources.extend([layer.name] * repeat.get(layer.name, 1))
     group_index = {g: i for i, g in enumerate(types)}
     type_list = list(types.values())
     dtype_bytes = max(t.dtype_bytes for t in type_list)
     return LayerChain(type_list, [group_index[g] for g in order], tokens_per_sample,
-                      dtype_bytes)
+                      dtype_bytes, sources=sources)
 
 
 def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
@@ -276,19 +280,53 @@ def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[s
 
     Returns the sizes the model cannot take, each with the reason.
     """
-    by_name = {t.names[0]: t for t in chain.types}
     layer_of = {layer.name: layer for layer in traced.layers}
     refused = []
+    solutions = {}
     for size in sizes:
         try:
-            solution = solve(traced, axis="tp", size=size)
+            solutions[size] = solve(traced, axis="tp", size=size)
         except Exception as e:  # a size the model's shapes do not divide
             refused.append(f"tp={size}: {e}")
-            continue
+    _split_kinds(traced, chain, solutions, layer_of)
+    by_name = {t.names[0]: t for t in chain.types}
+    for size, solution in solutions.items():
         for name, lt in by_name.items():
             lt.sharded[size] = _read_sharded(traced, layer_of[name], solution, size)
         _add_activations(traced, by_name, solution, size)
     return refused
+
+
+def _split_kinds(traced: TracedGraph, chain: LayerChain, solutions, layer_of) -> None:
+    """Structurally identical layers that 1D splits differently are different kinds.
+
+    A stack of identical Linear blocks alternates column and row splits under 1D, so the
+    blocks share a structure but not a cost; each kind is split by how its members read
+    under every tensor size, and the chain's order follows.
+    """
+    if not solutions or not chain.sources:
+        return
+    new_types: list[LayerType] = []
+    kind_of: dict[str, int] = {}
+    for lt in chain.types:
+        signatures: list[tuple[tuple, list[str]]] = []  # Sharded is unhashable: compare
+        for name in lt.names:
+            sig = tuple(dataclasses.replace(_read_sharded(traced, layer_of[name], sol, size),
+                                            replicated_ops=[])
+                        for size, sol in solutions.items())
+            same = next((members for known, members in signatures if known == sig), None)
+            if same is None:
+                signatures.append((sig, [name]))
+            else:
+                same.append(name)
+        for _, members in signatures:
+            kind = lt if len(signatures) == 1 else dataclasses.replace(
+                lt, name=members[0], names=list(members), sharded={})
+            kind_of.update({n: len(new_types) for n in members})
+            new_types.append(kind)
+    if len(new_types) != len(chain.types):
+        chain.types = new_types
+        chain.order = [kind_of[src] for src in chain.sources]
 
 
 def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int) -> None:

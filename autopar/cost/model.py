@@ -209,6 +209,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         if state.recompute == "none":
             whole += sharded.act_attention(batch)
         acts = whole / t
+        if mode.name == "3d":
+            acts += _gathered_3d(lt, mode, batch)
     acts /= c
     if one_d:
         params = sharded.param_bytes
@@ -217,6 +219,19 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     else:
         params = lt.param_bytes / t
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params)
+
+
+def _gathered_3d(lt: LayerType, mode: TensorMode, batch: float) -> float:
+    """What 3D keeps for backward beyond its share of the layer's saved values: each
+    linear keeps the activation and the weight as gathered over a group of q (1/q^2 of
+    the whole, not 1/q^3), so the backward needs no second gather."""
+    q, e = mode.q, lt.dtype_bytes
+    extra = 0.0
+    for g in lt.gemms:
+        if g.weight:
+            m = g.flops(batch) / (2 * g.k * g.n)
+            extra += (m * g.k + g.k * g.n) * e * (1 / q ** 2 - 1 / q ** 3)
+    return extra
 
 
 def _wire_bytes(op: str, nbytes: float, p: int) -> float:
