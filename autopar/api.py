@@ -10,8 +10,8 @@ from torch import nn
 
 from autopar.errors import PlanError, WorldError
 from autopar.plan import Plan
-from autopar.runtime.engine import Engine
-from autopar.runtime.mesh import axis_groups
+from autopar.runtime.engine import Engine, check_grid_dims
+from autopar.runtime.mesh import axis_groups, tensor_groups
 from autopar.world import World
 
 
@@ -20,25 +20,42 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (choose one), a Plan, a path to a plan file, or a Colossal-AI style dict
-    such as dict(tensor=dict(size=4, mode="1d")). `optimizer` is a factory taking the
-    parameters, e.g. functools.partial(torch.optim.AdamW, lr=3e-4).
+    such as dict(tensor=dict(size=4, mode="1d")) or dict(tensor=dict(size=8, mode="2.5d",
+    depth=2, layers={"blocks.0": "1d"})); a bad plan is refused before any process work.
+    `optimizer` is a factory taking the parameters, e.g. functools.partial(torch.optim.AdamW,
+    lr=3e-4).
     """
     size = _world_size(world)
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    chosen, traced = None, None
+    if plan is not None:  # a bad plan is refused before any process work
+        chosen = _resolve_plan(plan, size, world)
+        _check_executable(chosen)
+        if chosen.tensor_mesh().mode != "1d":  # dims the grid splits, checked on the graph
+            traced = Engine.trace_for(model, tuple(example_inputs))
+            check_grid_dims(traced, chosen, chosen.tensor_mesh())
     _init_process_group(size)
     _check_process_group(size)
-    if plan is None:
+    if chosen is None:
         chosen = _search_plan(model, size, world, example_inputs, loss_fn)
+        _check_executable(chosen)
+    tensor = chosen.tensor_mesh()
+    if tensor.mode == "1d":
+        groups = axis_groups({"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]})
     else:
-        chosen = _resolve_plan(plan, size, world)
+        groups = tensor_groups(chosen.mesh["dp"], tensor)
+    return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,
+                  forward_graph=traced)
+
+
+def _check_executable(chosen: Plan) -> None:
+    chosen.check_grid()
     missing = chosen.unsupported()
     if missing:
         raise PlanError(f"this plan uses {', '.join(missing)}, which the runtime cannot execute "
-                        "yet; plan it offline with autopar.plan, or choose data and 1d tensor "
-                        "parallelism.")
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
-    groups = axis_groups({"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]})
-    return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed)
+                        "yet; plan it offline with autopar.plan, or choose data and 1d, 2d, "
+                        "2.5d or 3d tensor parallelism.")
 
 
 def _world_size(world) -> int:

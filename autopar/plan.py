@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from autopar.errors import PlanError
+from autopar.sharding.axes import MULTI_D, TensorMesh, grid_size_error
 from autopar.world import World
 
 AXES = ("pp", "dp", "cp", "tp")
@@ -96,6 +97,28 @@ class Plan:
     def layer_modes(self) -> dict[str, str]:
         return {lp.name: lp.tp_mode for lp in self.layers}
 
+    def grid_mode(self) -> str:
+        """The 2D, 2.5D or 3D mode the plan's layers use ("1d" when none does)."""
+        modes = [m for m in [self.tp_mode] + [lp.tp_mode for lp in self.layers] if m in MULTI_D]
+        return modes[0] if modes else "1d"
+
+    def check_grid(self) -> None:
+        """Refuse a tensor size that is no grid of the plan's mode, with the nearest that are."""
+        modes = sorted({m for m in [self.tp_mode] + [lp.tp_mode for lp in self.layers]
+                        if m in MULTI_D})
+        if len(modes) > 1:
+            raise PlanError(f"a plan's layers may mix 1d with one of 2d, 2.5d and 3d, not "
+                            f"{' and '.join(modes)}; give every multi-dimensional layer the same "
+                            "mode.")
+        if modes and self.mesh["tp"] > 1:
+            error = grid_size_error(modes[0], self.mesh["tp"], self.tp_depth)
+            if error:
+                raise PlanError(error)
+
+    def tensor_mesh(self) -> TensorMesh:
+        """The tensor axes this plan runs on (see `autopar.sharding.axes`)."""
+        return TensorMesh.for_mode(self.grid_mode(), self.mesh["tp"], self.tp_depth)
+
     def unsupported(self) -> list[str]:
         """Parts of this plan the runtime cannot execute yet (they can still be planned)."""
         out = []
@@ -103,8 +126,6 @@ class Plan:
             out.append("pipeline parallelism (pp > 1)")
         if self.mesh["cp"] > 1 or self.sequence_mode:
             out.append("sequence parallelism over a cp axis")
-        if self.mesh["tp"] > 1 and self.tp_mode != "1d":
-            out.append(f"{self.tp_mode} tensor parallelism")
         if self.sequence_parallel:
             out.append("Megatron sequence parallelism")
         if self.zero.stage or self.zero.offload:
@@ -189,7 +210,7 @@ class Plan:
             raise PlanError(f"unknown plan key(s) {sorted(unknown)}; valid keys are "
                             f"{sorted(_TOP_KEYS)}.")
         pipeline = _sub(spec, "pipeline", {"size", "schedule", "microbatches", "chunks"})
-        tensor = _sub(spec, "tensor", {"size", "mode", "depth", "sequence_parallel"})
+        tensor = _sub(spec, "tensor", {"size", "mode", "depth", "sequence_parallel", "layers"})
         sequence = _sub(spec, "sequence", {"size", "mode"})
         zero = _sub(spec, "zero", {"stage", "offload"})
         pp = _int(pipeline.get("size", 1), "pipeline size")
@@ -205,7 +226,14 @@ class Plan:
             raise PlanError(f"data size {spec['data']} does not match world {world_size} / "
                             f"(pipeline x tensor x sequence = {model_parallel}) = {dp}.")
         recompute = spec.get("recompute", "none")
+        layers = tensor.get("layers", {})
+        if not isinstance(layers, dict):
+            raise PlanError(f"tensor 'layers' must map layer names to modes, e.g. "
+                            f"{{'blocks.0': '1d'}}, not {layers!r}.")
+        for name, mode in layers.items():
+            _choice(f"tensor mode of layer {name}", mode, TP_MODES + ("replicate",))
         return cls(mesh={"pp": pp, "dp": dp, "cp": cp, "tp": tp},
+                   layers=[LayerPlan(name, tp_mode=mode) for name, mode in layers.items()],
                    tp_mode=str(tensor.get("mode", "1d")),
                    tp_depth=_int(tensor.get("depth", 1), "tensor depth"),
                    sequence_parallel=bool(tensor.get("sequence_parallel", False)),

@@ -6,12 +6,14 @@ runs, restricted to the modes the runtime executes.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
 import torch
 
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
+from autopar.cost.model import tensor_modes
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.plan import LayerPlan, PipelinePlan, Plan, ZeroPlan
@@ -22,8 +24,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # What the runtime executes today; parallelize searches only these.
-EXECUTABLE = {"tp_modes": ("1d",), "axes": ("dp", "tp"), "recompute": ("none",),
-              "zero": (0,), "sp": (), "schedules": (), "offload": False}
+EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("dp", "tp"),
+              "recompute": ("none",), "zero": (0,), "sp": (), "schedules": (),
+              "offload": False}
 
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
@@ -85,7 +88,51 @@ def search(chain: LayerChain, world: World, *, global_batch: int, constraints=No
            top: int = 5, progress=None) -> SearchResult:
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
                       executable=EXECUTABLE if executable else None, top=top)
-    return Search(chain, world, options, constraints).run(progress)
+    if not executable:
+        return Search(chain, world, options, constraints).run(progress)
+    return _executable_search(chain, world, options, constraints, progress)
+
+
+def _grids(world: int) -> list:
+    """The multi-dimensional grids a tensor group of this world can form: (mode, depth)."""
+    out = []
+    for tp in (d for d in range(4, world + 1) if world % d == 0):
+        for mode in tensor_modes(tp, ("2d", "2.5d", "3d")):
+            grid = (mode.name, mode.d if mode.name == "2.5d" else None)
+            if grid not in out:
+                out.append(grid)
+    return out
+
+
+def _executable_search(chain, world, options, constraints, progress) -> SearchResult:
+    """The runtime runs one grid per plan (1D layers may join it): search 1D alone and 1D
+    with each grid the world can form, and keep the fastest; the union of these spaces is
+    exactly what `parallelize` can execute."""
+    start = time.perf_counter()
+    results, first, errors = [], None, []
+    for grid in [None] + _grids(world.devices):
+        opt = dataclasses.replace(options, executable={**options.executable, "grid": grid})
+        search = Search(chain, world, opt, constraints)
+        first = first or search
+        try:
+            results.append(search.run(progress if grid is None else None))
+        except PlanError as e:
+            errors.append(e)
+    if not results:
+        raise errors[0]
+    ranked = sorted((r.best for r in results if r.best), key=lambda c: c.step_time)
+    best = ranked[0] if ranked else None
+    others = ranked[1:] + [c for r in results for c, _ in r.alternatives]
+    seen, alternatives = set(), []
+    for cand in sorted(others, key=lambda c: (not c.fits, c.step_time if c.fits else
+                                              c.memory_per_device)):
+        key = cand.describe()
+        if key not in seen and (best is None or key != best.describe()):
+            seen.add(key)
+            alternatives.append((cand, first._reason(cand, best)))
+    return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
+                        time.perf_counter() - start, results[0].left_out,
+                        options.attention_kernel)
 
 
 def plan(model, example_inputs, world, *, global_batch: int | None = None, constraints=None,

@@ -68,7 +68,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def compare(name: str, plan, steps: int = 5, batch: int = 8) -> dict:
+def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None) -> dict:
+    """`probe(engine, inputs, target)`, when given, runs after the first step; what it returns
+    comes back under "probe"."""
     import torch.distributed as dist
 
     import autopar
@@ -87,6 +89,7 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8) -> dict:
         if step == 0:
             measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
             predicted = engine.predicted_comm(batch)
+            probed = probe(engine, inputs, target) if probe is not None else None
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(*inputs), target)
         ref_loss.backward()
@@ -105,4 +108,4 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8) -> dict:
             "noise_abs": noise_error,
             "keys_equal": list(full) == list(ref_state), "measured": measured,
             "predicted": predicted, "held": held,
-            "replicated": engine.replicated_parameters()}
+            "replicated": engine.replicated_parameters(), "probe": probed}

@@ -2,7 +2,11 @@
 
     localize_ops        ops to their sharded form: local sizes in views, row-split linears
                         followed by their all-reduce, vocabulary-parallel embedding and
-                        cross-entropy, dropout on the right random stream
+                        cross-entropy, dropout on the right random stream; in 2D, 2.5D and
+                        3D layers, linears, norms and the cross-entropy as calls of the
+                        autopar.runtime.multid kernels (GridLinear, GridNorm,
+                        GridCrossEntropy), means over a split dim as partial sums, and sizes
+                        read from a split batch dim scaled back to global
     insert_collectives  one explicit Redistribute node per transition of the solution
     shard_parameters    every parameter replaced by this rank's slice (`local_parameters`
                         cuts the slices; the engine passes the ones it shares across graphs)
@@ -20,8 +24,9 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.collectives import Redistribute
-from autopar.runtime.kernels import StreamCall, StreamDropout, VocabParallelCrossEntropy, \
-    VocabParallelEmbedding
+from autopar.runtime.kernels import GridCrossEntropy, GridLinear, GridNorm, StreamCall, \
+    StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
+from autopar.sharding.axes import TensorMesh
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution
 
@@ -68,14 +73,16 @@ def _add_module(gm: fx.GraphModule, stem: str, module: nn.Module) -> str:
 
 def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
     """Rewrite each op into the sharded form its strategy names (in place on gm's graph)."""
-    size, axis = solution.size, solution.axis
+    axis = solution.axis
+    sizes = solution.sizes
     for old, strategy in solution.strategies.items():
         node = mapping.get(old)
         if node is None or node.op != "call_function":
             continue
         out_layout = solution.layouts.get(old)
+        args = strategy.args
         if strategy.rewrite == "local_sizes":
-            _local_sizes(node, out_layout, size)
+            _local_sizes(gm, node, out_layout, solution.layouts.get(old.args[0]), sizes)
         elif strategy.rewrite == "row_linear":
             _row_linear(gm, node, axis)
         elif strategy.rewrite == "vocab_parallel_embedding":
@@ -89,6 +96,29 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
             _replace_with_module(gm, node, "vocab_cross_entropy",
                                  VocabParallelCrossEntropy(axis, reduction, ignore),
                                  (node.args[0], node.args[1]))
+        elif strategy.rewrite == "grid_linear":
+            if args["transposed"]:
+                bias, x, w = node.args[0], node.args[1], node.args[2]
+            else:
+                x, w = node.args[0], node.args[1]
+                bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            _replace_with_module(gm, node, f"{args['mode']}_linear".replace(".", "p"),
+                                 GridLinear(args["mode"], args["grid"], args["transposed"]),
+                                 (x, w, bias))
+        elif strategy.rewrite == "grid_norm":
+            weight, bias = (mapping.get(p) if isinstance(p, fx.Node) else None
+                            for p in args["params"])
+            _replace_with_module(gm, node, f"{args['kind']}_norm",
+                                 GridNorm(args["kind"], args["hidden"], args["replicas"],
+                                          args["eps"]),
+                                 (node.args[0], weight, bias))
+        elif strategy.rewrite == "grid_cross_entropy":
+            _replace_with_module(gm, node, "grid_cross_entropy",
+                                 GridCrossEntropy(args["vocab"], args["batch"],
+                                                  args["ignore_index"]),
+                                 (node.args[0], node.args[1]))
+        elif strategy.rewrite == "partial_mean":  # later passes read the scaled value
+            mapping[old] = _scale_after(gm, node, operator.truediv, _parts_on(solution, old, sizes))
         if node.target is aten.dropout.default:
             stream = _stream(out_layout, axis)
             _replace_with_module(gm, node, "dropout", StreamDropout(node.args[1], node.args[2], stream),
@@ -96,10 +126,39 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
         elif node.target is aten.scaled_dot_product_attention.default and _attn_dropout(node):
             name = _add_module(gm, "attention", StreamCall(node.target, _stream(out_layout, axis)))
             node.op, node.target = "call_module", name
+    for old, strategy in solution.strategies.items():  # after the views that read them
+        if strategy.rewrite == "global_size" and old in mapping:
+            _scale_after(gm, mapping[old], operator.mul, strategy.args["parts"])
+
+
+def _parts_on(solution: Solution, node: fx.Node, sizes: dict[str, int]) -> int:
+    """Ranks that split the dims a mean reduces (each rank averaged its share only)."""
+    layout = solution.layouts.get(node.args[0])
+    ndim = layout.ndim
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(ndim)
+    dims = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
+    parts = 1
+    for shard in layout.shards:
+        if shard.dim in dims:
+            parts *= sizes[shard.axis]
+    return parts
+
+
+def _scale_after(gm: fx.GraphModule, node: fx.Node, op, factor: int) -> fx.Node:
+    """Every user of `node` reads op(node, factor) instead; returns that node."""
+    if factor == 1:
+        return node
+    with gm.graph.inserting_after(node):
+        scaled = gm.graph.call_function(op, (node, factor))
+    scaled.meta = dict(node.meta)
+    node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    return scaled
 
 
 def _stream(layout, axis: str) -> str:
-    split = isinstance(layout, Layout) and layout.shard_on(axis) is not None
+    """The random stream of a tensor: a rank's own where any axis splits it (2D, 2.5D and 3D
+    activations are split over every tensor rank), the shared one where it is whole."""
+    split = isinstance(layout, Layout) and bool(layout.shards)
     return "split" if split else "replicated"
 
 
@@ -113,34 +172,49 @@ def _replace_with_module(gm, node: fx.Node, stem: str, module: nn.Module, args: 
     node.op, node.target, node.args, node.kwargs = "call_module", name, args, {}
 
 
-def _local_sizes(node: fx.Node, layout, size: int) -> None:
-    """Divide the size arguments of a view, expand or split by the ranks on the split dim."""
+def _local_sizes(gm: fx.GraphModule, node: fx.Node, layout, in_layout,
+                 sizes: dict[str, int]) -> None:
+    """Divide the size arguments of a view, expand or split by the ranks on each split dim.
+
+    A size given as a symbol (the batch, read from an input) is divided by a node inserted
+    before the view; -1 is left to the view.
+    """
     target = node.target
+
+    def local(value, axis: str):
+        if isinstance(value, fx.Node):
+            with gm.graph.inserting_before(node):
+                out = gm.graph.call_function(operator.floordiv, (value, sizes[axis]))
+            out.meta = dict(value.meta)
+            return out
+        return value if value == -1 else value // sizes[axis]
+
     if target in (aten.split.Tensor, aten.split_with_sizes.default):
-        sizes = node.args[1]
-        local = [s // size for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // size
-        node.args = (node.args[0], local) + tuple(node.args[2:])
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % in_layout.ndim
+        shard = in_layout.shard_of_dim(dim)
+        sizes_arg = node.args[1]
+        if isinstance(sizes_arg, (list, tuple)):
+            new = [local(v, shard.axis) for v in sizes_arg]
+        else:
+            new = local(sizes_arg, shard.axis)
+        node.args = (node.args[0], new) + tuple(node.args[2:])
         return
     if target is aten.chunk.default:
         return
     if target in (aten.flatten.using_ints,):
         return
     if target is aten.unflatten.int:
-        sizes = list(node.args[2])
+        new = list(node.args[2])
         for shard in layout.shards:
             rel = shard.dim - node.args[1]
-            if 0 <= rel < len(sizes) and isinstance(sizes[rel], int) and sizes[rel] > 0:
-                sizes[rel] //= size
-        node.args = (node.args[0], node.args[1], sizes)
+            if 0 <= rel < len(new) and (isinstance(new[rel], fx.Node) or new[rel] > 0):
+                new[rel] = local(new[rel], shard.axis)
+        node.args = (node.args[0], node.args[1], new)
         return
-    sizes = list(node.args[1])
+    new = list(node.args[1])
     for shard in layout.shards:
-        value = sizes[shard.dim]
-        if isinstance(value, fx.Node):
-            raise ValueError(f"{node.name}: the split dimension {shard.dim} has a symbolic size")
-        if value != -1:
-            sizes[shard.dim] = value // size
-    node.args = (node.args[0], sizes) + tuple(node.args[2:])
+        new[shard.dim] = local(new[shard.dim], shard.axis)
+    node.args = (node.args[0], new) + tuple(node.args[2:])
 
 
 def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str) -> None:
@@ -206,9 +280,11 @@ def shard_parameters(gm: fx.GraphModule, local: dict[str, torch.Tensor]) -> None
 def local_parameters(gm: fx.GraphModule, solution: Solution, coords: dict[str, int]) -> \
         dict[str, torch.Tensor]:
     """This rank's slice of every tensor the graph reads, by target; a tensor read under two
-    targets (tied weights) is sliced once and shared."""
+    targets (tied weights) is sliced once and shared. `coords`: this rank's index on every
+    physical tensor axis."""
     done: dict[int, torch.Tensor] = {}
     out = {}
+    mesh = solution.mesh if solution.mesh is not None else solution.size
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -216,23 +292,40 @@ def local_parameters(gm: fx.GraphModule, solution: Solution, coords: dict[str, i
         if not isinstance(full, torch.Tensor):
             continue
         if id(full) not in done:
-            done[id(full)] = local_slice(full, solution.params.get(node.target), coords,
-                                         solution.size)
+            done[id(full)] = local_slice(full, solution.params.get(node.target), coords, mesh)
         out[node.target] = done[id(full)]
     return out
 
 
-def local_slice(full: torch.Tensor, layout: Layout | None, coords: dict[str, int], size: int):
-    """This rank's slice of a full tensor under `layout` (a new Parameter for parameters)."""
+def shard_steps(shard, mesh: TensorMesh | int) -> list[tuple[str, int]]:
+    """(axis, blocks) per cut of one shard, major first: a composite axis without a process
+    group of its own is cut component by component, its blocks on the major one
+    (`autopar.sharding.axes`); any other axis in one cut."""
+    if isinstance(mesh, int) or shard.axis not in mesh.axes or mesh.has_group(shard.axis):
+        return [(shard.axis, shard.groups)]
+    comps = mesh.components(shard.axis)
+    return [(c, shard.groups if i == 0 else 1) for i, c in enumerate(comps)]
+
+
+def local_slice(full: torch.Tensor, layout: Layout | None, coords: dict[str, int],
+                mesh: TensorMesh | int):
+    """This rank's slice of a full tensor under `layout` (a new Parameter for parameters).
+
+    `coords`: this rank's index on every physical axis; `mesh`: the tensor axes (an int: one
+    axis of that many ranks, as in 1D).
+    """
     data = full.detach()
     if layout is not None:
         for shard in layout.shards:
-            parts = size
-            shape = list(data.shape)
-            m = shape[shard.dim] // (shard.groups * parts)
-            blocks = data.reshape(shape[:shard.dim] + [shard.groups, parts, m] + shape[shard.dim + 1:])
-            data = blocks.select(shard.dim + 1, coords[shard.axis])
-            data = data.reshape(shape[:shard.dim] + [shard.groups * m] + shape[shard.dim + 1:])
+            for axis, groups in shard_steps(shard, mesh):
+                parts = mesh if isinstance(mesh, int) else mesh.size(axis)
+                index = coords[axis] if isinstance(mesh, int) else mesh.index(axis, coords)
+                shape = list(data.shape)
+                m = shape[shard.dim] // (groups * parts)
+                blocks = data.reshape(shape[:shard.dim] + [groups, parts, m]
+                                      + shape[shard.dim + 1:])
+                data = blocks.select(shard.dim + 1, index)
+                data = data.reshape(shape[:shard.dim] + [groups * m] + shape[shard.dim + 1:])
     data = data.clone() if data.device.type != "meta" else data
     if isinstance(full, nn.Parameter):
         return nn.Parameter(data, requires_grad=full.requires_grad)

@@ -88,6 +88,31 @@ class AxisGroup:
         dist.reduce_scatter_tensor(out, stacked.reshape(-1), group=self.group)
         return out.view(stacked.shape[1:])
 
+    def broadcast(self, x: torch.Tensor, src: int, phase: str) -> torch.Tensor:
+        """Member `src` (an index within this axis) sends `x` to every member of the axis.
+
+        Every member passes a tensor of the same shape and dtype; on the others it is a buffer
+        that is overwritten in place (after `.contiguous()`) and returned. Logs the tensor's
+        bytes on every member, the sender included, as the other methods log even at size 1.
+        """
+        x = x.contiguous()
+        self.log.add("broadcast", self.axis, x.numel() * x.element_size(), phase)
+        if self.size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
+        return x
+
+    def reduce(self, x: torch.Tensor, dst: int, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce `x` (sum by default) over the axis into member `dst` (an index within it).
+
+        Works in place on `x.contiguous()` and returns it; only member `dst` may read the
+        result (the others hold unspecified values). Logs the tensor's bytes on every member.
+        """
+        x = x.contiguous()
+        self.log.add("reduce", self.axis, x.numel() * x.element_size(), phase)
+        if self.size > 1:
+            dist.reduce(x, dst=dist.get_global_rank(self.group, dst), op=op, group=self.group)
+        return x
+
     def local_slice(self, x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
         if self.size == 1:
             return x

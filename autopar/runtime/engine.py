@@ -3,7 +3,9 @@
 Each rank runs two rewritten graphs that share its parameter slices: the model followed by
 the loss (traced at the first `train_step`, when the target's shape is known) and the model
 alone for inference. Data parallelism is the engine's: it hands each rank its slice of the
-global batch and averages gradients over the `dp` axis after the backward pass.
+global batch and averages gradients over the `dp` axis after the backward pass. Tensor
+parallelism is the graphs': 1D on the `tp` axis, 2D, 2.5D and 3D on the axes of the plan's
+`TensorMesh` (`autopar.sharding.axes`), which the groups passed in must hold.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from autopar.graph.trace import BATCH, trace
 from autopar.passes.tensor_parallel import apply_solution, local_slice, shard_parameters
 from autopar.plan import Plan
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
+from autopar.passes.tensor_parallel import shard_steps
 from autopar.runtime.kernels import RandomStreams, bind_streams
+from autopar.sharding.axes import MULTI_D
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution, solve
 
@@ -29,7 +33,8 @@ class Engine(nn.Module):
     """A model split over a mesh: `train_step`, forward, `comm_log`, `full_state_dict`."""
 
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
-                 example_inputs: tuple, loss_fn, optimizer, seed: int = 0):
+                 example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
+                 forward_graph=None):
         super().__init__()
         self.plan = plan
         self.groups = groups
@@ -37,11 +42,15 @@ class Engine(nn.Module):
         self.loss_fn = loss_fn
         self._model = model  # kept until the training graph is traced, then released
         self._tp, self._dp = groups["tp"], groups["dp"]
+        self.mesh = plan.tensor_mesh()
+        self._coords = {a: groups[a].rank for a in self.mesh.physical}
         self._streams = RandomStreams(seed, self._dp.rank, self._tp.rank)
         self._state_keys = list(model.state_dict().keys())
         self._untraced_state = {}
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.forward_graph = trace(model, _blank(example_inputs, self._device), train=False)
+        self.forward_graph = forward_graph if forward_graph is not None else \
+            trace(model, _blank(example_inputs, self._device), train=False)
+        check_grid_dims(self.forward_graph, plan, self.mesh)
         self.forward_solution = self._solve(self.forward_graph, fixed=None)
         check_divisible(self.forward_graph, self.forward_solution)
         self._local: dict[int, torch.Tensor] = {}  # id(full tensor) -> this rank's slice
@@ -57,9 +66,17 @@ class Engine(nn.Module):
         self.steps = 0
 
     # ------------------------------------------------------------------ building
+    @staticmethod
+    def trace_for(model: nn.Module, example_inputs: tuple):
+        """The inference graph the engine starts from (`parallelize` checks a plan on it
+        before it starts any process work, then hands it over)."""
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        return trace(model, _blank(example_inputs, device), train=False)
+
     def _solve(self, traced, fixed) -> Solution:
+        mesh = self.mesh if self.mesh.mode in MULTI_D else None
         return solve(traced, axis="tp", size=self._tp.size, modes=self.plan.layer_modes(),
-                     default_mode=self.plan.tp_mode, fixed_params=fixed)
+                     default_mode=self.plan.tp_mode, fixed_params=fixed, mesh=mesh)
 
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
@@ -79,7 +96,7 @@ class Engine(nn.Module):
             if full.device.type == "meta":
                 raise PlanError(f"parameter {pinfo.names[0]} is on the meta device; "
                                 "parallelize needs real weights (autopar.plan works on meta).")
-            self._local[key] = local_slice(full, layout, {"tp": self._tp.rank}, self._tp.size)
+            self._local[key] = local_slice(full, layout, self._coords, self.mesh)
             self._names[key] = pinfo.names
             self._layouts[key] = layout
         elif self._layouts[key] != layout:
@@ -114,11 +131,28 @@ class Engine(nn.Module):
         self._model = None
 
     # ------------------------------------------------------------------ running
+    def batch_split(self) -> int:
+        """Into how many slices the tensor ranks cut each data-parallel replica's batch (q in
+        2D, d*q in 2.5D, q*q in 3D; 1 with 1D layers only)."""
+        modes = set(self.plan.layer_modes().values()) | {self.plan.tp_mode}
+        if self.mesh.mode not in modes or self.mesh.mode not in MULTI_D:
+            return 1
+        return {"2d": lambda m: m.size("tp_i"), "2.5d": lambda m: m.size("tp_ki"),
+                "3d": lambda m: m.size("tp_ba")}[self.mesh.mode](self.mesh)
+
     def _local_batch(self, tensors: tuple) -> tuple:
         dp = self._dp.size
+        split = self.batch_split()
         out = []
         for t in tensors:
-            if t.shape[0] % dp:
+            if t.shape[0] % (dp * split):
+                if split > 1:
+                    per = t.shape[0] / dp
+                    per = int(per) if per == int(per) else per
+                    raise PlanError(f"the batch per data-parallel replica ({per} of {t.shape[0]} "
+                                    f"over {dp}) does not split over the {self.mesh.mode} batch "
+                                    f"split of {split}; use a global batch that is a multiple "
+                                    f"of {dp * split}.")
                 raise PlanError(f"the global batch {t.shape[0]} does not split over {dp} "
                                 f"data-parallel ranks; use a multiple of {dp}.")
             n = t.shape[0] // dp
@@ -160,6 +194,12 @@ class Engine(nn.Module):
 
     def forward(self, *inputs):
         """Inference on the whole batch on every rank; outputs are whole on every rank."""
+        split = self.batch_split()
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % split:
+                raise PlanError(f"the batch {t.shape[0]} does not split over the "
+                                f"{self.mesh.mode} batch split of {split}; use a multiple of "
+                                f"{split}.")
         return self.forward_gm(*inputs)
 
     # ------------------------------------------------------------------ accounting
@@ -183,13 +223,14 @@ class Engine(nn.Module):
         out = {}
         for key, local in self._local.items():
             layout = self._layouts[key]
-            parts = 1
-            if layout is not None:
-                for shard in layout.shards:
-                    parts *= self.groups[shard.axis].size
+            parts = layout.parts(self.mesh.sizes) if layout is not None else 1
             nbytes = local.numel() * local.element_size()
             out[self._names[key][0]] = (nbytes, nbytes * parts)
         return out
+
+    def parameter_layouts(self) -> dict[str, Layout | None]:
+        """Per parameter and buffer name: its layout on the tensor axes (see `self.mesh`)."""
+        return {self._names[key][0]: layout for key, layout in self._layouts.items()}
 
     def replicated_parameters(self) -> list[str]:
         """Names of the parameters and buffers every tensor-parallel rank holds whole."""
@@ -203,9 +244,9 @@ class Engine(nn.Module):
             layout = self._layouts[key]
             value = local.detach()
             if layout is not None:
-                for shard in layout.shards:
-                    value = self.groups[shard.axis].all_gather(value, shard.dim, shard.groups,
-                                                               "state")
+                for shard in layout.shards:  # composites: minor component first
+                    for axis, groups in reversed(shard_steps(shard, self.mesh)):
+                        value = self.groups[axis].all_gather(value, shard.dim, groups, "state")
             for name in self._names[key]:
                 whole[name] = value.clone()
         whole.update(self._untraced_state)
@@ -234,6 +275,45 @@ def check_divisible(traced, solution: Solution) -> None:
             width = int(info.shape[-1])
             raise PlanError(f"{info.module} has {width} output features, which do not split "
                             f"over tensor size {size}; use a tensor size that divides {width}.")
+
+
+_WHAT = {"out": "output features", "in": "input features", "hidden": "hidden size",
+         "heads": "attention heads"}
+
+
+def check_grid_dims(traced, plan: Plan, mesh) -> None:
+    """Every dim a 2D, 2.5D or 3D layer splits must divide by its grid: refuse with the dim,
+    the layer and the nearest sizes that would."""
+    from autopar.graph.analysis import OpKind
+
+    if mesh.mode not in MULTI_D or plan.mesh["tp"] == 1:
+        return
+    modes = plan.layer_modes()
+    q = mesh.size(mesh.physical[-1])
+    out_parts = q * q if mesh.mode == "3d" else q
+    for node in traced.graph.nodes:
+        info = node.meta.get("autopar")
+        if info is None or modes.get(info.layer, plan.tp_mode) != mesh.mode:
+            continue
+        checks = []
+        if info.kind is OpKind.LINEAR:
+            w = node.args[2] if node.target is torch.ops.aten.addmm.default else node.args[1]
+            shape = w.meta["autopar"].shape
+            out_f, in_f = (shape[1], shape[0]) if node.target is torch.ops.aten.addmm.default \
+                else (shape[0], shape[1])
+            checks += [("out", int(out_f), out_parts), ("in", int(in_f), q)]
+        elif info.kind in (OpKind.NORM, OpKind.EMBEDDING):
+            checks.append(("hidden", int(info.shape[-1]), q))
+        elif info.kind is OpKind.ATTENTION:
+            checks.append(("heads", int(info.shape[1]), q))
+        for what, n, parts in checks:
+            if n % parts:
+                ok = [m for m in (n - n % parts, n - n % parts + parts) if m > 0]
+                raise PlanError(f"{mesh.mode} tensor parallelism over {plan.mesh['tp']} ranks "
+                                f"splits the {_WHAT[what]} of {info.module or info.layer} into "
+                                f"{parts}, and {n} does not divide: use "
+                                f"{' or '.join(map(str, ok))} {_WHAT[what]}, or another tensor "
+                                "size.")
 
 
 def _key(pinfo) -> int:

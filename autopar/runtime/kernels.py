@@ -1,7 +1,9 @@
 """Sharded forms of ops that need more than a redistribution: the graph modules the rewrite emits.
 
 Vocabulary-parallel embedding and cross-entropy (Megatron-LM's vocab-parallel layers, by
-Shoeybi et al. 2019), and dropout drawn from the random stream that matches the layout.
+Shoeybi et al. 2019), dropout drawn from the random stream that matches the layout, and the
+2D / 2.5D / 3D kernels of `autopar.runtime.multid` bound to the mesh axes the solver named
+(`GridLinear`, `GridNorm`, `GridCrossEntropy`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.runtime import multid
 from autopar.runtime.collectives import FUNCTIONS, AxisGroup, Bound
 
 
@@ -83,6 +86,76 @@ class VocabParallelCrossEntropy(Bound):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         out = _VocabParallelCE.apply(logits, target, self._g(), self.reduction, self.ignore_index)
         return out.to(logits.dtype)
+
+
+class GridBound(Bound):
+    """A graph module that needs several mesh axes (the groups of a 2D, 2.5D or 3D grid)."""
+
+    def __init__(self, axes: tuple[str, ...]):
+        super().__init__(axes[0] if axes else "tp")
+        self.axes = tuple(axes)
+        self.groups: dict[str, AxisGroup] | None = None
+
+    def bind(self, groups: dict[str, AxisGroup]) -> None:
+        self.groups = {a: groups[a] for a in self.axes}
+
+    def _gs(self, axes) -> tuple[AxisGroup, ...]:
+        if self.groups is None:
+            raise RuntimeError(f"{type(self).__name__} on axes {self.axes} runs before the graph "
+                               "was bound to a mesh; call autopar.runtime.bind(gm, groups).")
+        return tuple(self.groups[a] for a in axes)
+
+
+class GridLinear(GridBound):
+    """`multid.linear` on the grid whose roles the axes name: (row, col) in 2D, (row, col,
+    dep) in 2.5D, (input, weight, output) in 3D. `transposed`: the weight is [in, out]."""
+
+    _GRIDS = {"2d": multid.Grid2D, "2.5d": multid.Grid2p5D, "3d": multid.Grid3D}
+
+    def __init__(self, mode: str, grid: tuple[str, ...], transposed: bool = False):
+        super().__init__(grid)
+        self.mode, self.transposed = mode, transposed
+
+    def extra_repr(self) -> str:
+        return f"{self.mode}, grid={self.axes}" + (", transposed" if self.transposed else "")
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        grid = self._GRIDS[self.mode](*self._gs(self.axes))
+        return multid.linear(x, weight.t() if self.transposed else weight, bias, grid)
+
+
+class GridNorm(GridBound):
+    """LayerNorm ("layer") or RMSNorm ("rms") over a hidden dim split on `hidden`; weight and
+    bias gradients summed over `replicas`, the axes splitting the other dims."""
+
+    def __init__(self, kind: str, hidden: str, replicas: tuple[str, ...], eps):
+        super().__init__((hidden,) + tuple(replicas))
+        self.kind, self.eps = kind, eps
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, hidden={self.axes[0]}, replicas={self.axes[1:]}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor, weight=None, bias=None) -> torch.Tensor:
+        hidden, *replicas = self._gs(self.axes)
+        if self.kind == "layer":
+            eps = 1e-5 if self.eps is None else self.eps
+            return multid._LayerNorm.apply(x, weight, bias, hidden, tuple(replicas), eps)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return multid._RMSNorm.apply(x, weight, hidden, tuple(replicas), eps)
+
+
+class GridCrossEntropy(GridBound):
+    """Mean cross-entropy of logits split on vocabulary (`vocab`) and rows (`batch` axes):
+    `multid.vocab_parallel_cross_entropy`, the same scalar on every rank."""
+
+    def __init__(self, vocab: str, batch: tuple[str, ...], ignore_index: int = -100):
+        super().__init__((vocab,) + tuple(batch))
+        self.ignore_index = ignore_index
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        vocab, *batch = self._gs(self.axes)
+        return multid._VocabParallelCE.apply(logits, target, vocab, tuple(batch),
+                                             self.ignore_index)
 
 
 class RandomStreams:

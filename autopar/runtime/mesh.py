@@ -1,4 +1,12 @@
-"""Process groups per mesh axis, built on torch's DeviceMesh."""
+"""Process groups per mesh axis, built on torch's DeviceMesh.
+
+`axis_groups` gives one group per axis of a plain mesh ({"dp": 2, "tp": 2}). `tensor_groups`
+gives the groups of a plan with 2D, 2.5D or 3D layers: one DeviceMesh ("dp", then the
+physical tensor dims of `autopar.sharding.axes`), one group per dim, and one per composite
+axis whose components come in mesh order (the 2.5D and 3D batch splits and `tp`, the whole
+tensor group), built with `new_group` on the ranks that share every other index. Each
+composite group's rank is checked against the composite index the kernels assume.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ import torch.distributed as dist
 
 from autopar.errors import WorldError
 from autopar.runtime.collectives import AxisGroup, CommLog
+from autopar.sharding.axes import TensorMesh
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
@@ -37,3 +46,55 @@ def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, A
         out[axis] = AxisGroup(axis, mesh[axis], device_mesh.get_local_rank(axis),
                               device_mesh.get_group(axis) if mesh[axis] > 1 else None, log)
     return out
+
+
+def tensor_groups(dp: int, mesh: TensorMesh, log: CommLog | None = None) -> dict[str, AxisGroup]:
+    """AxisGroups for `dp` and every tensor axis of `mesh` that is a process group."""
+    log = log if log is not None else CommLog()
+    dims = (("dp", dp),) + mesh.dims
+    names = tuple(name for name, _ in dims)
+    sizes = tuple(size for _, size in dims)
+    world = dp * mesh.total
+    if world == 1 or not dist.is_available() or not dist.is_initialized():
+        if world > 1:
+            axis_groups({"dp": dp, "tp": mesh.total}, log)  # raises the launcher sentence
+        return {a: AxisGroup(a, 1, 0, None, log) for a in ("dp",) + mesh.axes}
+    if dist.get_world_size() != world:
+        raise WorldError(f"the plan needs {world} processes but this job has "
+                         f"{dist.get_world_size()}; launch with --nproc-per-node {world} or "
+                         f"pass world={dist.get_world_size()}.")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = torch.distributed.device_mesh.init_device_mesh(device, sizes,
+                                                                 mesh_dim_names=names)
+    out = {}
+    for name, size in dims:
+        out[name] = AxisGroup(name, size, device_mesh.get_local_rank(name),
+                              device_mesh.get_group(name) if size > 1 else None, log)
+    coords = {name: device_mesh.get_local_rank(name) for name in names}
+    ranks = torch.arange(world).reshape(sizes)
+    for axis in mesh.axes:
+        comps = mesh.components(axis)
+        if axis in out or not mesh.has_group(axis):
+            continue
+        out[axis] = _composite_group(axis, comps, names, ranks, coords, mesh, log)
+    return out
+
+
+def _composite_group(axis: str, comps: tuple, names: tuple, ranks: torch.Tensor,
+                     coords: dict[str, int], mesh: TensorMesh, log: CommLog) -> AxisGroup:
+    """The group of the ranks that differ only in `comps`; every rank creates every such group
+    in the same order, as new_group requires, and keeps its own."""
+    keep = [names.index(c) for c in comps]
+    others = [d for d in range(len(names)) if d not in keep]
+    moved = ranks.permute(others + keep).reshape(-1, mesh.size(axis))
+    mine = None
+    for row in moved.tolist():
+        group = dist.new_group(sorted(row))
+        if dist.get_rank() in row:
+            mine = group
+    rank = dist.get_rank(mine)
+    index = mesh.index(axis, coords)
+    if rank != index:
+        raise RuntimeError(f"the process group of axis '{axis}' ranks this process {rank}, but "
+                           f"the kernels expect index {index} (components {comps})")
+    return AxisGroup(axis, mesh.size(axis), rank, mine, log)

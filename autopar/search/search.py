@@ -183,13 +183,19 @@ class Search:
         weights of their own); embeddings, norms and the loss stay 1D, converting at the
         block boundary as they would in any 2D/2.5D/3D plan."""
         allowed = ("1d", "2d", "2.5d", "3d")
+        depth = None
         if self.opt.executable is not None:
             allowed = tuple(m for m in allowed if m in self.opt.executable.get("tp_modes", ()))
+            if "grid" in self.opt.executable:  # one grid per plan: (mode, 2.5D depth) or None
+                grid = self.opt.executable["grid"]
+                allowed = tuple(m for m in allowed if m == "1d" or (grid and m == grid[0]))
+                depth = grid[1] if grid else None
         if self.c.tp_mode is not None:
             allowed = (self.c.tp_mode,) if block else ("1d",)
         if tp == 1:
             return [TensorMode("1d", 1)]
-        modes = tensor_modes(tp, allowed)
+        modes = [m for m in tensor_modes(tp, allowed) if depth is None or m.d == depth
+                 or m.name != "2.5d"]
         return [m for m in modes if all(tp in lt.sharded or m.name != "1d" for lt in
                                         self.chain.types)]
 

@@ -6,16 +6,25 @@ collectives the op runs itself, and the sharded form the rewrite pass gives it. 
 entry is what the cost model prices, what the rewrite emits and what explain prints.
 
 Modes: "1d" (Megatron-style: linear layers split by columns then rows, attention by
-heads, vocabulary-parallel embedding and cross-entropy) and "replicate" (every input
-gathered, the op run whole on every rank). Rules are found by op kind, or by target for
-ops the analysis leaves unclassified (concatenation, narrow). An op with no entry runs
+heads, vocabulary-parallel embedding and cross-entropy), "2d", "2.5d" and "3d" (linear
+layers, norms, embeddings and the classifier's cross-entropy in the block layouts of
+`autopar.runtime.multid`, activations split on batch and hidden) and "replicate" (every
+input gathered, the op run whole on every rank). Rules are found by op kind, or by target
+for ops the analysis leaves unclassified (concatenation, narrow). An op with no entry runs
 replicated, and the strategy says so.
+
+Generic rules (elementwise, views, softmax, dropout, reductions, concatenation, narrow,
+attention, matmul) are written for one axis. On a layout split over several axes, `decide`
+runs the rule once per axis on the layout restricted to that axis and merges the results;
+an axis whose result would clash with an earlier one (the same dim, or a shared physical
+mesh dim) is gathered instead.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import sympy
@@ -23,6 +32,8 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.analysis import NodeInfo, OpKind
+from autopar.graph.trace import BATCH
+from autopar.sharding.axes import GRIDS, MULTI_D, TensorMesh, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.strategy import CommOp, Need, Strategy
 
@@ -40,6 +51,27 @@ class RuleContext:
     layouts: dict  # node -> Layout (or list for multi-output ops); params absent while free
     hints: dict  # node name -> ("groups", g) | ("replicate",)
     new_hints: dict  # filled by rules that need a producer to choose differently
+    mesh: TensorMesh | None = None  # every tensor axis and its size (None: `axis` only)
+    requires_grad: dict = field(default_factory=dict)  # node -> whether autograd tracks it
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Ranks on every tensor axis a layout may use."""
+        return self.mesh.sizes if self.mesh is not None else {self.axis: self.size}
+
+    def on_axis(self, axis: str) -> RuleContext:
+        """The same op seen on one axis: layouts restricted to it, `size` its ranks."""
+        size = self.sizes.get(axis, self.size)
+        return replace(self, axis=axis, size=size, layouts=_Restricted(self.layouts, axis))
+
+    def local_bytes(self, node: fx.Node, layout: Layout | None = None) -> sympy.Expr:
+        """Bytes of the block of `node` one rank holds under `layout` (its own by default)."""
+        info = node.meta["autopar"]
+        layout = layout if layout is not None else self.layouts.get(node)
+        n = sympy.Mul(*info.shape)
+        if isinstance(layout, Layout):
+            n = n / layout.parts(self.sizes)
+        return n * _itemsize(info.dtype)
 
     @property
     def info(self) -> NodeInfo:
@@ -75,6 +107,33 @@ class RuleContext:
             return False
         self.new_hints[source.name] = hint
         return True
+
+
+class _Restricted(Mapping):
+    """A read-only view of a layouts dict with every layout restricted to one axis."""
+
+    def __init__(self, layouts, axis: str):
+        self._layouts, self._axis = layouts, axis
+
+    def __getitem__(self, node):
+        return _restrict(self._layouts[node], self._axis)
+
+    def __iter__(self):
+        return iter(self._layouts)
+
+    def __len__(self):
+        return len(self._layouts)
+
+    def __contains__(self, node):
+        return node in self._layouts
+
+
+def _restrict(layout, axis: str):
+    if isinstance(layout, Layout):
+        return layout.restricted((axis,))
+    if isinstance(layout, list):
+        return [_restrict(v, axis) for v in layout]
+    return layout
 
 
 def _itemsize(dtype) -> int:
@@ -209,20 +268,34 @@ def norm(ctx: RuleContext) -> Strategy:
 # -------------------------------------------------------------------------- attention
 
 def attention(ctx: RuleContext) -> Strategy:
-    """Split by heads: each rank attends with whole heads, no communication."""
+    """Split by heads (dim 1) or by batch (dim 0): each rank attends with whole heads of
+    whole sequences, no communication."""
     q, k, v = ctx.node.args[:3]
     mask = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
-    heads_split = any(_shard_dim(ctx, n) == 1 for n in (q, k, v))
-    if ctx.mode != "1d" or not heads_split or not all(
-            divisible(ctx.shape(n)[1], ctx.size) for n in (q, k, v)):
+    dims = [_shard_dim(ctx, n) for n in (q, k, v)]
+    d = next((d for d in dims if d in (0, 1)), None)
+    if d is None or not all(_splits(ctx.shape(n)[d], ctx.size) for n in (q, k, v)):
         return replicate(ctx)
-    needs = {n: Need(_rep(n).with_shard(1, ctx.axis)) for n in (q, k, v)}
+    needs = {n: Need(_rep(n).with_shard(d, ctx.axis)) for n in (q, k, v)}
     if isinstance(mask, fx.Node):
         mshape = ctx.shape(mask)
-        split_mask = len(mshape) == 4 and mshape[1] != 1
-        needs[mask] = Need(_rep(mask).with_shard(1, ctx.axis) if split_mask else _rep(mask))
-    out = Layout.replicated(len(ctx.info.shape)).with_shard(1, ctx.axis)
-    return Strategy("heads", needs, out, rewrite="split_stream")
+        split_mask = len(mshape) == 4 and mshape[d] != 1
+        needs[mask] = Need(_rep(mask).with_shard(d, ctx.axis) if split_mask else _rep(mask))
+    out = Layout.replicated(len(ctx.info.shape)).with_shard(d, ctx.axis)
+    return Strategy("heads" if d == 1 else "batch", needs, out, rewrite="split_stream")
+
+
+def _splits(size, parts: int) -> bool:
+    """A size splits into `parts` when it divides, or when it is a whole multiple of the batch
+    (the engine refuses batches the batch split does not divide)."""
+    return divisible(size, parts) or _batch_like(size)
+
+
+def _batch_like(size) -> bool:
+    size = sympy.sympify(size)
+    ratio = sympy.simplify(size / BATCH)
+    return size.free_symbols == {BATCH} and ratio.is_number and ratio.is_integer \
+        and bool(ratio > 0)
 
 
 def _shard_dim(ctx: RuleContext, node: fx.Node) -> int | None:
@@ -330,6 +403,11 @@ def reduction(ctx: RuleContext) -> Strategy:
         if node.target in (aten.sum.dim_IntList, aten.sum.default):
             return Strategy("partial_sum", {x: Need(layout)},
                             Layout.replicated(len(ctx.info.shape)).with_partial(ctx.axis))
+        if node.target in (aten.mean.dim, aten.mean.default) and shard.groups == 1:
+            # each rank's mean over its slice, divided by the ranks: a partial sum of the mean
+            return Strategy("partial_mean", {x: Need(layout)},
+                            Layout.replicated(len(ctx.info.shape)).with_partial(ctx.axis),
+                            rewrite="partial_mean")
         return replicate(ctx)
     new_dim = shard.dim if keepdim else shard.dim - sum(1 for d in dims if d < shard.dim)
     out = Layout.replicated(len(ctx.info.shape)).with_shard(new_dim, ctx.axis, shard.groups)
@@ -344,7 +422,9 @@ def elementwise(ctx: RuleContext) -> Strategy:
     inputs = tensor_inputs(node)
     out_nd = len(ctx.info.shape)
     layouts = [ctx.layout(n) for n in inputs]
-    linear_in_partials = node.target in (aten.add.Tensor, aten.sub.Tensor)
+    # a sum of partial sums is a partial sum; adding a number to one is not
+    linear_in_partials = node.target in (aten.add.Tensor, aten.sub.Tensor) and \
+        all(isinstance(a, fx.Node) for a in node.args[:2])
     if inputs and all(lay.partial for lay in layouts) and linear_in_partials \
             and len(set(layouts)) == 1:
         return Strategy("partial", {n: Need(lay) for n, lay in zip(inputs, layouts)}, layouts[0])
@@ -367,8 +447,8 @@ def elementwise(ctx: RuleContext) -> Strategy:
         d = target_shard.dim - (out_nd - len(shape))
         if d >= 0 and shape[d] != 1:
             needs[n] = Need(_rep(n).with_shard(d, ctx.axis, target_shard.groups))
-        else:
-            needs[n] = Need(_rep(n))
+        else:  # broadcast along the split dim: each rank's gradient is a partial sum
+            needs[n] = Need(_rep(n), sum_grads=bool(ctx.requires_grad.get(n)))
     return Strategy("follow", needs, out.with_shard(target_shard.dim, ctx.axis,
                                                     target_shard.groups))
 
@@ -498,6 +578,10 @@ def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
         for t in outs:
             size = out_shape[t]
             if not sympy.sympify(size).is_number:
+                # a batch dim leading its run: B -> B x T or back, the split stays leading
+                if prefix_out == 1 and blocks == 1 and _batch_like(size) and \
+                        _batch_like(in_shape[shard.dim]):
+                    return Shard(t, shard.axis, 1), None
                 return None, None
             size = int(size)
             if blocks % prefix_out == 0 and size % ((blocks // prefix_out) * parts) == 0:
@@ -600,6 +684,246 @@ def narrow(ctx: RuleContext) -> Strategy:
     return follow(ctx, x, layout)
 
 
+# --------------------------------------------------------------- 2D, 2.5D and 3D modes
+#
+# The kernels of autopar.runtime.multid; each rule lists the collectives its kernel logs
+# (bytes as one rank logs them: a broadcast or reduce on every member, an all-gather its
+# output, a reduce-scatter its input), so predicted communication stays exact.
+
+def role_layout(ctx: RuleContext, grid: tuple, role: str, ndim: int, groups: int = 1,
+                transposed: bool = False) -> Layout:
+    """The layout of a tensor in `role` on `grid` (see `autopar.sharding.axes.role_spec`).
+
+    `groups` blocks go on the dim the fused output features lie on (weight and bias dim 0,
+    y's last dim); `transposed` reads a weight as [in, out] (transformers' Conv1D).
+    """
+    layout = Layout.replicated(ndim)
+    for dim, comps in role_spec(ctx.mode, grid, role).items():
+        d = dim % ndim
+        g = groups if (role in ("weight", "bias") and d == 0) or (role == "y" and dim == -1) \
+            else 1
+        if transposed and role == "weight":
+            d = 1 - d
+        layout = layout.with_shard(d, ctx.mesh.composite(comps), g)
+    return layout
+
+
+def _same_split(a: Layout, b: Layout) -> int:
+    """How many shards two layouts share (axis and dim; blocks ignored)."""
+    return len({(s.dim, s.axis) for s in a.shards} & {(s.dim, s.axis) for s in b.shards})
+
+
+def _pick_grid(ctx: RuleContext, x: fx.Node, w: fx.Node | None = None,
+               transposed: bool = False) -> tuple:
+    """The grid whose x layout is closest to x's (3D alternates two); a weight already
+    placed for one of them decides."""
+    grids = GRIDS[ctx.mode]
+    if w is not None and ctx.placed(w) is not None:
+        for grid in grids:
+            if _same_split(ctx.placed(w), role_layout(ctx, grid, "weight", 2,
+                                                      transposed=transposed)) == 2:
+                return grid
+    layout = ctx.layout(x)
+    ndim = len(ctx.shape(x))
+    if not isinstance(layout, Layout):
+        return grids[0]
+    scores = [_same_split(layout, role_layout(ctx, g, "x", ndim)) for g in grids]
+    return grids[scores.index(max(scores))]
+
+
+def _comm(ctx: RuleContext, op: str, axis: str, nbytes, phase: str = "forward", times=1):
+    return [CommOp(op, axis, phase, nbytes * times, ctx.node.name)]
+
+
+def grid_linear(ctx: RuleContext) -> Strategy:
+    """linear / Conv1D on the grid: SUMMA (2D, 2.5D) or gather-multiply-reduce-scatter (3D)."""
+    node = ctx.node
+    transposed = node.target is aten.addmm.default
+    if transposed:
+        bias, x, w = node.args[0], node.args[1], node.args[2]
+    else:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if ctx.hint() == ("replicate",):
+        return replicate(ctx)
+    grid = _pick_grid(ctx, x, w, transposed)
+    hint = ctx.hint()
+    groups = hint[1] if hint and hint[0] == "groups" else 1
+    placed = ctx.placed(w)
+    out_dim = 1 if transposed else 0
+    if placed is not None and placed.shard_of_dim(out_dim) is not None:
+        groups = placed.shard_of_dim(out_dim).groups
+    nx = len(ctx.shape(x))
+    needs_x = role_layout(ctx, grid, "x", nx)
+    needs_w = role_layout(ctx, grid, "weight", 2, groups, transposed)
+    w_shape = ctx.shape(w)
+    for shard in needs_w.shards:
+        g = shard.groups if shard.dim == out_dim else 1
+        if not divisible(w_shape[shard.dim], ctx.sizes[shard.axis] * g):
+            return replicate(ctx, note=f"weight dim {shard.dim} of {w_shape[shard.dim]} does "
+                                       f"not split over the {ctx.mode} grid")
+    needs = {x: Need(needs_x), w: Need(needs_w)}
+    if bias is not None:
+        needs[bias] = Need(role_layout(ctx, grid, "bias", 1, groups))
+    out = role_layout(ctx, grid, "y", len(ctx.info.shape), groups)
+    X, W = ctx.local_bytes(x, needs_x), ctx.local_bytes(w, needs_w)
+    Y = ctx.local_bytes(node, out)
+    rg = ctx.requires_grad
+    x_grad, w_grad = bool(rg.get(x)), bool(rg.get(w))
+    b_grad = bias is not None and bool(rg.get(bias))
+    comm: list[CommOp] = []
+    if ctx.mode == "3d":
+        inp, wgt, outg = grid
+        q = ctx.sizes[inp]
+        comm += _comm(ctx, "all_gather", inp, X, times=q)
+        comm += _comm(ctx, "all_gather", wgt, W, times=q)
+        comm += _comm(ctx, "reduce_scatter", outg, Y, times=q)
+        if x_grad or w_grad or b_grad:
+            comm += _comm(ctx, "all_gather", outg, Y, "backward", q)
+        if x_grad:
+            comm += _comm(ctx, "reduce_scatter", inp, X, "backward", q)
+        if w_grad:
+            comm += _comm(ctx, "reduce_scatter", wgt, W, "backward", q)
+        if b_grad:
+            comm += _comm(ctx, "all_reduce", wgt, ctx.local_bytes(bias, needs[bias].layout),
+                          "backward")
+    else:
+        row, col = grid[0], grid[1]
+        dep = grid[2] if ctx.mode == "2.5d" else None
+        q = ctx.sizes[row]
+        comm += _comm(ctx, "broadcast", row, X, times=q)
+        comm += _comm(ctx, "broadcast", col, W, times=q)
+        if x_grad:
+            comm += _comm(ctx, "broadcast", col, W, "backward", q)
+            comm += _comm(ctx, "reduce", row, X, "backward", q)
+        if w_grad:
+            comm += _comm(ctx, "broadcast", row, X, "backward", q)
+            comm += _comm(ctx, "reduce", col, W, "backward", q)
+            if dep is not None:
+                comm += _comm(ctx, "all_reduce", dep, W, "backward")
+        if b_grad:
+            B = ctx.local_bytes(bias, needs[bias].layout)
+            comm += _comm(ctx, "all_reduce", col, B, "backward")
+            if dep is not None:
+                comm += _comm(ctx, "all_reduce", dep, B, "backward")
+    return Strategy(f"{ctx.mode} linear", needs, out, comm=comm, rewrite="grid_linear",
+                    args={"mode": ctx.mode, "grid": grid, "transposed": transposed})
+
+
+def grid_norm(ctx: RuleContext) -> Strategy:
+    """LayerNorm / RMSNorm over a hidden dim split on one axis: statistics all-reduced over
+    it, weight and bias gradients over the axes that split the other dims."""
+    node = ctx.node
+    x, shape = node.args[0], node.args[1]
+    if len(shape) != 1:
+        return replicate(ctx)
+    is_layer = node.target is aten.layer_norm.default
+    args = list(node.args) + [None] * 5
+    weight, bias = args[2], (args[3] if is_layer else None)
+    eps = args[4] if is_layer else args[3]
+    weight = node.kwargs.get("weight", weight)
+    bias = node.kwargs.get("bias", bias) if is_layer else None
+    eps = node.kwargs.get("eps", eps)
+    nx = len(ctx.shape(x))
+    layout = ctx.layout(x)
+    hidden = layout.shard_of_dim(nx - 1) if isinstance(layout, Layout) else None
+    if layout.partial or hidden is None or hidden.groups != 1 or \
+            hidden.axis not in ctx.mesh.physical:
+        layout = role_layout(ctx, _pick_grid(ctx, x), "x", nx)
+        hidden = layout.shard_of_dim(nx - 1)
+    h = hidden.axis
+    if not divisible(ctx.shape(x)[-1], ctx.sizes[h]):
+        return replicate(ctx, note=f"hidden size {ctx.shape(x)[-1]} does not split over "
+                                   f"{ctx.sizes[h]}")
+    replicas = tuple(s.axis for s in layout.shards if s.axis != h)
+    needs = {x: Need(layout)}
+    param_layout = Layout.replicated(1).with_shard(0, h)
+    for p in (weight, bias):
+        if isinstance(p, fx.Node):
+            needs[p] = Need(param_layout)
+    rows = ctx.local_bytes(x, layout) / (ctx.shape(x)[-1] / ctx.sizes[h])
+    comm = _comm(ctx, "all_reduce", h, rows, times=2 if is_layer else 1)
+    if ctx.requires_grad.get(x):
+        comm += _comm(ctx, "all_reduce", h, rows, "backward", 2 if is_layer else 1)
+    wants = sum(1 for p in (weight, bias) if isinstance(p, fx.Node) and ctx.requires_grad.get(p))
+    if wants:
+        for axis in replicas:
+            comm += _comm(ctx, "all_reduce", axis, ctx.local_bytes(weight, param_layout),
+                          "backward", wants)
+    return Strategy(f"{ctx.mode} norm", needs, layout, comm=comm, rewrite="grid_norm",
+                    args={"kind": "layer" if is_layer else "rms", "hidden": h,
+                          "replicas": replicas, "eps": eps, "params": (weight, bias)})
+
+
+def grid_embedding(ctx: RuleContext) -> Strategy:
+    """The table split on hidden like activations: no forward communication; where the ids
+    are split on batch, the table's gradient is summed over the batch-splitting axis."""
+    w, ids = ctx.node.args[0], ctx.node.args[1]
+    grid = GRIDS[ctx.mode][0]
+    table = role_layout(ctx, grid, "embedding", 2)
+    hidden = table.shard_of_dim(1)
+    if not divisible(ctx.shape(w)[1], ctx.sizes[hidden.axis]):
+        return replicate(ctx, note=f"embedding width {ctx.shape(w)[1]} does not split over "
+                                   f"{ctx.sizes[hidden.axis]}")
+    nids = len(ctx.shape(ids))
+    ids_layout = Layout.replicated(nids)
+    grads: tuple = ()
+    if nids and _batch_like(ctx.shape(ids)[0]):
+        ids_layout = role_layout(ctx, grid, "ids", nids)
+        grads = tuple(s.axis for s in ids_layout.shards)
+    out = Layout(nids + 1, tuple(sorted(ids_layout.shards + (Shard(nids, hidden.axis),))))
+    needs = {w: Need(table, grads or False), ids: Need(ids_layout)}
+    return Strategy(f"{ctx.mode} embedding", needs, out)
+
+
+def grid_loss(ctx: RuleContext) -> Strategy:
+    """Cross-entropy on logits split like a linear's output (batch and vocabulary): the
+    vocabulary-parallel kernel, then the loss sum and count summed over the batch split."""
+    node = ctx.node
+    if node.target is not aten.cross_entropy_loss.default:
+        return replicate(ctx)
+    logits, target = node.args[0], node.args[1]
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+    ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    if len(ctx.shape(logits)) != 2 or weight is not None or smoothing or reduction != 1:
+        return replicate(ctx)
+    layout = ctx.layout(logits)
+    vocab = layout.shard_of_dim(1) if isinstance(layout, Layout) else None
+    batch = layout.shard_of_dim(0) if isinstance(layout, Layout) else None
+    if layout.partial or vocab is None or vocab.groups != 1 or \
+            (batch is not None and batch.groups != 1):
+        layout = role_layout(ctx, GRIDS[ctx.mode][0], "y", 2)
+        vocab, batch = layout.shard_of_dim(1), layout.shard_of_dim(0)
+    if not divisible(ctx.shape(logits)[1], ctx.sizes[vocab.axis]):
+        return replicate(ctx)
+    target_layout = Layout.replicated(1)
+    batch_axes: tuple = ()
+    if batch is not None:
+        target_layout = target_layout.with_shard(0, batch.axis)
+        batch_axes = (batch.axis,)
+    item = _itemsize(logits.meta["autopar"].dtype)
+    rows = ctx.local_bytes(logits, layout) / (ctx.shape(logits)[1] / ctx.sizes[vocab.axis])
+    comm = _comm(ctx, "all_reduce", vocab.axis, rows) + \
+        _comm(ctx, "all_reduce", vocab.axis, rows, times=2)
+    for axis in batch_axes:
+        comm += _comm(ctx, "all_reduce", axis, 2 * item)
+    needs = {logits: Need(layout), target: Need(target_layout)}
+    return Strategy(f"{ctx.mode} vocab_parallel", needs, Layout.replicated(0), comm=comm,
+                    rewrite="grid_cross_entropy",
+                    args={"vocab": vocab.axis, "batch": batch_axes, "ignore_index": ignore})
+
+
+MODE_RULES: dict[OpKind, Callable[[RuleContext], Strategy]] = {
+    OpKind.LINEAR: grid_linear,
+    OpKind.NORM: grid_norm,
+    OpKind.EMBEDDING: grid_embedding,
+    OpKind.LOSS: grid_loss,
+}
+
+
 # ------------------------------------------------------------------------------ dispatch
 
 RULES: dict[OpKind, Callable[[RuleContext], Strategy]] = {
@@ -625,11 +949,123 @@ TARGET_RULES: dict[object, Callable[[RuleContext], Strategy]] = {
 
 
 def decide(ctx: RuleContext) -> Strategy:
-    """The strategy of one op: its catalog rule, or replicated with the reason."""
+    """The strategy of one op: its catalog rule, or replicated with the reason.
+
+    In a 2D, 2.5D or 3D layer, linear layers, norms, embeddings and the loss take their mode
+    rule. In a 1D layer, the 1D rules of those ops see their own axis only (other splits are
+    gathered first). Every other rule runs once per axis the inputs are split over.
+    """
     kind = ctx.info.kind
     if ctx.mode == "replicate" or ctx.size == 1:
         return replicate(ctx)
+    if ctx.mode in MULTI_D and kind in MODE_RULES:
+        return MODE_RULES[kind](ctx)
     rule = TARGET_RULES.get(ctx.node.target) or RULES.get(kind)
     if rule is None:
         return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; ran replicated")
-    return rule(ctx)
+    if kind in MODE_RULES:
+        return _normalized(rule(ctx.on_axis(ctx.axis)), ctx.axis)
+    if ctx.node.target is operator.getitem:  # one output of a multi-output op, as it lies
+        return view(ctx)
+    return per_axis(ctx, rule)
+
+
+def per_axis(ctx: RuleContext, rule: Callable[[RuleContext], Strategy]) -> Strategy:
+    """Run a one-axis rule once per axis the inputs use and merge the strategies.
+
+    Axes are taken in the order the inputs use them; an axis whose needs or output would put
+    a second split on a dim, or reuse a physical mesh dim, is left out (its splits gathered,
+    as if the rule had replicated on it).
+    """
+    axes: list[str] = []
+    for n in tensor_inputs(ctx.node):
+        for lay in _flat_layouts(ctx.layouts.get(n)):
+            axes.extend(a for a in lay.axes if a not in axes)
+    if len(axes) <= 1:
+        axis = axes[0] if axes else ctx.axis
+        return _normalized(rule(ctx.on_axis(axis)), axis)
+    mesh = ctx.mesh or TensorMesh.one_d(ctx.axis, ctx.size)
+    merged: Strategy | None = None
+    for axis in axes:
+        strategy = _normalized(rule(ctx.on_axis(axis)), axis)
+        if strategy.name == "replicate":
+            continue
+        if merged is None:
+            merged = strategy
+            continue
+        candidate = _merge(merged, strategy, mesh)
+        if candidate is not None:
+            merged = candidate
+    return merged if merged is not None else replicate(ctx)
+
+
+def _flat_layouts(layout) -> list[Layout]:
+    if isinstance(layout, Layout):
+        return [layout]
+    if isinstance(layout, list):
+        return [v for v in layout if isinstance(v, Layout)]
+    return []
+
+
+def _normalized(strategy: Strategy, axis: str) -> Strategy:
+    """`sum_grads=True` spelled out as the axis the rule ran on."""
+    for n, need in list(strategy.needs.items()):
+        if need.sum_grads is True:
+            strategy.needs[n] = Need(need.layout, (axis,))
+    return strategy
+
+
+def _merge(a: Strategy, b: Strategy, mesh: TensorMesh) -> Strategy | None:
+    """Both strategies at once, or None when they clash on a dim or a physical mesh dim."""
+    needs = {}
+    for n in set(a.needs) | set(b.needs):
+        na, nb = a.needs.get(n), b.needs.get(n)
+        if na is None or nb is None:
+            needs[n] = na or nb
+            continue
+        layout = _union(na.layout, nb.layout, mesh)
+        if layout is None:
+            return None
+        grads = tuple(dict.fromkeys(na.grad_axes("") + nb.grad_axes("")))
+        needs[n] = Need(layout, grads or False)
+    out = _union(a.out, b.out, mesh)
+    if out is None and a.out is not None:
+        return None
+    name = a.name if a.name == b.name else f"{a.name}+{b.name}"
+    return Strategy(name, {n: needs[n] for n in list(a.needs) + [m for m in b.needs
+                                                                  if m not in a.needs]},
+                    out, a.comm + b.comm, a.rewrite or b.rewrite, a.note or b.note,
+                    {**b.args, **a.args})
+
+
+def _union(a, b, mesh: TensorMesh):
+    if isinstance(a, list) and isinstance(b, list):
+        out = [_union(x, y, mesh) for x, y in zip(a, b)]
+        return None if any(o is None and x is not None for o, x in zip(out, a)) else out
+    if not isinstance(a, Layout) or not isinstance(b, Layout):
+        return a if a is not None else b
+    shards = list(a.shards)
+    partial = list(a.partial)
+    for s in b.shards:
+        if s in shards:
+            continue
+        used = [t.axis for t in shards] + partial
+        if any(t.dim == s.dim for t in shards) or any(_overlap(mesh, s.axis, u) for u in used):
+            return None
+        shards.append(s)
+    for p in b.partial:
+        if p in partial:
+            continue
+        if any(_overlap(mesh, p, u) for u in [t.axis for t in shards] + partial):
+            return None
+        partial.append(p)
+    return Layout(a.ndim, tuple(sorted(shards)), tuple(sorted(partial)))
+
+
+def _overlap(mesh: TensorMesh, a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return mesh.overlap(a, b)
+    except KeyError:
+        return False

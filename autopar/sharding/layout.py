@@ -2,9 +2,12 @@
 
 A layout is a small immutable value. Each tensor dimension is either replicated (R) or
 split over one mesh axis (S(tp)); a tensor can also be a partial sum over an axis (P(tp)),
-waiting for a reduction. A split dimension may carry `groups`: the dimension is read as
-`groups` equal blocks and each block is split separately, which is how a fused QKV
-projection keeps q, k and v of the same heads on one rank (`S(tp)x3`).
+waiting for a reduction. Several dimensions may be split over different axes (2D tensor
+parallelism splits an activation's batch over `tp_i` and its hidden dim over `tp_j`); an
+axis that spans several physical mesh dims is a composite (see `autopar.sharding.axes`).
+A split dimension may carry `groups`: the dimension is read as `groups` equal blocks and
+each block is split separately, which is how a fused QKV projection keeps q, k and v of
+the same heads on one rank (`S(tp)x3`).
 
     >>> Layout.replicated(3).with_shard(2, "tp")
     R R S(tp)
@@ -72,6 +75,18 @@ class Layout:
         return replace(self, shards=tuple(s for s in self.shards if s.axis != axis),
                        partial=tuple(a for a in self.partial if a != axis))
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis the layout splits or sums over, shards in dim order first."""
+        out = [s.axis for s in sorted(self.shards, key=lambda s: s.dim)]
+        return tuple(dict.fromkeys(out + list(self.partial)))
+
+    def restricted(self, axes) -> Layout:
+        """The same layout with only the shards and partial sums on `axes`."""
+        axes = set(axes)
+        return replace(self, shards=tuple(s for s in self.shards if s.axis in axes),
+                       partial=tuple(a for a in self.partial if a in axes))
+
     def with_partial(self, axis: str) -> Layout:
         return replace(self, partial=tuple(sorted(set(self.partial) | {axis})))
 
@@ -82,8 +97,16 @@ class Layout:
         """The shape each rank holds, given the global shape and the mesh axis sizes."""
         out = list(shape)
         for shard in self.shards:
-            out[shard.dim] = out[shard.dim] // sizes[shard.axis]
+            out[shard.dim] = out[shard.dim] / sizes[shard.axis] \
+                if isinstance(out[shard.dim], sympy.Basic) else out[shard.dim] // sizes[shard.axis]
         return tuple(out)
+
+    def parts(self, sizes: dict[str, int]) -> int:
+        """Into how many pieces the shards cut the tensor (the share one rank holds is 1/parts)."""
+        out = 1
+        for shard in self.shards:
+            out *= sizes[shard.axis]
+        return out
 
     def to_json(self) -> str:
         return repr(self)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from autopar.sharding.layout import Layout
+from autopar.sharding.axes import TensorMesh
+from autopar.sharding.layout import Layout, Shard
 from autopar.sharding.strategy import CommOp, Need
 
 FORWARD = {"split": None, "gather": "all_gather", "gather_sum_grads": "all_gather",
@@ -28,14 +29,22 @@ BACKWARD = {"split": "all_gather", "gather": None, "gather_sum_grads": "reduce_s
 
 @dataclass(frozen=True)
 class Step:
-    """One redistribution on one axis; `dim`/`groups` say which dimension is split or gathered."""
+    """One redistribution on one axis; `dim`/`groups` say which dimension is split or gathered.
+
+    `parts`: into how many pieces the other shards cut the tensor on the larger side of the
+    step (before a split or reduce-scatter, after a gather), so a collective moves the whole
+    tensor's bytes divided by `parts` (1 with a single tensor axis).
+    """
 
     kind: str
     axis: str
     dim: int | None = None
     groups: int = 1
+    parts: int = 1
 
     def comm(self, nbytes: sympy.Expr, requires_grad: bool, where: str) -> list[CommOp]:
+        """The collectives of this step for a tensor of `nbytes` whole."""
+        nbytes = nbytes / self.parts if self.parts != 1 else nbytes
         out = []
         if FORWARD[self.kind]:
             out.append(CommOp(FORWARD[self.kind], self.axis, "forward", nbytes, where))
@@ -44,26 +53,84 @@ class Step:
         return out
 
 
-def steps_between(src: Layout, need: Need, axis: str) -> list[Step]:
-    """The steps that turn `src` into `need.layout` on `axis` (gradients summed if asked)."""
+def steps_between(src: Layout, need: Need, axis: str = "tp", mesh: TensorMesh | None = None) \
+        -> list[Step]:
+    """The steps that turn `src` into `need.layout` (gradients summed where `need` asks).
+
+    Gathers come first (shards the target does not keep), then reductions of partial sums
+    (a reduce-scatter where the target splits that axis on a free dim), then splits, then
+    the gradient sums; so axes that share a physical mesh dim are released before they are
+    reused. `axis` is what `need.sum_grads=True` stands for. Steps on a composite axis
+    without a process group of its own run over its components (see
+    `autopar.sharding.axes`).
+    """
+    mesh = mesh if mesh is not None else TensorMesh.one_d(axis, 1)
     dst = need.layout
+    grad_axes = need.grad_axes(axis)
+    current = {s.axis: s for s in src.shards}
     steps: list[Step] = []
-    current = src
-    dst_shard = dst.shard_on(axis)
-    if axis in current.partial:
-        if dst_shard is not None and not need.sum_grads:
-            return [Step("reduce_scatter", axis, dst_shard.dim, dst_shard.groups)]
-        steps.append(Step("reduce", axis))
-        current = current.without(axis)
-    shard = current.shard_on(axis)
-    if shard is not None and shard != dst_shard:
-        kind = "gather_sum_grads" if need.sum_grads and dst_shard is None else "gather"
-        steps.append(Step(kind, axis, shard.dim, shard.groups))
-        shard = None
-        if kind == "gather_sum_grads":
-            return steps
-    if shard is None and dst_shard is not None:
-        steps.append(Step("split", axis, dst_shard.dim, dst_shard.groups))
-    elif dst_shard is None and need.sum_grads:
-        steps.append(Step("sum_grads", axis))
+
+    def parts() -> int:
+        out = 1
+        for s in current.values():
+            out *= mesh.size(s.axis) if s.axis in mesh.axes else 1
+        return out
+
+    summed = set()
+    for shard in sorted(src.shards, key=lambda s: s.dim):
+        if dst.shard_on(shard.axis) == shard:
+            continue
+        del current[shard.axis]
+        kind = "gather"
+        if shard.axis in grad_axes and dst.shard_on(shard.axis) is None:
+            kind = "gather_sum_grads"
+            summed.add(shard.axis)
+        steps += _expand(kind, shard, parts(), mesh)
+    for a in src.partial:
+        target = dst.shard_on(a)
+        free = target is not None and all(s.dim != target.dim for s in current.values())
+        if free and a not in grad_axes and _one_step(a, target.groups, mesh):
+            steps.append(Step("reduce_scatter", a, target.dim, target.groups, parts()))
+            current[a] = target
+        else:
+            steps += _expand("reduce", Shard(0, a), parts(), mesh)
+    for shard in dst.shards:
+        if current.get(shard.axis) == shard:
+            continue
+        steps += _expand("split", shard, parts(), mesh)
+        current[shard.axis] = shard
+    for a in grad_axes:
+        if a not in summed and dst.shard_on(a) is None:
+            steps += _expand("sum_grads", Shard(0, a), parts(), mesh)
     return steps
+
+
+def _one_step(axis: str, groups: int, mesh: TensorMesh) -> bool:
+    if axis not in mesh.axes:
+        return True
+    return mesh.has_group(axis)
+
+
+def _expand(kind: str, shard: Shard, parts: int, mesh: TensorMesh) -> list[Step]:
+    """One step, or one per component of a composite axis (splits major first, gathers minor
+    first, the blocks on the major component); `parts` counts the other shards' pieces."""
+    dim = shard.dim if kind not in ("reduce", "sum_grads") else None
+    if _one_step(shard.axis, shard.groups, mesh):
+        return [Step(kind, shard.axis, dim, shard.groups, parts)]
+    comps = mesh.components(shard.axis)
+    if kind in ("reduce", "sum_grads"):
+        return [Step(kind, c, None, 1, parts) for c in comps]
+    blocks = [shard.groups] + [1] * (len(comps) - 1)
+    if kind == "split":  # the larger side is before each split
+        out, p = [], parts
+        for c, g in zip(comps, blocks):
+            out.append(Step(kind, c, dim, g, p))
+            p *= mesh.size(c)
+        return out
+    out = []  # gathers: minor first; the larger side is after each gather
+    for i in range(len(comps) - 1, -1, -1):
+        p = parts
+        for c in comps[:i]:
+            p *= mesh.size(c)
+        out.append(Step(kind, comps[i], dim, blocks[i], p))
+    return out

@@ -19,7 +19,8 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import TracedGraph
-from autopar.sharding.catalog import RuleContext, decide, tensor_inputs
+from autopar.sharding.axes import TensorMesh
+from autopar.sharding.catalog import RuleContext, _batch_like, decide, tensor_inputs
 from autopar.sharding.layout import Layout, divisible
 from autopar.sharding.redistribute import Step, steps_between
 from autopar.sharding.strategy import CommOp, Need, Strategy
@@ -52,6 +53,12 @@ class Solution:
     requires_grad: dict[fx.Node, bool]
     modes: dict[str, str]  # layer -> mode used
     hints: dict = field(default_factory=dict)
+    mesh: TensorMesh | None = None  # every tensor axis (1D: `axis` alone, of `size` ranks)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Ranks on every tensor axis a layout of this solution may use."""
+        return self.mesh.sizes if self.mesh is not None else {self.axis: self.size}
 
     @property
     def comm(self) -> list[CommOp]:
@@ -71,14 +78,21 @@ class Solution:
 
 def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
           modes: dict[str, str] | None = None, default_mode: str = "1d",
-          fixed_params: dict[str, Layout] | None = None) -> Solution:
-    """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode."""
+          fixed_params: dict[str, Layout] | None = None,
+          mesh: TensorMesh | None = None) -> Solution:
+    """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
+
+    `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
+    tensor group, which 1D layers of the same plan use); None for 1D only.
+    """
+    mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
     layer_modes = {layer.name: modes.get(layer.name, default_mode) for layer in traced.layers}
     hints: dict = {}
     for _ in range(_MAX_PASSES):
         new_hints: dict = {}
-        solution = _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params or {})
+        solution = _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params or {},
+                         mesh)
         if not new_hints:
             solution.hints = hints
             return solution
@@ -87,7 +101,7 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
     return solution
 
 
-def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params) -> Solution:
+def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh) -> Solution:
     layouts: dict[fx.Node, object] = {}
     strategies: dict[fx.Node, Strategy] = {}
     transitions: list[Transition] = []
@@ -107,27 +121,26 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params) -> So
             requires_grad[node] = bool(pinfo and pinfo.is_parameter and pinfo.dtype.is_floating_point)
             continue
         inputs = tensor_inputs(node)
-        requires_grad[node] = _requires_grad(node, inputs, requires_grad)
+        requires_grad[node] = _requires_grad(node, _node_args(node), requires_grad)
         if node.op == "output":
             strategy = Strategy("gather outputs", {n: Need(Layout.replicated(len(n.meta["autopar"].shape)))
                                                    for n in inputs}, None)
         elif info.kind is OpKind.SYMBOLIC:
-            _check_symbolic(node, layouts, axis)
-            strategies[node] = Strategy("symbolic", {}, None)
+            strategies[node] = _check_symbolic(node, layouts, mesh)
             continue
         else:
             ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, "1d"), layouts, hints,
-                              new_hints)
+                              new_hints, mesh=mesh, requires_grad=requires_grad)
             strategy = decide(ctx)
         for producer, need in strategy.needs.items():
             if producer.op == "get_attr" and producer not in layouts:
-                layouts[producer] = _place_param(traced, producer, need.layout, size, axis)
+                layouts[producer] = _place_param(producer, need.layout, mesh.sizes)
                 params[producer.target] = layouts[producer]
             src = layouts[producer]
             if (producer, need) in shared:
                 shared[(producer, need)].consumers.append(node)
                 continue
-            steps = steps_between(src, need, axis)
+            steps = steps_between(src, need, axis, mesh)
             if steps:
                 nbytes = _bytes(producer)
                 comm = [c for s in steps for c in s.comm(nbytes, requires_grad[producer], node.name)]
@@ -140,16 +153,23 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params) -> So
         if node.op == "get_attr" and node.target not in params and node.target in traced.params:
             params[node.target] = Layout.replicated(len(traced.params[node.target].shape))
     return Solution(axis, size, layouts, strategies, transitions, params, requires_grad,
-                    dict(layer_modes))
+                    dict(layer_modes), mesh=mesh)
 
 
-def _place_param(traced: TracedGraph, node: fx.Node, wanted: Layout, size: int, axis: str) -> Layout:
+def _place_param(node: fx.Node, wanted: Layout, sizes: dict[str, int]) -> Layout:
     """A parameter takes the layout its first user wants if its dims split evenly."""
     shape = node.meta["autopar"].shape
     for shard in wanted.shards:
-        if not divisible(shape[shard.dim], size * shard.groups):
+        if not divisible(shape[shard.dim], sizes[shard.axis] * shard.groups):
             return Layout.replicated(len(shape))
     return wanted
+
+
+def _node_args(node: fx.Node) -> list[fx.Node]:
+    """Every node among an op's arguments (multi-output producers included)."""
+    out: list = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
 
 
 def _requires_grad(node: fx.Node, inputs, requires_grad) -> bool:
@@ -172,11 +192,21 @@ def _bytes(node: fx.Node):
     return sympy.Mul(*info.shape) * item
 
 
-def _check_symbolic(node: fx.Node, layouts, axis: str) -> None:
+def _check_symbolic(node: fx.Node, layouts, mesh: TensorMesh) -> Strategy:
+    """Integer arithmetic on sizes. Sizes in the graph are global (per data-parallel replica):
+    reading the size of a split batch dim multiplies the local size back by the ranks that
+    split it; any other split dim's size is refused."""
     if node.target is torch.ops.aten.sym_size.int:
         src, dim = node.args[0], node.args[1]
         layout = layouts.get(src)
-        if isinstance(layout, Layout) and layout.shard_of_dim(dim % max(layout.ndim, 1)):
+        shard = layout.shard_of_dim(dim % max(layout.ndim, 1)) \
+            if isinstance(layout, Layout) else None
+        if shard is not None:
+            size = src.meta["autopar"].shape[dim]
+            if shard.groups == 1 and _batch_like(size):
+                return Strategy("symbolic", {}, None, rewrite="global_size",
+                                args={"parts": mesh.size(shard.axis)})
             raise PlanError(f"{node.name} reads the size of dimension {dim} of {src.name}, which "
-                            f"is split over '{axis}'; use a fixed size in the model or keep that "
-                            "layer replicated.")
+                            f"is split over '{shard.axis}'; use a fixed size in the model or "
+                            "keep that layer replicated.")
+    return Strategy("symbolic", {}, None)

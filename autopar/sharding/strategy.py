@@ -16,9 +16,11 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 class CommOp:
     """One collective of one training step: its kind, mesh axis, phase and payload bytes.
 
-    Payload bytes are those of the whole (unsplit) tensor on the axis: the all-reduced
-    tensor, the all-gathered output, the reduce-scattered input. They are sympy
-    expressions in the batch symbol, so one plan prices every micro-batch size.
+    Payload bytes are those each rank of the axis logs (`autopar.runtime.collectives`): the
+    all-reduced, broadcast or reduced tensor, the all-gathered output, the reduce-scattered
+    input, each as one rank holds it. With a single tensor axis that is the whole tensor on
+    the axis; when other axes split it too, it is the share left after their splits. They
+    are sympy expressions in the batch symbol, so one plan prices every micro-batch size.
     """
 
     op: str
@@ -33,11 +35,18 @@ class Need:
     """The layout an op needs of one input.
 
     `sum_grads`: the op uses the whole input on every rank to compute a split result, so the
-    gradient each rank computes for that input is a partial sum that must be all-reduced.
+    gradient each rank computes for that input is a partial sum that must be all-reduced:
+    True for the rule's own axis, or the tuple of axes whose ranks hold partial gradients.
     """
 
     layout: Layout
-    sum_grads: bool = False
+    sum_grads: bool | tuple[str, ...] = False
+
+    def grad_axes(self, axis: str) -> tuple[str, ...]:
+        """The axes to sum the gradient over, `axis` standing for True."""
+        if self.sum_grads is True:
+            return (axis,)
+        return tuple(self.sum_grads or ())
 
 
 @dataclass
@@ -50,3 +59,4 @@ class Strategy:
     comm: list[CommOp] = field(default_factory=list)  # collectives run inside the op
     rewrite: str | None = None  # the sharded form the rewrite pass gives the op
     note: str = ""  # why, for explain (e.g. an op with no catalog entry)
+    args: dict = field(default_factory=dict)  # what the rewrite needs (grid axes, eps, ...)

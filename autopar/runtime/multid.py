@@ -1,0 +1,740 @@
+"""Kernels for 2D, 2.5D and 3D tensor parallelism, as autograd Functions with explicit backward.
+
+2D is SUMMA on a q x q grid (Xu et al. 2021, arXiv 2104.05343), 2.5D runs that SUMMA in each
+of d depth layers of a q x q x d grid (Tesseract, Wang et al. 2021, arXiv 2105.14500), 3D
+gathers, multiplies and reduce-scatters on a q x q x q grid (Bian et al. 2021, arXiv
+2105.14450). Each mode provides a linear layer (optional bias), LayerNorm and RMSNorm with
+statistics over the split hidden dimension, an embedding lookup and a classifier with a
+vocabulary-parallel cross-entropy; `linear`, `layer_norm`, `rms_norm`, `embedding`,
+`classifier_cross_entropy` and `vocab_parallel_cross_entropy` take the grid (`Grid2D`,
+`Grid2p5D`, `Grid3D`) that names the mode. Every collective goes through an `AxisGroup`, so
+the `CommLog` records op, axis, bytes and phase ("forward" / "backward"; "state" for
+`Grid.assemble`).
+
+Grids and indices
+-----------------
+* `Grid2D(row, col)`: q x q. Rank (i, j). `row` is the group of the q ranks that share the
+  row index i (j varies); its `rank` is j. `col` is the group of the q ranks that share the
+  column index j (i varies); its `rank` is i.
+* `Grid2p5D(row, col, dep)`: q x q x d. `row` and `col` as in 2D inside one depth layer;
+  `dep` (size d) joins the ranks with the same (i, j); its `rank` is k.
+* `Grid3D(input, weight, output)`: q x q x q, three groups of size q in the roles input,
+  weight and output, with indices a = input.rank, b = weight.rank, c = output.rank. Any
+  physical mesh axis may play any role; `Grid3D.swapped()` exchanges input and output.
+
+Torch conventions: a linear weight W is [out, in] and y = x @ W.T + b; activations are
+[batch, ..., hidden], split on dim 0 (batch) and on the last dim (hidden). "s of n" below
+means: the dim is cut into n equal slices and the rank holds slice s. For a dim split over
+two indices the first one written is the major one (slice = major * q + minor).
+
+=========================  ======================  ======================  ======================
+tensor (shape)             2D, rank (i, j)         2.5D, rank (i, j, k)    3D, rank (a, b, c)
+=========================  ======================  ======================  ======================
+x activation [B, ..., H]   B: i of q               B: k*q+i of d*q         B: b*q+a of q^2
+                           H: j of q               H: j of q               H: c of q
+token ids, [B, ...]        B: as x                 B: as x                 B: as x
+W linear [out, in]         out: j of q             out: j of q             out: a*q+b of q^2
+                           in: i of q              in: i of q (same all k) in: c of q
+b linear bias [out]        out: j of q             out: j of q             out: a of q
+y output [B, ..., out]     B: i of q               B: k*q+i of d*q         B: b*q+c of q^2
+                           out: j of q             out: j of q             out: a of q
+norm weight, bias [H]      H: j of q               H: j of q               H: c of q
+embedding table [V, H]     H: j of q               H: j of q               H: c of q
+classifier E [V, H]        as W (V as out)         as W                    as W
+logits [B, ..., V]         as y                    as y                    as y
+target [B, ...]            B: as y                 B: as y                 B: as y
+=========================  ======================  ======================  ======================
+
+Anything not listed as split is replicated. Gradients of replicated copies are summed over
+the groups that replicate them: linear bias over `col` (2D), `col` and `dep` (2.5D), over
+`weight` after the output gather (3D); linear weight over `dep` (2.5D); norm parameters and
+the embedding table over the groups that split the batch (2D: col; 2.5D: col, dep; 3D:
+input, weight).
+
+In 2D and 2.5D the output y lies exactly like an input x of the same grid, so layers chain
+without any re-layout. In 3D y lies like x of `grid.swapped()` (input and output roles
+exchanged, weight role kept): consecutive 3D linears alternate the two roles, and after an
+even number of linears (an MLP H -> 4H -> H) the output lies like the first input, so it
+can be added to the residual stream directly. `Grid.out_grid` is the grid whose x layout
+the output of a linear has (the grid itself in 2D and 2.5D, the swapped one in 3D); norms,
+embeddings and losses always work on activations lying like x of the grid they are given.
+
+Algorithms and communication (per linear; X, W, Y, b = bytes of this rank's x, weight,
+output and bias blocks; every collective logs the bytes of the tensor this rank passes, an
+all-gather its gathered output, so a broadcast is also logged on its sender)
+-----------------------------------------------------------------------------------------
+* 2D forward, SUMMA: for k in 0..q-1, broadcast x(i, k) over `row` from member k and
+  W-block(k, j) over `col` from member k; y(i, j) += x(i, k) @ W-block(k, j).T.
+  Logs q*X broadcast on row, q*W broadcast on col.
+* 2D backward: dx(i, l) = sum_j dy(i, j) @ W-block(l, j): for each l broadcast W-block(l, j)
+  over `col` from l and reduce the product over `row` to member l. dW-block(l, j) =
+  sum_i dy(i, j).T @ x(i, l): for each l broadcast x(i, l) over `row` from l and reduce the
+  product over `col` to member l. db: all-reduce over `col`. Logs q*W broadcast and q*W
+  reduce on col, q*X broadcast and q*X reduce on row, b all-reduce on col.
+* 2.5D: 2D in each depth layer on its batch slice, then dW and db all-reduced over `dep`
+  (W and b more on dep).
+* 3D forward: all-gather x over `input` (dim 0), all-gather W over `weight` (dim 0),
+  y' = x' @ W'.T (a partial sum over c), reduce-scatter y' over `output` (dim 0), add b.
+  Logs q*X all-gather on input, q*W all-gather on weight, q*Y reduce-scatter on output.
+* 3D backward, the conjugates: all-gather dy over `output`; dx = reduce-scatter of
+  dy' @ W' over `input`; dW = reduce-scatter of dy'.T @ x' over `weight`; db = all-reduce
+  over `weight` of dy' summed over the batch. Logs q*Y, q*X, q*W and b.
+  The gathered x' and W' are kept for backward (no second gather).
+
+Every rank of a grid must run the same kernels with the same `requires_grad` flags, as the
+backward passes skip the collectives of gradients nobody asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.runtime.collectives import AxisGroup
+
+__all__ = [
+    "Grid", "Grid2D", "Grid2p5D", "Grid3D", "ROLES",
+    "linear", "layer_norm", "rms_norm", "embedding",
+    "vocab_parallel_cross_entropy", "classifier_cross_entropy",
+    "Linear", "LayerNorm", "RMSNorm", "Embedding", "ClassifierCrossEntropy",
+]
+
+ROLES = ("x", "ids", "y", "target", "weight", "bias", "norm", "embedding")
+
+# A block spec: tensor dim -> the groups that split it, major first.
+Spec = dict[int, tuple[AxisGroup, ...]]
+
+
+# --------------------------------------------------------------------------------------
+# Grids: which groups split which dims of each tensor role
+# --------------------------------------------------------------------------------------
+
+
+class Grid:
+    """Common part of the three grids: block specs per tensor role, cut and assemble."""
+
+    mode: str = ""
+
+    @property
+    def hidden(self) -> AxisGroup:
+        """The group that splits the hidden (last) dim of activations."""
+        raise NotImplementedError
+
+    @property
+    def batch(self) -> tuple[AxisGroup, ...]:
+        """The groups that split the batch (first) dim of activations, major first."""
+        raise NotImplementedError
+
+    @property
+    def out_grid(self) -> "Grid":
+        """The grid whose x layout the output of `linear(x, W, b, self)` has."""
+        return self
+
+    def _weight_spec(self) -> Spec:
+        raise NotImplementedError
+
+    def _bias_spec(self) -> Spec:
+        raise NotImplementedError
+
+    def spec(self, role: str) -> Spec:
+        """Which groups split which dims of a tensor in `role` (see ROLES), major first.
+
+        x: activation; ids: token ids lying like x; y: linear output (x of `out_grid`);
+        target: labels lying like y; weight / bias: linear or classifier parameters;
+        norm: LayerNorm / RMSNorm parameters; embedding: the [vocab, hidden] table.
+        """
+        if role == "x":
+            return {0: self.batch, -1: (self.hidden,)}
+        if role == "ids":
+            return {0: self.batch}
+        if role == "y":
+            return self.out_grid.spec("x")
+        if role == "target":
+            return self.out_grid.spec("ids")
+        if role == "weight":
+            return self._weight_spec()
+        if role == "bias":
+            return self._bias_spec()
+        if role == "norm":
+            return {0: (self.hidden,)}
+        if role == "embedding":
+            return {1: (self.hidden,)}
+        raise ValueError(f"unknown tensor role {role!r}; expected one of {ROLES}")
+
+    def slices(self, role: str, shape) -> tuple[slice, ...]:
+        """This rank's block of a whole tensor of `shape` in `role`, as one slice per dim."""
+        return _block_slices(tuple(shape), self.spec(role), role)
+
+    def cut(self, full: torch.Tensor, role: str) -> torch.Tensor:
+        """This rank's block of the whole tensor `full` in `role` (a contiguous copy)."""
+        return full[self.slices(role, full.shape)].clone()
+
+    def assemble(self, block: torch.Tensor, role: str, phase: str = "state") -> torch.Tensor:
+        """The whole tensor from every rank's `block` in `role` (a collective: all ranks call).
+
+        All-gathers over the splitting groups, minor first; replicated axes are not touched,
+        so each replica assembles from its own copies.
+        """
+        out = block.detach()
+        for dim, groups in self.spec(role).items():
+            for g in reversed(groups):
+                out = g.all_gather(out, dim, 1, phase)
+        return out
+
+
+@dataclass(frozen=True)
+class Grid2D(Grid):
+    """q x q grid: `row` = ranks sharing row index i (rank = j), `col` = sharing column j
+    (rank = i)."""
+
+    row: AxisGroup
+    col: AxisGroup
+    mode = "2d"
+
+    def __post_init__(self):
+        if self.row.size != self.col.size:
+            raise ValueError(f"a 2D grid is square; row has {self.row.size} ranks, "
+                             f"col {self.col.size}")
+
+    @property
+    def q(self) -> int:
+        return self.row.size
+
+    @property
+    def coords(self) -> tuple[int, int]:
+        return (self.col.rank, self.row.rank)
+
+    @property
+    def hidden(self) -> AxisGroup:
+        return self.row
+
+    @property
+    def batch(self) -> tuple[AxisGroup, ...]:
+        return (self.col,)
+
+    def _weight_spec(self) -> Spec:
+        return {0: (self.row,), 1: (self.col,)}
+
+    def _bias_spec(self) -> Spec:
+        return {0: (self.row,)}
+
+
+@dataclass(frozen=True)
+class Grid2p5D(Grid):
+    """q x q x d grid: `row`, `col` as in 2D within a depth layer, `dep` across layers
+    (rank = k)."""
+
+    row: AxisGroup
+    col: AxisGroup
+    dep: AxisGroup
+    mode = "2.5d"
+
+    def __post_init__(self):
+        if self.row.size != self.col.size:
+            raise ValueError(f"a 2.5D grid is square in each layer; row has {self.row.size} "
+                             f"ranks, col {self.col.size}")
+
+    @property
+    def q(self) -> int:
+        return self.row.size
+
+    @property
+    def d(self) -> int:
+        return self.dep.size
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return (self.col.rank, self.row.rank, self.dep.rank)
+
+    @property
+    def hidden(self) -> AxisGroup:
+        return self.row
+
+    @property
+    def batch(self) -> tuple[AxisGroup, ...]:
+        return (self.dep, self.col)
+
+    def _weight_spec(self) -> Spec:
+        return {0: (self.row,), 1: (self.col,)}
+
+    def _bias_spec(self) -> Spec:
+        return {0: (self.row,)}
+
+
+@dataclass(frozen=True)
+class Grid3D(Grid):
+    """q x q x q grid with groups in the roles input (index a), weight (b) and output (c)."""
+
+    input: AxisGroup
+    weight: AxisGroup
+    output: AxisGroup
+    mode = "3d"
+
+    def __post_init__(self):
+        sizes = {self.input.size, self.weight.size, self.output.size}
+        if len(sizes) != 1:
+            raise ValueError(f"a 3D grid is a cube; input, weight and output groups have "
+                             f"{self.input.size}, {self.weight.size}, {self.output.size} ranks")
+
+    @property
+    def q(self) -> int:
+        return self.input.size
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return (self.input.rank, self.weight.rank, self.output.rank)
+
+    def swapped(self) -> "Grid3D":
+        """The grid of the next layer: input and output roles exchanged, weight kept."""
+        return Grid3D(self.output, self.weight, self.input)
+
+    @property
+    def out_grid(self) -> "Grid3D":
+        return self.swapped()
+
+    @property
+    def hidden(self) -> AxisGroup:
+        return self.output
+
+    @property
+    def batch(self) -> tuple[AxisGroup, ...]:
+        return (self.weight, self.input)
+
+    def _weight_spec(self) -> Spec:
+        return {0: (self.input, self.weight), 1: (self.output,)}
+
+    def _bias_spec(self) -> Spec:
+        return {0: (self.input,)}
+
+
+def _block_slices(shape: tuple, spec: Spec, role: str) -> tuple[slice, ...]:
+    out = [slice(None)] * len(shape)
+    for dim, groups in spec.items():
+        d = dim % len(shape)
+        parts, index = 1, 0
+        for g in groups:  # major first: index = ((i0 * s1) + i1) * s2 + i2 ...
+            parts *= g.size
+            index = index * g.size + g.rank
+        if shape[d] % parts:
+            axes = " x ".join(g.axis for g in groups)
+            raise ValueError(f"dim {d} of a {role} tensor of shape {list(shape)} has "
+                             f"{shape[d]} entries, which do not split into {parts} equal "
+                             f"slices over {axes}")
+        n = shape[d] // parts
+        out[d] = slice(index * n, (index + 1) * n)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------
+# Linear
+# --------------------------------------------------------------------------------------
+
+
+def _bcast(g: AxisGroup, t: torch.Tensor, src: int, phase: str) -> torch.Tensor:
+    """Member `src`'s `t` on every member of `g` (the others pass a same-shaped buffer)."""
+    buf = t if g.rank == src else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return g.broadcast(buf, src, phase)
+
+
+class _SummaLinear(torch.autograd.Function):
+    """y = x @ W.T + b on a q x q grid by SUMMA; `dep` (2.5D) sums the parameter gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, row: AxisGroup, col: AxisGroup, dep: AxisGroup | None):
+        q = row.size
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2.new_zeros(x2.shape[0], w.shape[0])
+        for k in range(q):
+            xk = _bcast(row, x2, k, "forward")  # x(i, k)
+            wk = _bcast(col, w, k, "forward")   # W-block(k, j) = W[out j, in k]
+            y.addmm_(xk, wk.T)
+        if b is not None:
+            y += b
+        ctx.save_for_backward(x, w)
+        ctx.groups = (row, col, dep)
+        ctx.has_bias = b is not None
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        row, col, dep = ctx.groups
+        q = row.size
+        dy2 = dy.reshape(-1, w.shape[0])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            for l in range(q):
+                wl = _bcast(col, w, l, "backward")  # W-block(l, j)
+                part = row.reduce(dy2 @ wl, l, "backward")  # sum_j -> dx(i, l)
+                if row.rank == l:
+                    dx = part
+            dx = dx.reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            for l in range(q):
+                xl = _bcast(row, x2, l, "backward")  # x(i, l)
+                part = col.reduce(dy2.T @ xl, l, "backward")  # sum_i -> dW-block(l, j)
+                if col.rank == l:
+                    dw = part
+            if dep is not None:
+                dw = dep.all_reduce(dw, "backward")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = col.all_reduce(dy2.sum(0), "backward")
+            if dep is not None:
+                db = dep.all_reduce(db, "backward")
+        return dx, dw, db, None, None, None
+
+
+class _Linear3D(torch.autograd.Function):
+    """y = x @ W.T + b on a q x q x q grid: gather x and W, multiply, reduce-scatter y."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, inp: AxisGroup, wgt: AxisGroup, out: AxisGroup):
+        xg = inp.all_gather(x, 0, 1, "forward")  # B: b of q, H: c of q
+        wg = wgt.all_gather(w, 0, 1, "forward")  # out: a of q, in: c of q
+        partial = torch.matmul(xg, wg.T)  # B: b, out: a; a partial sum over c
+        y = out.reduce_scatter(partial, 0, 1, "forward")  # B: b*q + c
+        if b is not None:
+            y = y + b
+        ctx.save_for_backward(xg, wg)
+        ctx.groups = (inp, wgt, out)
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, wg = ctx.saved_tensors
+        inp, wgt, out = ctx.groups
+        dyg = out.all_gather(dy, 0, 1, "backward")  # B: b of q, out: a of q
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = inp.reduce_scatter(torch.matmul(dyg, wg), 0, 1, "backward")
+        dy2 = dyg.reshape(-1, dyg.shape[-1])
+        if ctx.needs_input_grad[1]:
+            dw = wgt.reduce_scatter(dy2.T @ xg.reshape(-1, xg.shape[-1]), 0, 1, "backward")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = wgt.all_reduce(dy2.sum(0), "backward")
+        return dx, dw, db, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           grid: Grid) -> torch.Tensor:
+    """x @ W.T + b with x, W, b and the result in the blocks of the module docstring's table.
+
+    The result lies like x of `grid.out_grid` (of `grid` itself in 2D and 2.5D).
+    """
+    if isinstance(grid, Grid3D):
+        return _Linear3D.apply(x, weight, bias, grid.input, grid.weight, grid.output)
+    if isinstance(grid, Grid2p5D):
+        return _SummaLinear.apply(x, weight, bias, grid.row, grid.col, grid.dep)
+    if isinstance(grid, Grid2D):
+        return _SummaLinear.apply(x, weight, bias, grid.row, grid.col, None)
+    raise TypeError(f"expected a Grid2D, Grid2p5D or Grid3D, got {type(grid).__name__}")
+
+
+# --------------------------------------------------------------------------------------
+# Norms over a split hidden dim
+# --------------------------------------------------------------------------------------
+
+
+def _sum_over(groups, t: torch.Tensor, phase: str) -> torch.Tensor:
+    for g in groups:
+        t = g.all_reduce(t, phase)
+    return t
+
+
+def _param_grads(dy, xhat, wants, replicas):
+    """Sum over the batch of dy * xhat (norm weight) and dy (norm bias), then over replicas."""
+    hl = dy.shape[-1]
+    dy2, xh2 = dy.reshape(-1, hl), xhat.reshape(-1, hl)
+    parts = []
+    if wants[0]:
+        parts.append((dy2 * xh2).sum(0))
+    if wants[1]:
+        parts.append(dy2.sum(0))
+    if not parts:
+        return None, None
+    packed = _sum_over(replicas, torch.cat(parts), "backward")  # one message per group
+    got = list(packed.split(hl))
+    dw = got.pop(0) if wants[0] else None
+    db = got.pop(0) if wants[1] else None
+    return dw, db
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, hidden: AxisGroup, replicas: tuple, eps: float):
+        n = x.shape[-1] * hidden.size
+        mean = hidden.all_reduce(x.sum(-1, keepdim=True), "forward") / n
+        xc = x - mean
+        var = hidden.all_reduce((xc * xc).sum(-1, keepdim=True), "forward") / n
+        rstd = torch.rsqrt(var + eps)
+        xhat = xc * rstd
+        y = xhat
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        ctx.save_for_backward(xhat, rstd, w)
+        ctx.hidden, ctx.replicas, ctx.n = hidden, replicas, n
+        ctx.has = (w is not None, b is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, rstd, w = ctx.saved_tensors
+        g = dy * w if w is not None else dy
+        dx = None
+        if ctx.needs_input_grad[0]:
+            sums = torch.cat([g.sum(-1, keepdim=True), (g * xhat).sum(-1, keepdim=True)], -1)
+            sums = ctx.hidden.all_reduce(sums, "backward") / ctx.n
+            dx = rstd * (g - sums[..., :1] - xhat * sums[..., 1:])
+        wants = (ctx.has[0] and ctx.needs_input_grad[1], ctx.has[1] and ctx.needs_input_grad[2])
+        dw, db = _param_grads(dy, xhat, wants, ctx.replicas)
+        return dx, dw, db, None, None, None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, hidden: AxisGroup, replicas: tuple, eps: float):
+        n = x.shape[-1] * hidden.size
+        ms = hidden.all_reduce((x * x).sum(-1, keepdim=True), "forward") / n
+        rstd = torch.rsqrt(ms + eps)
+        xhat = x * rstd
+        y = xhat * w if w is not None else xhat
+        ctx.save_for_backward(xhat, rstd, w)
+        ctx.hidden, ctx.replicas, ctx.n = hidden, replicas, n
+        ctx.has_weight = w is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, rstd, w = ctx.saved_tensors
+        g = dy * w if w is not None else dy
+        dx = None
+        if ctx.needs_input_grad[0]:
+            s = ctx.hidden.all_reduce((g * xhat).sum(-1, keepdim=True), "backward") / ctx.n
+            dx = rstd * (g - xhat * s)
+        dw, _ = _param_grads(dy, xhat, (ctx.has_weight and ctx.needs_input_grad[1], False),
+                             ctx.replicas)
+        return dx, dw, None, None, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               grid: Grid, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the whole hidden dim of x (split over `grid.hidden`); output lies like x.
+
+    Mean and variance: two all-reduces of one value per row over `grid.hidden` (the variance
+    is taken around the global mean). Backward: one all-reduce of two values per row, and
+    one of the packed weight and bias gradients per batch-splitting group.
+    """
+    return _LayerNorm.apply(x, weight, bias, grid.hidden, grid.batch, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, grid: Grid,
+             eps: float | None = None) -> torch.Tensor:
+    """RMSNorm over the whole hidden dim (eps None: the dtype's machine epsilon, as torch)."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return _RMSNorm.apply(x, weight, grid.hidden, grid.batch, eps)
+
+
+# --------------------------------------------------------------------------------------
+# Embedding
+# --------------------------------------------------------------------------------------
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, w, replicas: tuple, padding_idx: int | None):
+        ctx.save_for_backward(ids)
+        ctx.shape, ctx.replicas, ctx.padding_idx = w.shape, replicas, padding_idx
+        return F.embedding(ids, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (ids,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        dw = dy.new_zeros(ctx.shape)
+        dw.index_add_(0, ids.reshape(-1), dy.reshape(-1, ctx.shape[1]))
+        if ctx.padding_idx is not None:
+            dw[ctx.padding_idx] = 0
+        return None, _sum_over(ctx.replicas, dw, "backward"), None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, grid: Grid,
+              padding_idx: int | None = None) -> torch.Tensor:
+    """Rows of the [vocab, hidden] table for `ids` (lying like x's batch); output lies like x.
+
+    The table is split on hidden like activations, so the forward needs no communication;
+    its gradient is all-reduced over the groups that split the batch. `padding_idx` rows get
+    no gradient, as in torch.
+    """
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return _Embedding.apply(ids, weight, grid.batch, padding_idx)
+
+
+# --------------------------------------------------------------------------------------
+# Vocabulary-parallel cross-entropy
+# --------------------------------------------------------------------------------------
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab: AxisGroup, batch: tuple, ignore_index: int):
+        vl = logits.shape[-1]
+        start = vocab.rank * vl
+        z = logits.reshape(-1, vl)
+        t = target.reshape(-1)
+        row_max = vocab.all_reduce(z.max(-1).values, "forward", op=dist.ReduceOp.MAX)
+        shifted = z - row_max[:, None]
+        exp = shifted.exp()
+        valid = t != ignore_index
+        inside = valid & (t >= start) & (t < start + vl)
+        local_t = (t - start).masked_fill(~inside, 0)
+        picked = shifted.gather(1, local_t[:, None]).squeeze(1) * inside
+        sums = vocab.all_reduce(torch.stack([exp.sum(-1), picked]), "forward")
+        losses = (sums[0].log() - sums[1]) * valid
+        total = _sum_over(batch, torch.stack([losses.sum(), valid.sum().to(z.dtype)]), "forward")
+        ctx.save_for_backward(exp / sums[0][:, None], local_t, inside, valid, total[1])
+        ctx.shape = logits.shape
+        return total[0] / total[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, inside, valid, count = ctx.saved_tensors
+        dz = softmax.clone()
+        rows = torch.arange(dz.shape[0], device=dz.device)
+        dz[rows, local_t] -= inside.to(dz.dtype)
+        dz *= (valid.to(dz.dtype) * (grad / count))[:, None]
+        return dz.reshape(ctx.shape), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, grid: Grid,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over the whole global batch, the same scalar on every rank.
+
+    `logits` [batch, ..., vocab] lie like x of `grid` (vocab split over `grid.hidden`);
+    `target` [batch, ...] like ids of `grid`. Rows whose target is `ignore_index` count
+    neither in the sum nor in the mean. Forward: a max and a packed (sum of exp, target
+    logit) all-reduce per row over `grid.hidden`, then (loss sum, row count) all-reduced
+    over each batch-splitting group. Backward needs no communication.
+    """
+    return _VocabParallelCE.apply(logits, target, grid.hidden, grid.batch, ignore_index)
+
+
+def classifier_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             grid: Grid, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of logits = x @ E.T over the global batch (every rank gets it).
+
+    `weight` E [vocab, hidden] is cut like a linear weight (vocab as out-features) and
+    `target` lies like the logits' batch (role "target": in 3D that is y's batch, not x's).
+    """
+    logits = linear(x, weight, None, grid)
+    return vocab_parallel_cross_entropy(logits, target, grid.out_grid, ignore_index)
+
+
+# --------------------------------------------------------------------------------------
+# Modules holding this rank's blocks
+# --------------------------------------------------------------------------------------
+
+
+class Linear(nn.Module):
+    """A linear layer holding this rank's blocks of W and b (see `linear`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, grid: Grid):
+        super().__init__()
+        self.grid = grid
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, grid: Grid) -> "Linear":
+        bias = grid.cut(module.bias.data, "bias") if module.bias is not None else None
+        return cls(grid.cut(module.weight.data, "weight"), bias, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.grid)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the split hidden dim, holding this rank's slice of weight and bias."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, grid: Grid,
+                 eps: float = 1e-5):
+        super().__init__()
+        self.grid, self.eps = grid, eps
+        self.weight = nn.Parameter(weight) if weight is not None else None
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, module: nn.LayerNorm, grid: Grid) -> "LayerNorm":
+        if len(module.normalized_shape) != 1:
+            raise ValueError("a split LayerNorm normalizes over the hidden dim only; got "
+                             f"normalized_shape={tuple(module.normalized_shape)}")
+        w = grid.cut(module.weight.data, "norm") if module.weight is not None else None
+        b = grid.cut(module.bias.data, "norm") if module.bias is not None else None
+        return cls(w, b, grid, module.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.grid, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the split hidden dim, holding this rank's slice of the weight."""
+
+    def __init__(self, weight: torch.Tensor | None, grid: Grid, eps: float | None = None):
+        super().__init__()
+        self.grid, self.eps = grid, eps
+        self.weight = nn.Parameter(weight) if weight is not None else None
+
+    @classmethod
+    def from_dense(cls, module: nn.RMSNorm, grid: Grid) -> "RMSNorm":
+        if len(module.normalized_shape) != 1:
+            raise ValueError("a split RMSNorm normalizes over the hidden dim only; got "
+                             f"normalized_shape={tuple(module.normalized_shape)}")
+        w = grid.cut(module.weight.data, "norm") if module.weight is not None else None
+        return cls(w, grid, module.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.grid, self.eps)
+
+
+class Embedding(nn.Module):
+    """An embedding holding this rank's hidden slice of the whole [vocab, hidden] table."""
+
+    def __init__(self, weight: torch.Tensor, grid: Grid, padding_idx: int | None = None):
+        super().__init__()
+        self.grid, self.padding_idx = grid, padding_idx
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, grid: Grid) -> "Embedding":
+        return cls(grid.cut(module.weight.data, "embedding"), grid, module.padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding(ids, self.weight, self.grid, self.padding_idx)
+
+
+class ClassifierCrossEntropy(nn.Module):
+    """logits = x @ E.T, then the mean vocabulary-parallel cross-entropy over the global batch."""
+
+    def __init__(self, weight: torch.Tensor, grid: Grid, ignore_index: int = -100):
+        super().__init__()
+        self.grid, self.ignore_index = grid, ignore_index
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, grid: Grid,
+                   ignore_index: int = -100) -> "ClassifierCrossEntropy":
+        return cls(grid.cut(weight.detach(), "weight"), grid, ignore_index)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return classifier_cross_entropy(x, self.weight, target, self.grid, self.ignore_index)
+

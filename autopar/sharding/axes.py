@@ -1,0 +1,207 @@
+"""The tensor-parallel axes of a plan: physical mesh dims, and named groups of several of them.
+
+1D tensor parallelism has one axis, `tp`. 2D, 2.5D and 3D factor the tensor group into a
+grid, one physical mesh dim per grid index, laid out after `dp` on one DeviceMesh:
+
+    2d     tp_i, tp_j              (q x q)         rank (i, j)
+    2.5d   tp_k, tp_i, tp_j        (d x q x q)     rank (i, j, k)
+    3d     tp_b, tp_a, tp_c        (q x q x q)     rank (a, b, c); b plays the weight role
+
+A DeviceMesh dim's group varies that dim's index: group `tp_i` joins the ranks that differ
+only in i, and its rank is i. A tensor dim split over two indices at once is split over a
+*composite* axis, named after its components major first: the 2.5D batch over (k, i) is
+`tp_ki` (slice k*q + i of d*q), the 3D batch over (b, a) is `tp_ba`, a 3D weight's output
+features over (a, b) are `tp_ab`. `tp` is every tensor dim together (the group of 1D layers in
+a plan that mixes modes). A composite whose components come in mesh order is a group of
+ranks whose group rank is the composite index, so it has a process group of its own
+(`has_group`); the others (`tp_ab`, `tp_cb`) only name parameter blocks, and the
+redistribution steps on them run over their components one after the other.
+
+A split over a composite axis that is a process group is one split over its composite
+index (major * size(minor) + minor), blockwise in `groups` blocks like any axis. A split
+over one without a group (`tp_ab`, `tp_cb`: 3D weights) is read component by component:
+the dim is cut over the major component blockwise in `groups` blocks, then the rank's part
+is cut over each further component as one block. With one block the two readings agree;
+with `groups` blocks the second is the order a 3D kernel's all-gather over its weight group
+reassembles a fused QKV weight in.
+
+`grid(mode, role)` names the groups of the kernels in `autopar.runtime.multid`, so the
+solver and the runtime read the block layouts of every tensor role from the same table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MULTI_D = ("2d", "2.5d", "3d")
+_PHYSICAL = {"2d": ("tp_i", "tp_j"), "2.5d": ("tp_k", "tp_i", "tp_j"),
+             "3d": ("tp_b", "tp_a", "tp_c")}
+_COMPOSITE = {"2d": {},
+              "2.5d": {"tp_ki": ("tp_k", "tp_i")},
+              "3d": {"tp_ba": ("tp_b", "tp_a"), "tp_bc": ("tp_b", "tp_c"),
+                     "tp_ab": ("tp_a", "tp_b"), "tp_cb": ("tp_c", "tp_b")}}
+# The grids of each mode, as the axis names of the roles of autopar.runtime.multid's Grid
+# classes: Grid2D(row, col), Grid2p5D(row, col, dep), Grid3D(input, weight, output).
+GRIDS = {"2d": (("tp_j", "tp_i"),),
+         "2.5d": (("tp_j", "tp_i", "tp_k"),),
+         "3d": (("tp_a", "tp_b", "tp_c"), ("tp_c", "tp_b", "tp_a"))}
+
+
+@dataclass(frozen=True)
+class TensorMesh:
+    """The tensor-parallel axes: physical dims (mesh order) and composites of them.
+
+    `mode` is the plan's multi-dimensional mode ("1d" when there is none), `dims` the sizes
+    of the physical dims in mesh order.
+    """
+
+    mode: str
+    dims: tuple[tuple[str, int], ...]
+    composites: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @staticmethod
+    def one_d(axis: str = "tp", size: int = 1) -> TensorMesh:
+        return TensorMesh("1d", ((axis, size),))
+
+    @staticmethod
+    def for_mode(mode: str, size: int, depth: int = 1) -> TensorMesh:
+        """The mesh of `size` tensor ranks in `mode` (sizes already checked by the plan)."""
+        if mode not in MULTI_D:
+            return TensorMesh.one_d("tp", size)
+        if mode == "3d":
+            q = round(size ** (1 / 3))
+            sizes = (q, q, q)
+        elif mode == "2.5d":
+            q = math.isqrt(size // depth)
+            sizes = (depth, q, q)
+        else:
+            q = math.isqrt(size)
+            sizes = (q, q)
+        physical = _PHYSICAL[mode]
+        composites = dict(_COMPOSITE[mode])
+        composites["tp"] = physical
+        return TensorMesh(mode, tuple(zip(physical, sizes)), composites)
+
+    # ----------------------------------------------------------------- axes
+    @property
+    def physical(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis name a layout may use: physical dims, then composites."""
+        return self.physical + tuple(a for a in self.composites if a not in self.physical)
+
+    @property
+    def total(self) -> int:
+        return math.prod(size for _, size in self.dims)
+
+    def components(self, axis: str) -> tuple[str, ...]:
+        """The physical dims an axis spans, major first."""
+        if axis in self.composites:
+            return self.composites[axis]
+        if axis in self.physical:
+            return (axis,)
+        raise KeyError(f"unknown tensor axis {axis!r}; this mesh has {self.axes}")
+
+    def size(self, axis: str) -> int:
+        sizes = dict(self.dims)
+        return math.prod(sizes[c] for c in self.components(axis))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: self.size(a) for a in self.axes}
+
+    def overlap(self, a: str, b: str) -> bool:
+        """True when two axes share a physical dim (a tensor cannot be split over both)."""
+        return bool(set(self.components(a)) & set(self.components(b)))
+
+    def has_group(self, axis: str) -> bool:
+        """True when the axis is one process group (its components come in mesh order)."""
+        comps = self.components(axis)
+        order = [self.physical.index(c) for c in comps]
+        return order == sorted(order)
+
+    def index(self, axis: str, coords: dict[str, int]) -> int:
+        """This rank's index on `axis` from its index on every physical dim (major first)."""
+        sizes = dict(self.dims)
+        out = 0
+        for c in self.components(axis):
+            out = out * sizes[c] + coords[c]
+        return out
+
+    def composite(self, components: tuple[str, ...]) -> str:
+        """The axis name of a tuple of physical dims (major first)."""
+        if len(components) == 1:
+            return components[0]
+        for name, comps in self.composites.items():
+            if comps == tuple(components):
+                return name
+        raise KeyError(f"no axis spans {components} in a {self.mode} mesh")
+
+    def grids(self, mode: str) -> tuple[tuple[str, ...], ...]:
+        """The role axes of the grids of `mode` (two for 3D: roles alternate by layer)."""
+        return GRIDS[mode]
+
+
+def role_spec(mode: str, grid: tuple[str, ...], role: str) -> dict[int, tuple[str, ...]]:
+    """Which physical axes split which dims of a tensor in `role` on `grid`, major first.
+
+    The table of `autopar.runtime.multid` (tests check the two agree): roles x, ids, y,
+    target, weight ([out, in]), bias, norm, embedding ([vocab, hidden]).
+    """
+    if mode == "3d":
+        inp, wgt, out = grid
+        batch, hidden, out_grid = (wgt, inp), out, (out, wgt, inp)
+        weight, bias = {0: (inp, wgt), 1: (out,)}, {0: (inp,)}
+    else:
+        row, col = grid[0], grid[1]
+        batch = (grid[2], col) if mode == "2.5d" else (col,)
+        hidden, out_grid = row, grid
+        weight, bias = {0: (row,), 1: (col,)}, {0: (row,)}
+    table = {"x": {0: batch, -1: (hidden,)}, "ids": {0: batch}, "weight": weight,
+             "bias": bias, "norm": {0: (hidden,)}, "embedding": {1: (hidden,)}}
+    if role in ("y", "target"):
+        return role_spec(mode, out_grid, "x" if role == "y" else "ids")
+    return table[role]
+
+
+def grid_size_error(mode: str, size: int, depth: int = 1) -> str | None:
+    """The sentence refusing a tensor size that is no grid of `mode`, or None when it is one."""
+    if mode == "2d":
+        if _is_power(size, 2):
+            return None
+        lo, hi = _neighbours(size, lambda q: q * q)
+        return f"2d needs a square tensor size; {size} is not one: use {_either(lo, hi)}."
+    if mode == "2.5d":
+        if depth >= 1 and size % depth == 0 and _is_power(size // depth, 2):
+            return None
+        lo, hi = _neighbours(size, lambda q: q * q * depth)
+        return (f"2.5d with depth {depth} needs a tensor size of q x q x {depth}; {size} is not "
+                f"one: use {_either(lo, hi)}, or a depth that divides {size} and leaves a square.")
+    if mode == "3d":
+        if _is_power(size, 3):
+            return None
+        lo, hi = _neighbours(size, lambda q: q ** 3)
+        return f"3d needs a cube tensor size; {size} is not one: use {_either(lo, hi)}."
+    return None
+
+
+def _is_power(n: int, k: int) -> bool:
+    q = round(n ** (1 / k))
+    return any((q + d) ** k == n and q + d >= 2 for d in (-1, 0, 1))
+
+
+def _neighbours(n: int, grid) -> tuple[int | None, int]:
+    """The largest grid size below n and the smallest above it, over power-of-two sides
+    (device counts come in powers of two)."""
+    lo, q = None, 2
+    while grid(q) <= n:
+        lo = grid(q)
+        q *= 2
+    return lo, grid(q)
+
+
+def _either(lo: int | None, hi: int) -> str:
+    return f"{lo} or {hi}" if lo is not None else str(hi)
