@@ -76,7 +76,7 @@ class AxisGroup:
         if self.size == 1:
             return x
         out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.reshape(-1), group=self.group)
+        dist.all_gather_single(out, x.reshape(-1), group=self.group)
         return _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, groups: int, phase: str) -> torch.Tensor:
@@ -85,7 +85,7 @@ class AxisGroup:
             return x
         stacked = _deinterleave(x, dim, groups, self.size).contiguous()
         out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, stacked.reshape(-1), group=self.group)
+        dist.reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
         return out.view(stacked.shape[1:])
 
     def broadcast(self, x: torch.Tensor, src: int, phase: str) -> torch.Tensor:
