@@ -24,7 +24,10 @@ fit), not the cost model. The space, as ``autopar.search.search`` defines it:
   pipelines only with at least pp micro-batches;
 - every ZeRO stage (1-3 only with replicas) with and without offload (ZeRO >= 1 only);
 - stages: the search's ``balance`` of the fastest path's per-layer times into pp x chunks
-  stages (``Search._evaluate``); layer i runs on device stage(i) mod pp;
+  stages (``Search._evaluate``), and for pipelines without interleaving, under each ZeRO
+  option, ``balance_within``: the same balance under each stage's memory limit for the
+  fastest states and the micro-batches it holds in flight; layer i runs on device
+  stage(i) mod pp;
 - every assignment of per-layer states from the search's state lists under the search's
   rule (``_Prepared.fit``): on one device, the layers of one kind share one layout (tensor
   mode and sequence parallelism) and each chooses its recompute freely;
@@ -67,7 +70,7 @@ from autopar.cost.hardware import load_hardware  # noqa: E402
 from autopar.cost.model import OPTIMIZER_BYTES, RECOMPUTE, Context, LayerState, state_cost, \
     tensor_modes  # noqa: E402
 from autopar.models import workload  # noqa: E402
-from autopar.search.partition import balance  # noqa: E402
+from autopar.search.partition import balance, balance_within  # noqa: E402
 from autopar.search.search import ORDER, Options, Search  # noqa: E402
 from autopar.world import World  # noqa: E402
 
@@ -345,13 +348,35 @@ def _optimizer_time(local: float, offload: bool, hw, e: int) -> float:
         hw.memory_bandwidth * hw.memory_efficiency)
 
 
-def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, best):
-    """Enumerate every assignment and ZeRO option on one stage split; the better of
-    ``best`` and what is found (the fitting plan with the shortest step)."""
+def _zero_options(replicas: int) -> list[tuple[int, bool]]:
+    return [(z, o) for z in range(4) for o in (False, True)
+            if not ((z and replicas == 1) or (o and not z))]
+
+
+def _memory_split(search, chain, priced, mesh, m, schedule, zero, offload):
+    """``Search._memory_split`` in the enumeration's terms: stages balanced by the fastest
+    path's times under each stage's memory limit (fastest states, no recomputation)."""
+    order, pp = chain.order, mesh["pp"]
+    replicas, e = mesh["dp"] * mesh["cp"], chain.dtype_bytes
+    params = np.array([priced.params[t][priced.fast[i]] for i, t in enumerate(order)])
+    acts = np.array([priced.acts[t][priced.fast[i]] for i, t in enumerate(order)])
+    per_param = (1 / (replicas if zero == 3 else 1) + 1 / (replicas if zero >= 2 else 1)
+                 + (0.0 if offload else OPTIMIZER_BYTES.get(e, 12) / e
+                    / (replicas if zero else 1)))
+    in_flight = search._in_flight(schedule, pp, 1, m)
+    weights = params[None, :] * per_param + in_flight[:, None] * acts[None, :]
+    biggest = float(params.max())
+    buffers = (2 * biggest if replicas > 1 else 0.0) + (2 * biggest if zero == 3 else 0.0)
+    return balance_within(priced.fast_time, weights, np.full(pp, search.capacity - buffers), pp)
+
+
+def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, best,
+                   stage_of, zeros):
+    """Enumerate every assignment and the given ZeRO options on one stage split; the
+    better of ``best`` and what is found (the fitting plan with the shortest step)."""
     hw, layers, order = search.hw, chain.layers(), chain.order
     pp, n, e = mesh["pp"], len(order), chain.dtype_bytes
     replicas = mesh["dp"] * mesh["cp"]
-    stage_of = balance(priced.fast_time, pp * v)
     device_of = np.array([s % pp for s in stage_of])
     assign = _assignments(order, priced.states, device_of)
     t_lay = np.stack([priced.time[t][assign[:, i]] for i, t in enumerate(order)], 1)
@@ -372,31 +397,28 @@ def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, 
     # few distinct parameter loads: price their sync and update once each
     loads, which = np.unique(worst, return_inverse=True)
     points = 0
-    for zero in range(4):
-        for offload in (False, True):
-            if (zero and replicas == 1) or (offload and not zero):
-                continue
-            total, _ = search._memory(SimpleNamespace(mesh=mesh), params_dev, acts_dev,
-                                      biggest, zero, offload, in_flight)
-            peak = total.max(axis=1)
-            sync = np.array([search._dp_time(float(w), zero, m, grad_pl) + _optimizer_time(
-                float(w) / (replicas if zero else 1), offload, hw, e) for w in loads])
-            step = pipe + sync[which]
-            points += len(step)
-            fits = peak <= search.capacity
-            if not fits.any():
-                continue
-            k = int(np.argmin(np.where(fits, step, np.inf)))
-            # the batched pipeline formula must equal the search's own
-            ref, _, _ = search._pipeline_time(t_lay[k], list(device_of), stage_of, pp, v, m,
-                                              schedule, pl, b)
-            assert math.isclose(ref, pipe[k], rel_tol=1e-12), (ref, pipe[k])
-            if best is None or step[k] < best["step_time"]:
-                best = {"step_time": float(step[k]), "memory": float(peak[k]),
-                        "mesh": dict(mesh), "micro_batch": b, "microbatches": m,
-                        "schedule": schedule, "chunks": v, "zero": zero, "offload": offload,
-                        "states": [priced.states[t][assign[k, i]] for i, t in enumerate(order)],
-                        "stages": list(stage_of)}
+    for zero, offload in zeros:
+        total, _ = search._memory(SimpleNamespace(mesh=mesh), params_dev, acts_dev,
+                                  biggest, zero, offload, in_flight)
+        peak = total.max(axis=1)
+        sync = np.array([search._dp_time(float(w), zero, m, grad_pl) + _optimizer_time(
+            float(w) / (replicas if zero else 1), offload, hw, e) for w in loads])
+        step = pipe + sync[which]
+        points += len(step)
+        fits = peak <= search.capacity
+        if not fits.any():
+            continue
+        k = int(np.argmin(np.where(fits, step, np.inf)))
+        # the batched pipeline formula must equal the search's own
+        ref, _, _ = search._pipeline_time(t_lay[k], list(device_of), stage_of, pp, v, m,
+                                          schedule, pl, b)
+        assert math.isclose(ref, pipe[k], rel_tol=1e-12), (ref, pipe[k])
+        if best is None or step[k] < best["step_time"]:
+            best = {"step_time": float(step[k]), "memory": float(peak[k]),
+                    "mesh": dict(mesh), "micro_batch": b, "microbatches": m,
+                    "schedule": schedule, "chunks": v, "zero": zero, "offload": offload,
+                    "states": [priced.states[t][assign[k, i]] for i, t in enumerate(order)],
+                    "stages": list(stage_of)}
     return best, points
 
 
@@ -429,11 +451,20 @@ def exhaustive(chain, world: World, global_batch: int, *, dtype: str = "bf16",
                 if priced is None:
                     continue
                 for schedule, v in schedules:
-                    found, n = _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m,
-                                              schedule, v, best)
-                    points += n
-                    if found is not best:
-                        best = dict(found, cp_mode=cp_mode)
+                    zeros = _zero_options(dp * cp)
+                    splits = [(balance(priced.fast_time, pp * v), zeros)]
+                    if pp > 1 and v == 1:  # and the split under each ZeRO option's memory
+                        for option in zeros:
+                            alt = _memory_split(search, chain, priced, mesh, m, schedule,
+                                                *option)
+                            if alt is not None and alt != splits[0][0]:
+                                splits.append((alt, [option]))
+                    for stage_of, options in splits:
+                        found, n = _best_of_split(search, chain, priced, mesh, pl, grad_pl, b,
+                                                  m, schedule, v, best, stage_of, options)
+                        points += n
+                        if found is not best:
+                            best = dict(found, cp_mode=cp_mode)
     return {"best": best, "points": points}
 
 

@@ -20,7 +20,7 @@ from autopar.cost.hardware import load_hardware
 from autopar.cost.model import tensor_modes
 from autopar.errors import PlanError, WorldError
 from autopar.models import workload
-from autopar.search.partition import balance, balance_dp, choose_states
+from autopar.search.partition import balance, balance_dp, balance_within, choose_states
 from autopar.search.search import _counts
 from autopar.world import World
 
@@ -89,6 +89,35 @@ def test_balance_reaches_the_dp_bottleneck(costs, k):
     assert _bottleneck(costs, stages) == pytest.approx(_bottleneck(costs, ref), rel=1e-9, abs=1e-9)
     if len(costs) <= 9:
         assert _bottleneck(costs, ref) == pytest.approx(_brute_bottleneck(costs, k), abs=1e-9)
+
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.floats(0.1, 5), st.floats(0.1, 3), st.floats(0, 3)),
+                min_size=1, max_size=8),
+       st.integers(1, 4), st.floats(1, 12))
+def test_balance_within_memory_is_the_best_contiguous_split_that_fits(layers, k, cap):
+    """Against every contiguous split: stage s holds parameters and (k - s) micro-batches
+    of activations, as a 1F1B pipeline does."""
+    k = min(k, len(layers))
+    n = len(layers)
+    times = [t for t, _, _ in layers]
+    weights = np.array([[p + (k - s) * a for _, p, a in layers] for s in range(k)])
+    capacity = np.full(k, cap)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        st_of = [sum(i >= c for c in cuts) for i in range(n)]
+        if all(sum(weights[s, i] for i in range(n) if st_of[i] == s) <= cap for s in range(k)):
+            b = _bottleneck(times, st_of)
+            best = b if best is None else min(best, b)
+    got = balance_within(times, weights, capacity, k)
+    if best is None:
+        assert got is None
+    else:
+        assert got is not None and sorted(set(got)) == list(range(k))
+        assert all(sum(weights[s, i] for i in range(n) if got[i] == s) <= cap * (1 + 1e-9)
+                   for s in range(k))
+        assert _bottleneck(times, got) == pytest.approx(best, rel=1e-9)
 
 
 def test_balance_refuses_more_stages_than_layers():

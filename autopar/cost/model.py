@@ -308,27 +308,35 @@ def _depth(mode: TensorMode, ctx: Context) -> Placement:
 
 def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
                   attn_fwd: float) -> tuple[float, float]:
-    """Sequence (context) parallelism over cp around each attention core.
+    """Sequence (context) parallelism over cp around each attention core, as
+    ``autopar.runtime.sequence`` runs it.
 
-    Ulysses (Jacobs et al. 2023): four all-to-alls forward (q, k, v in, output back) and
-    four backward, each on the layer's local activation. Ring attention (Li et al. 2021,
-    arXiv 2105.13120): the key and value blocks travel c-1 hops forward and twice in
-    backward, overlapped with the attention blocks they feed.
+    Ulysses (Jacobs et al. 2023, arXiv 2309.14509): all-to-alls of q, k, v in and of the
+    output back, forward, and of their gradients backward, each on this rank's block; key
+    and value heads are repeated f = c / gcd(kv heads, c) times first when there are fewer
+    of them than ranks. Ring attention (Li et al. 2021, arXiv 2105.13120): the key and value
+    blocks travel c-1 hops forward and c-1 again backward, and the key and value gradients
+    c hops (the last one home), overlapped with the attention blocks they feed.
     """
     c, hw = ctx.cp.size, ctx.hw
     act = lt.boundary(batch) / (mode.size * c)
     seconds = nbytes = 0.0
+    if c <= 1:
+        return seconds, nbytes
     for a in lt.attention:
-        kv = 2 * act * a.kv_heads / a.heads
+        kv_heads = max(1, a.kv_heads // (mode.size if mode.name == "1d" else 1))
+        heads = max(1, a.heads // (mode.size if mode.name == "1d" else 1))
+        kv = 2 * act * kv_heads / heads
         if ctx.cp_mode == "ring":
-            hop = ctx.coll("p2p", kv, ctx.cp) if c > 1 else 0.0
-            comm = 3 * (c - 1) * hop
+            hops = 3 * c - 2
+            comm = hops * ctx.coll("p2p", kv, ctx.cp)
             seconds += max(0.0, comm - 3 * attn_fwd)
-            nbytes += 3 * (c - 1) * kv
+            nbytes += hops * kv
         else:
-            per = ctx.coll("all_to_all", act * c, ctx.cp)
-            seconds += 8 * per
-            nbytes += 8 * act * (c - 1) / c
+            f = c // math.gcd(kv_heads, c)
+            buffers = (act, act, f * kv / 2, f * kv / 2)  # q, output, k, v
+            seconds += 2 * sum(ctx.coll("all_to_all", n, ctx.cp) for n in buffers)
+            nbytes += 2 * sum(buffers) * (c - 1) / c
     return seconds, nbytes
 
 

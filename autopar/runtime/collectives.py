@@ -2,7 +2,9 @@
 
 The six conjugate pairs of `autopar.sharding.redistribute` as autograd Functions, plus the
 `Redistribute` module the rewrite pass puts into graphs. A split dimension with `groups`
-blocks is handled blockwise: the rank's slice is its part of every block.
+blocks is handled blockwise: the rank's slice is its part of every block. `AxisGroup` also
+runs the all-to-all and the ring shifts (logged as "p2p") of the sequence-parallel kernels in
+`autopar.runtime.sequence`.
 """
 
 from __future__ import annotations
@@ -113,10 +115,66 @@ class AxisGroup:
             dist.reduce(x, dst=dist.get_global_rank(self.group, dst), op=op, group=self.group)
         return x
 
+    def all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int,
+                   phase: str) -> torch.Tensor:
+        """Cut `x` into `size` equal slices along `scatter_dim` and send slice j to member j;
+        the slices received from members 0..size-1 are concatenated along `gather_dim`, in
+        member order. Logs the bytes of `x` (this rank's whole buffer, which equals what it
+        receives), at size 1 too.
+        """
+        self.log.add("all_to_all", self.axis, x.numel() * x.element_size(), phase)
+        if self.size == 1:
+            return x
+        if x.shape[scatter_dim] % self.size:
+            raise ValueError(f"all_to_all on axis '{self.axis}': dim {scatter_dim} of a tensor "
+                             f"of shape {list(x.shape)} does not split into {self.size} equal "
+                             "slices")
+        send = _deinterleave(x, scatter_dim, 1, self.size).contiguous()  # [P, ..., m, ...]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return _interleave(recv, gather_dim, 1)
+
+    def shift(self, x: torch.Tensor, offset: int, phase: str, tag: int = 0) -> torch.Tensor:
+        """Ring shift: send `x` to member (rank + offset) % size and return what member
+        (rank - offset) % size sent (same shape and dtype on every member). Logs op "p2p"
+        with the bytes this rank sends, at size 1 too (where `x` itself comes back).
+        """
+        return self.shift_async(x, offset, phase, tag).wait()
+
+    def shift_async(self, x: torch.Tensor, offset: int, phase: str,
+                    tag: int = 0) -> "PendingShift":
+        """`shift` started without waiting: `.wait()` on the result returns the received
+        tensor. `x` must not be modified before then. Shifts in flight at the same time
+        between the same members should carry distinct `tag`s.
+        """
+        x = x.contiguous()
+        self.log.add("p2p", self.axis, x.numel() * x.element_size(), phase)
+        if self.size == 1 or offset % self.size == 0:
+            return PendingShift(x, [])
+        dst = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+        src = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
+        out = torch.empty_like(x)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, dst, self.group, tag),
+                                        dist.P2POp(dist.irecv, out, src, self.group, tag)])
+        return PendingShift(out, works)
+
     def local_slice(self, x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
         if self.size == 1:
             return x
         return _deinterleave(x, dim, groups, self.size)[self.rank].contiguous()
+
+
+class PendingShift:
+    """A ring shift in flight (see `AxisGroup.shift_async`)."""
+
+    def __init__(self, out: torch.Tensor, works: list):
+        self._out, self._works = out, works
+
+    def wait(self) -> torch.Tensor:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return self._out
 
 
 def _interleave(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:

@@ -72,6 +72,75 @@ def balance(costs, k: int) -> list[int]:
     return stages
 
 
+def balance_within(costs, weights, capacity, k: int) -> list[int] | None:
+    """Stage index of each layer: ``k`` contiguous stages, the slowest as fast as possible,
+    with stage s holding at most ``capacity[s]`` of ``weights[s]`` (per layer, the bytes
+    that layer costs on stage s: its parameters and optimizer state, and its activations
+    times the micro-batches stage s keeps in flight). None when no split fits.
+
+    The same parametric search as ``balance`` on the bottleneck B, with memory as a second
+    per-stage limit: cutting greedily (a stage takes layers while both its time stays
+    within B and its bytes within its capacity) fits whenever any split does, because both
+    limits only tighten as a stage grows. Stages later in a 1F1B pipeline hold fewer
+    micro-batches, so pushing layers towards them, as the greedy cut does, never hurts.
+    """
+    costs = np.asarray(costs, dtype=float)
+    weights = np.asarray(weights, dtype=float)  # [k, n]
+    n = len(costs)
+    if k <= 1 or k > n:
+        return [0] * n if k <= 1 and weights[0].sum() <= capacity[0] else None
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+
+    def ends_within(limit: float):
+        out, start, s = [], 0, 0
+        while start < n:
+            if s >= k:
+                return None
+            t0, w = prefix[start], 0.0
+            end = start
+            while end < n and prefix[end + 1] - t0 <= limit * (1 + 1e-12) and \
+                    w + weights[s, end] <= capacity[s]:
+                w += weights[s, end]
+                end += 1
+            if end == start:  # not even one layer fits on this stage
+                return None
+            out.append(end)
+            start, s = end, s + 1
+        return out
+
+    candidates = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(n + 1, 1)])
+    candidates = candidates[candidates >= costs.max()]
+    lo, hi = 0, len(candidates) - 1
+    if ends_within(candidates[hi]) is None:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ends_within(candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    ends = ends_within(candidates[hi])
+    # fewer stages than k: split off the last layer of the last stage that has two or more;
+    # the stages after it move one place later, where they hold fewer micro-batches
+    while len(ends) < k:
+        for s in range(len(ends) - 1, -1, -1):
+            start = ends[s - 1] if s else 0
+            if ends[s] - start >= 2:
+                ends.insert(s, ends[s] - 1)
+                break
+        else:
+            return None
+    stages, s = [0] * n, 0
+    for layer in range(n):
+        while layer >= ends[s]:
+            s += 1
+        stages[layer] = s
+    for s in range(k):  # the split moved stages: check every stage's bytes again
+        if sum(weights[s, i] for i in range(n) if stages[i] == s) > capacity[s] * (1 + 1e-12):
+            return None
+    return stages
+
+
 def balance_dp(costs, k: int) -> list[int]:
     """The same partition by dynamic programming over the chain (the reference ``balance``
     is checked against): dp[s][j] = min_i max(dp[s-1][i], cost(i..j)). Exact, O(k n^2)."""

@@ -14,6 +14,7 @@ first, so every rank computes the same plan.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -35,7 +36,7 @@ from autopar.cost.model import (
     tensor_modes,
 )
 from autopar.errors import PlanError
-from autopar.search.partition import balance, choose_states
+from autopar.search.partition import balance, balance_within, choose_states
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 ORDER = ("tp", "cp", "dp", "pp")  # innermost first
@@ -536,7 +537,31 @@ class Search:
             leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
             leaf.device_of = [s % leaf.mesh["pp"] for s in leaf.stage_of]
         for zero, offload in leaf.zeros:
-            yield self._price(leaf, zero, offload)
+            cand = self._price(leaf, zero, offload)
+            yield cand
+            if leaf.mesh["pp"] > 1 and leaf.v == 1 and (
+                    not cand.fits or cand.states != leaf.prep.states_of(leaf.prep.fast)):
+                # the time-balanced split needs recomputation or does not fit: also try the
+                # fastest split whose stages hold their in-flight activations as they are
+                alt = self._memory_split(leaf, zero, offload)
+                if alt is not None and alt != leaf.stage_of:
+                    yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt),
+                                      zero, offload)
+
+    def _memory_split(self, leaf, zero, offload) -> list[int] | None:
+        """Stages balanced by time under each stage's memory limit, fastest states kept."""
+        prep, pp = leaf.prep, leaf.mesh["pp"]
+        replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
+        e = self.chain.dtype_bytes
+        per_param = (1 / (replicas if zero == 3 else 1) + 1 / (replicas if zero >= 2 else 1)
+                     + (0.0 if offload else OPTIMIZER_BYTES.get(e, 12) / e
+                        / (replicas if zero else 1)))
+        in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
+        weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
+        buffers = (2 * prep.biggest if replicas > 1 else 0.0) + \
+            (2 * prep.biggest if zero == 3 else 0.0)
+        capacity = np.full(pp, self.capacity - buffers)
+        return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight):
         replicas = leaf.mesh["dp"] * leaf.mesh["cp"]

@@ -1,0 +1,466 @@
+"""Sequence-parallel attention over one mesh axis ("cp"): ring attention and Ulysses.
+
+Ring attention follows Li et al. 2021, "Sequence Parallelism: Long Sequence Training from
+System Perspective" (arXiv 2105.13120): every rank keeps its query block and the key/value
+blocks travel around the ring, each rank folding every block it sees into its output with the
+online softmax (running row maximum and sum, rescaled when the maximum grows; Milakov &
+Gimelshein 2018, as in FlashAttention, Dao et al. 2022). Ulysses follows Jacobs et al. 2023
+(arXiv 2309.14509): an all-to-all trades the sequence split for a head split, every rank runs
+ordinary attention on the whole sequence for its heads, and a second all-to-all trades back.
+Both run their collectives through an `AxisGroup`, so the `CommLog` records op, axis, bytes
+and phase ("forward" / "backward"; "state" for `assemble_sequence`).
+
+Tensors and layouts
+-------------------
+q [B, H, S_local, D], k [B, Hkv, S_local, D], v [B, Hkv, S_local, Dv] and the output
+[B, H, S_local, Dv] in torch's `scaled_dot_product_attention` layout (heads before sequence),
+for both kernels, so an aten SDPA node whose inputs are split on dim 2 maps onto them
+directly. The global sequence S = c * S_local is split over the c members of the axis in one
+of two layouts (`LAYOUTS`), the same for q, k, v and the output:
+
+* "contiguous": S is cut into c chunks; member r holds chunk r.
+* "zigzag": S is cut into 2c chunks of S / (2c); member r holds chunks r and 2c-1-r, in that
+  order. Under causal masking every member then does the same work at every ring step.
+
+`sequence_chunks`, `sequence_positions` (the global positions of a member's rows, e.g. for
+rotary embeddings), `cut_sequence` (a member's block of a whole tensor), `merge_sequence`
+(the whole tensor from all members' blocks, no communication) and `assemble_sequence` (the
+same as a collective) work on any dim (default 2).
+
+Grouped-query attention: H must be a multiple of Hkv and q head h reads kv head h // (H/Hkv),
+as torch's `enable_gqa`. The ring kernel sends and keeps k/v with Hkv heads only: it views q
+as [B, Hkv, H/Hkv, S_local, D] and broadcasts each kv head over its group inside the block
+products (matmul may expand one block temporarily); the dk/dv of a group are summed before
+they travel. `scale` defaults to 1/sqrt(D). Dropout and `attn_mask` are not supported
+(`sequence_attention` raises); causal masking is by global position (query i sees keys
+j <= i, the top-left triangle of torch's `is_causal`).
+
+Ring attention (`ring_attention`)
+---------------------------------
+Forward: at step t = 0..c-1 member r holds the k/v block of member (r - t) mod c; it starts
+shifting that block (k and v packed in one message) to member r+1 before computing on it
+(c-1 hops, overlapped with the block's attention), and folds the block into running
+statistics m (row max), l (row sum) and an unnormalised accumulator. Under causal masking
+only the (query chunk, key chunk) pairs with key chunk <= query chunk are computed (the
+equal ones with a triangular mask), so the largest score tensor is S_local x S_local per
+(batch, head), and (S_local/2)^2 per pair under zigzag; nothing of the whole sequence's
+length is ever allocated. It keeps q, k, v, the output and the logsumexp lse = m + log l
+([B, H, S_local]) for backward, nothing else.
+
+Backward (no recomputation of the forward ring; the probabilities of each block are rebuilt
+from q, k and the kept lse as in FlashAttention): delta = rowsum(dO * O); the k/v blocks
+circulate again (c-1 hops, overlapped); for each block member r adds dS @ k to its own dq
+and computes the block's dk, dv contribution, which it adds to the accumulator that arrived
+with that block's previous visitor and sends on (c hops: the last one brings each block's
+dk, dv back to its owner). The accumulators travel in the compute dtype (float32 for 16-bit
+inputs, else the input dtype).
+
+Ulysses (`ulysses_attention`)
+-----------------------------
+all-to-all q, k, v (scatter heads, dim 1; gather sequence, dim 2) -> [B, H/c, S, D]; under a
+causal zigzag layout the gathered sequence is put in natural order (and the output back);
+`torch.nn.functional.scaled_dot_product_attention` on the whole sequence for H/c heads;
+all-to-all the output back (scatter sequence, gather heads). Backward runs the conjugate
+all-to-alls (each gradient goes back along the inverse exchange); the local attention's
+backward is torch's. Needs H % c == 0.
+
+Ulysses with few kv heads: member j receives q heads [j H/c, (j+1) H/c). Every kv head is
+repeated f = c / gcd(Hkv, c) times locally (repeat_interleave on dim 1, Hkv*f heads, a
+multiple of c) before the all-to-all, so member j receives exactly the kv heads its q heads
+read (f always divides H/Hkv when c divides H). The price: the k and v all-to-alls (and those
+of their gradients) carry f times the kv bytes, and each member stores Hkv*f/c instead of
+Hkv/c kv heads of the whole sequence; the f copies' gradients are summed by
+repeat_interleave's backward. f = 1 when c divides Hkv. `ulysses_kv_replication` returns f.
+
+Communication (per call, c = axis size; e = bytes per element of the inputs, e' = of the
+compute dtype; K = B*Hkv*S_local*D*e and V = B*Hkv*S_local*Dv*e this member's k and v
+blocks, Q = B*H*S_local*D*e, O = B*H*S_local*Dv*e; every record logs the bytes this member
+sends)
+--------------------------------------------------------------------------------------------
+* ring, c > 1: forward   c-1 "p2p" records of K+V.
+               backward  c-1 "p2p" of K+V (k, v again), plus, when k or v needs a gradient,
+                         c "p2p" of (K+V)*e'/e (the dk, dv accumulators).
+               For float32/float64 a forward and backward log (3c-2)(K+V) in 3c-2 records.
+  c = 1: nothing.
+* Ulysses: forward   "all_to_all" Q, f*K, f*V, O.
+           backward  "all_to_all" O (dO), Q (dq), f*K (dk), f*V (dv) for the inputs that need
+                     gradients. Logged at c = 1 too, as `AxisGroup` logs all collectives.
+
+Every member of the axis must call the same kernels with the same shapes and the same
+`requires_grad` flags, as the backward passes skip the communication of gradients nobody
+asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from autopar.runtime.collectives import AxisGroup, Bound
+
+__all__ = [
+    "LAYOUTS", "MODES", "sequence_chunks", "sequence_positions", "cut_sequence",
+    "merge_sequence", "assemble_sequence", "all_to_all", "ring_attention",
+    "ulysses_attention", "ulysses_kv_replication", "sequence_attention", "SequenceAttention",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+MODES = ("ring", "ulysses")
+SEQ_DIM = 2  # [B, H, S, D]
+
+
+# --------------------------------------------------------------------------------------
+# Layouts of the sequence over the axis
+# --------------------------------------------------------------------------------------
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def _num_chunks(size: int, layout: str) -> int:
+    _check_layout(layout)
+    return size if layout == "contiguous" else 2 * size
+
+
+def sequence_chunks(size: int, rank: int, layout: str = "contiguous") -> tuple[int, ...]:
+    """The chunks of the global sequence member `rank` of `size` holds, in local order:
+    contiguous (rank,) of `size` chunks; zigzag (rank, 2*size-1-rank) of 2*size chunks."""
+    _check_layout(layout)
+    if layout == "contiguous":
+        return (rank,)
+    return (rank, 2 * size - 1 - rank)
+
+
+def _chunk_len(seq_len: int, size: int, layout: str) -> int:
+    n = _num_chunks(size, layout)
+    if seq_len % n:
+        raise ValueError(f"a sequence of {seq_len} does not split into the {n} equal chunks "
+                         f"of the {layout} layout over {size} members")
+    return seq_len // n
+
+
+def sequence_positions(seq_len: int, size: int, rank: int,
+                       layout: str = "contiguous") -> torch.Tensor:
+    """Global positions (int64) of the rows member `rank` holds of a sequence of `seq_len`."""
+    m = _chunk_len(seq_len, size, layout)
+    return torch.cat([torch.arange(c * m, (c + 1) * m)
+                      for c in sequence_chunks(size, rank, layout)])
+
+
+def cut_sequence(full: torch.Tensor, group: AxisGroup, dim: int = SEQ_DIM,
+                 layout: str = "contiguous") -> torch.Tensor:
+    """This member's block (a copy) of the whole tensor `full`, split on `dim` over `group`."""
+    pos = sequence_positions(full.shape[dim], group.size, group.rank, layout)
+    return full.index_select(dim, pos.to(full.device))
+
+
+def _rank_major_index(seq_len: int, size: int, layout: str) -> torch.Tensor:
+    """Global position of each row of the members' blocks concatenated in member order."""
+    return torch.cat([sequence_positions(seq_len, size, r, layout) for r in range(size)])
+
+
+def _to_natural(x: torch.Tensor, size: int, dim: int, layout: str) -> torch.Tensor:
+    """Member-order concatenation of blocks -> the sequence in natural order."""
+    if layout == "contiguous" or size == 1:
+        return x
+    order = _rank_major_index(x.shape[dim], size, layout)
+    return x.index_select(dim, torch.argsort(order).to(x.device))
+
+
+def _from_natural(x: torch.Tensor, size: int, dim: int, layout: str) -> torch.Tensor:
+    """The sequence in natural order -> the members' blocks concatenated in member order."""
+    if layout == "contiguous" or size == 1:
+        return x
+    return x.index_select(dim, _rank_major_index(x.shape[dim], size, layout).to(x.device))
+
+
+def merge_sequence(blocks: Sequence[torch.Tensor], dim: int = SEQ_DIM,
+                   layout: str = "contiguous") -> torch.Tensor:
+    """The whole tensor from the blocks of members 0..len(blocks)-1 (inverse of
+    `cut_sequence`); no communication."""
+    return _to_natural(torch.cat(list(blocks), dim), len(blocks), dim, layout)
+
+
+def assemble_sequence(block: torch.Tensor, group: AxisGroup, dim: int = SEQ_DIM,
+                      layout: str = "contiguous", phase: str = "state") -> torch.Tensor:
+    """The whole tensor from every member's `block` (a collective: all members call):
+    an all-gather over `group`, then the chunks put in natural order."""
+    gathered = group.all_gather(block.detach(), dim, 1, phase)
+    return _to_natural(gathered, group.size, dim % block.dim(), layout)
+
+
+# --------------------------------------------------------------------------------------
+# Ring attention
+# --------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.cat([a.reshape(-1), b.reshape(-1)])
+
+
+def _unpack(flat: torch.Tensor, shape_a, shape_b) -> tuple[torch.Tensor, torch.Tensor]:
+    n = math.prod(shape_a)
+    return flat[:n].view(shape_a), flat[n:].view(shape_b)
+
+
+def _pairs(size: int, rank: int, src: int, layout: str, causal: bool, s_q: int, s_k: int):
+    """(query rows, key rows, diagonal?) of the blocks member `rank` computes against the
+    k/v block of member `src`: everything without causal masking; under it the pairs of
+    chunks with key chunk <= query chunk, the equal ones masked by a triangle."""
+    if not causal:
+        return [(slice(None), slice(None), False)]
+    qc, kc = sequence_chunks(size, rank, layout), sequence_chunks(size, src, layout)
+    mq, mk = s_q // len(qc), s_k // len(kc)
+    return [(slice(i * mq, (i + 1) * mq), slice(j * mk, (j + 1) * mk), b == a)
+            for i, a in enumerate(qc) for j, b in enumerate(kc) if b <= a]
+
+
+def _scores(q5, kt, qs, ks, diag: bool, scale: float) -> torch.Tensor:
+    """Scores of one block pair, [B, Hkv, rep, rows, cols]; -inf above the diagonal."""
+    s = torch.matmul(q5[..., qs, :], kt[..., ks, :].transpose(-1, -2)) * scale
+    if diag:
+        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(upper, float("-inf"))
+    return s
+
+
+def _ring_forward(q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str):
+    b, h, s_q, _ = q.shape
+    hkv, s_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    cdt = _compute_dtype(q.dtype)
+    q5 = q.to(cdt).unflatten(1, (hkv, h // hkv))  # [B, Hkv, rep, S_local, D]
+    m = q5.new_full(q5.shape[:-1], float("-inf"))
+    l = q5.new_zeros(q5.shape[:-1])
+    acc = q5.new_zeros(q5.shape[:-1] + (dv,))
+    kv = _pack(k, v)
+    for t in range(g.size):
+        src = (g.rank - t) % g.size
+        nxt = g.shift_async(kv, 1, "forward") if t < g.size - 1 else None
+        kt, vt = (x.to(cdt).unsqueeze(2) for x in _unpack(kv, k.shape, v.shape))
+        for qs, ks, diag in _pairs(g.size, g.rank, src, layout, causal, s_q, s_k):
+            s = _scores(q5, kt, qs, ks, diag, scale)
+            m_old = m[..., qs]
+            m_new = torch.maximum(m_old, s.amax(-1))  # finite: every pair has a visible key
+            alpha = torch.exp(m_old - m_new)
+            p = torch.exp(s - m_new.unsqueeze(-1))
+            l[..., qs] = l[..., qs] * alpha + p.sum(-1)
+            pv = torch.matmul(p, vt[..., ks, :])
+            acc[..., qs, :] = acc[..., qs, :] * alpha.unsqueeze(-1) + pv
+            m[..., qs] = m_new
+        if nxt is not None:
+            kv = nxt.wait()
+    out = (acc / l.unsqueeze(-1)).flatten(1, 2).to(q.dtype)
+    lse = m + torch.log(l)  # [B, Hkv, rep, S_local]
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, g: AxisGroup, causal: bool, scale: float,
+                   layout: str, want_dkv: bool):
+    s_q, hkv, s_k = q.shape[2], k.shape[1], k.shape[2]
+    cdt = lse.dtype
+    q5 = q.to(cdt).unflatten(1, (hkv, q.shape[1] // hkv))
+    do5 = dout.to(cdt).unflatten(1, (hkv, q.shape[1] // hkv))
+    delta = (do5 * out.to(cdt).unflatten(1, (hkv, q.shape[1] // hkv))).sum(-1)
+    dq = torch.zeros_like(q5)
+    kv = _pack(k, v)
+    arriving, dkv = None, None  # the dk/dv accumulator in flight; the final one
+    for t in range(g.size):
+        src = (g.rank - t) % g.size
+        nxt = g.shift_async(kv, 1, "backward", tag=0) if t < g.size - 1 else None
+        kt, vt = (x.to(cdt).unsqueeze(2) for x in _unpack(kv, k.shape, v.shape))
+        dk_t = q5.new_zeros(k.shape) if want_dkv else None
+        dv_t = q5.new_zeros(v.shape) if want_dkv else None
+        for qs, ks, diag in _pairs(g.size, g.rank, src, layout, causal, s_q, s_k):
+            p = torch.exp(_scores(q5, kt, qs, ks, diag, scale) - lse[..., qs].unsqueeze(-1))
+            dp = torch.matmul(do5[..., qs, :], vt[..., ks, :].transpose(-1, -2))
+            ds = p * (dp - delta[..., qs].unsqueeze(-1))
+            dq[..., qs, :] += torch.matmul(ds, kt[..., ks, :]) * scale
+            if want_dkv:
+                dv_t[..., ks, :] += torch.matmul(p.transpose(-1, -2), do5[..., qs, :]).sum(2)
+                dsq = torch.matmul(ds.transpose(-1, -2), q5[..., qs, :])
+                dk_t[..., ks, :] += dsq.sum(2) * scale
+        if want_dkv:
+            part = _pack(dk_t, dv_t)
+            if arriving is not None:
+                part = part + arriving.wait()
+            if g.size > 1:
+                arriving = g.shift_async(part, 1, "backward", tag=1)
+            else:
+                dkv = part
+        if nxt is not None:
+            kv = nxt.wait()
+    dk = dv = None
+    if want_dkv:
+        if arriving is not None:
+            dkv = arriving.wait()  # the accumulator of this member's own block, home again
+        dk, dv = (x.to(k.dtype) for x in _unpack(dkv, k.shape, v.shape))
+    return dq.flatten(1, 2).to(q.dtype), dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str):
+        out, lse = _ring_forward(q, k, v, g, causal, scale, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.g, ctx.causal, ctx.scale, ctx.layout = g, causal, scale, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.g, ctx.causal, ctx.scale,
+                                    ctx.layout, need[1] or need[2])
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                None, None, None, None)
+
+
+def _check_qkv(q, k, v, what: str) -> tuple[int, int]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{what} takes q, k, v as [B, H, S_local, D]; got shapes "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{what}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    h, hkv = q.shape[1], k.shape[1]
+    if (k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]
+            or h % hkv):
+        raise ValueError(f"{what}: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                         "do not fit [B, H, S, D], [B, Hkv, S', D], [B, Hkv, S', Dv] with "
+                         "H a multiple of Hkv")
+    return h, hkv
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
+                   causal: bool = False, scale: float | None = None,
+                   layout: str = "contiguous") -> torch.Tensor:
+    """Attention of the whole sequence split over `group` by ring attention.
+
+    q [B, H, S_local, D], k [B, Hkv, S_local, D], v [B, Hkv, S_local, Dv], all in `layout`
+    (see the module docstring); returns this member's rows of the output,
+    [B, H, S_local, Dv]. Equals `scaled_dot_product_attention(..., is_causal=causal,
+    scale=scale, enable_gqa=True)` on the whole sequence, cut the same way.
+    """
+    _check_qkv(q, k, v, "ring_attention")
+    _check_layout(layout)
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError("causal ring attention needs as many local queries as keys; got "
+                         f"{q.shape[2]} and {k.shape[2]}")
+    if layout == "zigzag" and causal and q.shape[2] % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per member; S_local = "
+                         f"{q.shape[2]} is odd")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, group, causal, float(scale), layout)
+
+
+# --------------------------------------------------------------------------------------
+# Ulysses
+# --------------------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, scatter_dim: int, gather_dim: int):
+        ctx.g, ctx.dims = g, (scatter_dim, gather_dim)
+        return g.all_to_all(x, scatter_dim, gather_dim, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return ctx.g.all_to_all(grad, gather_dim, scatter_dim, "backward"), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group: AxisGroup, scatter_dim: int,
+               gather_dim: int) -> torch.Tensor:
+    """`AxisGroup.all_to_all` with autograd: the gradient takes the inverse exchange."""
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def ulysses_kv_replication(kv_heads: int, size: int) -> int:
+    """How many times Ulysses repeats each kv head: size / gcd(kv_heads, size)."""
+    return size // math.gcd(kv_heads, size)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
+                      causal: bool = False, scale: float | None = None,
+                      layout: str = "contiguous") -> torch.Tensor:
+    """Attention of the whole sequence split over `group` by Ulysses all-to-alls.
+
+    Same layouts, arguments and result as `ring_attention`; needs H % group.size == 0.
+    """
+    h, hkv = _check_qkv(q, k, v, "ulysses_attention")
+    _check_layout(layout)
+    c = group.size
+    if h % c:
+        raise ValueError(f"Ulysses splits the {h} query heads over the {c} members of axis "
+                         f"'{group.axis}'; {h} is not a multiple of {c}")
+    f = ulysses_kv_replication(hkv, c)
+    if f > 1:
+        k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
+    qg, kg, vg = (all_to_all(x, group, 1, SEQ_DIM) for x in (q, k, v))  # [B, heads/c, S, .]
+    reorder = causal and layout == "zigzag"
+    if reorder:
+        qg, kg, vg = (_to_natural(x, c, SEQ_DIM, layout) for x in (qg, kg, vg))
+    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale,
+                                       enable_gqa=kg.shape[1] != qg.shape[1])
+    if reorder:
+        o = _from_natural(o, c, SEQ_DIM, layout)
+    return all_to_all(o, group, SEQ_DIM, 1)
+
+
+# --------------------------------------------------------------------------------------
+# Entry point mirroring scaled_dot_product_attention, and the graph module
+# --------------------------------------------------------------------------------------
+
+
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
+                       mode: str = "ring", *, attn_mask=None, dropout_p: float = 0.0,
+                       is_causal: bool = False, scale: float | None = None,
+                       enable_gqa: bool = False, layout: str = "contiguous") -> torch.Tensor:
+    """`scaled_dot_product_attention`'s arguments on sequence-split q, k, v, by `mode`
+    ("ring" or "ulysses"). `attn_mask` and dropout are not supported."""
+    if mode not in MODES:
+        raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {MODES}")
+    if attn_mask is not None:
+        raise NotImplementedError("sequence-parallel attention takes no attn_mask (only "
+                                  "is_causal)")
+    if dropout_p:
+        raise NotImplementedError("sequence-parallel attention has no dropout")
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}; pass enable_gqa=True "
+                         "for grouped-query attention")
+    kernel = ring_attention if mode == "ring" else ulysses_attention
+    return kernel(q, k, v, group, causal=is_causal, scale=scale, layout=layout)
+
+
+class SequenceAttention(Bound):
+    """A graph module for an attention core whose q, k, v are split on the sequence dim over
+    the mesh axis `axis` (bound to an `AxisGroup` before the graph runs)."""
+
+    def __init__(self, axis: str = "cp", mode: str = "ring", is_causal: bool = False,
+                 scale: float | None = None, enable_gqa: bool = False,
+                 layout: str = "contiguous"):
+        super().__init__(axis)
+        if mode not in MODES:
+            raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {MODES}")
+        _check_layout(layout)
+        self.mode, self.is_causal, self.scale = mode, is_causal, scale
+        self.enable_gqa, self.layout = enable_gqa, layout
+
+    def extra_repr(self) -> str:
+        return (f"{self.mode}, axis={self.axis}, is_causal={self.is_causal}, "
+                f"layout={self.layout}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sequence_attention(q, k, v, self._g(), self.mode, is_causal=self.is_causal,
+                                  scale=self.scale, enable_gqa=self.enable_gqa,
+                                  layout=self.layout)
