@@ -1,13 +1,18 @@
-"""Memory per rank at world 4: predicted by autopar.cost.memory against what the engine holds.
+"""Memory per rank: predicted by autopar.cost.memory against what the engine holds.
 
     python benchmarks/bench_memory.py [--models gpt-tiny llama-tiny ...] [--batch 8]
+                                      [--worlds 4 8] [--plans 2d 3d ...]
 
-Spawns 4 gloo processes on this machine. For each model and executable plan, every rank
-predicts its parameter, gradient, optimizer and activation bytes from the traced graph and
-the plan's sharding solution, then trains one warm-up step and measures a second one:
-parameters, gradients (just before the optimizer steps) and AdamW state from the tensors
-the engine holds, activations from the storages autograd saves during `train_step`. Prints
-a table and writes benchmarks/results/memory.json.
+Spawns a gloo world of 4 local processes (data, 1D and 2D plans), then one of 8 (1D, 2.5D
+and 3D plans). For each model and plan, the prediction comes from the plan's own sharding
+solution, solved as the engine solves it (`Plan.from_dict`, the inference graph first, then
+the training graph with the parameter layouts the inference graph fixed, the plan's mesh
+and per-layer modes), at the batch of one data-parallel replica (2D, 2.5D and 3D split
+that batch further, as a layout on dim 0, which the prediction applies). Every rank then
+trains one warm-up step and measures a second one: parameters, gradients (just before the
+optimizer steps) and AdamW state from the tensors the engine holds, activations from the
+storages autograd saves during `train_step`. Prints a table, the largest error per kind
+and plan, and writes benchmarks/results/memory.json.
 """
 
 import argparse
@@ -15,6 +20,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,12 +30,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gloo_world import results_path, run_world  # noqa: E402
 
-PLANS = {"data 4": {"data": 4},
-         "tensor 4": {"tensor": {"size": 4, "mode": "1d"}},
-         "tensor 2 x data 2": {"tensor": {"size": 2, "mode": "1d"}}}
+# name -> (world, plan); 1D rows at world 8 are the contrast: their activations stay whole.
+PLANS = {"data 4": (4, {"data": 4}),
+         "tensor 4": (4, {"tensor": {"size": 4, "mode": "1d"}}),
+         "tensor 2 x data 2": (4, {"tensor": {"size": 2, "mode": "1d"}}),
+         "2d 2x2": (4, {"tensor": {"size": 4, "mode": "2d"}}),
+         "tensor 8": (8, {"tensor": {"size": 8, "mode": "1d"}}),
+         "2.5d 2x2x2": (8, {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}),
+         "3d 2x2x2": (8, {"tensor": {"size": 8, "mode": "3d"}})}
 MODELS = ("gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny")
 KINDS = ("parameters", "gradients", "optimizer", "activations")
-WORLD = 4
+WORLDS = (4, 8)
 
 
 def lm_loss(logits, target):
@@ -50,25 +61,52 @@ def example(name: str, batch: int):
     return model, (x,), torch.randint(0, out.shape[-1], x.shape, generator=gen), lm_loss
 
 
-def measure(name: str, plan: dict, batch: int) -> dict:
-    """This rank's predicted and measured bytes under one plan."""
-    import autopar
-    from autopar.cost.memory import activation_bytes, measure_saved_activations, \
-        measure_state_bytes, state_bytes
+def plan_solution(model, sample: tuple, target, loss_fn, plan):
+    """(training graph, its solution) for `plan`, solved as `autopar.runtime.engine` does."""
     from autopar.graph.trace import trace
+    from autopar.sharding.axes import MULTI_D
     from autopar.sharding.solve import solve
 
+    tensor = plan.tensor_mesh()
+
+    def solve_as_engine(traced, fixed):
+        return solve(traced, axis="tp", size=plan.mesh["tp"], modes=plan.layer_modes(),
+                     default_mode=plan.tp_mode, fixed_params=fixed,
+                     mesh=tensor if tensor.mode in MULTI_D else None)
+
+    forward = trace(model, sample, train=False)
+    fixed = dict(solve_as_engine(forward, None).params)
+    traced = trace(model, sample, loss_fn=loss_fn, example_target=target, train=True)
+    fixed = {t: layout for t, layout in fixed.items() if t in traced.params}
+    return traced, solve_as_engine(traced, fixed)
+
+
+def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
+    """Predicted bytes per rank of one plan, and what it was predicted from."""
+    from autopar.cost.memory import activation_bytes, state_bytes
+    from autopar.plan import Plan
+
     model, inputs, target, loss_fn = example(name, batch)
-    tp = plan.get("tensor", {}).get("size", 1)
-    micro_batch = batch * tp // WORLD
+    plan = Plan.from_dict(plan_spec, world)
     sample = tuple(t[:2] for t in inputs)
-    traced = trace(model, sample, loss_fn=loss_fn, example_target=target[:2])
-    solution = solve(traced, axis="tp", size=tp)
+    traced, solution = plan_solution(model, sample, target[:2], loss_fn, plan)
+    replica_batch = batch // plan.mesh["dp"]  # multi-D batch splits are layouts on dim 0
     predicted = state_bytes(traced, solution, optimizer="adamw").to_json()
-    predicted["activations"] = sum(activation_bytes(traced, solution, micro_batch).values())
-    engine = autopar.parallelize(model, WORLD, example_inputs=sample, loss_fn=loss_fn,
+    predicted["activations"] = sum(activation_bytes(traced, solution, replica_batch).values())
+    layouts = {t: str(layout) for t, layout in solution.params.items()}
+    return {"predicted": predicted, "replica_batch": replica_batch, "layouts": layouts}
+
+
+def measure(name: str, plan_spec: dict, world: int, batch: int) -> dict:
+    """This rank's measured bytes under one plan, and the parameter layouts it ran."""
+    import autopar
+    from autopar.cost.memory import measure_saved_activations, measure_state_bytes
+
+    model, inputs, target, loss_fn = example(name, batch)
+    sample = tuple(t[:2] for t in inputs)
+    engine = autopar.parallelize(model, world, example_inputs=sample, loss_fn=loss_fn,
                                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                 plan=plan)
+                                 plan=plan_spec)
     engine.train_step(inputs, target)  # traces the training graph, makes the optimizer state
     held = list(engine.parameters()) + [b for gm in (engine.forward_gm, engine.train_gm)
                                         for b in gm.buffers()]
@@ -77,23 +115,43 @@ def measure(name: str, plan: dict, batch: int) -> dict:
         lambda: engine.train_step(inputs, target), exclude=held,
         inputs=inputs + (target,)))).to_json()
     measured["activations"] = activations[0]
-    return {"predicted": predicted, "measured": measured, "micro_batch": micro_batch}
+    layouts = {t: str(layout) for t, layout in engine.train_solution.params.items()}
+    return {"measured": measured, "layouts": layouts, "batch_split": engine.batch_split()}
 
 
-def worker(rank, models, batch, out_path):
+def worker(rank, world, models, plan_names, batch, out_path):
+    from autopar.errors import PlanError
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's collective renames
     rows = []
     for name in models:
-        for plan_name, plan in PLANS.items():
-            mine = measure(name, plan, batch)
-            every = [None] * WORLD
+        for plan_name in plan_names:
+            plan_spec = PLANS[plan_name][1]
+            # every rank of a plan holds the same shares: rank 0 predicts, all measure
+            try:
+                mine = predict(name, plan_spec, world, batch) if rank == 0 else {}
+                mine.update(measure(name, plan_spec, world, batch))
+            except PlanError as error:  # refused the same way on every rank
+                mine = {"refused": str(error)}
+            every = [None] * world
             dist.all_gather_object(every, mine)
+            prediction = every[0]
+            if "refused" in prediction:
+                rows.append({"model": name, "plan": plan_name, "world": world,
+                             "plan_spec": plan_spec, "refused": prediction["refused"]})
+                continue
             for r, result in enumerate(every):
-                ratios = {k: result["predicted"][k] / result["measured"][k] for k in KINDS}
-                rows.append({"model": name, "plan": plan_name, "rank": r, **result,
-                             "ratio": ratios})
+                predicted, measured = prediction["predicted"], result["measured"]
+                ratios = {k: predicted[k] / measured[k] for k in KINDS}
+                rows.append({"model": name, "plan": plan_name, "world": world, "rank": r,
+                             "plan_spec": plan_spec, "predicted": predicted,
+                             "measured": measured, "ratio": ratios,
+                             "replica_batch": prediction["replica_batch"],
+                             "batch_split": result["batch_split"],
+                             "same_solution": result["layouts"] == prediction["layouts"]})
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"world": WORLD, "batch": batch, "device": "cpu (gloo)", "rows": rows},
+            json.dump({"world": world, "batch": batch, "device": "cpu (gloo)", "rows": rows},
                       f, indent=2)
 
 
@@ -105,24 +163,50 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS),
+                        choices=sorted({w for w, _ in PLANS.values()}))
+    parser.add_argument("--plans", nargs="+", default=None,
+                        help="plan names or mode words to keep (e.g. 2d 3d 'tensor 8'); "
+                             "default every plan")
     args = parser.parse_args()
+    chosen = [p for p in PLANS if args.plans is None or
+              any(p == k or k in p.split() for k in args.plans)]
+    rows = []
+    for world in args.worlds:
+        plan_names = [p for p in chosen if PLANS[p][0] == world]
+        if not plan_names:
+            continue
+        part = results_path(f"memory_world{world}.json")
+        run_world(worker, (world, args.models, plan_names, args.batch, part), world)
+        with open(part) as f:
+            rows += json.load(f)["rows"]
+        os.remove(part)
     out_path = results_path("memory.json")
-    run_world(worker, (args.models, args.batch, out_path), WORLD)
-    with open(out_path) as f:
-        data = json.load(f)
-    print(f"world {WORLD}, global batch {args.batch}, AdamW; KiB per rank, predicted / measured "
-          "(ratio)")
+    with open(out_path, "w") as f:
+        json.dump({"worlds": args.worlds, "batch": args.batch, "device": "cpu (gloo)",
+                   "rows": rows}, f, indent=2)
+    print(f"global batch {args.batch}, AdamW; KiB per rank, predicted / measured (ratio)")
     header = f"{'model':<11} {'plan':<18} {'rank':>4}" + "".join(f"  {k:>27}" for k in KINDS)
     print(header)
-    worst = {k: 0.0 for k in KINDS}
-    for row in data["rows"]:
+    worst: dict = {}
+    refused = [row for row in rows if "refused" in row]
+    rows = [row for row in rows if "refused" not in row]
+    for row in rows:
         cells = []
+        per_plan = worst.setdefault((row["world"], row["plan"]), {k: 0.0 for k in KINDS})
         for k in KINDS:
             p, m, ratio = row["predicted"][k], row["measured"][k], row["ratio"][k]
-            worst[k] = max(worst[k], abs(ratio - 1))
+            per_plan[k] = max(per_plan[k], abs(ratio - 1))
             cells.append(f"  {_kib(p):>9} / {_kib(m):>9} ({ratio:.4f})")
-        print(f"{row['model']:<11} {row['plan']:<18} {row['rank']:>4}" + "".join(cells))
-    print("largest error: " + ", ".join(f"{k} {worst[k]:.2%}" for k in KINDS))
+        flag = "" if row["same_solution"] else "  (engine solved other layouts)"
+        print(f"{row['model']:<11} {row['plan']:<18} {row['rank']:>4}" + "".join(cells) + flag)
+    for row in refused:
+        print(f"{row['model']:<11} {row['plan']:<18}  refused by parallelize: {row['refused']}")
+    print("\nlargest error per plan (all models and ranks):")
+    for (world, plan), errors in worst.items():
+        print(f"  world {world} {plan:<18} " + ", ".join(f"{k} {errors[k]:.2%}" for k in KINDS))
+    print("largest error: " + ", ".join(
+        f"{k} {max(e[k] for e in worst.values()):.2%}" for k in KINDS))
     print(f"written to {os.path.relpath(out_path, ROOT)}")
 
 

@@ -4,12 +4,17 @@ Single process: the activations `autopar.cost.memory` predicts from the traced g
 against those autograd saves in a real forward and backward of the zoo models; linearity
 in the batch; recompute; the published per-layer shape (Korthikanti et al. 2022, Table 2);
 parameter, gradient and optimizer state against a real AdamW step; the ZeRO formulas.
-World 4 (gloo): on every rank of data, tensor and tensor x data plans, predicted
+2D, 2.5D and 3D (single process, from the plans' solutions): parameters split q x q (2D,
+2.5D) or q^3 (3D) ways, a block's activations split q x q (2D) or 8 ways, and the inputs
+and weights 3D linears keep all-gathered for the backward pass.
+World 4 (gloo): on every rank of data, tensor, tensor x data and 2D plans, predicted
 parameter, gradient and optimizer bytes within 2% of what the engine holds, activations
-within 10% of what autograd saves during its train_step.
+within 10% of what autograd saves during its train_step (benchmarks/bench_memory.py does
+the same at world 8 for 2.5D and 3D).
 """
 
 import functools
+import math
 import time
 
 import pytest
@@ -24,12 +29,17 @@ from autopar.cost.memory import activation_bytes, measure_saved_activations, \
 from autopar.graph.trace import BATCH, trace
 from autopar.models import build as zoo_build
 from autopar.models.gpt import GPT, GPTConfig
+from autopar.plan import Plan
+from autopar.sharding.axes import MULTI_D
 from autopar.sharding.solve import solve
 
 ZOO = ("gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny")
 PLANS = {"data": {"data": 4},
          "tensor": {"tensor": {"size": 4, "mode": "1d"}},
-         "tensor x data": {"tensor": {"size": 2, "mode": "1d"}}}
+         "tensor x data": {"tensor": {"size": 2, "mode": "1d"}},
+         "2d": {"tensor": {"size": 4, "mode": "2d"}}}
+GRIDS = {"2d": ({"size": 4, "mode": "2d"}, 4), "2.5d": ({"size": 8, "mode": "2.5d", "depth": 2}, 8),
+         "3d": ({"size": 8, "mode": "3d"}, 8)}
 
 pool4 = dist_pool_fixture(4)
 
@@ -173,6 +183,94 @@ def test_zero_stages_split_state_over_data_parallel_ranks():
     assert sharded.parameters < 0.3 * base.parameters
 
 
+# ------------------------------------------------------------------------ 2D, 2.5D, 3D
+def _plan_solution(traced, spec: dict, world: int):
+    """(plan, solution) of a plan dict, solved with the engine's arguments."""
+    plan = Plan.from_dict(spec, world)
+    mesh = plan.tensor_mesh()
+    return plan, solve(traced, axis="tp", size=plan.mesh["tp"], modes=plan.layer_modes(),
+                       default_mode=plan.tp_mode, mesh=mesh if mesh.mode in MULTI_D else None)
+
+
+def _grid(traced, mode: str):
+    spec, world = GRIDS[mode]
+    return _plan_solution(traced, {"tensor": spec}, world)[1]
+
+
+def _whole(node, batch: int) -> int:
+    info = node.meta["autopar"]
+    return int(sympy.Mul(*info.shape).subs(BATCH, batch)) * info.dtype.itemsize
+
+
+def _block_linears(solution, block: str):
+    """(linear node, input, weight) of every multi-D linear of one layer."""
+    out = []
+    for node, strategy in solution.strategies.items():
+        if strategy.rewrite == "grid_linear" and node.meta["autopar"].layer == block:
+            x, w = (node.args[1], node.args[2]) if strategy.args["transposed"] else node.args[:2]
+            out.append((node, x, w))
+    return out
+
+
+@pytest.mark.parametrize("mode, linear_parts", [("2d", 4), ("2.5d", 4), ("3d", 8)])
+def test_grid_parameters_split_over_the_grid(mode, linear_parts):
+    """gpt-tiny (q = 2): block linear weights split q x q ways (2D; 2.5D keeps a copy per
+    depth layer) or q^3 (3D); everything else (biases, norms, the embeddings and the lm_head
+    tied to one) splits over the q ranks of one grid index."""
+    traced, model, *_ = _traced("gpt-tiny")
+    solution = _grid(traced, mode)
+    weights = {w.target for b in ("blocks.0", "blocks.1") for _, _, w in
+               _block_linears(solution, b)}
+    assert len(weights) == 8
+    whole = {t: math.prod(p.shape) * p.dtype.itemsize for t, p in traced.params.items()}
+    linear = sum(whole[t] for t in weights)
+    rest = sum(p.numel() * p.element_size() for p in model.parameters()) - linear  # tied: once
+    predicted = state_bytes(traced, solution)
+    assert predicted.parameters == linear // linear_parts + rest // 2
+    assert predicted.gradients == predicted.parameters
+    assert predicted.optimizer == 2 * predicted.parameters + 4 * len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_2d_splits_a_blocks_activations_four_ways_unlike_1d(name):
+    """At one replica batch, a 2D block keeps a quarter of the single-device activations
+    (batch over q, hidden over q; a norm's per-row statistic only over the batch, rotary
+    tables whole) where a 1D block keeps everything its column-split linears do not split."""
+    traced, *_ = _traced(name)
+    one = activation_bytes(traced, micro_batch=8)
+    grid = {m: activation_bytes(traced, _grid(traced, m), micro_batch=8) for m in ("2d", "2.5d")}
+    one_d = activation_bytes(traced, solve(traced, axis="tp", size=4), micro_batch=8)
+    for block in ("blocks.0", "blocks.1"):
+        assert one[block] / 4 <= grid["2d"][block] <= 1.005 * one[block] / 4
+        assert one[block] / 8 <= grid["2.5d"][block] <= 1.005 * one[block] / 8
+        assert one_d[block] > 0.4 * one[block]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_3d_linears_keep_their_inputs_and_weights_gathered(name):
+    """3D and 2.5D at q = 2 split every activation 8 ways; a 3D linear then keeps x and W
+    all-gathered over q ranks (whole / q^2 each) instead of its local x (whole / q^3), which
+    nobody keeps any more where only linears saved it."""
+    traced, *_ = _traced(name)
+    batch, q = 8, 2
+    three = activation_bytes(traced, _grid(traced, "3d"), micro_batch=batch)
+    two_and_half = activation_bytes(traced, _grid(traced, "2.5d"), micro_batch=batch)
+    solution = _grid(traced, "3d")
+    for block in ("blocks.0", "blocks.1"):
+        linears = _block_linears(solution, block)
+        gathered = sum(_whole(x, batch) + _whole(w, batch) for _, x, w in linears) // q ** 2
+        ops = {node for node, _, _ in linears}
+        dropped = sum(s.bytes_at(batch) // q ** 3 for s in saved_activations(traced)
+                      if s.layer == block and not s.parameter
+                      and all(op in ops for op, _ in s.savers))
+        assert three[block] == two_and_half[block] + gathered - dropped
+        assert three[block] > 1.5 * two_and_half[block]  # the gathered weights dominate here
+    if name == "gpt-tiny":  # closed form: 12 h^2 weights, inputs h, h, h, 4h of r rows
+        h, r = 64, batch * 32
+        assert three["blocks.0"] - two_and_half["blocks.0"] == \
+            (12 * h * h + 7 * r * h) * 4 // q ** 2 - 6 * r * h * 4 // q ** 3
+
+
 # ------------------------------------------------------------------------ world 4
 def _rank_memory(name: str, plan: dict, batch: int = 8) -> dict:
     """On every rank: predict from the planner's trace and solve, then train and measure."""
@@ -183,11 +281,11 @@ def _rank_memory(name: str, plan: dict, batch: int = 8) -> dict:
     traced = _traced(name, batch)[0]  # the model traced once; each plan solves it anew
     model, inputs, target, loss_fn = build(name, batch)
     world = dist.get_world_size()
-    tp = plan.get("tensor", {}).get("size", 1)
     example = tuple(t[:2] for t in inputs)
-    solution = solve(traced, axis="tp", size=tp)
+    chosen, solution = _plan_solution(traced, plan, world)
     predicted_state = state_bytes(traced, solution, optimizer="adamw")
-    predicted_act = sum(activation_bytes(traced, solution, micro_batch=batch * tp // world)
+    # the batch of one data-parallel replica: 2D splits it further, as a layout on dim 0
+    predicted_act = sum(activation_bytes(traced, solution, batch // chosen.mesh["dp"])
                         .values())
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     engine = autopar.parallelize(model, world, example_inputs=example, loss_fn=loss_fn,

@@ -25,12 +25,37 @@ recompute drops (Korthikanti et al. 2022, arXiv 2205.05198).
 
 Under a tensor-parallel `Solution` each storage counts the share one device holds: its
 producer's layout or, where the solver put a redistribution on the edge into the saving
-op, the layout that op receives (a new tensor at run time). An internal storage takes the
-layout of the saving op's output or input whose leading sizes it shares, and is whole
-otherwise. Two run-time effects stay outside the prediction: the vocabulary-parallel
-kernels save a few bytes per token more than the ops they replace (masks, per-row
-scalars), and a reshape that copies on one device can be a view on a shard (repeat_kv
-with one local key/value head), so the prediction is within a few percent, not exact.
+op, the layout that op receives (a new tensor at run time; a parameter received that way,
+such as a tied embedding re-laid out for the classifier under 2D, counts as an activation),
+except where it only slices dim 0: that is a view, which keeps the producer's storage
+(a slice of an input counts as the slice: a rank holds its part of the global batch).
+An internal storage takes the shards of the saving op's output or input that split a dim
+it shares with it (every size up to that dim equal): a norm's [b, s, 1] statistics keep
+the batch split of a [b, s, h] input, not the hidden one. `micro_batch` is the batch of one
+data-parallel replica for 2D, 2.5D and 3D too: their batch split is a layout on dim 0.
+
+2D, 2.5D and 3D layers run kernels (`autopar.runtime.multid`) in place of some aten ops;
+where a kernel saves other tensors than the op, the op's saved tensors are replaced by
+the kernel's (`_kernel_saves`):
+
+* 3D linear: x and W all-gathered over the input and weight groups, kept for backward:
+  q x this rank's x block (whole / q^2) and q x its weight block (whole / q^2, a new
+  tensor, so an activation), instead of the local x (whole / q^3). Three linears reading
+  one input (q, k, v) gather three copies. This is large: on gpt-tiny at q = 2 and 256
+  rows per replica it nearly doubles a block's activations.
+* Norms over a split hidden dim (LayerNorm, RMSNorm ops): x-hat (x's local size, a new
+  tensor) and rstd per row, instead of the input and, for LayerNorm, mean and rstd.
+* SUMMA (2D, 2.5D linear) saves its local x and W, as the aten linear does: nothing to do.
+  The embedding runs as the aten op on the local table and ids: nothing to do.
+* Not modelled, as with the 1D vocabulary-parallel kernels: the multi-D cross-entropy
+  saves two bool masks per local row (valid, inside) more than aten's, and its row count
+  as a view of an 8-byte pair (0.04% of gpt-tiny's activations under 2D). RMSNorm written
+  as elementwise ops (the llama zoo) is not a norm op and runs as aten ops.
+
+Two run-time effects stay outside the prediction: the vocabulary-parallel kernels save a
+few bytes per token more than the ops they replace (masks, per-row scalars), and a
+reshape that copies on one device can be a view on a shard (repeat_kv with one local
+key/value head), so the prediction is within a few percent, not exact.
 """
 
 from __future__ import annotations
@@ -339,6 +364,14 @@ def _recompute_modes(traced: TracedGraph, recompute) -> dict[str, str]:
     return modes
 
 
+def _axis_sizes(solution) -> dict[str, int]:
+    """Ranks per mesh axis of a solution (several axes under 2D, 2.5D and 3D)."""
+    if solution is None:
+        return {}
+    sizes = getattr(solution, "sizes", None)
+    return dict(sizes) if sizes else {solution.axis: solution.size}
+
+
 def _fraction(layout, sizes: dict[str, int]) -> Fraction:
     """The share of a tensor one device holds under `layout` (a partial sum is whole)."""
     parts = 1
@@ -349,7 +382,7 @@ def _fraction(layout, sizes: dict[str, int]) -> Fraction:
 
 
 def _copies(solution) -> dict[tuple[fx.Node, fx.Node], Layout]:
-    """Edges (producer, consumer) where a redistribution hands the consumer a new tensor."""
+    """Edges (producer, consumer) where a redistribution hands the consumer its own layout."""
     out = {}
     for t in solution.transitions:
         if all(step.kind == "sum_grads" for step in t.steps):
@@ -359,38 +392,77 @@ def _copies(solution) -> dict[tuple[fx.Node, fx.Node], Layout]:
     return out
 
 
+def _views(traced: TracedGraph, solution) -> set[tuple[fx.Node, fx.Node]]:
+    """Edges whose redistribution hands the consumer a view of an activation's storage.
+
+    A split of dim 0 (one block) of a contiguous tensor is a slice, which keeps the whole
+    storage alive when saved (bert's token-type ids, zeros made whole and split on the
+    batch). Slices of the inputs are left out: a rank holds its slice of the global batch.
+    """
+    owners = _analysis(traced).owners
+    out = set()
+    for t in solution.transitions:
+        if not all(step.kind == "sum_grads" or (step.kind == "split" and step.dim == 0 and
+                                                step.groups == 1) for step in t.steps):
+            continue
+        if owners.get(t.producer, t.producer).op == "placeholder":
+            continue
+        out.update((t.producer, consumer) for consumer in t.consumers)
+    return out
+
+
 def _internal_layout(saved: SavedTensor, solution, copies) -> Layout | None:
-    """An internal storage's layout: that of the op's output or input with its leading sizes."""
+    """An internal storage's layout: the shards of the op's output or first input that split
+    a dim it shares (every size up to that dim equal): a norm's [b, s, 1] statistics keep the
+    batch split of its [b, s, h] input, not the hidden one."""
     op = saved.node
     candidates = [(op, solution.layouts.get(op))]
     candidates += [(i, copies.get((i, op), solution.layouts.get(i))) for i in op.all_input_nodes]
+    best: Layout | None = None
     for node, layout in candidates:
         shape = node.meta["autopar"].shape
         if not isinstance(layout, Layout) or not layout.shards or shape is None:
             continue
-        if all(s.dim < len(saved.shape) and
-               tuple(saved.shape[:s.dim + 1]) == tuple(shape[:s.dim + 1]) for s in layout.shards):
+        kept = tuple(s for s in layout.shards if s.dim < len(saved.shape) and
+                     tuple(saved.shape[:s.dim + 1]) == tuple(shape[:s.dim + 1]))
+        if len(kept) == len(layout.shards):
             return layout
-    return None
+        if kept and best is None:
+            best = Layout(len(saved.shape), kept)
+    return best
 
 
 def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, dict]:
-    """Per layer: each distinct storage its ops save -> (bytes per device, attention_inside)."""
-    sizes = {solution.axis: solution.size} if solution is not None else {}
+    """Per layer: each distinct storage its ops save -> (bytes per device, attention_inside).
+
+    Ops the runtime runs as a multi-D kernel that saves other tensors than the aten op
+    (`_kernel_saves`) count the kernel's tensors instead of the op's. A parameter saved
+    through a redistribution (a tied weight laid out otherwise for a second user) is a new
+    tensor at run time, and counts; one saved through a slice (`_views`) is the parameter.
+    """
+    sizes = _axis_sizes(solution)
     copies = _copies(solution) if solution is not None else {}
-    out: dict[str, dict] = {}
+    views = _views(traced, solution) if solution is not None else set()
+    replaced, kernels = _kernel_saves(solution, micro_batch) if solution is not None else \
+        (set(), {})
+    out: dict[str, dict] = {layer: dict(keys) for layer, keys in kernels.items()}
     for i, saved in enumerate(saved_activations(traced)):
-        if saved.parameter:
-            continue
         whole = saved.bytes_at(micro_batch)
         if solution is None or saved.internal:
+            if saved.parameter or saved.node in replaced:
+                continue
             layout = _internal_layout(saved, solution, copies) if solution is not None else None
             out.setdefault(saved.layer, {})[("saved", i)] = (
                 math.ceil(whole * _fraction(layout, sizes)), saved.attention_inside)
             continue
         for op, via in saved.savers:
-            need = copies.get((via, op)) if via is not None else None
+            if op in replaced:
+                continue
+            need = copies.get((via, op)) if via is not None and (via, op) not in views \
+                else None
             if need is None:
+                if saved.parameter:
+                    continue  # the weight itself: state, not an activation
                 key = ("saved", i)
                 nbytes = whole * _fraction(solution.layouts.get(saved.node), sizes)
             else:  # the op saves the redistributed copy it received
@@ -401,9 +473,46 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
     return out
 
 
+def _kernel_saves(solution, micro_batch: int) -> tuple[set, dict[str, dict]]:
+    """What the 2D, 2.5D and 3D kernels (`autopar.runtime.multid`) save where it differs
+    from the aten op they replace: (the ops whose own saved tensors do not count, per layer
+    {key: (bytes per device, False)} of the kernels' tensors).
+
+    3D linear: x and W all-gathered over the input and weight groups (q times this rank's
+    blocks), kept for the backward pass, instead of the local x the aten linear saves; the
+    gathered weight is an activation (a new tensor), not a parameter. Norm (LayerNorm,
+    RMSNorm over a split hidden dim): the normalized input x-hat (x's local size, a new
+    tensor) and one statistic per row (rstd), instead of the input and, for LayerNorm,
+    mean and rstd. SUMMA (2D, 2.5D) saves its local x and W as the aten linear does.
+    """
+    sizes = _axis_sizes(solution)
+    replaced: set = set()
+    out: dict[str, dict] = {}
+    for node, strategy in solution.strategies.items():
+        args = strategy.args
+        layer = node.meta["autopar"].layer
+        if strategy.rewrite == "grid_linear" and args.get("mode") == "3d":
+            x, w = (node.args[1], node.args[2]) if args["transposed"] else node.args[:2]
+            inp, wgt, _ = args["grid"]
+            for key, src, axis in (("gathered input", x, inp), ("gathered weight", w, wgt)):
+                nbytes = _node_bytes(src, micro_batch) * \
+                    _fraction(strategy.needs[src].layout, sizes) * sizes[axis]
+                out.setdefault(layer, {})[(key, node)] = (math.ceil(nbytes), False)
+            replaced.add(node)
+        elif strategy.rewrite == "grid_norm":
+            x = node.args[0]
+            local = _node_bytes(x, micro_batch) * _fraction(strategy.needs[x].layout, sizes)
+            width = Fraction(int(x.meta["autopar"].shape[-1]), sizes[args["hidden"]])
+            keys = out.setdefault(layer, {})
+            keys[("normalized", node)] = (math.ceil(local), False)
+            keys[("rstd", node)] = (math.ceil(local / width), False)
+            replaced.add(node)
+    return replaced, out
+
+
 def _layer_reads(traced: TracedGraph, solution, micro_batch: int) -> dict[str, dict]:
     """Per layer: the activations it reads from outside itself, which full recompute keeps."""
-    sizes = {solution.axis: solution.size} if solution is not None else {}
+    sizes = _axis_sizes(solution)
     analysis = _analysis(traced)
     params = {s.node for s in analysis.saved if s.parameter}
     saved_as = {}  # a producer -> its storage's key among the saved tensors
@@ -499,7 +608,7 @@ def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", ze
     if dp < 1:
         raise PlanError(f"dp={dp}: the data-parallel size must be at least 1.")
     opt = OPTIMIZERS[optimizer]()
-    sizes = {solution.axis: solution.size} if solution is not None else {}
+    sizes = _axis_sizes(solution)
     params = grads = states = buffers = Fraction(0)
     seen: set[tuple[str, ...]] = set()
     for target, pinfo in traced.params.items():
