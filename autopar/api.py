@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar.errors import PlanError, WorldError
 from autopar.plan import Plan
-from autopar.runtime.engine import Engine, check_grid_dims
+from autopar.runtime.engine import Engine, check_grid_dims, check_sequence_dims
 from autopar.runtime.mesh import axis_groups, tensor_groups
 from autopar.world import World
 
@@ -35,6 +35,9 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         if chosen.tensor_mesh().mode != "1d":  # dims the grid splits, checked on the graph
             traced = Engine.trace_for(model, tuple(example_inputs))
             check_grid_dims(traced, chosen, chosen.tensor_mesh())
+        if chosen.sequence_parallel_layers():  # the sequence must split over tp
+            traced = traced or Engine.trace_for(model, tuple(example_inputs))
+            check_sequence_dims(traced, chosen)
     _init_process_group(size)
     _check_process_group(size)
     if chosen is None:
@@ -51,6 +54,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
 
 def _check_executable(chosen: Plan) -> None:
     chosen.check_grid()
+    chosen.check_sequence_parallel()
     missing = chosen.unsupported()
     if missing:
         raise PlanError(f"this plan uses {', '.join(missing)}, which the runtime cannot execute "

@@ -115,6 +115,34 @@ class Plan:
             if error:
                 raise PlanError(error)
 
+    def sequence_parallel_layers(self) -> bool | frozenset:
+        """Where Megatron sequence parallelism runs: True for every 1d layer (the plan's
+        flag), else the layers whose plan says sp="megatron" (empty: nowhere)."""
+        if self.sequence_parallel:
+            return True
+        return frozenset(lp.name for lp in self.layers if lp.sp == "megatron")
+
+    def check_sequence_parallel(self) -> None:
+        """Refuse Megatron sequence parallelism where it cannot run: it splits the sequence
+        over the 1d tensor axis, so it needs tensor size > 1 and 1d layers."""
+        layers = [lp for lp in self.layers if lp.sp == "megatron"]
+        if not self.sequence_parallel and not layers:
+            return
+        if self.mesh["tp"] == 1:
+            raise PlanError("sequence_parallel splits the sequence over the tensor axis, which "
+                            "has size 1 in this plan; use a tensor size of 2 or more, such as "
+                            "tensor=dict(size=4, mode='1d', sequence_parallel=True), or drop "
+                            "sequence_parallel.")
+        if self.sequence_parallel and self.tp_mode != "1d":
+            raise PlanError(f"sequence_parallel runs with 1d tensor parallelism, not "
+                            f"{self.tp_mode} (whose activations are already split on batch "
+                            "and hidden); use mode='1d', or drop sequence_parallel.")
+        bad = [lp.name for lp in layers if lp.tp_mode != "1d"]
+        if bad:
+            raise PlanError(f"layers {', '.join(bad)} ask for sp='megatron' but are not 1d "
+                            "tensor-parallel; Megatron sequence parallelism runs in 1d layers "
+                            "only: make them 1d or set sp='none'.")
+
     def tensor_mesh(self) -> TensorMesh:
         """The tensor axes this plan runs on (see `autopar.sharding.axes`)."""
         return TensorMesh.for_mode(self.grid_mode(), self.mesh["tp"], self.tp_depth)
@@ -126,8 +154,6 @@ class Plan:
             out.append("pipeline parallelism (pp > 1)")
         if self.mesh["cp"] > 1 or self.sequence_mode:
             out.append("sequence parallelism over a cp axis")
-        if self.sequence_parallel:
-            out.append("Megatron sequence parallelism")
         if self.zero.stage or self.zero.offload:
             out.append(f"ZeRO stage {self.zero.stage}" + (" with offload" if self.zero.offload else ""))
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):

@@ -1,7 +1,8 @@
 """Passes that apply a sharding solution to a graph; each returns a new GraphModule.
 
     localize_ops        ops to their sharded form: local sizes in views, row-split linears
-                        followed by their all-reduce, vocabulary-parallel embedding and
+                        followed by their all-reduce (under sequence parallelism left as
+                        partial sums, the bias added on one rank), vocabulary-parallel embedding and
                         cross-entropy, dropout on the right random stream; in 2D, 2.5D and
                         3D layers, linears, norms and the cross-entropy as calls of the
                         autopar.runtime.multid kernels (GridLinear, GridNorm,
@@ -24,8 +25,8 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.collectives import Redistribute
-from autopar.runtime.kernels import GridCrossEntropy, GridLinear, GridNorm, StreamCall, \
-    StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
+from autopar.runtime.kernels import GridCrossEntropy, GridLinear, GridNorm, PartialBias, \
+    StreamCall, StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution
@@ -84,10 +85,13 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
         if strategy.rewrite == "local_sizes":
             _local_sizes(gm, node, out_layout, solution.layouts.get(old.args[0]), sizes)
         elif strategy.rewrite == "row_linear":
-            _row_linear(gm, node, axis)
+            mapping[old] = _row_linear(gm, node, axis)
+        elif strategy.rewrite == "partial_linear":  # later passes read (and feed) the result
+            mapping[old] = _row_linear(gm, node, axis, reduce=False)
         elif strategy.rewrite == "vocab_parallel_embedding":
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            _replace_with_module(gm, node, "vocab_embedding", VocabParallelEmbedding(axis, padding),
+            _replace_with_module(gm, node, "vocab_embedding",
+                                 VocabParallelEmbedding(axis, padding, args.get("reduce", True)),
                                  (node.args[0], node.args[1]))
         elif strategy.rewrite == "vocab_parallel_cross_entropy":
             args = list(node.args) + [None] * (6 - len(node.args))
@@ -217,8 +221,11 @@ def _local_sizes(gm: fx.GraphModule, node: fx.Node, layout, in_layout,
     node.args = (node.args[0], new) + tuple(node.args[2:])
 
 
-def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str) -> None:
-    """linear(x, W, b) -> all_reduce(linear(x, W_local)) + b, so the bias is added once."""
+def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str, reduce: bool = True) -> fx.Node:
+    """linear(x, W, b) -> all_reduce(linear(x, W_local)) + b, so the bias is added once.
+
+    `reduce=False` (sequence parallelism): the partial sum linear(x, W_local) + b with the
+    bias added on rank 0 only; the solver's transition reduce-scatters it where consumed."""
     graph = gm.graph
     if node.target is aten.addmm.default:
         bias, x, w = node.args[0], node.args[1], node.args[2]
@@ -230,15 +237,23 @@ def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str) -> None:
     with graph.inserting_before(node):
         product = graph.call_function(product_target, product_args)
         product.meta = dict(node.meta)
-        name = _add_module(gm, f"tp_all_reduce_{node.name}", Redistribute("reduce", axis))
-        reduced = graph.call_module(name, (product,))
-        reduced.meta = dict(node.meta)
+        if reduce:
+            name = _add_module(gm, f"tp_all_reduce_{node.name}", Redistribute("reduce", axis))
+            reduced = graph.call_module(name, (product,))
+            reduced.meta = dict(node.meta)
+        else:
+            reduced = product
         result = reduced
-        if bias is not None:
+        if bias is not None and reduce:
             result = graph.call_function(aten.add.Tensor, (reduced, bias))
+            result.meta = dict(node.meta)
+        elif bias is not None:
+            name = _add_module(gm, f"{axis}_partial_bias_{node.name}", PartialBias(axis))
+            result = graph.call_module(name, (reduced, bias))
             result.meta = dict(node.meta)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
+    return result
 
 
 def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:

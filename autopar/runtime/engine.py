@@ -51,6 +51,7 @@ class Engine(nn.Module):
         self.forward_graph = forward_graph if forward_graph is not None else \
             trace(model, _blank(example_inputs, self._device), train=False)
         check_grid_dims(self.forward_graph, plan, self.mesh)
+        check_sequence_dims(self.forward_graph, plan)
         self.forward_solution = self._solve(self.forward_graph, fixed=None)
         check_divisible(self.forward_graph, self.forward_solution)
         self._local: dict[int, torch.Tensor] = {}  # id(full tensor) -> this rank's slice
@@ -76,7 +77,8 @@ class Engine(nn.Module):
     def _solve(self, traced, fixed) -> Solution:
         mesh = self.mesh if self.mesh.mode in MULTI_D else None
         return solve(traced, axis="tp", size=self._tp.size, modes=self.plan.layer_modes(),
-                     default_mode=self.plan.tp_mode, fixed_params=fixed, mesh=mesh)
+                     default_mode=self.plan.tp_mode, fixed_params=fixed, mesh=mesh,
+                     sequence_parallel=self.plan.sequence_parallel_layers())
 
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
@@ -275,6 +277,26 @@ def check_divisible(traced, solution: Solution) -> None:
             width = int(info.shape[-1])
             raise PlanError(f"{info.module} has {width} output features, which do not split "
                             f"over tensor size {size}; use a tensor size that divides {width}.")
+
+
+def check_sequence_dims(traced, plan: Plan) -> None:
+    """Megatron sequence parallelism splits each sample's tokens over tp: refuse a sequence
+    length that does not divide, naming the lengths that would."""
+    from autopar.sharding.solve import tokens_per_sample
+
+    tp = plan.mesh["tp"]
+    if not plan.sequence_parallel_layers() or tp == 1:
+        return
+    seq = tokens_per_sample(traced)
+    if seq is None:
+        raise PlanError("sequence_parallel needs token sequences, but the model's first input "
+                        "is not [batch, tokens, ...]; drop sequence_parallel for this model.")
+    if seq % tp:
+        lo = seq - seq % tp
+        ok = " or ".join(str(n) for n in (lo, lo + tp) if n > 0)
+        raise PlanError(f"sequence_parallel splits each sample's {seq} tokens over tensor size "
+                        f"{tp}, and {seq} does not divide by {tp}: use a sequence length of "
+                        f"{ok}, or a tensor size that divides {seq}.")
 
 
 _WHAT = {"out": "output features", "in": "input features", "hidden": "hidden size",

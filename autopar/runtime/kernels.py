@@ -20,9 +20,10 @@ from autopar.runtime.collectives import FUNCTIONS, AxisGroup, Bound
 class VocabParallelEmbedding(Bound):
     """Lookup in this rank's rows of the table; rows owned elsewhere give zeros; then all-reduce."""
 
-    def __init__(self, axis: str, padding_idx: int = -1):
+    def __init__(self, axis: str, padding_idx: int = -1, reduce: bool = True):
         super().__init__(axis)
         self.padding_idx = padding_idx
+        self.reduce = reduce  # False: the output stays a partial sum (sequence parallelism)
 
     def forward(self, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         g = self._g()
@@ -33,7 +34,18 @@ class VocabParallelEmbedding(Bound):
         pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
         out = F.embedding(local, weight, padding_idx=pad if pad >= 0 else None)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if not self.reduce:
+            return out
         return FUNCTIONS["reduce"].apply(out, g, None, 1)
+
+
+class PartialBias(Bound):
+    """y + b on rank 0 of the axis only: the bias of a row-split linear whose output stays a
+    partial sum (sequence parallelism), so the sum over the axis adds it once. The bias's
+    gradient (nonzero on rank 0 only) is then summed over the axis by the solver."""
+
+    def forward(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return y + bias if self._g().rank == 0 else y + bias * 0.0
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -53,6 +53,30 @@ class RuleContext:
     new_hints: dict  # filled by rules that need a producer to choose differently
     mesh: TensorMesh | None = None  # every tensor axis and its size (None: `axis` only)
     requires_grad: dict = field(default_factory=dict)  # node -> whether autograd tracks it
+    # Megatron sequence parallelism (1D layers only): `sp` when this op's layer runs it,
+    # `seq` the tokens per sample (the size of the sequence dim), `grad_summed` the values
+    # whose gradient a gather_sum_grads before them already sums (a view feeding column
+    # linears), `sp_failures` layer -> why an op there could not be sequence-split.
+    sp: bool = False
+    seq: int | None = None
+    grad_summed: set = field(default_factory=set)
+    sp_failures: dict = field(default_factory=dict)
+
+    def seq_dim(self, node: fx.Node | None = None) -> int | None:
+        """The sequence dim of a [batch, ..., sequence, ..., hidden] value (of this op's output
+        by default): the first dim after the batch and before the last of size `seq`."""
+        if self.seq is None:
+            return None
+        shape = self.shape(node) if node is not None else self.info.shape
+        if shape is None or len(shape) < 3 or not _batch_like(shape[0]):
+            return None
+        for d in range(1, len(shape) - 1):
+            if sympy.sympify(shape[d]) == self.seq:
+                return d
+        return None
+
+    def sp_fail(self, why: str) -> None:
+        self.sp_failures.setdefault(self.info.layer, f"{self.node.name} {why}")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -217,6 +241,11 @@ def linear(ctx: RuleContext) -> Strategy:
     if x_shard is not None and x_shard.dim == last and not x_layout.partial \
             and divisible(w_shape[in_dim], ctx.size * x_shard.groups):
         needs = {x: Need(x_layout), w: Need(_rep(w).with_shard(in_dim, ctx.axis, x_shard.groups))}
+        if ctx.sp:  # sequence parallel: a partial sum, reduce-scattered where it is consumed
+            if bias is not None:  # added once (on rank 0); its gradient summed over the axis
+                needs[bias] = Need(_rep(bias), sum_grads=bool(ctx.requires_grad.get(bias)))
+            out = Layout.replicated(len(ctx.info.shape)).with_partial(ctx.axis)
+            return Strategy("row", needs, out, rewrite="partial_linear")
         if bias is not None:
             needs[bias] = Need(_rep(bias))
         out = Layout.replicated(len(ctx.info.shape))
@@ -227,12 +256,15 @@ def linear(ctx: RuleContext) -> Strategy:
             fixed_w.shard_on(ctx.axis).dim == out_dim:
         groups = fixed_w.shard_on(ctx.axis).groups
     if divisible(w_shape[out_dim], ctx.size * groups):
-        needs = {x: Need(_rep(x), sum_grads=True),
+        # a view before this linear that gathered a sequence split already sums the gradient
+        needs = {x: Need(_rep(x), sum_grads=x not in ctx.grad_summed),
                  w: Need(_rep(w).with_shard(out_dim, ctx.axis, groups))}
         if bias is not None:
             needs[bias] = Need(_rep(bias).with_shard(0, ctx.axis, groups))
         out = Layout.replicated(len(ctx.info.shape)).with_shard(-1, ctx.axis, groups)
         return Strategy("column", needs, out)
+    if x in ctx.grad_summed:  # the gradient is whole here: gather without summing it
+        ctx.new_hints[x.name] = ("gather",)
     return replicate(ctx, note=f"output features {w_shape[out_dim]} do not split over "
                                f"{ctx.size} ranks")
 
@@ -248,6 +280,10 @@ def embedding(ctx: RuleContext) -> Strategy:
     if ctx.mode != "1d" or not usable:
         return replicate(ctx)
     needs = {w: Need(split_rows), idx: Need(_rep(idx))}
+    if ctx.sp:  # the sum stays partial: its consumer reduce-scatters it into the sequence split
+        return Strategy("vocab_parallel", needs,
+                        Layout.replicated(len(ctx.info.shape)).with_partial(ctx.axis),
+                        rewrite="vocab_parallel_embedding", args={"reduce": False})
     return Strategy("vocab_parallel", needs, Layout.replicated(len(ctx.info.shape)),
                     comm=[ctx.comm("all_reduce", ctx.node)], rewrite="vocab_parallel_embedding")
 
@@ -260,9 +296,35 @@ def norm(ctx: RuleContext) -> Strategy:
     k = len(ctx.node.args[1])
     layout = ctx.layout(x)
     ndim = len(ctx.shape(x))
+    if layout.partial and ctx.sp:
+        layout = _sequence_split(ctx, x)
+        if layout is None:
+            return replicate(ctx)
     if layout.partial or any(s.dim >= ndim - k for s in layout.shards):
         return replicate(ctx)
-    return follow(ctx, x, layout)
+    strategy = follow(ctx, x, layout)
+    strategy.needs[x] = Need(layout)
+    if layout.shards:  # rows split: each rank's weight and bias gradients are partial sums
+        axes = tuple(s.axis for s in layout.shards)
+        for p, need in strategy.needs.items():
+            if p is not x and ctx.requires_grad.get(p):
+                strategy.needs[p] = Need(need.layout, axes)
+    return strategy
+
+
+def _sequence_split(ctx: RuleContext, x: fx.Node) -> Layout | None:
+    """x split on its sequence dim over the rule's axis (sequence parallelism), or None (and
+    the reason recorded) when x has no sequence dim or it does not divide."""
+    d = ctx.seq_dim(x)
+    if d is None:
+        ctx.sp_fail(f"reads a partial sum of shape {tuple(ctx.shape(x))} with no sequence dim "
+                    f"of {ctx.seq} tokens")
+        return None
+    if not divisible(ctx.shape(x)[d], ctx.size):
+        ctx.sp_fail(f"has a sequence of {ctx.shape(x)[d]} tokens, which does not split over "
+                    f"{ctx.size} ranks")
+        return None
+    return Layout.replicated(len(ctx.shape(x))).with_shard(d, ctx.axis)
 
 
 # -------------------------------------------------------------------------- attention
@@ -378,9 +440,13 @@ def dropout(ctx: RuleContext) -> Strategy:
     """Same random stream where the tensor is whole on the axis, a rank's own where split."""
     x = ctx.node.args[0]
     layout = ctx.layout(x)
+    if layout.partial and ctx.sp:
+        layout = _sequence_split(ctx, x) or layout
     if layout.partial:
         return replicate(ctx)
-    return follow(ctx, x, layout, rewrite="stream_dropout")
+    strategy = follow(ctx, x, layout, rewrite="stream_dropout")
+    strategy.needs[x] = Need(layout)
+    return strategy
 
 
 def reduction(ctx: RuleContext) -> Strategy:
@@ -416,6 +482,10 @@ def reduction(ctx: RuleContext) -> Strategy:
 
 # -------------------------------------------------------------------------- elementwise
 
+# one-input ops linear in their input: a partial sum stays one
+_LINEAR_UNARY = (aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.clone.default,
+                 aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default)
+
 def elementwise(ctx: RuleContext) -> Strategy:
     """Broadcasting ops: inputs follow the first split input, partial sums only add up."""
     node = ctx.node
@@ -428,14 +498,20 @@ def elementwise(ctx: RuleContext) -> Strategy:
     if inputs and all(lay.partial for lay in layouts) and linear_in_partials \
             and len(set(layouts)) == 1:
         return Strategy("partial", {n: Need(lay) for n, lay in zip(inputs, layouts)}, layouts[0])
-    if len(inputs) == 1 and layouts[0].partial and node.target in (
-            aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.clone.default,
-            aten.to.dtype, aten._to_copy.default, aten.alias.default):
-        return follow(ctx, inputs[0], layouts[0])
     target_shard = None
+    keeps_partial = len(inputs) == 1 and layouts[0].partial and node.target in _LINEAR_UNARY
+    if ctx.sp and any(lay.partial for lay in layouts):
+        d = ctx.seq_dim()
+        if d is not None and divisible(ctx.info.shape[d], ctx.size):
+            target_shard = Shard(d, ctx.axis)  # sequence parallel: partial sums reduce-scattered
+        elif not keeps_partial:
+            ctx.sp_fail(f"reads a partial sum but its output {tuple(ctx.info.shape)} has no "
+                        f"sequence dim of {ctx.seq} tokens that splits over {ctx.size} ranks")
+    if target_shard is None and keeps_partial:
+        return follow(ctx, inputs[0], layouts[0])
     for n, lay in zip(inputs, layouts):
         shard = lay.shard_on(ctx.axis)
-        if shard is not None and not lay.partial:
+        if target_shard is None and shard is not None and not lay.partial:
             target_shard = Shard(shard.dim + out_nd - len(ctx.shape(n)), ctx.axis, shard.groups)
             break
     out = Layout.replicated(out_nd)
@@ -459,6 +535,9 @@ _IDENTITY_VIEWS = {aten.contiguous.default, aten.clone.default, aten.alias.defau
                    aten.detach.default, aten.lift_fresh_copy.default}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.flatten.using_ints, aten.unflatten.int}
+_SHAPE_ONLY = _IDENTITY_VIEWS | _RESHAPES | {aten.transpose.int, aten.permute.default,
+                                             aten.t.default, aten.unsqueeze.default,
+                                             aten.squeeze.dim, aten.squeeze.dims}
 
 
 def view(ctx: RuleContext) -> Strategy:
@@ -472,6 +551,9 @@ def view(ctx: RuleContext) -> Strategy:
         return replicate(ctx)
     x = node.args[0]
     layout = ctx.layout(x)
+    if ctx.sp and isinstance(layout, Layout) and layout.partial and not layout.shards and \
+            target in _SHAPE_ONLY:  # a view of a partial sum is a partial sum
+        return follow(ctx, x, Layout(len(ctx.info.shape), (), layout.partial))
     if layout is None or layout.partial:
         return replicate(ctx)
     shard = layout.shard_on(ctx.axis)
@@ -488,6 +570,13 @@ def view(ctx: RuleContext) -> Strategy:
                 new.dim, ctx.axis, new.groups), rewrite="local_sizes")
         if groups_needed and ctx.ask_producer(x, ("groups", groups_needed)):
             return replicate(ctx)
+        if ctx.sp and shard.dim == ctx.seq_dim(x) and ctx.hint() != ("gather",) and \
+                node.users and all(u.meta["autopar"].kind is OpKind.LINEAR for u in node.users):
+            # [B, S, H] split on S flattened to tokens for linears (Conv1D): gathered here with
+            # the gradient reduce-scattered, so the column linears after it sum nothing more
+            ctx.grad_summed.add(node)
+            return Strategy("gather", {x: Need(_rep(x), sum_grads=True)},
+                            Layout.replicated(len(out_shape)))
         ctx.ask_producer(x, ("replicate",))
         return replicate(ctx)
     if target in (aten.transpose.int, aten.permute.default, aten.t.default):

@@ -87,6 +87,8 @@ def steps_between(src: Layout, need: Need, axis: str = "tp", mesh: TensorMesh | 
             summed.add(shard.axis)
         steps += _expand(kind, shard, parts(), mesh)
     for a in src.partial:
+        if a in dst.partial:  # the consumer takes the partial sum as it is
+            continue
         target = dst.shard_on(a)
         free = target is not None and all(s.dim != target.dim for s in current.values())
         if free and a not in grad_axes and _one_step(a, target.groups, mesh):

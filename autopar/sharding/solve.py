@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -54,6 +55,9 @@ class Solution:
     modes: dict[str, str]  # layer -> mode used
     hints: dict = field(default_factory=dict)
     mesh: TensorMesh | None = None  # every tensor axis (1D: `axis` alone, of `size` ranks)
+    sp_layers: frozenset = frozenset()  # layers run with Megatron sequence parallelism
+    seq: int | None = None  # tokens per sample, the size of the sequence dim they split
+    sp_failures: dict = field(default_factory=dict)  # layer -> why it is not sequence-split
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -79,35 +83,78 @@ class Solution:
 def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
           modes: dict[str, str] | None = None, default_mode: str = "1d",
           fixed_params: dict[str, Layout] | None = None,
-          mesh: TensorMesh | None = None) -> Solution:
+          mesh: TensorMesh | None = None,
+          sequence_parallel: bool | set | frozenset = False) -> Solution:
     """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
 
     `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
     tensor group, which 1D layers of the same plan use); None for 1D only.
+    `sequence_parallel`: Megatron sequence parallelism (Korthikanti et al. 2022) in every 1D
+    layer (True) or in the 1D layers named: between tensor-parallel regions activations
+    are split on the sequence dim over `axis`; a row-split linear (and the vocabulary-
+    parallel embedding) leaves a partial sum that its consumer reduce-scatters, a
+    column-split linear all-gathers its input (the gradient reduce-scattered). Raises
+    PlanError naming the layers that cannot be sequence-split.
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
     layer_modes = {layer.name: modes.get(layer.name, default_mode) for layer in traced.layers}
+    sp_layers = _sp_layers(sequence_parallel, layer_modes, size)
+    seq = tokens_per_sample(traced) if sp_layers else None
+    if sp_layers and seq is None:
+        raise PlanError("Megatron sequence parallelism needs token sequences, but the model's "
+                        "first input has no sequence dim (it should be [batch, tokens, ...]); "
+                        "drop sequence_parallel for this model.")
     hints: dict = {}
     for _ in range(_MAX_PASSES):
         new_hints: dict = {}
         solution = _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params or {},
-                         mesh)
+                         mesh, sp_layers, seq)
         if not new_hints:
-            solution.hints = hints
-            return solution
+            break
         hints.update(new_hints)
     solution.hints = hints
+    if solution.sp_failures:
+        why = "; ".join(f"{layer}: {reason}" for layer, reason in
+                        sorted(solution.sp_failures.items()))
+        raise PlanError(f"Megatron sequence parallelism cannot split these layers on the "
+                        f"sequence ({why}); turn sequence_parallel off for them (per layer, "
+                        "sp='none') or for the plan.")
     return solution
 
 
-def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh) -> Solution:
+def _sp_layers(sequence_parallel, layer_modes: dict[str, str], size: int) -> frozenset:
+    if size == 1 or not sequence_parallel:
+        return frozenset()
+    if sequence_parallel is True:
+        return frozenset(n for n, m in layer_modes.items() if m == "1d")
+    return frozenset(n for n in sequence_parallel if layer_modes.get(n, "1d") == "1d")
+
+
+def tokens_per_sample(traced: TracedGraph) -> int | None:
+    """The sequence length: dim 1 of the model's first input when it is [batch, tokens, ...]
+    (token ids [B, S] or embeddings [B, S, H]); None when there is no such input."""
+    for node in traced.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        shape = node.meta["autopar"].shape
+        if shape is None or len(shape) < 2 or len(shape) > 3 or not _batch_like(shape[0]):
+            return None
+        size = sympy.sympify(shape[1])
+        return int(size) if size.is_number else None
+    return None
+
+
+def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
+          sp_layers=frozenset(), seq=None) -> Solution:
     layouts: dict[fx.Node, object] = {}
     strategies: dict[fx.Node, Strategy] = {}
     transitions: list[Transition] = []
     shared: dict[tuple, Transition] = {}
     params: dict[str, Layout] = dict(fixed_params)
     requires_grad: dict[fx.Node, bool] = {}
+    grad_summed: set = set()
+    sp_failures: dict = {}
     for node in traced.graph.nodes:
         info = node.meta["autopar"]
         if node.op == "placeholder":
@@ -130,7 +177,9 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh)
             continue
         else:
             ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, "1d"), layouts, hints,
-                              new_hints, mesh=mesh, requires_grad=requires_grad)
+                              new_hints, mesh=mesh, requires_grad=requires_grad,
+                              sp=info.layer in sp_layers, seq=seq, grad_summed=grad_summed,
+                              sp_failures=sp_failures)
             strategy = decide(ctx)
         for producer, need in strategy.needs.items():
             if producer.op == "get_attr" and producer not in layouts:
@@ -153,7 +202,8 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh)
         if node.op == "get_attr" and node.target not in params and node.target in traced.params:
             params[node.target] = Layout.replicated(len(traced.params[node.target].shape))
     return Solution(axis, size, layouts, strategies, transitions, params, requires_grad,
-                    dict(layer_modes), mesh=mesh)
+                    dict(layer_modes), mesh=mesh, sp_layers=sp_layers, seq=seq,
+                    sp_failures=sp_failures)
 
 
 def _place_param(node: fx.Node, wanted: Layout, sizes: dict[str, int]) -> Layout:
