@@ -25,7 +25,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # What the runtime executes today; parallelize searches only these.
 EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("dp", "tp"),
-              "recompute": ("none",), "zero": (0,), "sp": (), "schedules": (),
+              "recompute": ("none",), "zero": (0,), "sp": ("megatron",), "schedules": (),
               "offload": False}
 
 
@@ -104,14 +104,34 @@ def _grids(world: int) -> list:
     return out
 
 
+def _sequence_parallel_length(chain: LayerChain, world: int) -> int | None:
+    """The sequence length Megatron-SP would split, when the runtime can run it on this
+    model (token sequences, every layer's partial sums splittable); else None."""
+    from autopar.sharding.solve import solve, tokens_per_sample
+
+    if chain.traced is None:
+        return None
+    seq = tokens_per_sample(chain.traced)
+    sizes = [t for t in divisors(world) if t > 1 and seq and seq % t == 0]
+    if not sizes:
+        return None
+    try:
+        solve(chain.traced, axis="tp", size=sizes[0], sequence_parallel=True)
+    except PlanError:
+        return None
+    return seq
+
+
 def _executable_search(chain, world, options, constraints, progress) -> SearchResult:
     """The runtime runs one grid per plan (1D layers may join it): search 1D alone and 1D
     with each grid the world can form, and keep the fastest; the union of these spaces is
     exactly what `parallelize` can execute."""
     start = time.perf_counter()
     results, first, errors = [], None, []
+    sp_seq = _sequence_parallel_length(chain, world.devices)
     for grid in [None] + _grids(world.devices):
-        opt = dataclasses.replace(options, executable={**options.executable, "grid": grid})
+        opt = dataclasses.replace(options, executable={**options.executable, "grid": grid,
+                                                       "sp_seq": sp_seq})
         search = Search(chain, world, opt, constraints)
         first = first or search
         try:
@@ -232,7 +252,10 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
     sequence_mode = best.cp_mode if mesh["cp"] > 1 else None
     plan = Plan(mesh=dict(mesh), tp_mode=main.mode.name, tp_depth=main.mode.d if
                 main.mode.name == "2.5d" else 1,
-                sequence_parallel=main.sp == "megatron", sequence_mode=sequence_mode,
+                sequence_parallel=all(s.sp == "megatron" for s in best.states
+                                      if s.mode.name == "1d" and s.mode.size > 1)
+                and main.sp == "megatron",
+                sequence_mode=sequence_mode,
                 layers=layers,
                 pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else "1f1b",
                                       microbatches=best.microbatches, chunks=best.chunks,

@@ -103,6 +103,30 @@ def test_world4_sequence_parallel_equals_single_device(pool4, model, tp):
         outside
 
 
+
+def _searched_sp(name: str, world: int) -> dict:
+    """The executable search's plan with 1D + Megatron-SP fixed, then compare."""
+    from autopar import planner
+    from autopar.world import World
+
+    model, inputs, target, loss_fn = build(name, 8)
+    plan = planner.plan(model, inputs, World(world, per_node=world), loss_fn=loss_fn,
+                        example_target=target, executable=True,
+                        constraints={"tp": world, "tp_mode": "1d", "sp": "megatron"})
+    result = compare(name, plan)
+    result["sp"] = sorted({lp.sp for lp in plan.layers})
+    return result
+
+
+def test_searched_sequence_parallel_plan_runs_and_equals_single_device(pool4):
+    results = pool4.run(_searched_sp, "gpt-tiny", 4)
+    assert "megatron" in results[0]["sp"]
+    for r in results:
+        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"]
+    assert ("reduce_scatter", "tp") in results[0]["measured"]
+
+
 def _bad(plan, model="gpt-tiny", world=4):
     m, inputs, _, _ = build(model, 2)
     with pytest.raises(PlanError) as err:

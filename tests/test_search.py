@@ -293,15 +293,15 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
     for cand in [res.best] + [c for c, _ in res.alternatives]:
         assert cand.mesh["pp"] == 1 and cand.mesh["cp"] == 1
         assert cand.zero == 0 and not cand.offload
-        assert all(s.sp == "none" and s.recompute == "none" for s in cand.states)
+        assert all(s.recompute == "none" for s in cand.states)
         # the runtime runs one grid per plan, which 1D layers may join
         grids = {(s.mode.name, s.mode.q, s.mode.d) for s in cand.states if s.mode.name != "1d"}
         assert len(grids) <= 1, grids
     said = " | ".join(res.left_out)
-    for words in ("pipeline", "cp axis", "Megatron sequence",
-                  "selective/full recomputation", "ZeRO stage 1/2/3", "offload"):
+    for words in ("pipeline", "cp axis", "selective/full recomputation", "ZeRO stage 1/2/3",
+                  "offload"):
         assert words in said, (words, said)
-    assert "tensor parallelism" not in said
+    assert "tensor parallelism" not in said and "Megatron" not in said
     # every grid of the world was searched: forced to 3D blocks, the search still answers
     forced = planner.search(small, world, global_batch=16, executable=True,
                             constraints={"tp": 8, "tp_mode": "3d"})
@@ -392,3 +392,18 @@ def test_wide_tensor_groups_pick_a_grid_for_the_blocks(gpt3):
         one_d = planner.search(chain, world, global_batch=1536,
                                constraints={"tp": tp, "tp_mode": "1d"})
         assert res.best.step_time < one_d.best.step_time
+
+
+def test_executable_search_offers_megatron_sp_only_where_the_runtime_splits_sequences(small):
+    world = World(4, per_node=4)
+    fixed = {"tp": 4, "tp_mode": "1d", "sp": "megatron"}
+    res = planner.search(small, world, global_batch=16, executable=True, constraints=fixed)
+    assert {s.sp for s, lt in zip(res.best.states, small.layers()) if lt.is_block} == \
+        {"megatron"}
+    # an image model has no token sequence to split: the executable search never uses SP
+    w = workload("vit-tiny", max_layers=None)
+    vit = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                          tp_sizes=[1, 2, 4])
+    res = planner.search(vit, world, global_batch=8, executable=True,
+                         constraints={"tp": 4, "tp_mode": "1d"})
+    assert {s.sp for s in res.best.states} == {"none"}

@@ -204,8 +204,10 @@ class Search:
         if mode.name != "1d" or mode.size == 1:
             return ["none"]
         allowed = ["none", "megatron"]
-        if self.opt.executable is not None and "megatron" not in self.opt.executable.get("sp", ()):
-            allowed = ["none"]
+        ex = self.opt.executable
+        if ex is not None and ("megatron" not in ex.get("sp", ()) or (
+                "sp_seq" in ex and not (ex["sp_seq"] and ex["sp_seq"] % mode.size == 0))):
+            allowed = ["none"]  # the runtime splits the sequence into tp equal pieces
         if self.c.sp in ("none", "megatron"):
             allowed = [self.c.sp] if self.c.sp in allowed or self.opt.executable is None else []
         return allowed
