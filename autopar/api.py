@@ -10,7 +10,8 @@ from torch import nn
 
 from autopar.errors import PlanError, WorldError
 from autopar.plan import Plan
-from autopar.runtime.engine import Engine, check_grid_dims, check_sequence_dims
+from autopar.runtime.engine import Engine, check_context_dims, check_grid_dims, \
+    check_sequence_dims
 from autopar.runtime.mesh import axis_groups, tensor_groups
 from autopar.world import World
 
@@ -35,6 +36,9 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         if chosen.tensor_mesh().mode != "1d":  # dims the grid splits, checked on the graph
             traced = Engine.trace_for(model, tuple(example_inputs))
             check_grid_dims(traced, chosen, chosen.tensor_mesh())
+        if chosen.mesh["cp"] > 1:  # the sequence must split over cp
+            traced = traced or Engine.trace_for(model, tuple(example_inputs))
+            check_context_dims(traced, chosen)
         if chosen.sequence_parallel_layers():  # the sequence must split over tp
             traced = traced or Engine.trace_for(model, tuple(example_inputs))
             check_sequence_dims(traced, chosen)
@@ -45,7 +49,10 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         _check_executable(chosen)
     tensor = chosen.tensor_mesh()
     if tensor.mode == "1d":
-        groups = axis_groups({"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]})
+        axes = {"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]}
+        if chosen.mesh["cp"] > 1:  # one DeviceMesh ("dp", "cp", "tp")
+            axes = {"dp": chosen.mesh["dp"], "cp": chosen.mesh["cp"], "tp": chosen.mesh["tp"]}
+        groups = axis_groups(axes)
     else:
         groups = tensor_groups(chosen.mesh["dp"], tensor)
     return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,

@@ -152,8 +152,8 @@ class Plan:
         out = []
         if self.mesh["pp"] > 1:
             out.append("pipeline parallelism (pp > 1)")
-        if self.mesh["cp"] > 1 or self.sequence_mode:
-            out.append("sequence parallelism over a cp axis")
+        if self.mesh["cp"] > 1 and self.mesh["tp"] > 1:  # cp runs with dp only, for now
+            out.append("sequence parallelism over a cp axis together with tensor parallelism")
         if self.zero.stage or self.zero.offload:
             out.append(f"ZeRO stage {self.zero.stage}" + (" with offload" if self.zero.offload else ""))
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.collectives import Redistribute
+from autopar.runtime.sequence import SequenceAttention
 from autopar.runtime.kernels import GridCrossEntropy, GridLinear, GridNorm, PartialBias, \
     StreamCall, StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
 from autopar.sharding.axes import TensorMesh
@@ -123,6 +124,18 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
                                  (node.args[0], node.args[1]))
         elif strategy.rewrite == "partial_mean":  # later passes read the scaled value
             mapping[old] = _scale_after(gm, node, operator.truediv, _parts_on(solution, old, sizes))
+        if strategy.args.get("sequence"):  # attention on a sequence split over cp
+            seq = strategy.args["sequence"]
+            _replace_with_module(gm, node, "sequence_attention",
+                                 SequenceAttention("cp", seq["mode"], seq["is_causal"],
+                                                   seq["scale"], seq["enable_gqa"],
+                                                   layout="contiguous"),
+                                 tuple(node.args[:3]))
+            for user in list(node.users):  # tuple-output variants: output [0] is the kernel's
+                if user.target is operator.getitem and user.args[1] == 0:
+                    user.replace_all_uses_with(node)
+                    gm.graph.erase_node(user)
+            continue
         if node.target is aten.dropout.default:
             stream = _stream(out_layout, axis)
             _replace_with_module(gm, node, "dropout", StreamDropout(node.args[1], node.args[2], stream),

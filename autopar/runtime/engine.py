@@ -24,7 +24,7 @@ from autopar.plan import Plan
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
 from autopar.passes.tensor_parallel import shard_steps
 from autopar.runtime.kernels import RandomStreams, bind_streams
-from autopar.sharding.axes import MULTI_D
+from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution, solve
 
@@ -42,7 +42,10 @@ class Engine(nn.Module):
         self.loss_fn = loss_fn
         self._model = model  # kept until the training graph is traced, then released
         self._tp, self._dp = groups["tp"], groups["dp"]
+        self._cp = groups["cp"] if "cp" in groups else AxisGroup("cp", 1, 0, None, self.comm_log)
         self.mesh = plan.tensor_mesh()
+        if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
+            self.mesh = TensorMesh("1d", (("cp", self._cp.size), ("tp", self._tp.size)))
         self._coords = {a: groups[a].rank for a in self.mesh.physical}
         self._streams = RandomStreams(seed, self._dp.rank, self._tp.rank)
         self._state_keys = list(model.state_dict().keys())
@@ -52,6 +55,7 @@ class Engine(nn.Module):
             trace(model, _blank(example_inputs, self._device), train=False)
         check_grid_dims(self.forward_graph, plan, self.mesh)
         check_sequence_dims(self.forward_graph, plan)
+        check_context_dims(self.forward_graph, plan)
         self.forward_solution = self._solve(self.forward_graph, fixed=None)
         check_divisible(self.forward_graph, self.forward_solution)
         self._local: dict[int, torch.Tensor] = {}  # id(full tensor) -> this rank's slice
@@ -75,10 +79,29 @@ class Engine(nn.Module):
         return trace(model, _blank(example_inputs, device), train=False)
 
     def _solve(self, traced, fixed) -> Solution:
-        mesh = self.mesh if self.mesh.mode in MULTI_D else None
+        cp = self._cp.size > 1
+        mesh = self.mesh if self.mesh.mode in MULTI_D or cp else None
         return solve(traced, axis="tp", size=self._tp.size, modes=self.plan.layer_modes(),
                      default_mode=self.plan.tp_mode, fixed_params=fixed, mesh=mesh,
-                     sequence_parallel=self.plan.sequence_parallel_layers())
+                     sequence_parallel=self.plan.sequence_parallel_layers(),
+                     sequence_mode=(self.plan.sequence_mode or "ring") if cp else None)
+
+    def _cut_sequence(self, tensors: tuple, graph) -> tuple:
+        """This cp rank's contiguous block of the tokens (dim 1) of every [batch, tokens, ...]
+        input and target (the graph, traced on the whole sequence, says which)."""
+        if self._cp.size == 1:
+            return tuple(tensors)
+        from autopar.sharding.solve import tokens_per_sample
+
+        seq = tokens_per_sample(graph)
+        out = []
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and seq is not None and t.dim() >= 2 and \
+                    t.shape[1] == seq:
+                n = seq // self._cp.size
+                t = t[:, self._cp.rank * n:(self._cp.rank + 1) * n]
+            out.append(t)
+        return tuple(out)
 
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
@@ -166,6 +189,8 @@ class Engine(nn.Module):
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         *local_inputs, local_target = self._local_batch(inputs + (targets,))
         self._ensure_train_graph(tuple(local_inputs), local_target)
+        *local_inputs, local_target = self._cut_sequence(tuple(local_inputs) + (local_target,),
+                                                         self.train_graph)
         self.train_gm.train()
         loss = self.train_gm(*local_inputs, local_target)
         loss.backward()
@@ -202,7 +227,7 @@ class Engine(nn.Module):
                 raise PlanError(f"the batch {t.shape[0]} does not split over the "
                                 f"{self.mesh.mode} batch split of {split}; use a multiple of "
                                 f"{split}.")
-        return self.forward_gm(*inputs)
+        return self.forward_gm(*self._cut_sequence(inputs, self.forward_graph))
 
     # ------------------------------------------------------------------ accounting
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
@@ -297,6 +322,26 @@ def check_sequence_dims(traced, plan: Plan) -> None:
         raise PlanError(f"sequence_parallel splits each sample's {seq} tokens over tensor size "
                         f"{tp}, and {seq} does not divide by {tp}: use a sequence length of "
                         f"{ok}, or a tensor size that divides {seq}.")
+
+
+def check_context_dims(traced, plan: Plan) -> None:
+    """Context parallelism splits each sample's tokens over cp: refuse a sequence length that
+    does not divide, naming the lengths that would."""
+    from autopar.sharding.solve import tokens_per_sample
+
+    cp = plan.mesh["cp"]
+    if cp == 1:
+        return
+    seq = tokens_per_sample(traced)
+    if seq is None:
+        raise PlanError("sequence parallelism over cp needs token sequences, but the model's "
+                        "first input is not [batch, tokens, ...]; use a sequence size of 1.")
+    if seq % cp:
+        lo = seq - seq % cp
+        ok = " or ".join(str(n) for n in (lo, lo + cp) if n > 0)
+        raise PlanError(f"sequence size {cp} splits each sample's {seq} tokens over cp, and "
+                        f"{seq} does not divide by {cp}: use a sequence length of {ok}, or a "
+                        f"sequence size that divides {seq}.")
 
 
 _WHAT = {"out": "output features", "in": "input features", "hidden": "hidden size",

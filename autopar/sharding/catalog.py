@@ -61,6 +61,7 @@ class RuleContext:
     seq: int | None = None
     grad_summed: set = field(default_factory=set)
     sp_failures: dict = field(default_factory=dict)
+    sequence_mode: str | None = None  # "ring" | "ulysses" when the mesh has a cp axis
 
     def seq_dim(self, node: fx.Node | None = None) -> int | None:
         """The sequence dim of a [batch, ..., sequence, ..., hidden] value (of this op's output
@@ -335,6 +336,8 @@ def attention(ctx: RuleContext) -> Strategy:
     q, k, v = ctx.node.args[:3]
     mask = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
     dims = [_shard_dim(ctx, n) for n in (q, k, v)]
+    if ctx.axis == CP and any(d == 2 for d in dims):
+        return sequence_attention(ctx, q, k, v, mask)
     d = next((d for d in dims if d in (0, 1)), None)
     if d is None or not all(_splits(ctx.shape(n)[d], ctx.size) for n in (q, k, v)):
         return replicate(ctx)
@@ -345,6 +348,102 @@ def attention(ctx: RuleContext) -> Strategy:
         needs[mask] = Need(_rep(mask).with_shard(d, ctx.axis) if split_mask else _rep(mask))
     out = Layout.replicated(len(ctx.info.shape)).with_shard(d, ctx.axis)
     return Strategy("heads" if d == 1 else "batch", needs, out, rewrite="split_stream")
+
+
+CP = "cp"  # the context-parallel (sequence) axis
+_SDPA_ARGS = {  # target -> positions of (attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    aten.scaled_dot_product_attention.default: (3, 4, 5, 6, 7),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (None, 3, 4, None, None),
+}
+
+
+def _arg(node: fx.Node, pos, name: str, default):
+    if pos is not None and len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
+    """q, k, v split on the sequence dim (2) over `cp`: ring attention or Ulysses
+    (`autopar.runtime.sequence`), with the collectives the kernel logs. Dropout and masks
+    other than is_causal are not supported: the sequence is gathered instead."""
+    node = ctx.node
+    positions = _SDPA_ARGS.get(node.target)
+    mode = ctx.sequence_mode or "ring"
+    if positions is None:
+        return replicate(ctx, note=f"{node.target} has no sequence-parallel kernel; ran with "
+                                   "the sequence gathered")
+    pm, pd, pc, ps, pg = positions
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        mask = node.kwargs.get("attn_mask")
+        scale = node.kwargs.get("scale")
+        gqa = False
+    else:
+        scale = _arg(node, ps, "scale", None)
+        gqa = bool(_arg(node, pg, "enable_gqa", False))
+    dropout_p = _arg(node, pd, "dropout_p", 0.0)
+    causal = bool(_arg(node, pc, "is_causal", False))
+    if isinstance(mask, fx.Node) or dropout_p:
+        return replicate(ctx, note="sequence-parallel attention takes no mask or dropout; "
+                                   "ran with the sequence gathered")
+    c = ctx.size
+    shapes = [ctx.shape(n) for n in (q, k, v)]
+    if not all(divisible(sh[2], c) for sh in shapes):
+        return replicate(ctx)
+    full = ctx.layouts._layouts if isinstance(ctx.layouts, _Restricted) else ctx.layouts
+    sizes = ctx.sizes
+
+    # the split the other axis's attention rule puts on batch or heads (all of q, k, v alike)
+    other = None
+    for n in (q, k, v):
+        lay = full.get(n)
+        for s in (lay.shards if isinstance(lay, Layout) else ()):
+            if s.axis != CP and s.dim in (0, 1) and s.groups == 1 and other is None:
+                other = s
+    if other is not None and not all(_splits(sh[other.dim], sizes[other.axis]) for sh in shapes):
+        other = None
+
+    def per_rank(n: fx.Node) -> tuple[sympy.Expr, int]:
+        """Bytes of this rank's block of n (every axis's split) and its heads per rank."""
+        lay = _rep(n).with_shard(2, CP)
+        heads = int(ctx.shape(n)[1])
+        if other is not None:
+            lay = lay.with_shard(other.dim, other.axis)
+            heads //= sizes[other.axis] if other.dim == 1 else 1
+        return ctx.local_bytes(n, lay), heads
+
+    (qb, h), (kb, hkv), (vb, _) = (per_rank(n) for n in (q, k, v))
+    ob = qb * sympy.sympify(ctx.shape(v)[3]) / sympy.sympify(ctx.shape(q)[3])
+    grads = [bool(ctx.requires_grad.get(n)) for n in (q, k, v)]
+    comm = []
+    if mode == "ulysses":
+        if h % c:
+            from autopar.errors import PlanError
+            raise PlanError(f"Ulysses splits the {h} attention heads{' per tensor rank' if h != int(shapes[0][1]) else ''} "
+                            f"of {ctx.info.module or ctx.info.layer} over sequence size {c}, and "
+                            f"{h} does not divide by {c}; use mode='ring', or a sequence size "
+                            f"that divides {h}.")
+        f = c // __import__("math").gcd(hkv, c)
+        for b in (qb, f * kb, f * vb, ob):
+            comm.append(CommOp("all_to_all", CP, "forward", b, node.name))
+        if ctx.requires_grad.get(node, any(grads)):
+            comm.append(CommOp("all_to_all", CP, "backward", ob, node.name))
+            for b, g in zip((qb, f * kb, f * vb), grads):
+                if g:
+                    comm.append(CommOp("all_to_all", CP, "backward", b, node.name))
+    elif c > 1:
+        kv = kb + vb
+        comm += [CommOp("p2p", CP, "forward", kv, node.name) for _ in range(c - 1)]
+        if ctx.requires_grad.get(node, any(grads)):
+            comm += [CommOp("p2p", CP, "backward", kv, node.name) for _ in range(c - 1)]
+            if grads[1] or grads[2]:  # float32/float64 accumulators: the inputs' bytes
+                comm += [CommOp("p2p", CP, "backward", kv, node.name) for _ in range(c)]
+    needs = {n: Need(_rep(n).with_shard(2, CP)) for n in (q, k, v)}
+    out = _out_layouts(ctx, lambda shape: Layout.replicated(len(shape)).with_shard(2, CP)
+                       if len(shape) == 4 else Layout.replicated(len(shape)))
+    return Strategy("sequence", needs, out, comm=comm,
+                    args={"sequence": {"mode": mode, "is_causal": causal, "scale": scale,
+                                       "enable_gqa": gqa}})
 
 
 def _splits(size, parts: int) -> bool:
@@ -577,7 +676,8 @@ def view(ctx: RuleContext) -> Strategy:
             ctx.grad_summed.add(node)
             return Strategy("gather", {x: Need(_rep(x), sum_grads=True)},
                             Layout.replicated(len(out_shape)))
-        ctx.ask_producer(x, ("replicate",))
+        if ctx.axis != CP:  # the sequence split is gathered here; the producer keeps it
+            ctx.ask_producer(x, ("replicate",))
         return replicate(ctx)
     if target in (aten.transpose.int, aten.permute.default, aten.t.default):
         nd = len(in_shape)
@@ -1045,7 +1145,8 @@ def decide(ctx: RuleContext) -> Strategy:
     gathered first). Every other rule runs once per axis the inputs are split over.
     """
     kind = ctx.info.kind
-    if ctx.mode == "replicate" or ctx.size == 1:
+    cp = ctx.sizes.get(CP, 1)
+    if ctx.mode == "replicate" or (ctx.size == 1 and cp == 1):
         return replicate(ctx)
     if ctx.mode in MULTI_D and kind in MODE_RULES:
         return MODE_RULES[kind](ctx)
@@ -1053,10 +1154,62 @@ def decide(ctx: RuleContext) -> Strategy:
     if rule is None:
         return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; ran replicated")
     if kind in MODE_RULES:
-        return _normalized(rule(ctx.on_axis(ctx.axis)), ctx.axis)
+        base = ctx.on_axis(ctx.axis)
+        strategy = _normalized(rule(base), ctx.axis) if ctx.size > 1 else replicate(base)
+        return with_tokens(ctx, strategy) if cp > 1 else strategy
     if ctx.node.target is operator.getitem:  # one output of a multi-output op, as it lies
         return view(ctx)
     return per_axis(ctx, rule)
+
+
+def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
+    """A per-token op (linear, norm, embedding lookup) whose activation is split on a token
+    dim over `cp` keeps that split: the activation and output carry it, and the gradients
+    of the weights (whole on cp) are summed over cp. Other splits on cp are gathered by the
+    strategy as it is (the loss: its logits and targets gathered)."""
+    node, kind = ctx.node, ctx.info.kind
+    if kind is OpKind.LINEAR:
+        x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+        token_dims = len(ctx.shape(x)) - 1
+    elif kind is OpKind.NORM:
+        x = node.args[0]
+        token_dims = len(ctx.shape(x)) - len(node.args[1])
+    elif kind is OpKind.EMBEDDING:
+        x = node.args[1]
+        token_dims = len(ctx.shape(x))
+    else:
+        return strategy
+    layout = ctx.layouts.get(x)
+    shard = layout.shard_on(CP) if isinstance(layout, Layout) else None
+    if shard is None or shard.dim >= token_dims or shard.groups != 1 or x not in strategy.needs:
+        return strategy
+    d = shard.dim
+    need_x = strategy.needs[x].layout
+    if need_x.shard_of_dim(d) is not None or need_x.partial:
+        return strategy
+    x_len = ctx.shape(x)[d]
+
+    def add(lay, shape):
+        if not isinstance(lay, Layout) or len(shape) <= d or shape[d] != x_len or \
+                lay.shard_of_dim(d) is not None:
+            return lay
+        return lay.with_shard(d, CP)
+
+    val = node.meta.get("val")
+    if isinstance(strategy.out, list):
+        out = [add(lay, tuple(v.shape)) if isinstance(v, torch.Tensor) else lay
+               for lay, v in zip(strategy.out, val)]
+    else:
+        out = add(strategy.out, ctx.info.shape)
+    needs = {}
+    for n, need in strategy.needs.items():
+        if n is x:
+            needs[n] = Need(need.layout.with_shard(d, CP), need.sum_grads)
+        elif ctx.requires_grad.get(n):
+            needs[n] = Need(need.layout, tuple(dict.fromkeys(need.grad_axes(ctx.axis) + (CP,))))
+        else:
+            needs[n] = need
+    return replace(strategy, needs=needs, out=out)
 
 
 def per_axis(ctx: RuleContext, rule: Callable[[RuleContext], Strategy]) -> Strategy:

@@ -84,7 +84,8 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
           modes: dict[str, str] | None = None, default_mode: str = "1d",
           fixed_params: dict[str, Layout] | None = None,
           mesh: TensorMesh | None = None,
-          sequence_parallel: bool | set | frozenset = False) -> Solution:
+          sequence_parallel: bool | set | frozenset = False,
+          sequence_mode: str | None = None) -> Solution:
     """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
 
     `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
@@ -95,6 +96,9 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
     parallel embedding) leaves a partial sum that its consumer reduce-scatters, a
     column-split linear all-gathers its input (the gradient reduce-scattered). Raises
     PlanError naming the layers that cannot be sequence-split.
+    `sequence_mode`: with a "cp" axis in `mesh` (context parallelism), "ring" or "ulysses":
+    token inputs [batch, tokens, ...] (and targets) arrive split on dim 1 over cp in the
+    contiguous layout, per-token ops keep the split, attention runs the sequence kernels.
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
@@ -109,7 +113,7 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
     for _ in range(_MAX_PASSES):
         new_hints: dict = {}
         solution = _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params or {},
-                         mesh, sp_layers, seq)
+                         mesh, sp_layers, seq, sequence_mode)
         if not new_hints:
             break
         hints.update(new_hints)
@@ -145,8 +149,14 @@ def tokens_per_sample(traced: TracedGraph) -> int | None:
     return None
 
 
+def cp_sequence_input(shape, seq: int) -> bool:
+    """Whether a graph input is split on dim 1 over cp: [batch, seq, ...] inputs and targets."""
+    return shape is not None and len(shape) >= 2 and _batch_like(shape[0]) and \
+        sympy.sympify(shape[1]) == seq
+
+
 def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
-          sp_layers=frozenset(), seq=None) -> Solution:
+          sp_layers=frozenset(), seq=None, sequence_mode=None) -> Solution:
     layouts: dict[fx.Node, object] = {}
     strategies: dict[fx.Node, Strategy] = {}
     transitions: list[Transition] = []
@@ -155,10 +165,13 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
     requires_grad: dict[fx.Node, bool] = {}
     grad_summed: set = set()
     sp_failures: dict = {}
+    cp_seq = tokens_per_sample(traced) if mesh.sizes.get("cp", 1) > 1 else None
     for node in traced.graph.nodes:
         info = node.meta["autopar"]
         if node.op == "placeholder":
             layouts[node] = Layout.replicated(len(info.shape)) if info.shape is not None else None
+            if cp_seq is not None and cp_sequence_input(info.shape, cp_seq):
+                layouts[node] = layouts[node].with_shard(1, "cp")
             requires_grad[node] = False
             continue
         if node.op == "get_attr":
@@ -179,7 +192,7 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
             ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, "1d"), layouts, hints,
                               new_hints, mesh=mesh, requires_grad=requires_grad,
                               sp=info.layer in sp_layers, seq=seq, grad_summed=grad_summed,
-                              sp_failures=sp_failures)
+                              sp_failures=sp_failures, sequence_mode=sequence_mode)
             strategy = decide(ctx)
         for producer, need in strategy.needs.items():
             if producer.op == "get_attr" and producer not in layouts:
