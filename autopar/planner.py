@@ -24,7 +24,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # What the runtime executes today; parallelize searches only these.
-EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("dp", "tp"),
+EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("dp", "tp", "cp"),
+              "cp_with_tp": False,
               "recompute": ("none",), "zero": (0,), "sp": ("megatron",), "schedules": (),
               "offload": False}
 

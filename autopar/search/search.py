@@ -256,7 +256,9 @@ class Search:
         meshes = factorisations(world, self.c, len(self.blocks) or 1, seq_ok)
         if self.opt.executable is not None:
             axes = self.opt.executable.get("axes", ("dp", "tp"))
-            meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)]
+            meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)
+                      and (self.opt.executable.get("cp_with_tp", True) or m["cp"] == 1
+                           or m["tp"] == 1)]
             self.left_out.extend(_not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(self._no_mesh_reason(world))
@@ -837,6 +839,8 @@ def _not_executable(executable: dict) -> list[str]:
                         ("cp", "sequence parallelism over a cp axis (Ulysses, ring)")):
         if axis not in axes:
             out.append(words)
+    if "cp" in axes and not executable.get("cp_with_tp", True):
+        out.append("a cp axis combined with tensor parallelism")
     modes = [m for m in ("2d", "2.5d", "3d") if m not in executable.get("tp_modes", ())]
     if modes:
         out.append("/".join(modes) + " tensor parallelism")
