@@ -152,8 +152,13 @@ class Plan:
         out = []
         if self.mesh["pp"] > 1:
             out.append("pipeline parallelism (pp > 1)")
-        if self.mesh["cp"] > 1 and self.mesh["tp"] > 1:  # cp runs with dp only, for now
-            out.append("sequence parallelism over a cp axis together with tensor parallelism")
+        if self.mesh["cp"] > 1 and self.mesh["tp"] > 1:  # cp runs beside 1d tensor layers only
+            if self.grid_mode() != "1d":
+                out.append(f"sequence parallelism over a cp axis together with {self.grid_mode()} "
+                           "tensor parallelism (cp runs with 1d tensor parallelism only)")
+            if self.sequence_parallel_layers():
+                out.append("sequence parallelism over a cp axis together with Megatron sequence "
+                           "parallelism (sequence_parallel)")
         if self.zero.stage or self.zero.offload:
             out.append(f"ZeRO stage {self.zero.stage}" + (" with offload" if self.zero.offload else ""))
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):

@@ -119,11 +119,30 @@ def test_cp_ulysses_refuses_heads_that_do_not_divide():
         Engine(model, plan, groups, (x,), None, None)
 
 
-def test_cp_with_tensor_parallelism_is_refused():
+def test_cp_with_grid_tensor_parallelism_is_refused():
+    """cp runs beside 1d tensor layers only: 2d (and Megatron sequence parallelism) with a
+    cp axis are refused before any process work."""
     model, (x,), _, loss_fn = build("gpt-tiny", 8)
-    with pytest.raises(PlanError, match="together with tensor parallelism"):
+    with pytest.raises(PlanError, match="together with 2d tensor parallelism"):
+        autopar.parallelize(model, 8, example_inputs=(x[:2],), loss_fn=loss_fn,
+                            plan=CP("ring", tensor=dict(size=4, mode="2d")))
+    with pytest.raises(PlanError, match="together with Megatron sequence parallelism"):
         autopar.parallelize(model, 4, example_inputs=(x[:2],), loss_fn=loss_fn,
-                            plan=CP("ring", tensor=dict(size=2, mode="1d")))
+                            plan=CP("ring", tensor=dict(size=2, mode="1d",
+                                                        sequence_parallel=True)))
+
+
+@pytest.mark.parametrize("name,mode", [("gpt-tiny", "ring"), ("llama-tiny", "ulysses")])
+def test_cp2_tp2_equals_single_device(pool4, name, mode):
+    """cp2 x tp2 (1d): heads split over tp, each rank's heads run the sequence kernel over cp;
+    row linears all-reduce this rank's block of the tokens over tp, and weight gradients
+    (tp slices) are summed over cp, those of row-split weights included."""
+    results = pool4.run(compare, name, CP(mode, tensor=dict(size=2, mode="1d")))
+    for r in results:
+        _check(r)
+        assert _cp_records(r, "p2p" if mode == "ring" else "all_to_all") > 0
+        assert ("all_reduce", "tp") in r["measured"] and ("all_reduce", "cp") in r["measured"]
+    assert all(r["measured"] == results[0]["measured"] for r in results)
 
 
 def test_cp2_dp2_ulysses_llama(pool4):

@@ -55,8 +55,9 @@ def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int
     """Sharded ops, explicit collectives and (when `coords` gives this rank's index on each
     axis) this rank's parameter slices, as a new GraphModule."""
     out, mapping = clone_graph_module(gm)
-    localize_ops(out, solution, mapping)
-    insert_collectives(out, solution, mapping)
+    readers: dict = {}
+    localize_ops(out, solution, mapping, readers)
+    insert_collectives(out, solution, mapping, readers)
     if coords is not None:
         shard_parameters(out, local_parameters(out, solution, coords))
     out.graph.lint()
@@ -73,22 +74,30 @@ def _add_module(gm: fx.GraphModule, stem: str, module: nn.Module) -> str:
     return name
 
 
-def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
-    """Rewrite each op into the sharded form its strategy names (in place on gm's graph)."""
+def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict,
+                 readers: dict | None = None) -> None:
+    """Rewrite each op into the sharded form its strategy names (in place on gm's graph).
+
+    `mapping[old]` becomes the node whose value later passes read in place of `old` (a row
+    linear's bias add, a partial mean's scaled result); `readers[old]` (when given) lists
+    the new nodes that read `old`'s inputs, where `insert_collectives` rewires the inputs'
+    redistributions (a row linear's product reads x and W, its bias add the bias)."""
     axis = solution.axis
     sizes = solution.sizes
+    readers = readers if readers is not None else {}
     for old, strategy in solution.strategies.items():
         node = mapping.get(old)
         if node is None or node.op != "call_function":
             continue
+        readers[old] = [node]
         out_layout = solution.layouts.get(old)
         args = strategy.args
         if strategy.rewrite == "local_sizes":
             _local_sizes(gm, node, out_layout, solution.layouts.get(old.args[0]), sizes)
         elif strategy.rewrite == "row_linear":
-            mapping[old] = _row_linear(gm, node, axis)
+            mapping[old], readers[old] = _row_linear(gm, node, axis)
         elif strategy.rewrite == "partial_linear":  # later passes read (and feed) the result
-            mapping[old] = _row_linear(gm, node, axis, reduce=False)
+            mapping[old], readers[old] = _row_linear(gm, node, axis, reduce=False)
         elif strategy.rewrite == "vocab_parallel_embedding":
             padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
             _replace_with_module(gm, node, "vocab_embedding",
@@ -234,11 +243,13 @@ def _local_sizes(gm: fx.GraphModule, node: fx.Node, layout, in_layout,
     node.args = (node.args[0], new) + tuple(node.args[2:])
 
 
-def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str, reduce: bool = True) -> fx.Node:
+def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str, reduce: bool = True) -> \
+        tuple[fx.Node, list[fx.Node]]:
     """linear(x, W, b) -> all_reduce(linear(x, W_local)) + b, so the bias is added once.
 
     `reduce=False` (sequence parallelism): the partial sum linear(x, W_local) + b with the
-    bias added on rank 0 only; the solver's transition reduce-scatters it where consumed."""
+    bias added on rank 0 only; the solver's transition reduce-scatters it where consumed.
+    Returns the result and the new nodes that read the linear's inputs (product, bias add)."""
     graph = gm.graph
     if node.target is aten.addmm.default:
         bias, x, w = node.args[0], node.args[1], node.args[2]
@@ -266,15 +277,24 @@ def _row_linear(gm: fx.GraphModule, node: fx.Node, axis: str, reduce: bool = Tru
             result.meta = dict(node.meta)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
-    return result
+    return result, [product] + ([result] if result is not reduced else [])
 
 
-def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict) -> None:
-    """Insert each transition's steps as call_module nodes between producer and consumers."""
+def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict,
+                       readers: dict | None = None) -> None:
+    """Insert each transition's steps as call_module nodes between producer and consumers.
+
+    A consumer that `localize_ops` rewrote into several nodes has its input rewired in each
+    of them that reads it (`readers`), not in the node that stands for its result."""
     graph = gm.graph
+    readers = readers or {}
     for t in solution.transitions:
         producer = mapping[t.producer]
-        consumers = [mapping[c] for c in t.consumers]
+        consumers = [n for c in t.consumers for n in readers.get(c, [mapping[c]])
+                     if producer in n.all_input_nodes]
+        if not consumers:
+            raise RuntimeError(f"no rewritten node reads {producer.name} for the transition "
+                               f"to {[c.name for c in t.consumers]}")
         current = producer
         anchor = min(consumers, key=_index(graph))
         for step in t.steps:

@@ -299,7 +299,14 @@ def check_divisible(traced, solution: Solution) -> None:
                                 f"which do not split over tensor size {size}; use a tensor size "
                                 f"that divides {heads} ({', '.join(map(str, ok))}).")
         if info.kind is OpKind.LINEAR and any(c.isdigit() for c in info.layer):
+            # kept whole on purpose: a key/value projection with fewer heads than ranks
+            hint = solution.hints.get(node.name)
+            if hint == ("replicate",):
+                continue
             width = int(info.shape[-1])
+            groups = hint[1] if hint and hint[0] == "groups" else 1
+            if width % (size * groups) == 0:
+                continue
             raise PlanError(f"{info.module} has {width} output features, which do not split "
                             f"over tensor size {size}; use a tensor size that divides {width}.")
 

@@ -1201,6 +1201,11 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
                for lay, v in zip(strategy.out, val)]
     else:
         out = add(strategy.out, ctx.info.shape)
+    comm = strategy.comm
+    if out != strategy.out:  # the op's own collectives (a row linear's or vocabulary-parallel
+        # embedding's all-reduce of its output) now move this rank's block of the tokens
+        cp = ctx.sizes[CP]
+        comm = [replace(c, bytes=c.bytes / cp) for c in comm]
     needs = {}
     for n, need in strategy.needs.items():
         if n is x:
@@ -1209,7 +1214,7 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
             needs[n] = Need(need.layout, tuple(dict.fromkeys(need.grad_axes(ctx.axis) + (CP,))))
         else:
             needs[n] = need
-    return replace(strategy, needs=needs, out=out)
+    return replace(strategy, needs=needs, out=out, comm=comm)
 
 
 def per_axis(ctx: RuleContext, rule: Callable[[RuleContext], Strategy]) -> Strategy:
