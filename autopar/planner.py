@@ -25,7 +25,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # What the runtime executes today; parallelize searches only these.
 EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("dp", "tp", "cp"),
-              "cp_with_tp": False,
+              "cp_with_tp": "1d",  # cp beside 1D tensor parallelism without Megatron-SP
               "recompute": ("none",), "zero": (0,), "sp": ("megatron",), "schedules": (),
               "offload": False}
 

@@ -172,6 +172,7 @@ class Search:
         self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
         self._contexts: dict = {}  # (tp placement, cp placement, cp mode) -> Context
+        self._cp_tp_1d_only = False  # the runtime runs cp beside 1D tensor parallelism only
         self._balance_cache: dict = {}
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
@@ -259,6 +260,8 @@ class Search:
             meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)
                       and (self.opt.executable.get("cp_with_tp", True) or m["cp"] == 1
                            or m["tp"] == 1)]
+            if self.opt.executable.get("cp_with_tp") == "1d":
+                self._cp_tp_1d_only = True
             self.left_out.extend(_not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(self._no_mesh_reason(world))
@@ -377,8 +380,10 @@ class Search:
             ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"],
                                                     cp_mode, self.opt.attention_kernel)
         per_type = []
+        cp_1d = self._cp_tp_1d_only and mesh["cp"] > 1
         for lt in self.chain.types:
-            states = [s for s in self._states(lt, mesh["tp"]) if b % s.mode.batch_split == 0]
+            states = [s for s in self._states(lt, mesh["tp"]) if b % s.mode.batch_split == 0
+                      and not (cp_1d and (s.mode.name != "1d" or s.sp != "none"))]
             per_type.append((states, [state_cost(lt, s, b, ctx) for s in states]))
         if any(not states for states, _ in per_type):
             self._cost_cache[key] = None
@@ -841,6 +846,8 @@ def _not_executable(executable: dict) -> list[str]:
             out.append(words)
     if "cp" in axes and not executable.get("cp_with_tp", True):
         out.append("a cp axis combined with tensor parallelism")
+    elif "cp" in axes and executable.get("cp_with_tp") == "1d":
+        out.append("a cp axis combined with 2D/2.5D/3D tensor parallelism or Megatron-SP")
     modes = [m for m in ("2d", "2.5d", "3d") if m not in executable.get("tp_modes", ())]
     if modes:
         out.append("/".join(modes) + " tensor parallelism")
