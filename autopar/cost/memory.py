@@ -52,6 +52,15 @@ the kernel's (`_kernel_saves`):
   as a view of an 8-byte pair (0.04% of gpt-tiny's activations under 2D). RMSNorm written
   as elementwise ops (the llama zoo) is not a norm op and runs as aten ops.
 
+Context parallelism (a `cp` axis, `autopar.runtime.sequence`): the ring and Ulysses
+kernels save what aten's CPU flash attention saves (q, k, v, the output, the logsumexp, on
+this rank's tokens), but return their output contiguous in [B, H, S, D], where aten's is
+laid out [B, S, H, D]: the model's transpose(1, 2).reshape(B, S, H*D), a view in the traced
+graph, copies at run time, and the next linear saves the copy (`_copied_on_the_way`
+replays the view chain on the meta device from a contiguous tensor). Likewise a tensor
+saved through a view of a redistributed one is the redistributed copy: the target,
+gathered over cp before the loss and reshaped, is whole on every rank.
+
 Two run-time effects stay outside the prediction: the vocabulary-parallel kernels save a
 few bytes per token more than the ops they replace (masks, per-row scalars), and a
 reshape that copies on one device can be a view on a shard (repeat_kv with one local
@@ -460,6 +469,16 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
                 continue
             need = copies.get((via, op)) if via is not None and (via, op) not in views \
                 else None
+            if need is None and via is not None and \
+                    _copied_on_the_way(traced, solution, saved.node, via, copies, views,
+                                       micro_batch):
+                # a view of a redistributed or kernel-made tensor that is no view there
+                key = ("copy", via, solution.layouts.get(via))
+                nbytes = _node_bytes(via, micro_batch) * \
+                    _fraction(solution.layouts.get(via), sizes)
+                out.setdefault(op.meta["autopar"].layer, {})[key] = (math.ceil(nbytes),
+                                                                      saved.attention_inside)
+                continue
             if need is None:
                 if saved.parameter:
                     continue  # the weight itself: state, not an activation
@@ -471,6 +490,67 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
             out.setdefault(op.meta["autopar"].layer, {})[key] = (math.ceil(nbytes),
                                                                   saved.attention_inside)
     return out
+
+
+_VIEW_OPS = {"view", "reshape", "_unsafe_view"}  # take the node's own (global) sizes
+
+
+def _view_chain(producer: fx.Node, via: fx.Node, owners: dict) -> list[fx.Node] | None:
+    """The nodes from `producer` (exclusive) to `via` (inclusive), each a view of the one
+    before (its first argument) sharing `producer`'s storage; None if there is no such chain."""
+    chain, node = [], via
+    while node is not producer:
+        if owners.get(node) is not producer or not node.args or \
+                not isinstance(node.args[0], fx.Node):
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def _copied_on_the_way(traced: TracedGraph, solution, producer: fx.Node, via: fx.Node,
+                       copies, views, micro_batch: int) -> bool:
+    """Does the tensor an op saves through `via`, a view of `producer`'s storage in the
+    traced graph, become a new storage at run time?
+
+    Two cases. A redistribution on an edge of the view chain (the target gathered over cp
+    before the loss, then reshaped: the loss keeps the gathered copy, not this rank's
+    slice). And a sequence-parallel attention kernel (ring, Ulysses) in place of aten's
+    CPU flash attention: aten's output is laid out [B, S, H, D] in memory, so the model's
+    transpose(1, 2).reshape(B, S, H*D) is a view of it, while the kernels return a
+    contiguous [B, H, S, D] tensor, which that reshape copies; the next linear saves the
+    copy (one more [B, S_local, hidden] per block). The chain is replayed on the meta device
+    from a contiguous tensor to find out.
+    """
+    if solution is None or via is producer:
+        return False
+    chain = _view_chain(producer, via, _analysis(traced).owners)
+    if not chain:
+        return False
+    edges = zip([producer] + chain[:-1], chain)
+    if any(e in copies and e not in views for e in edges):
+        return True
+    strategy = solution.strategies.get(producer)
+    if strategy is None or "sequence" not in (strategy.args or {}):
+        return False
+    t = torch.empty(_sizes(producer, micro_batch), device="meta")
+    base = t
+    for node in chain:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name in _VIEW_OPS:
+            t = t.reshape(_sizes(node, micro_batch))
+        elif not any(isinstance(a, fx.Node) for a in node.args[1:]) and \
+                callable(node.target):
+            t = node.target(t, *node.args[1:], **node.kwargs)
+        else:
+            return False  # not an op this replay knows: keep the traced answer
+        if t._base is not base and t is not base:
+            return True
+    return False
+
+
+def _sizes(node: fx.Node, micro_batch: int) -> list[int]:
+    return [int(sympy.sympify(d).subs(BATCH, micro_batch)) for d in node.meta["autopar"].shape]
 
 
 def _kernel_saves(solution, micro_batch: int) -> tuple[set, dict[str, dict]]:
