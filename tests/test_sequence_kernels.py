@@ -6,9 +6,14 @@ Ulysses on its block of the sequence (contiguous or zigzag layout, causal or not
 kv heads for 4 query heads), reassembles output and gradients with `assemble_sequence` and
 compares them with the reference (relative error 1e-10). Worlds of 2 and 4 ranks, one axis
 "cp" over the whole world. S = 24 (not a power of two) splits into 2c chunks for zigzag.
+Ring attention also runs with tiles of 5 and 2 rows (the default, 512, covers whole blocks
+here), so block pairs are cut into several tiles, ragged last ones included (S_local 6 or
+12, zigzag chunks 3 or 6).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -32,10 +37,12 @@ pool4 = dist_pool_fixture(4, timeout_s=120)
 B, H, S, D, DV, E = 2, 4, 24, 4, 3, 8
 TOL = 1e-10
 KERNELS = {"ring": ring_attention, "ulysses": ulysses_attention}
-CASES = [(mode, layout, causal, hkv, scale)
+CASES = [(mode, layout, causal, hkv, scale, tile)
          for mode in ("ring", "ulysses") for layout in ("contiguous", "zigzag")
          for causal in (False, True) for hkv in (4, 2, 1)
-         for scale in ((None, 0.3) if hkv == 2 else (None,))]
+         for scale in ((None, 0.3) if hkv == 2 else (None,))
+         for tile in ((None, 5, 2) if mode == "ring" else (None,))]
+FOOT_D = 7  # q/k/v head dim of the footprint check: no other dim of its tensors is 7
 
 # ----------------------------------------------------------------------------------------
 # Worker side (runs on every rank of a pool)
@@ -58,21 +65,30 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
-def _inputs(gen, hkv: int):
-    return _rand(gen, B, H, S, D), _rand(gen, B, hkv, S, D), _rand(gen, B, hkv, S, DV), \
-        _rand(gen, B, H, S, DV)
+def _inputs(gen, hkv: int, d: int = D, dv: int = DV):
+    return _rand(gen, B, H, S, d), _rand(gen, B, hkv, S, d), _rand(gen, B, hkv, S, dv), \
+        _rand(gen, B, H, S, dv)
 
 
-def _check_case(g: AxisGroup, gen, mode, layout, causal, hkv, scale) -> dict[str, float]:
+def _kernel(mode: str, tile: int | None):
+    if mode == "ring":
+        return lambda *a, **kw: ring_attention(*a, tile=tile, **kw)
+    assert tile is None
+    return KERNELS[mode]
+
+
+def _check_case(g: AxisGroup, gen, mode, layout, causal, hkv, scale,
+                tile) -> dict[str, float]:
     q, k, v, dout = _inputs(gen, hkv)
     full = [_leaf(t) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=causal, scale=scale,
                                          enable_gqa=hkv != H)
     ref.backward(dout)
     local = [_leaf(cut_sequence(t, g, 2, layout)) for t in (q, k, v)]
-    out = KERNELS[mode](*local, g, causal=causal, scale=scale, layout=layout)
+    out = _kernel(mode, tile)(*local, g, causal=causal, scale=scale, layout=layout)
     out.backward(cut_sequence(dout, g, 2, layout))
-    name = f"{mode}.{layout}.{'causal' if causal else 'full'}.kv{hkv}.scale{scale}"
+    name = (f"{mode}.{layout}.{'causal' if causal else 'full'}.kv{hkv}.scale{scale}"
+            f".tile{tile}")
     errs = {f"{name}.out": _rel(assemble_sequence(out, g, 2, layout), ref)}
     for n, lt, ft in zip("qkv", local, full):
         errs[f"{name}.d{n}"] = _rel(assemble_sequence(lt.grad, g, 2, layout), ft.grad)
@@ -113,11 +129,15 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-def _ring_footprint(layout: str, causal: bool, hkv: int) -> dict:
-    """Shapes of every tensor the ring kernel creates (forward and backward) and saves."""
+def _ring_footprint(layout: str, causal: bool, hkv: int, tile: int | None) -> dict:
+    """Shapes of every tensor the ring kernel creates (forward and backward) and saves, with
+    q/k/v head dims FOOT_D, so that the tensors with no dim FOOT_D are the score-like ones
+    (scores, probabilities, dP, dS, masks and their temporaries; also the per-row
+    statistics, B*H*S_local elements)."""
     g = _group(CommLog())
     gen = torch.Generator().manual_seed(3)
-    q, k, v, dout = (cut_sequence(t, g, 2, layout) for t in _inputs(gen, hkv))
+    q, k, v, dout = (cut_sequence(t, g, 2, layout)
+                     for t in _inputs(gen, hkv, FOOT_D, FOOT_D))
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
     saved: list[tuple] = []
 
@@ -127,11 +147,13 @@ def _ring_footprint(layout: str, causal: bool, hkv: int) -> dict:
 
     mode = _Shapes()
     with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = ring_attention(q, k, v, g, causal=causal, layout=layout)
+        out = ring_attention(q, k, v, g, causal=causal, layout=layout, tile=tile)
         out.backward(dout)
     made = [s for s in mode.shapes if len(s) >= 2]
+    scores = [s for s in made if FOOT_D not in s]
     return {"largest_dim": max(max(s) for s in made),
-            "largest_block": max(s[-1] * s[-2] for s in made),
+            "largest_score": max(math.prod(s) for s in scores),
+            "largest_score_shape": max(scores, key=math.prod),
             "saved": saved, "s_local": q.shape[2]}
 
 
@@ -198,16 +220,21 @@ def test_comm_bytes(world, pool2, pool4):
 
 def test_ring_never_materialises_the_sequence(pool4):
     """No tensor of the ring kernel (forward or backward, saved or temporary) has a dim of
-    the whole sequence's length; the largest trailing 2-D block is S_local x S_local."""
-    for layout, causal, hkv in (("contiguous", False, 4), ("contiguous", True, 1),
-                                ("zigzag", True, 2)):
-        for r in pool4.run(_ring_footprint, layout, causal, hkv):
+    the whole sequence's length, and no score-like tensor has more than B*H*tile*S_local
+    elements: exactly B*H*max(t^2, S_local), t = min(tile, chunk), the larger of one tile's
+    scores and the per-row statistics (with the default tile, 512, one tile is a whole
+    block: B*H*S_local^2 at S_local = 6)."""
+    for layout, causal, hkv, tile in (("contiguous", False, 4, 5), ("contiguous", True, 1, 5),
+                                      ("zigzag", True, 2, 2), ("zigzag", False, 1, 4),
+                                      ("contiguous", True, 2, None)):
+        for r in pool4.run(_ring_footprint, layout, causal, hkv, tile):
             s_local = r["s_local"]
             assert s_local == S // 4
             assert r["largest_dim"] < S, (layout, causal, r)
-            assert r["largest_block"] <= s_local * s_local
-            if layout == "contiguous":
-                assert r["largest_block"] == s_local * s_local
+            chunk = s_local // 2 if layout == "zigzag" and causal else s_local
+            t = min(tile or 512, chunk)
+            assert r["largest_score"] <= B * H * (tile or 512) * s_local, (layout, r)
+            assert r["largest_score"] == B * H * max(t * t, s_local), (layout, tile, r)
             assert r["saved"] and all(max(s) < S for s in r["saved"])
 
 

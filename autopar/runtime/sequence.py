@@ -42,15 +42,19 @@ shifting that block (k and v packed in one message) to member r+1 before computi
 (c-1 hops, overlapped with the block's attention), and folds the block into running
 statistics m (row max), l (row sum) and an unnormalised accumulator. Under causal masking
 only the (query chunk, key chunk) pairs with key chunk <= query chunk are computed (the
-equal ones with a triangular mask), so the largest score tensor is S_local x S_local per
-(batch, head), and (S_local/2)^2 per pair under zigzag; nothing of the whole sequence's
-length is ever allocated. It keeps q, k, v, the output and the logsumexp lse = m + log l
-([B, H, S_local]) for backward, nothing else.
+equal ones with a triangular mask). Each block pair is cut into tiles of at most `tile`
+(default `TILE` = 512) query rows x `tile` key rows, folded one after another with the same
+online softmax as the ring steps (a diagonal pair skips its tiles wholly above the diagonal
+and masks those straddling it), so the largest score tensor (scores, probabilities and
+their temporaries) is B x H x tile x tile, however long S_local is; nothing of the whole
+sequence's length is ever allocated. It keeps q, k, v, the output and the logsumexp
+lse = m + log l ([B, H, S_local]) for backward, nothing else.
 
 Backward (no recomputation of the forward ring; the probabilities of each block are rebuilt
 from q, k and the kept lse as in FlashAttention): delta = rowsum(dO * O); the k/v blocks
-circulate again (c-1 hops, overlapped); for each block member r adds dS @ k to its own dq
-and computes the block's dk, dv contribution, which it adds to the accumulator that arrived
+circulate again (c-1 hops, overlapped); for each block, tile by tile as in forward
+(P = exp(S - lse), dS = P * (dO V^T - delta)), member r adds dS @ k to its own dq and
+accumulates the block's dk, dv contribution, which it adds to the accumulator that arrived
 with that block's previous visitor and sends on (c hops: the last one brings each block's
 dk, dv back to its owner). The accumulators travel in the compute dtype (float32 for 16-bit
 inputs, else the input dtype).
@@ -102,7 +106,7 @@ import torch.nn.functional as F
 from autopar.runtime.collectives import AxisGroup, Bound
 
 __all__ = [
-    "LAYOUTS", "MODES", "sequence_chunks", "sequence_positions", "cut_sequence",
+    "LAYOUTS", "MODES", "TILE", "sequence_chunks", "sequence_positions", "cut_sequence",
     "merge_sequence", "assemble_sequence", "all_to_all", "ring_attention",
     "ulysses_attention", "ulysses_kv_replication", "sequence_attention", "SequenceAttention",
 ]
@@ -110,6 +114,10 @@ __all__ = [
 LAYOUTS = ("contiguous", "zigzag")
 MODES = ("ring", "ulysses")
 SEQ_DIM = 2  # [B, H, S, D]
+# Rows per tile (query rows and key rows) of the ring kernel's block pairs: a tile's scores
+# are B*H*TILE*TILE elements (1 MiB per head in float32), whatever S_local is. 512 is the
+# key split of torch's CPU flash attention and big enough for efficient matmuls.
+TILE = 512
 
 
 # --------------------------------------------------------------------------------------
@@ -224,16 +232,41 @@ def _pairs(size: int, rank: int, src: int, layout: str, causal: bool, s_q: int, 
             for i, a in enumerate(qc) for j, b in enumerate(kc) if b <= a]
 
 
-def _scores(q5, kt, qs, ks, diag: bool, scale: float) -> torch.Tensor:
-    """Scores of one block pair, [B, Hkv, rep, rows, cols]; -inf above the diagonal."""
+def _tiles(qs: slice, ks: slice, diag: bool, s_q: int, s_k: int, tile: int):
+    """(query rows, key rows, mask offset or None) of the tiles of one block pair: the pair's
+    query rows and key rows cut into `tile`-row pieces from the start of each chunk (the last
+    one ragged). Under a diagonal pair the tiles wholly above the diagonal are skipped and
+    those straddling it carry the offset i0 - j0 of their first query row from their first
+    key row (the mask is triu(offset + 1)); as the query and key chunks have the same length
+    and are cut at the same points, every query row of a tile kept sees at least one key of
+    it (its first key is at or before the tile's first query)."""
+    q0, q1, _ = qs.indices(s_q)
+    k0, k1, _ = ks.indices(s_k)
+    for i0 in range(q0, q1, tile):
+        i1 = min(i0 + tile, q1)
+        for j0 in range(k0, k1, tile):
+            j1 = min(j0 + tile, k1)
+            if diag:
+                a, b = i0 - q0, j0 - k0  # offsets within the (equal-length) chunks
+                if b >= a + (i1 - i0):
+                    break  # this tile and the later ones are wholly above the diagonal
+                off = a - b if j1 - k0 - 1 > a else None  # a key past the first query row
+            else:
+                off = None
+            yield slice(i0, i1), slice(j0, j1), off
+
+
+def _scores(q5, kt, qs, ks, off, scale: float) -> torch.Tensor:
+    """Scores of one tile, [B, Hkv, rep, rows, cols]; -inf where key > query (off set)."""
     s = torch.matmul(q5[..., qs, :], kt[..., ks, :].transpose(-1, -2)) * scale
-    if diag:
-        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+    if off is not None:
+        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(off + 1)
         s = s.masked_fill(upper, float("-inf"))
     return s
 
 
-def _ring_forward(q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str):
+def _ring_forward(q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str,
+                  tile: int):
     b, h, s_q, _ = q.shape
     hkv, s_k, dv = k.shape[1], k.shape[2], v.shape[-1]
     cdt = _compute_dtype(q.dtype)
@@ -247,15 +280,16 @@ def _ring_forward(q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str
         nxt = g.shift_async(kv, 1, "forward") if t < g.size - 1 else None
         kt, vt = (x.to(cdt).unsqueeze(2) for x in _unpack(kv, k.shape, v.shape))
         for qs, ks, diag in _pairs(g.size, g.rank, src, layout, causal, s_q, s_k):
-            s = _scores(q5, kt, qs, ks, diag, scale)
-            m_old = m[..., qs]
-            m_new = torch.maximum(m_old, s.amax(-1))  # finite: every pair has a visible key
-            alpha = torch.exp(m_old - m_new)
-            p = torch.exp(s - m_new.unsqueeze(-1))
-            l[..., qs] = l[..., qs] * alpha + p.sum(-1)
-            pv = torch.matmul(p, vt[..., ks, :])
-            acc[..., qs, :] = acc[..., qs, :] * alpha.unsqueeze(-1) + pv
-            m[..., qs] = m_new
+            for rows, cols, off in _tiles(qs, ks, diag, s_q, s_k, tile):
+                s = _scores(q5, kt, rows, cols, off, scale)
+                m_t, l_t, acc_t = m[..., rows], l[..., rows], acc[..., rows, :]  # views
+                m_new = torch.maximum(m_t, s.amax(-1))  # finite: every row sees a key
+                alpha = torch.exp(m_t - m_new)
+                p = torch.exp(s.sub_(m_new.unsqueeze(-1)))
+                del s
+                l_t.mul_(alpha).add_(p.sum(-1))
+                acc_t.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(p, vt[..., cols, :]))
+                m_t.copy_(m_new)
         if nxt is not None:
             kv = nxt.wait()
     out = (acc / l.unsqueeze(-1)).flatten(1, 2).to(q.dtype)
@@ -264,7 +298,7 @@ def _ring_forward(q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str
 
 
 def _ring_backward(dout, q, k, v, out, lse, g: AxisGroup, causal: bool, scale: float,
-                   layout: str, want_dkv: bool):
+                   layout: str, want_dkv: bool, tile: int):
     s_q, hkv, s_k = q.shape[2], k.shape[1], k.shape[2]
     cdt = lse.dtype
     q5 = q.to(cdt).unflatten(1, (hkv, q.shape[1] // hkv))
@@ -280,14 +314,19 @@ def _ring_backward(dout, q, k, v, out, lse, g: AxisGroup, causal: bool, scale: f
         dk_t = q5.new_zeros(k.shape) if want_dkv else None
         dv_t = q5.new_zeros(v.shape) if want_dkv else None
         for qs, ks, diag in _pairs(g.size, g.rank, src, layout, causal, s_q, s_k):
-            p = torch.exp(_scores(q5, kt, qs, ks, diag, scale) - lse[..., qs].unsqueeze(-1))
-            dp = torch.matmul(do5[..., qs, :], vt[..., ks, :].transpose(-1, -2))
-            ds = p * (dp - delta[..., qs].unsqueeze(-1))
-            dq[..., qs, :] += torch.matmul(ds, kt[..., ks, :]) * scale
-            if want_dkv:
-                dv_t[..., ks, :] += torch.matmul(p.transpose(-1, -2), do5[..., qs, :]).sum(2)
-                dsq = torch.matmul(ds.transpose(-1, -2), q5[..., qs, :])
-                dk_t[..., ks, :] += dsq.sum(2) * scale
+            for rows, cols, off in _tiles(qs, ks, diag, s_q, s_k, tile):
+                s = _scores(q5, kt, rows, cols, off, scale)
+                p = torch.exp(s.sub_(lse[..., rows].unsqueeze(-1)))
+                del s
+                ds = torch.matmul(do5[..., rows, :], vt[..., cols, :].transpose(-1, -2))
+                ds.sub_(delta[..., rows].unsqueeze(-1)).mul_(p)  # dS = P * (dP - delta)
+                dq[..., rows, :] += torch.matmul(ds, kt[..., cols, :]) * scale
+                if want_dkv:
+                    pdo = torch.matmul(p.transpose(-1, -2), do5[..., rows, :])
+                    del p
+                    dv_t[..., cols, :] += pdo.sum(2)
+                    dsq = torch.matmul(ds.transpose(-1, -2), q5[..., rows, :])
+                    dk_t[..., cols, :] += dsq.sum(2) * scale
         if want_dkv:
             part = _pack(dk_t, dv_t)
             if arriving is not None:
@@ -308,10 +347,11 @@ def _ring_backward(dout, q, k, v, out, lse, g: AxisGroup, causal: bool, scale: f
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str):
-        out, lse = _ring_forward(q, k, v, g, causal, scale, layout)
+    def forward(ctx, q, k, v, g: AxisGroup, causal: bool, scale: float, layout: str,
+                tile: int):
+        out, lse = _ring_forward(q, k, v, g, causal, scale, layout, tile)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.g, ctx.causal, ctx.scale, ctx.layout = g, causal, scale, layout
+        ctx.g, ctx.causal, ctx.scale, ctx.layout, ctx.tile = g, causal, scale, layout, tile
         return out
 
     @staticmethod
@@ -319,9 +359,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.g, ctx.causal, ctx.scale,
-                                    ctx.layout, need[1] or need[2])
+                                    ctx.layout, need[1] or need[2], ctx.tile)
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def _check_qkv(q, k, v, what: str) -> tuple[int, int]:
@@ -341,13 +381,14 @@ def _check_qkv(q, k, v, what: str) -> tuple[int, int]:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                    causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous") -> torch.Tensor:
+                   layout: str = "contiguous", tile: int | None = None) -> torch.Tensor:
     """Attention of the whole sequence split over `group` by ring attention.
 
     q [B, H, S_local, D], k [B, Hkv, S_local, D], v [B, Hkv, S_local, Dv], all in `layout`
     (see the module docstring); returns this member's rows of the output,
     [B, H, S_local, Dv]. Equals `scaled_dot_product_attention(..., is_causal=causal,
-    scale=scale, enable_gqa=True)` on the whole sequence, cut the same way.
+    scale=scale, enable_gqa=True)` on the whole sequence, cut the same way. Each block pair
+    is computed in tiles of `tile` query rows x `tile` key rows (default `TILE`).
     """
     _check_qkv(q, k, v, "ring_attention")
     _check_layout(layout)
@@ -359,7 +400,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
                          f"{q.shape[2]} is odd")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, group, causal, float(scale), layout)
+    tile = TILE if tile is None else int(tile)
+    if tile < 1:
+        raise ValueError(f"ring attention tiles need at least one row; got tile={tile}")
+    return _RingAttention.apply(q, k, v, group, causal, float(scale), layout, tile)
 
 
 # --------------------------------------------------------------------------------------
