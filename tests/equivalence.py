@@ -109,3 +109,15 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None) -> dict
             "keys_equal": list(full) == list(ref_state), "measured": measured,
             "predicted": predicted, "held": held,
             "replicated": engine.replicated_parameters(), "probe": probed}
+
+
+def assert_equal(results: list[dict]) -> None:
+    """Every rank of a `compare` run equals the single-device run: loss and final weights
+    within 1e-5 relative, no Adam noise amplified, the same state_dict keys, and the bytes
+    of every collective per (op, axis) as the plan predicted."""
+    for r in results:
+        assert r["loss"] <= 1e-5, r["loss"]
+        assert r["weights"] <= 1e-5, r["weights"]
+        assert r["noise_abs"] <= 1e-8, r["noise_abs"]
+        assert r["keys_equal"]
+        assert r["measured"] == r["predicted"]

@@ -285,9 +285,9 @@ def test_unsupported_arguments_are_rejected():
     q, k = torch.zeros(1, 6, 8, 2), torch.zeros(1, 2, 8, 2)
     with pytest.raises(ValueError, match="not a multiple of 4"):
         ulysses_attention(q, k, k, g)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="dropout"):
         sequence_attention(q, q, q, g, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
+    with pytest.raises(ValueError, match="attn_mask"):
         sequence_attention(q, q, q, g, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="enable_gqa"):
         sequence_attention(q, k, k, g)

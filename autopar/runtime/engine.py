@@ -311,44 +311,45 @@ def check_divisible(traced, solution: Solution) -> None:
                             f"over tensor size {size}; use a tensor size that divides {width}.")
 
 
+def _check_tokens_divide(traced, parts: int, no_sequence: str, splits: str,
+                         other: str) -> None:
+    """Refuse a model without token sequences, or whose sequence length does not divide
+    into `parts`, naming the lengths that would."""
+    from autopar.sharding.solve import tokens_per_sample
+
+    seq = tokens_per_sample(traced)
+    if seq is None:
+        raise PlanError(no_sequence)
+    if seq % parts:
+        lo = seq - seq % parts
+        ok = " or ".join(str(n) for n in (lo, lo + parts) if n > 0)
+        raise PlanError(f"{splits.format(seq=seq)}, and {seq} does not divide by {parts}: use "
+                        f"a sequence length of {ok}, or {other} that divides {seq}.")
+
+
 def check_sequence_dims(traced, plan: Plan) -> None:
     """Megatron sequence parallelism splits each sample's tokens over tp: refuse a sequence
     length that does not divide, naming the lengths that would."""
-    from autopar.sharding.solve import tokens_per_sample
-
     tp = plan.mesh["tp"]
     if not plan.sequence_parallel_layers() or tp == 1:
         return
-    seq = tokens_per_sample(traced)
-    if seq is None:
-        raise PlanError("sequence_parallel needs token sequences, but the model's first input "
-                        "is not [batch, tokens, ...]; drop sequence_parallel for this model.")
-    if seq % tp:
-        lo = seq - seq % tp
-        ok = " or ".join(str(n) for n in (lo, lo + tp) if n > 0)
-        raise PlanError(f"sequence_parallel splits each sample's {seq} tokens over tensor size "
-                        f"{tp}, and {seq} does not divide by {tp}: use a sequence length of "
-                        f"{ok}, or a tensor size that divides {seq}.")
+    _check_tokens_divide(
+        traced, tp, "sequence_parallel needs token sequences, but the model's first input "
+        "is not [batch, tokens, ...]; drop sequence_parallel for this model.",
+        f"sequence_parallel splits each sample's {{seq}} tokens over tensor size {tp}",
+        "a tensor size")
 
 
 def check_context_dims(traced, plan: Plan) -> None:
     """Context parallelism splits each sample's tokens over cp: refuse a sequence length that
     does not divide, naming the lengths that would."""
-    from autopar.sharding.solve import tokens_per_sample
-
     cp = plan.mesh["cp"]
     if cp == 1:
         return
-    seq = tokens_per_sample(traced)
-    if seq is None:
-        raise PlanError("sequence parallelism over cp needs token sequences, but the model's "
-                        "first input is not [batch, tokens, ...]; use a sequence size of 1.")
-    if seq % cp:
-        lo = seq - seq % cp
-        ok = " or ".join(str(n) for n in (lo, lo + cp) if n > 0)
-        raise PlanError(f"sequence size {cp} splits each sample's {seq} tokens over cp, and "
-                        f"{seq} does not divide by {cp}: use a sequence length of {ok}, or a "
-                        f"sequence size that divides {seq}.")
+    _check_tokens_divide(
+        traced, cp, "sequence parallelism over cp needs token sequences, but the model's "
+        "first input is not [batch, tokens, ...]; use a sequence size of 1.",
+        f"sequence size {cp} splits each sample's {{seq}} tokens over cp", "a sequence size")
 
 
 _WHAT = {"out": "output features", "in": "input features", "hidden": "hidden size",

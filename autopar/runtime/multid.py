@@ -87,6 +87,7 @@ backward passes skip the collectives of gradients nobody asked for.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -114,31 +115,33 @@ Spec = dict[int, tuple[AxisGroup, ...]]
 # --------------------------------------------------------------------------------------
 
 
-class Grid:
+class Grid(abc.ABC):
     """Common part of the three grids: block specs per tensor role, cut and assemble."""
 
     mode: str = ""
 
     @property
+    @abc.abstractmethod
     def hidden(self) -> AxisGroup:
         """The group that splits the hidden (last) dim of activations."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def batch(self) -> tuple[AxisGroup, ...]:
         """The groups that split the batch (first) dim of activations, major first."""
-        raise NotImplementedError
 
     @property
     def out_grid(self) -> "Grid":
         """The grid whose x layout the output of `linear(x, W, b, self)` has."""
         return self
 
+    @abc.abstractmethod
     def _weight_spec(self) -> Spec:
-        raise NotImplementedError
+        """Which groups split a linear weight [out, in]."""
 
+    @abc.abstractmethod
     def _bias_spec(self) -> Spec:
-        raise NotImplementedError
+        """Which groups split a linear bias [out]."""
 
     def spec(self, role: str) -> Spec:
         """Which groups split which dims of a tensor in `role` (see ROLES), major first.
@@ -187,34 +190,26 @@ class Grid:
 
 
 @dataclass(frozen=True)
-class Grid2D(Grid):
-    """q x q grid: `row` = ranks sharing row index i (rank = j), `col` = sharing column j
-    (rank = i)."""
+class _SummaGrid(Grid):
+    """What 2D and 2.5D share: a q x q SUMMA grid of `row` (ranks sharing row index i,
+    rank = j) and `col` (ranks sharing column j, rank = i) groups."""
 
     row: AxisGroup
     col: AxisGroup
-    mode = "2d"
 
     def __post_init__(self):
         if self.row.size != self.col.size:
-            raise ValueError(f"a 2D grid is square; row has {self.row.size} ranks, "
-                             f"col {self.col.size}")
+            where = " in each layer" if self.mode == "2.5d" else ""
+            raise ValueError(f"a {self.mode.upper()} grid is square{where}; row has "
+                             f"{self.row.size} ranks, col {self.col.size}")
 
     @property
     def q(self) -> int:
         return self.row.size
 
     @property
-    def coords(self) -> tuple[int, int]:
-        return (self.col.rank, self.row.rank)
-
-    @property
     def hidden(self) -> AxisGroup:
         return self.row
-
-    @property
-    def batch(self) -> tuple[AxisGroup, ...]:
-        return (self.col,)
 
     def _weight_spec(self) -> Spec:
         return {0: (self.row,), 1: (self.col,)}
@@ -224,23 +219,28 @@ class Grid2D(Grid):
 
 
 @dataclass(frozen=True)
-class Grid2p5D(Grid):
+class Grid2D(_SummaGrid):
+    """q x q grid: `row` = ranks sharing row index i (rank = j), `col` = sharing column j
+    (rank = i)."""
+
+    mode = "2d"
+
+    @property
+    def coords(self) -> tuple[int, int]:
+        return (self.col.rank, self.row.rank)
+
+    @property
+    def batch(self) -> tuple[AxisGroup, ...]:
+        return (self.col,)
+
+
+@dataclass(frozen=True)
+class Grid2p5D(_SummaGrid):
     """q x q x d grid: `row`, `col` as in 2D within a depth layer, `dep` across layers
     (rank = k)."""
 
-    row: AxisGroup
-    col: AxisGroup
     dep: AxisGroup
     mode = "2.5d"
-
-    def __post_init__(self):
-        if self.row.size != self.col.size:
-            raise ValueError(f"a 2.5D grid is square in each layer; row has {self.row.size} "
-                             f"ranks, col {self.col.size}")
-
-    @property
-    def q(self) -> int:
-        return self.row.size
 
     @property
     def d(self) -> int:
@@ -251,18 +251,8 @@ class Grid2p5D(Grid):
         return (self.col.rank, self.row.rank, self.dep.rank)
 
     @property
-    def hidden(self) -> AxisGroup:
-        return self.row
-
-    @property
     def batch(self) -> tuple[AxisGroup, ...]:
         return (self.dep, self.col)
-
-    def _weight_spec(self) -> Spec:
-        return {0: (self.row,), 1: (self.col,)}
-
-    def _bias_spec(self) -> Spec:
-        return {0: (self.row,)}
 
 
 @dataclass(frozen=True)

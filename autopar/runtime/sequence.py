@@ -475,10 +475,12 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     if mode not in MODES:
         raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {MODES}")
     if attn_mask is not None:
-        raise NotImplementedError("sequence-parallel attention takes no attn_mask (only "
-                                  "is_causal)")
+        raise ValueError("sequence-parallel attention takes no attn_mask, only is_causal; "
+                         "attention with a mask runs on the gathered sequence (the graph "
+                         "pass gathers it)")
     if dropout_p:
-        raise NotImplementedError("sequence-parallel attention has no dropout")
+        raise ValueError("sequence-parallel attention has no dropout; attention with "
+                         "dropout runs on the gathered sequence (the graph pass gathers it)")
     if q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}; pass enable_gqa=True "
                          "for grouped-query attention")

@@ -172,7 +172,8 @@ class Search:
         self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
         self._contexts: dict = {}  # (tp placement, cp placement, cp mode) -> Context
-        self._cp_tp_1d_only = False  # the runtime runs cp beside 1D tensor parallelism only
+        # the runtime runs cp beside 1D tensor parallelism only (without Megatron-SP)
+        self._cp_tp_1d_only = (options.executable or {}).get("cp_with_tp") == "1d"
         self._balance_cache: dict = {}
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
@@ -260,8 +261,6 @@ class Search:
             meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)
                       and (self.opt.executable.get("cp_with_tp", True) or m["cp"] == 1
                            or m["tp"] == 1)]
-            if self.opt.executable.get("cp_with_tp") == "1d":
-                self._cp_tp_1d_only = True
             self.left_out.extend(_not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(self._no_mesh_reason(world))
