@@ -17,6 +17,7 @@ from autopar.world import World
 AXES = ("pp", "dp", "cp", "tp")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SEQUENCE_MODES = ("ulysses", "ring")
+SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 _TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data"}
@@ -39,6 +40,14 @@ class PipelinePlan:
     micro_batch_size: int | None = None
 
 
+def cp_layout(mode: str | None, layout: str | None) -> str:
+    """The token layout over cp: `layout` when given, else zigzag under ring attention and
+    contiguous under Ulysses."""
+    if layout is not None:
+        return layout
+    return "contiguous" if mode == "ulysses" else "zigzag"
+
+
 @dataclass
 class ZeroPlan:
     stage: int = 0
@@ -54,6 +63,10 @@ class Plan:
     tp_depth: int = 1
     sequence_parallel: bool = False
     sequence_mode: str | None = None
+    # how tokens lie over cp: "zigzag" (rank r holds chunks r and 2c-1-r of 2c, so causal
+    # attention costs every rank the same) or "contiguous"; None: zigzag under ring
+    # attention, contiguous under Ulysses (which gathers the whole sequence per head anyway)
+    sequence_layout: str | None = None
     layers: list[LayerPlan] = field(default_factory=list)
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
     zero: ZeroPlan = field(default_factory=ZeroPlan)
@@ -85,6 +98,8 @@ class Plan:
         _choice("pipeline schedule", self.pipeline.schedule, SCHEDULES)
         if self.sequence_mode is not None:
             _choice("sequence mode", self.sequence_mode, SEQUENCE_MODES)
+        if self.sequence_layout is not None:
+            _choice("sequence layout", self.sequence_layout, SEQUENCE_LAYOUTS)
         if self.zero.stage not in (0, 1, 2, 3):
             raise PlanError(f"zero stage must be 0, 1, 2 or 3, not {self.zero.stage!r}.")
         if self.world is not None and self.world.devices != self.world_size:
@@ -114,6 +129,10 @@ class Plan:
             error = grid_size_error(modes[0], self.mesh["tp"], self.tp_depth)
             if error:
                 raise PlanError(error)
+
+    def cp_layout(self) -> str:
+        """The token layout over cp this plan runs (see `sequence_layout`)."""
+        return cp_layout(self.sequence_mode, self.sequence_layout)
 
     def sequence_parallel_layers(self) -> bool | frozenset:
         """Where Megatron sequence parallelism runs: True for every 1d layer (the plan's
@@ -184,7 +203,7 @@ class Plan:
             "mesh": dict(self.mesh),
             "tensor": {"mode": self.tp_mode, "depth": self.tp_depth,
                        "sequence_parallel": self.sequence_parallel},
-            "sequence": {"mode": self.sequence_mode},
+            "sequence": {"mode": self.sequence_mode, "layout": self.sequence_layout},
             "layers": [asdict(lp) for lp in self.layers],
             "pipeline": asdict(self.pipeline),
             "zero": asdict(self.zero),
@@ -205,6 +224,7 @@ class Plan:
                        tp_depth=tensor.get("depth", 1),
                        sequence_parallel=tensor.get("sequence_parallel", False),
                        sequence_mode=(data.get("sequence") or {}).get("mode"),
+                       sequence_layout=(data.get("sequence") or {}).get("layout"),
                        layers=[LayerPlan(**lp) for lp in data.get("layers", [])],
                        pipeline=PipelinePlan(**data.get("pipeline", {})),
                        zero=ZeroPlan(**data.get("zero", {})),
@@ -242,7 +262,7 @@ class Plan:
                             f"{sorted(_TOP_KEYS)}.")
         pipeline = _sub(spec, "pipeline", {"size", "schedule", "microbatches", "chunks"})
         tensor = _sub(spec, "tensor", {"size", "mode", "depth", "sequence_parallel", "layers"})
-        sequence = _sub(spec, "sequence", {"size", "mode"})
+        sequence = _sub(spec, "sequence", {"size", "mode", "layout"})
         zero = _sub(spec, "zero", {"stage", "offload"})
         pp = _int(pipeline.get("size", 1), "pipeline size")
         tp = _int(tensor.get("size", 1), "tensor size")
@@ -269,6 +289,7 @@ class Plan:
                    tp_depth=_int(tensor.get("depth", 1), "tensor depth"),
                    sequence_parallel=bool(tensor.get("sequence_parallel", False)),
                    sequence_mode=sequence.get("mode") if cp > 1 or "mode" in sequence else None,
+                   sequence_layout=sequence.get("layout"),
                    pipeline=PipelinePlan(schedule=pipeline.get("schedule", "1f1b"),
                                          microbatches=_int(pipeline.get("microbatches", 1),
                                                            "microbatches"),

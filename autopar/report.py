@@ -12,7 +12,7 @@ from collections import Counter
 from autopar.cost.comm import placements
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import Context, LayerState, TensorMode, formulas, state_cost
-from autopar.plan import Plan
+from autopar.plan import Plan, cp_layout
 from autopar.search.search import ORDER
 
 GiB = 1024 ** 3
@@ -108,7 +108,7 @@ def _mode(name: str, size: int, depth: int) -> TensorMode:
 def plan_text(data: dict, top: int | None = None) -> str:
     """The report as text a person reads top to bottom."""
     world, mesh, pred, search = data["world"], data["mesh"], data["predicted"], data["search"]
-    pipe, zero = data["pipeline"], data["zero"]
+    pipe, zero, seq = data["pipeline"], data["zero"], data["sequence"]
     lines = [
         f"autopar plan for {world['devices']} x {world['device']} ({world['per_node']} per node)",
         f"  mesh        pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} tp={mesh['tp']}"
@@ -116,7 +116,8 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"  tensor      {data['tensor']['mode']}"
         + (f" depth {data['tensor']['depth']}" if data['tensor']['mode'] == "2.5d" else "")
         + (", Megatron sequence parallel" if data["tensor"]["sequence_parallel"] else "")
-        + (f"; sequence {data['sequence']['mode']} over cp" if data["sequence"]["mode"] else ""),
+        + (f"; sequence {seq['mode']} over cp ({cp_layout(seq['mode'], seq.get('layout'))} "
+           "tokens)" if seq["mode"] else ""),
         f"  pipeline    {pipe['schedule'] if mesh['pp'] > 1 else 'none'}"
         + (f" x{pipe['chunks']} chunks" if pipe["chunks"] > 1 else "")
         + f", {pipe['microbatches']} micro-batches of {pipe['micro_batch_size']}",

@@ -33,14 +33,38 @@ def _cp_records(result, op):
     return result["measured"].get((op, "cp"), 0)
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
-def test_cp2_equals_single_device(pool2, name, mode):
-    results = pool2.run(compare, name, CP(mode))
+def _cp_collectives(engine, inputs, target):
+    """(op, phase) of every collective the training plan runs on cp."""
+    return sorted({(c.op, c.phase) for c in engine.train_solution.comm if c.axis == "cp"})
+
+
+def _check_kernels(results, mode):
+    """The sequence kernels ran (ring shifts or all-to-alls on cp) and the forward pass
+    gathered nothing over cp: not the attention's keys and values, not the logits before
+    the loss (each rank takes the loss of its own tokens), not a mask. (A backward
+    all-gather is allowed: the gradient of a whole position table's lookup, S x hidden.)"""
     for r in results:
         _check(r)
         assert _cp_records(r, "p2p" if mode == "ring" else "all_to_all") > 0
-    assert results[0]["measured"] == results[1]["measured"]
+        assert ("all_gather", "forward") not in r["probe"], r["probe"]
+        assert ("all_reduce", "forward") in r["probe"]  # the loss sum and token count
+    assert all(r["measured"] == results[0]["measured"] for r in results)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+def test_cp2_equals_single_device(pool2, name, mode):
+    """transformers' GPT-2 passes a causal mask it builds from positions; it is recognised
+    (`autopar.graph.masks`) and the kernels run with is_causal."""
+    _check_kernels(pool2.run(compare, name, CP(mode), probe=_cp_collectives), mode)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+def test_cp4_equals_single_device(pool4, name, mode):
+    """Four sequence shards; llama-tiny's 2 key/value heads are fewer than cp, so Ulysses
+    repeats them before its all-to-all."""
+    _check_kernels(pool4.run(compare, name, CP(mode, size=4), probe=_cp_collectives), mode)
 
 
 def _positions_probe(engine, inputs, target):
@@ -68,20 +92,29 @@ def _positions_probe(engine, inputs, target):
         Spy(engine.train_gm).run(*local)
     finally:
         engine.comm_log.enabled = True
-    return {"positions": sequence_positions(32, engine._cp.size, engine._cp.rank).tolist(),
-            "seen": seen}
+    layout = engine.plan.cp_layout()
+    return {"positions": sequence_positions(32, engine._cp.size, engine._cp.rank,
+                                            layout).tolist(),
+            "layout": layout, "seen": seen}
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
-def test_cp_positions_are_global(pool2, name):
+def test_cp_positions_are_global(pool2, name, layout):
     """The position tensor (RoPE tables, learned position embeddings of arange(S)) is whole
     in the graph; the split before the sequence-split product or add keeps exactly this
-    rank's global positions (the contiguous block)."""
-    results = pool2.run(compare, name, CP("ring"), steps=1, probe=_positions_probe)
+    rank's global positions: the contiguous block, or under ring attention's default
+    zigzag layout chunks r and 3 - r of 4."""
+    plan = {"sequence": {"size": 2, "mode": "ring", "layout": layout}}
+    results = pool2.run(compare, name, plan, steps=1, probe=_positions_probe)
     model, _, _, _ = build(name, 8)
     for rank, r in enumerate(results):
         pos = r["probe"]["positions"]
-        assert pos == list(range(rank * 16, rank * 16 + 16))
+        if layout == "contiguous":
+            assert pos == list(range(rank * 16, rank * 16 + 16))
+        else:
+            chunks = (rank, 3 - rank)
+            assert pos == [c * 8 + i for c in chunks for i in range(8)]
         seen = r["probe"]["seen"]
         assert seen, "no position table was split over cp"
         for whole, block in seen.values():
@@ -96,9 +129,17 @@ def test_cp_positions_are_global(pool2, name):
 
 def test_cp_refuses_bad_plans():
     model, (x,), _, loss_fn = build("gpt-tiny", 8)
-    with pytest.raises(PlanError, match="does not divide by 3"):
+    with pytest.raises(PlanError, match="does not divide by 3: use a sequence length of 30 "
+                                        "or 33, or a sequence size that divides 32"):
+        autopar.parallelize(model, 3, example_inputs=(x[:2],), loss_fn=loss_fn,
+                            plan=CP("ulysses", size=3))
+    with pytest.raises(PlanError, match=r"zigzag layout \(2 x 3 chunks\), and 32 does not "
+                                        r"divide by 6: .* or layout='contiguous'"):
         autopar.parallelize(model, 3, example_inputs=(x[:2],), loss_fn=loss_fn,
                             plan=CP("ring", size=3))
+    with pytest.raises(PlanError, match="sequence layout"):
+        autopar.parallelize(model, 2, example_inputs=(x[:2],), loss_fn=loss_fn,
+                            plan={"sequence": {"size": 2, "mode": "ring", "layout": "striped"}})
 
 
 def test_cp_ulysses_refuses_heads_that_do_not_divide():
@@ -132,7 +173,8 @@ def test_cp_with_grid_tensor_parallelism_is_refused():
                                                         sequence_parallel=True)))
 
 
-@pytest.mark.parametrize("name,mode", [("gpt-tiny", "ring"), ("llama-tiny", "ulysses")])
+@pytest.mark.parametrize("name,mode", [("gpt-tiny", "ring"), ("llama-tiny", "ulysses"),
+                                       ("hf-gpt2", "ulysses")])
 def test_cp2_tp2_equals_single_device(pool4, name, mode):
     """cp2 x tp2 (1d): heads split over tp, each rank's heads run the sequence kernel over cp;
     row linears all-reduce this rank's block of the tokens over tp, and weight gradients
@@ -150,3 +192,53 @@ def test_cp2_dp2_ulysses_llama(pool4):
     for r in results:
         _check(r)
         assert ("all_reduce", "dp") in r["measured"]
+
+
+def _dropout_run():
+    """cp2 x tp2 training of a GPT with dropout 0.1: this rank's (cp, tp) coordinates, its
+    copies of the parameters that are whole on every rank after three steps, and the first
+    draws of each random stream after them."""
+    import torch.distributed as dist
+
+    from autopar.models.gpt import GPT, GPTConfig
+    from equivalence import _lm_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32,
+                          dropout=0.1))
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=(x[:2],),
+                                 loss_fn=_lm_loss, optimizer=torch.optim.AdamW,
+                                 plan=CP("ring", tensor=dict(size=2, mode="1d")))
+    losses = [engine.train_step((x,), y) for _ in range(3)]
+    whole = {engine._names[k][0]: p.detach().clone() for k, p in engine._local.items()
+             if engine._layouts[k] is not None and engine._layouts[k].is_replicated}
+    draws = {s: torch.rand(8, generator=engine._streams.get(s))
+             for s in ("replicated", "split", "tokens", "split+tokens")}
+    return {"coords": (engine._cp.rank, engine._tp.rank), "whole": whole, "draws": draws,
+            "losses": losses}
+
+
+def test_dropout_streams_follow_what_splits_each_tensor(pool4):
+    """A residual dropout on this rank's tokens (split over cp, whole on tp) draws the same
+    mask on the two tensor ranks holding those tokens, so the norm weights, whole on every
+    rank, stay equal everywhere; each cp rank draws its own; a head-split attention dropout
+    (whole on cp: the attention ran with the sequence gathered) the same across cp."""
+    results = pool4.run(_dropout_run)
+    by = {r["coords"]: r for r in results}
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+    first = results[0]["whole"]
+    assert any("ln" in name for name in first)
+    for r in results[1:]:
+        assert r["whole"].keys() == first.keys()
+        for name, value in r["whole"].items():
+            assert torch.equal(value, first[name]), name
+
+    def same(stream, a, b):
+        return torch.equal(by[a]["draws"][stream], by[b]["draws"][stream])
+
+    assert all(same("replicated", (0, 0), c) for c in by)
+    assert same("tokens", (0, 0), (0, 1)) and same("tokens", (1, 0), (1, 1))
+    assert not same("tokens", (0, 0), (1, 0))
+    assert same("split", (0, 0), (1, 0)) and not same("split", (0, 0), (0, 1))
+    assert len({tuple(r["draws"]["split+tokens"].tolist()) for r in results}) == 4

@@ -58,8 +58,8 @@ this rank's tokens), but return their output contiguous in [B, H, S, D], where a
 laid out [B, S, H, D]: the model's transpose(1, 2).reshape(B, S, H*D), a view in the traced
 graph, copies at run time, and the next linear saves the copy (`_copied_on_the_way`
 replays the view chain on the meta device from a contiguous tensor). Likewise a tensor
-saved through a view of a redistributed one is the redistributed copy: the target,
-gathered over cp before the loss and reshaped, is whole on every rank.
+saved through a view of a redistributed one is the redistributed copy (a value gathered
+over an axis and then reshaped: the op saves the gathered copy, not this rank's slice).
 
 Two run-time effects stay outside the prediction: the vocabulary-parallel kernels save a
 few bytes per token more than the ops they replace (masks, per-row scalars), and a
@@ -513,9 +513,8 @@ def _copied_on_the_way(traced: TracedGraph, solution, producer: fx.Node, via: fx
     """Does the tensor an op saves through `via`, a view of `producer`'s storage in the
     traced graph, become a new storage at run time?
 
-    Two cases. A redistribution on an edge of the view chain (the target gathered over cp
-    before the loss, then reshaped: the loss keeps the gathered copy, not this rank's
-    slice). And a sequence-parallel attention kernel (ring, Ulysses) in place of aten's
+    Two cases. A redistribution on an edge of the view chain (a value gathered over an
+    axis, then reshaped: the op keeps the gathered copy, not this rank's slice). And a sequence-parallel attention kernel (ring, Ulysses) in place of aten's
     CPU flash attention: aten's output is laid out [B, S, H, D] in memory, so the model's
     transpose(1, 2).reshape(B, S, H*D) is a view of it, while the kernels return a
     contiguous [B, H, S, D] tensor, which that reshape copies; the next linear saves the

@@ -58,11 +58,26 @@ def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int
     readers: dict = {}
     localize_ops(out, solution, mapping, readers)
     insert_collectives(out, solution, mapping, readers)
+    drop_dead_code(out.graph)
     if coords is not None:
         shard_parameters(out, local_parameters(out, solution, coords))
     out.graph.lint()
     out.recompile()
     return out
+
+
+def drop_dead_code(graph: fx.Graph) -> None:
+    """Remove function calls nothing reads any more (a causal mask's subgraph once the
+    sequence kernels take is_causal instead), with the metadata asserts export left on them."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        if node.target is aten._assert_tensor_metadata.default:
+            if all(len(a.users) == 1 for a in node.all_input_nodes):  # guards a dead value
+                graph.erase_node(node)
+            continue
+        if not node.is_impure():
+            graph.erase_node(node)
 
 
 def _add_module(gm: fx.GraphModule, stem: str, module: nn.Module) -> str:
@@ -138,7 +153,7 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict,
             _replace_with_module(gm, node, "sequence_attention",
                                  SequenceAttention("cp", seq["mode"], seq["is_causal"],
                                                    seq["scale"], seq["enable_gqa"],
-                                                   layout="contiguous"),
+                                                   layout=solution.sequence_layout),
                                  tuple(node.args[:3]))
             for user in list(node.users):  # tuple-output variants: output [0] is the kernel's
                 if user.target is operator.getitem and user.args[1] == 0:
@@ -182,10 +197,12 @@ def _scale_after(gm: fx.GraphModule, node: fx.Node, op, factor: int) -> fx.Node:
 
 
 def _stream(layout, axis: str) -> str:
-    """The random stream of a tensor: a rank's own where any axis splits it (2D, 2.5D and 3D
-    activations are split over every tensor rank), the shared one where it is whole."""
-    split = isinstance(layout, Layout) and bool(layout.shards)
-    return "split" if split else "replicated"
+    """The random stream of a tensor, named by what splits it (`RandomStreams`): "split"
+    where tensor axes do (2D, 2.5D and 3D activations are split over every tensor rank),
+    "tokens" where cp does, "split+tokens" where both do, "replicated" where it is whole."""
+    axes = set(layout.axes) if isinstance(layout, Layout) else set()
+    names = (["split"] if axes - {"cp"} else []) + (["tokens"] if "cp" in axes else [])
+    return "+".join(names) or "replicated"
 
 
 def _attn_dropout(node: fx.Node) -> bool:
@@ -299,7 +316,9 @@ def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict,
         anchor = min(consumers, key=_index(graph))
         for step in t.steps:
             stem = f"{step.axis}_{step.kind}_{producer.name}"
-            name = _add_module(gm, stem, Redistribute(step.kind, step.axis, step.dim, step.groups))
+            zigzag = step.axis == "cp" and solution.sequence_layout == "zigzag"
+            name = _add_module(gm, stem, Redistribute(step.kind, step.axis, step.dim, step.groups,
+                                                      zigzag))
             with graph.inserting_before(anchor):
                 nxt = graph.call_module(name, (current,))
             nxt.meta = dict(producer.meta)

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.sharding.layout import block_count
+
 PHASES = ("forward", "backward", "step", "init")
 
 
@@ -72,20 +74,24 @@ class AxisGroup:
             dist.all_reduce(x, op=op, group=self.group)
         return x
 
-    def all_gather(self, x: torch.Tensor, dim: int, groups: int, phase: str) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, dim: int, groups: int, phase: str,
+                   zigzag: bool = False) -> torch.Tensor:
+        """The whole of a dim split over this axis (in `groups` blocks; `zigzag`: each block
+        halved, member r holding chunks r and 2c-1-r of its 2c)."""
         x = x.contiguous()
         self.log.add("all_gather", self.axis, x.numel() * x.element_size() * self.size, phase)
         if self.size == 1:
             return x
         out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, x.reshape(-1), group=self.group)
-        return _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups)
+        return _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups, zigzag)
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int, groups: int, phase: str) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, dim: int, groups: int, phase: str,
+                       zigzag: bool = False) -> torch.Tensor:
         self.log.add("reduce_scatter", self.axis, x.numel() * x.element_size(), phase)
         if self.size == 1:
             return x
-        stacked = _deinterleave(x, dim, groups, self.size).contiguous()
+        stacked = _deinterleave(x, dim, groups, self.size, zigzag).contiguous()
         out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
         return out.view(stacked.shape[1:])
@@ -158,10 +164,11 @@ class AxisGroup:
                                         dist.P2POp(dist.irecv, out, src, self.group, tag)])
         return PendingShift(out, works)
 
-    def local_slice(self, x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    def local_slice(self, x: torch.Tensor, dim: int, groups: int,
+                    zigzag: bool = False) -> torch.Tensor:
         if self.size == 1:
             return x
-        return _deinterleave(x, dim, groups, self.size)[self.rank].contiguous()
+        return _deinterleave(x, dim, groups, self.size, zigzag)[self.rank].contiguous()
 
 
 class PendingShift:
@@ -177,89 +184,108 @@ class PendingShift:
         return self._out
 
 
-def _interleave(stacked: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
-    """[P, ..., g*m, ...] (rank-major) -> [..., g*P*m, ...] (each block's slices in rank order)."""
+def _interleave(stacked: torch.Tensor, dim: int, groups: int,
+                zigzag: bool = False) -> torch.Tensor:
+    """[P, ..., g*m, ...] (rank-major) -> [..., g*P*m, ...] (each block's slices in rank order).
+    `zigzag`: each block is two halves, the second holding the ranks' slices in reverse."""
     parts, shape = stacked.shape[0], list(stacked.shape[1:])
     dim = dim % len(shape)
+    groups = block_count(groups, shape[dim], parts, whole=False) * (2 if zigzag else 1)
     m = shape[dim] // groups
     x = stacked.reshape([parts] + shape[:dim] + [groups, m] + shape[dim + 1:])
     x = x.movedim(0, dim + 1)  # [..., g, P, m, ...]
+    if zigzag:
+        x = _reverse_second_halves(x, dim, groups)
     return x.reshape(shape[:dim] + [groups * parts * m] + shape[dim + 1:])
 
 
-def _deinterleave(x: torch.Tensor, dim: int, groups: int, parts: int) -> torch.Tensor:
+def _deinterleave(x: torch.Tensor, dim: int, groups: int, parts: int,
+                  zigzag: bool = False) -> torch.Tensor:
     """[..., g*P*m, ...] -> [P, ..., g*m, ...]: rank r's slice of every block, stacked by rank."""
     shape = list(x.shape)
     dim = dim % len(shape)
+    groups = block_count(groups, shape[dim], parts, whole=True) * (2 if zigzag else 1)
     m = shape[dim] // (groups * parts)
     y = x.reshape(shape[:dim] + [groups, parts, m] + shape[dim + 1:])
+    if zigzag:
+        y = _reverse_second_halves(y, dim, groups)
     y = y.movedim(dim + 1, 0)  # [P, ..., g, m, ...]
     return y.reshape([parts] + shape[:dim] + [groups * m] + shape[dim + 1:])
 
 
+def _reverse_second_halves(x: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    """[..., g, P, m, ...] with g = 2 x blocks: the rank order of every odd half reversed."""
+    x = x.unflatten(dim, (groups // 2, 2))  # [..., blocks, 2, P, m, ...]
+    first, second = x.select(dim + 1, 0), x.select(dim + 1, 1).flip(dim + 1)
+    return torch.stack([first, second], dim + 1).flatten(dim, dim + 1)
+
+
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
-        ctx.g, ctx.dim, ctx.groups = g, dim, groups
-        return g.local_slice(x, dim, groups)
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int, zigzag: bool):
+        ctx.g, ctx.dim, ctx.groups, ctx.zigzag = g, dim, groups, zigzag
+        return g.local_slice(x, dim, groups, zigzag)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.g.all_gather(grad, ctx.dim, ctx.groups, "backward"), None, None, None
+        return ctx.g.all_gather(grad, ctx.dim, ctx.groups, "backward", ctx.zigzag), \
+            None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
-        ctx.g, ctx.dim, ctx.groups = g, dim, groups
-        return g.all_gather(x, dim, groups, "forward")
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int, zigzag: bool):
+        ctx.g, ctx.dim, ctx.groups, ctx.zigzag = g, dim, groups, zigzag
+        return g.all_gather(x, dim, groups, "forward", zigzag)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.g.local_slice(grad, ctx.dim, ctx.groups), None, None, None
+        return ctx.g.local_slice(grad, ctx.dim, ctx.groups, ctx.zigzag), None, None, None, None
 
 
 class _GatherSumGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
-        ctx.g, ctx.dim, ctx.groups = g, dim, groups
-        return g.all_gather(x, dim, groups, "forward")
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int, zigzag: bool):
+        ctx.g, ctx.dim, ctx.groups, ctx.zigzag = g, dim, groups, zigzag
+        return g.all_gather(x, dim, groups, "forward", zigzag)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.g.reduce_scatter(grad, ctx.dim, ctx.groups, "backward"), None, None, None
+        return ctx.g.reduce_scatter(grad, ctx.dim, ctx.groups, "backward", ctx.zigzag), \
+            None, None, None, None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g: AxisGroup, dim, groups):
+    def forward(ctx, x, g: AxisGroup, dim, groups, zigzag):
         return g.all_reduce(x.clone(), "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g: AxisGroup, dim: int, groups: int):
-        ctx.g, ctx.dim, ctx.groups = g, dim, groups
-        return g.reduce_scatter(x, dim, groups, "forward")
+    def forward(ctx, x, g: AxisGroup, dim: int, groups: int, zigzag: bool):
+        ctx.g, ctx.dim, ctx.groups, ctx.zigzag = g, dim, groups, zigzag
+        return g.reduce_scatter(x, dim, groups, "forward", zigzag)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.g.all_gather(grad, ctx.dim, ctx.groups, "backward"), None, None, None
+        return ctx.g.all_gather(grad, ctx.dim, ctx.groups, "backward", ctx.zigzag), \
+            None, None, None, None
 
 
 class _SumGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, g: AxisGroup, dim, groups):
+    def forward(ctx, x, g: AxisGroup, dim, groups, zigzag):
         ctx.g = g
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.g.all_reduce(grad.clone(), "backward"), None, None, None
+        return ctx.g.all_reduce(grad.clone(), "backward"), None, None, None, None
 
 
 FUNCTIONS = {"split": _Split, "gather": _Gather, "gather_sum_grads": _GatherSumGrads,
@@ -287,18 +313,19 @@ class Bound(nn.Module):
 class Redistribute(Bound):
     """One redistribution step as a node of the rewritten graph (see the module docstring)."""
 
-    def __init__(self, kind: str, axis: str, dim: int | None = None, groups: int = 1):
+    def __init__(self, kind: str, axis: str, dim: int | None = None, groups: int = 1,
+                 zigzag: bool = False):
         super().__init__(axis)
         if kind not in FUNCTIONS:
             raise ValueError(f"unknown redistribution {kind!r}; expected one of {sorted(FUNCTIONS)}")
-        self.kind, self.dim, self.groups = kind, dim, groups
+        self.kind, self.dim, self.groups, self.zigzag = kind, dim, groups, zigzag
 
     def extra_repr(self) -> str:
         dim = "" if self.dim is None else f", dim={self.dim}, groups={self.groups}"
-        return f"{self.kind}, axis={self.axis}{dim}"
+        return f"{self.kind}, axis={self.axis}{dim}" + (", zigzag" if self.zigzag else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FUNCTIONS[self.kind].apply(x, self._g(), self.dim, self.groups)
+        return FUNCTIONS[self.kind].apply(x, self._g(), self.dim, self.groups, self.zigzag)
 
 
 def bind(gm: nn.Module, groups: dict[str, AxisGroup]) -> None:

@@ -19,11 +19,12 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH, trace
-from autopar.passes.tensor_parallel import apply_solution, local_slice, shard_parameters
+from autopar.passes.tensor_parallel import (apply_solution, local_slice, shard_parameters,
+                                            shard_steps)
 from autopar.plan import Plan
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
-from autopar.passes.tensor_parallel import shard_steps
 from autopar.runtime.kernels import RandomStreams, bind_streams
+from autopar.runtime.sequence import cut_sequence
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution, solve
@@ -47,7 +48,7 @@ class Engine(nn.Module):
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
             self.mesh = TensorMesh("1d", (("cp", self._cp.size), ("tp", self._tp.size)))
         self._coords = {a: groups[a].rank for a in self.mesh.physical}
-        self._streams = RandomStreams(seed, self._dp.rank, self._tp.rank)
+        self._streams = RandomStreams(seed, self._dp.rank, self._tp.rank, self._cp.rank)
         self._state_keys = list(model.state_dict().keys())
         self._untraced_state = {}
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -84,11 +85,13 @@ class Engine(nn.Module):
         return solve(traced, axis="tp", size=self._tp.size, modes=self.plan.layer_modes(),
                      default_mode=self.plan.tp_mode, fixed_params=fixed, mesh=mesh,
                      sequence_parallel=self.plan.sequence_parallel_layers(),
-                     sequence_mode=(self.plan.sequence_mode or "ring") if cp else None)
+                     sequence_mode=(self.plan.sequence_mode or "ring") if cp else None,
+                     sequence_layout=self.plan.cp_layout())
 
     def _cut_sequence(self, tensors: tuple, graph) -> tuple:
-        """This cp rank's contiguous block of the tokens (dim 1) of every [batch, tokens, ...]
-        input and target (the graph, traced on the whole sequence, says which)."""
+        """This cp rank's tokens (dim 1, in the plan's layout: a contiguous block, or the
+        zigzag pair of chunks) of every [batch, tokens, ...] input and target (the graph,
+        traced on the whole sequence, says which)."""
         if self._cp.size == 1:
             return tuple(tensors)
         from autopar.sharding.solve import tokens_per_sample
@@ -98,8 +101,7 @@ class Engine(nn.Module):
         for t in tensors:
             if isinstance(t, torch.Tensor) and seq is not None and t.dim() >= 2 and \
                     t.shape[1] == seq:
-                n = seq // self._cp.size
-                t = t[:, self._cp.rank * n:(self._cp.rank + 1) * n]
+                t = cut_sequence(t, self._cp, dim=1, layout=self.plan.cp_layout())
             out.append(t)
         return tuple(out)
 
@@ -324,7 +326,7 @@ def _check_tokens_divide(traced, parts: int, no_sequence: str, splits: str,
         lo = seq - seq % parts
         ok = " or ".join(str(n) for n in (lo, lo + parts) if n > 0)
         raise PlanError(f"{splits.format(seq=seq)}, and {seq} does not divide by {parts}: use "
-                        f"a sequence length of {ok}, or {other} that divides {seq}.")
+                        f"a sequence length of {ok}, or {other.format(seq=seq)}.")
 
 
 def check_sequence_dims(traced, plan: Plan) -> None:
@@ -337,7 +339,7 @@ def check_sequence_dims(traced, plan: Plan) -> None:
         traced, tp, "sequence_parallel needs token sequences, but the model's first input "
         "is not [batch, tokens, ...]; drop sequence_parallel for this model.",
         f"sequence_parallel splits each sample's {{seq}} tokens over tensor size {tp}",
-        "a tensor size")
+        "a tensor size that divides {seq}")
 
 
 def check_context_dims(traced, plan: Plan) -> None:
@@ -346,10 +348,14 @@ def check_context_dims(traced, plan: Plan) -> None:
     cp = plan.mesh["cp"]
     if cp == 1:
         return
+    zigzag = plan.cp_layout() == "zigzag"
     _check_tokens_divide(
-        traced, cp, "sequence parallelism over cp needs token sequences, but the model's "
-        "first input is not [batch, tokens, ...]; use a sequence size of 1.",
-        f"sequence size {cp} splits each sample's {{seq}} tokens over cp", "a sequence size")
+        traced, 2 * cp if zigzag else cp, "sequence parallelism over cp needs token sequences, "
+        "but the model's first input is not [batch, tokens, ...]; use a sequence size of 1.",
+        f"sequence size {cp} splits each sample's {{seq}} tokens over cp" +
+        (f" in the zigzag layout (2 x {cp} chunks)" if zigzag else ""),
+        "layout='contiguous' (chunks of S / cp), or a sequence size whose double divides "
+        "{seq}" if zigzag else "a sequence size that divides {seq}")
 
 
 _WHAT = {"out": "output features", "in": "input features", "hidden": "hidden size",

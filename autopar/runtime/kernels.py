@@ -36,7 +36,7 @@ class VocabParallelEmbedding(Bound):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if not self.reduce:
             return out
-        return FUNCTIONS["reduce"].apply(out, g, None, 1)
+        return FUNCTIONS["reduce"].apply(out, g, None, 1, False)
 
 
 class PartialBias(Bound):
@@ -157,33 +157,46 @@ class GridNorm(GridBound):
 
 
 class GridCrossEntropy(GridBound):
-    """Mean cross-entropy of logits split on vocabulary (`vocab`) and rows (`batch` axes):
-    `multid.vocab_parallel_cross_entropy`, the same scalar on every rank."""
+    """Mean cross-entropy of logits split on vocabulary (`vocab`, or None when each rank
+    holds whole rows) and rows (`batch` axes): `multid.vocab_parallel_cross_entropy`, the
+    same scalar on every rank."""
 
-    def __init__(self, vocab: str, batch: tuple[str, ...], ignore_index: int = -100):
-        super().__init__((vocab,) + tuple(batch))
-        self.ignore_index = ignore_index
+    def __init__(self, vocab: str | None, batch: tuple[str, ...], ignore_index: int = -100):
+        super().__init__(((vocab,) if vocab else ()) + tuple(batch))
+        self.vocab, self.batch, self.ignore_index = vocab, tuple(batch), ignore_index
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab}, batch={self.batch}"
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        vocab, *batch = self._gs(self.axes)
-        return multid._VocabParallelCE.apply(logits, target, vocab, tuple(batch),
+        vocab = self._gs((self.vocab,))[0] if self.vocab else None
+        return multid._VocabParallelCE.apply(logits, target, vocab, self._gs(self.batch),
                                              self.ignore_index)
 
 
 class RandomStreams:
-    """Two generators per rank: one shared by the ranks of the tensor axis, one of the rank's own.
+    """A generator per set of axes that split an activation, shared by the ranks that hold
+    the same slice of it.
 
-    Where an activation is whole on every rank of the axis, its dropout mask must be the same
-    on all of them; where it is split, each rank's slice needs its own mask.
+    Where an activation is whole on every rank of a data-parallel replica, its dropout mask
+    must be the same on all of them ("replicated"); where tensor axes split it, each tensor
+    rank's slice needs its own mask, the same across cp ranks when cp does not split it
+    ("split"); where cp splits it (this rank's tokens), the tensor ranks holding those
+    tokens draw the same mask and each cp rank its own ("tokens"); both ("split+tokens").
     """
 
-    def __init__(self, seed: int, data_rank: int, tensor_rank: int):
+    def __init__(self, seed: int, data_rank: int, tensor_rank: int, cp_rank: int = 0):
         base = seed + 1_000_003 * data_rank
-        self.replicated = torch.Generator().manual_seed(base)
-        self.split = torch.Generator().manual_seed(base + 7919 * (tensor_rank + 1))
+        tensor, tokens = 7919 * (tensor_rank + 1), 104_729 * (cp_rank + 1)
+        self._generators = {
+            "replicated": torch.Generator().manual_seed(base),
+            "split": torch.Generator().manual_seed(base + tensor),
+            "tokens": torch.Generator().manual_seed(base + tokens),
+            "split+tokens": torch.Generator().manual_seed(base + tensor + tokens),
+        }
 
     def get(self, stream: str) -> torch.Generator:
-        return self.replicated if stream == "replicated" else self.split
+        return self._generators[stream]
 
 
 class StreamDropout(nn.Module):

@@ -579,17 +579,21 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab: AxisGroup, batch: tuple, ignore_index: int):
         vl = logits.shape[-1]
-        start = vocab.rank * vl
+        start = vocab.rank * vl if vocab is not None else 0
         z = logits.reshape(-1, vl)
         t = target.reshape(-1)
-        row_max = vocab.all_reduce(z.max(-1).values, "forward", op=dist.ReduceOp.MAX)
+        row_max = z.max(-1).values
+        if vocab is not None:
+            row_max = vocab.all_reduce(row_max, "forward", op=dist.ReduceOp.MAX)
         shifted = z - row_max[:, None]
         exp = shifted.exp()
         valid = t != ignore_index
         inside = valid & (t >= start) & (t < start + vl)
         local_t = (t - start).masked_fill(~inside, 0)
         picked = shifted.gather(1, local_t[:, None]).squeeze(1) * inside
-        sums = vocab.all_reduce(torch.stack([exp.sum(-1), picked]), "forward")
+        sums = torch.stack([exp.sum(-1), picked])
+        if vocab is not None:
+            sums = vocab.all_reduce(sums, "forward")
         losses = (sums[0].log() - sums[1]) * valid
         total = _sum_over(batch, torch.stack([losses.sum(), valid.sum().to(z.dtype)]), "forward")
         ctx.save_for_backward(exp / sums[0][:, None], local_t, inside, valid, total[1])

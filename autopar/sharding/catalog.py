@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.analysis import NodeInfo, OpKind
+from autopar.graph.masks import is_causal_mask
 from autopar.graph.trace import BATCH
 from autopar.sharding.axes import GRIDS, MULTI_D, TensorMesh, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
@@ -366,7 +367,8 @@ def _arg(node: fx.Node, pos, name: str, default):
 def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     """q, k, v split on the sequence dim (2) over `cp`: ring attention or Ulysses
     (`autopar.runtime.sequence`), with the collectives the kernel logs. Dropout and masks
-    other than is_causal are not supported: the sequence is gathered instead."""
+    other than is_causal (or a mask equal to it, `autopar.graph.masks`) are not supported:
+    the sequence is gathered instead."""
     node = ctx.node
     positions = _SDPA_ARGS.get(node.target)
     mode = ctx.sequence_mode or "ring"
@@ -383,6 +385,9 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
         gqa = bool(_arg(node, pg, "enable_gqa", False))
     dropout_p = _arg(node, pd, "dropout_p", 0.0)
     causal = bool(_arg(node, pc, "is_causal", False))
+    if isinstance(mask, fx.Node) and not causal and len(ctx.shape(q)) == 4 and \
+            ctx.shape(q)[2] == ctx.shape(k)[2] and is_causal_mask(mask):
+        causal, mask = True, None  # a causal mask built from positions (transformers' models)
     if isinstance(mask, fx.Node) or dropout_p:
         return replicate(ctx, note="sequence-parallel attention takes no mask or dropout; "
                                    "ran with the sequence gathered")
@@ -759,9 +764,11 @@ def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
     for ins, outs in run:
         if shard.dim not in ins:
             continue
+        if shard.groups < 0:
+            return _unflatten_samples(in_shape, out_shape, ins, outs, shard, parts), None
         prefix_in = sympy.Mul(*[in_shape[d] for d in ins if d < shard.dim])
         if not prefix_in.is_number:
-            return None, None
+            return _flatten_samples(in_shape, out_shape, ins, outs, shard, parts), None
         blocks = int(prefix_in) * shard.groups
         prefix_out = 1
         for t in outs:
@@ -786,6 +793,29 @@ def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
             prefix_out *= size
         return None, None
     return None, None
+
+
+def _flatten_samples(in_shape, out_shape, ins, outs, shard: Shard, parts: int):
+    """[B, S, ...] split on S (right after the batch) over cp flattened into one dim
+    [B*S*...]: a batch-major split with runs of S*... elements per sample (groups -r), or
+    None. (Megatron-SP's sequence splits over tp are gathered at such views instead: the
+    1D rules after them want whole tokens.)"""
+    run = sympy.Mul(*[in_shape[d] for d in ins[1:]])
+    if shard.axis != CP or shard.groups != 1 or len(outs) != 1 or len(ins) < 2 or shard.dim != ins[1] or \
+            not _batch_like(in_shape[ins[0]]) or not run.is_number or \
+            not divisible(in_shape[shard.dim], parts):
+        return None
+    return Shard(outs[0], shard.axis, -int(run))
+
+
+def _unflatten_samples(in_shape, out_shape, ins, outs, shard: Shard, parts: int):
+    """The inverse of `_flatten_samples`: [B*r] back to [B, S, ...] with S split, or None."""
+    run = sympy.Mul(*[out_shape[d] for d in outs[1:]])
+    if len(ins) != 1 or len(outs) < 2 or not _batch_like(out_shape[outs[0]]) or \
+            not run.is_number or int(run) != -shard.groups or \
+            not divisible(out_shape[outs[1]], parts):
+        return None
+    return Shard(outs[1], shard.axis, 1)
 
 
 def _matching_runs(in_shape, out_shape):
@@ -1177,13 +1207,15 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
     elif kind is OpKind.EMBEDDING:
         x = node.args[1]
         token_dims = len(ctx.shape(x))
+    elif kind is OpKind.LOSS:
+        return _token_loss(ctx, strategy)
     else:
         return strategy
     layout = ctx.layouts.get(x)
     shard = layout.shard_on(CP) if isinstance(layout, Layout) else None
-    if shard is None or shard.dim >= token_dims or shard.groups != 1 or x not in strategy.needs:
+    if shard is None or shard.dim >= token_dims or shard.groups > 1 or x not in strategy.needs:
         return strategy
-    d = shard.dim
+    d, groups = shard.dim, shard.groups  # groups < 0: tokens flattened batch-major
     need_x = strategy.needs[x].layout
     if need_x.shard_of_dim(d) is not None or need_x.partial:
         return strategy
@@ -1193,7 +1225,7 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
         if not isinstance(lay, Layout) or len(shape) <= d or shape[d] != x_len or \
                 lay.shard_of_dim(d) is not None:
             return lay
-        return lay.with_shard(d, CP)
+        return lay.with_shard(d, CP, groups)
 
     val = node.meta.get("val")
     if isinstance(strategy.out, list):
@@ -1209,12 +1241,51 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
     needs = {}
     for n, need in strategy.needs.items():
         if n is x:
-            needs[n] = Need(need.layout.with_shard(d, CP), need.sum_grads)
+            needs[n] = Need(need.layout.with_shard(d, CP, groups), need.sum_grads)
         elif ctx.requires_grad.get(n):
             needs[n] = Need(need.layout, tuple(dict.fromkeys(need.grad_axes(ctx.axis) + (CP,))))
         else:
             needs[n] = need
     return replace(strategy, needs=needs, out=out, comm=comm)
+
+
+def _token_loss(ctx: RuleContext, strategy: Strategy) -> Strategy:
+    """Mean cross-entropy of [tokens, vocab] logits whose rows are split over `cp` (a
+    language model's [B, S, V] logits flattened with S split): each rank takes its rows
+    (and, when the 1D rule split the vocabulary, its vocabulary slice), and the loss sum
+    and row count are summed over cp, so no rank gathers the logits. Otherwise the 1D
+    strategy as it is (its needs gather the rows)."""
+    node = ctx.node
+    if node.target is not aten.cross_entropy_loss.default or \
+            strategy.name not in ("replicate", "vocab_parallel"):
+        return strategy
+    logits, target = node.args[0], node.args[1]
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+    ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    lay_x, lay_t = ctx.layouts.get(logits), ctx.layouts.get(target)
+    if len(ctx.shape(logits)) != 2 or len(ctx.shape(target)) != 1 or weight is not None or \
+            smoothing or reduction != 1 or not isinstance(lay_x, Layout) or \
+            not isinstance(lay_t, Layout):
+        return strategy
+    rows, rows_t = lay_x.shard_on(CP), lay_t.shard_on(CP)
+    if rows is None or rows_t is None or rows.dim != 0 or rows_t.dim != 0 or \
+            rows.groups != rows_t.groups:
+        return strategy
+    cp = ctx.sizes[CP]
+    vocab = strategy.name == "vocab_parallel"
+    need_x = (strategy.needs[logits].layout if vocab else _rep(logits)).with_shard(
+        0, CP, rows.groups)
+    item = _itemsize(logits.meta["autopar"].dtype)
+    comm = [replace(c, bytes=c.bytes / cp) for c in strategy.comm]
+    comm += _comm(ctx, "all_reduce", CP, 2 * item)
+    needs = {logits: Need(need_x), target: Need(_rep(target).with_shard(0, CP, rows.groups))}
+    return Strategy("token_parallel" + (" vocab_parallel" if vocab else ""), needs,
+                    Layout.replicated(0), comm=comm, rewrite="grid_cross_entropy",
+                    args={"vocab": ctx.axis if vocab else None, "batch": (CP,),
+                          "ignore_index": ignore})
 
 
 def per_axis(ctx: RuleContext, rule: Callable[[RuleContext], Strategy]) -> Strategy:

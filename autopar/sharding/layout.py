@@ -7,7 +7,11 @@ parallelism splits an activation's batch over `tp_i` and its hidden dim over `tp
 axis that spans several physical mesh dims is a composite (see `autopar.sharding.axes`).
 A split dimension may carry `groups`: the dimension is read as `groups` equal blocks and
 each block is split separately, which is how a fused QKV projection keeps q, k and v of
-the same heads on one rank (`S(tp)x3`).
+the same heads on one rank (`S(tp)x3`). A negative `groups`, -r, marks a batch-major
+flattening whose block count is the batch, known only at run time: [B, S, ...] split on S
+and flattened to [B*S, ...] reads as runs of r = S*... elements per sample, each run split
+(`S(cp)/r`; the language-model loss takes its logits and targets this way under context
+parallelism). `block_count` turns it into the number of blocks of a concrete tensor.
 
     >>> Layout.replicated(3).with_shard(2, "tp")
     R R S(tp)
@@ -45,6 +49,8 @@ class Layout:
             shard = self.shard_of_dim(d)
             if shard is None:
                 dims.append("R")
+            elif shard.groups < 0:
+                dims.append(f"S({shard.axis})/{-shard.groups}")
             else:
                 dims.append(f"S({shard.axis})" + (f"x{shard.groups}" if shard.groups > 1 else ""))
         text = " ".join(dims) if dims else "scalar"
@@ -110,6 +116,19 @@ class Layout:
 
     def to_json(self) -> str:
         return repr(self)
+
+
+def block_count(groups: int, length: int, parts: int, whole: bool) -> int:
+    """The number of blocks of a split dimension of `length` elements: `groups` itself, or,
+    for a batch-major flattening (groups = -r, runs of r elements per sample), the number
+    of samples. `whole`: `length` is the gathered dim (else one rank's part of it)."""
+    if groups > 0:
+        return groups
+    run = -groups if whole else -groups // parts
+    if run <= 0 or length % run:
+        raise ValueError(f"a dim of {length} elements is not a whole number of per-sample "
+                         f"runs of {run}")
+    return length // run
 
 
 def divisible(size, parts: int) -> bool:

@@ -58,6 +58,7 @@ class Solution:
     sp_layers: frozenset = frozenset()  # layers run with Megatron sequence parallelism
     seq: int | None = None  # tokens per sample, the size of the sequence dim they split
     sp_failures: dict = field(default_factory=dict)  # layer -> why it is not sequence-split
+    sequence_layout: str = "contiguous"  # how tokens split over cp lie ("zigzag" or not)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -85,7 +86,8 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
           fixed_params: dict[str, Layout] | None = None,
           mesh: TensorMesh | None = None,
           sequence_parallel: bool | set | frozenset = False,
-          sequence_mode: str | None = None) -> Solution:
+          sequence_mode: str | None = None,
+          sequence_layout: str = "contiguous") -> Solution:
     """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
 
     `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
@@ -99,6 +101,10 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
     `sequence_mode`: with a "cp" axis in `mesh` (context parallelism), "ring" or "ulysses":
     token inputs [batch, tokens, ...] (and targets) arrive split on dim 1 over cp in the
     contiguous layout, per-token ops keep the split, attention runs the sequence kernels.
+    `sequence_layout`: how the tokens lie over cp ("contiguous", or "zigzag": rank r holds
+    chunks r and 2c-1-r of 2c). Layouts say S(cp) either way: a split on cp is always a
+    token split, so the layout is one property of the solution, which the run-time
+    redistributions over cp and the sequence kernels follow.
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
@@ -118,6 +124,7 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
             break
         hints.update(new_hints)
     solution.hints = hints
+    solution.sequence_layout = sequence_layout if mesh.sizes.get("cp", 1) > 1 else "contiguous"
     if solution.sp_failures:
         why = "; ".join(f"{layer}: {reason}" for layer, reason in
                         sorted(solution.sp_failures.items()))
