@@ -251,12 +251,16 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                    "winner": best.describe(), "dtype": dtype, "global_batch": global_batch,
                    "attention_kernel": result.attention_kernel}
     sequence_mode = best.cp_mode if mesh["cp"] > 1 else None
+    # ring attention's zigzag layout needs 2 x cp chunks; else the contiguous one
+    sequence_layout = "contiguous" if sequence_mode == "ring" and \
+        chain.tokens_per_sample % (2 * mesh["cp"]) else None
     plan = Plan(mesh=dict(mesh), tp_mode=main.mode.name, tp_depth=main.mode.d if
                 main.mode.name == "2.5d" else 1,
                 sequence_parallel=all(s.sp == "megatron" for s in best.states
                                       if s.mode.name == "1d" and s.mode.size > 1)
                 and main.sp == "megatron",
                 sequence_mode=sequence_mode,
+                sequence_layout=sequence_layout,
                 layers=layers,
                 pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else "1f1b",
                                       microbatches=best.microbatches, chunks=best.chunks,

@@ -43,11 +43,14 @@ saves within 0.02%, and each rank holds 0.264 of the single-device activations (
 contiguous in [B, H, S, D] where aten's CPU flash attention returns it laid out
 [B, S, H, D], so the model's transpose + reshape copies it and c_proj saves the copy (one
 [B, S/cp, hidden] per block). Before the loss took its own tokens (it gathered the logits
-over cp) the share was 0.342. (b) with the ring kernel tiled (each ring step works
-on tiles of at most TILE x TILE scores, as FlashAttention does inside a block), ring
-attention on 4 ranks trained 43008 tokens under the 512 MiB cap against 13312 on one
-device, 3.2x; before tiling it materialised the S_local x S_local scores of every block
-pair for all heads at once and reached 0.92x.
+over cp) the share was 0.342. (b) ring attention on 4 ranks (zigzag layout, the kernel
+tiled so each ring step works on tiles of at most TILE x TILE scores, as FlashAttention
+does inside a block, and the loss on each rank's own tokens) trained 52224 tokens under
+the 512 MiB cap against 13312 on one device: 3.92x. The step's peak grows linearly with
+the sequence on both sides (about 10 KiB per token per rank under ring, 37 KiB on one
+device). Earlier: 0.92x when the kernel materialised the S_local x S_local scores of
+every block pair for all heads at once; 3.2x (43008 tokens) when the loss still gathered
+the logits over cp.
 
 Context, not a claim reproduced here: Li et al. 2021 (arXiv 2105.13120) report ring
 attention reaching 3.0x the longest sequence of tensor parallelism on 64 GPUs.

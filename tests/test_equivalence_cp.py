@@ -62,9 +62,19 @@ def test_cp2_equals_single_device(pool2, name, mode):
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
 def test_cp4_equals_single_device(pool4, name, mode):
-    """Four sequence shards; llama-tiny's 2 key/value heads are fewer than cp, so Ulysses
-    repeats them before its all-to-all."""
+    """Four sequence shards (llama-tiny's 4 key/value heads: one per rank under Ulysses)."""
     _check_kernels(pool4.run(compare, name, CP(mode, size=4), probe=_cp_collectives), mode)
+
+
+GQA2 = "llama:layers=2,hidden=64,heads=8,kv_heads=2,ffn=128,vocab=256,seq=32"
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp4_grouped_query_attention_with_fewer_kv_heads_than_cp(pool4, mode):
+    """2 key/value heads over cp 4: Ulysses repeats them twice before its all-to-all (the
+    plan prices f = 2 repeated k, v, and the log agrees); ring sends the 2 heads as they
+    are."""
+    _check_kernels(pool4.run(compare, GQA2, CP(mode, size=4), probe=_cp_collectives), mode)
 
 
 def _positions_probe(engine, inputs, target):
@@ -173,8 +183,8 @@ def test_cp_with_grid_tensor_parallelism_is_refused():
                                                         sequence_parallel=True)))
 
 
-@pytest.mark.parametrize("name,mode", [("gpt-tiny", "ring"), ("llama-tiny", "ulysses"),
-                                       ("hf-gpt2", "ulysses")])
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
 def test_cp2_tp2_equals_single_device(pool4, name, mode):
     """cp2 x tp2 (1d): heads split over tp, each rank's heads run the sequence kernel over cp;
     row linears all-reduce this rank's block of the tokens over tp, and weight gradients
@@ -187,8 +197,10 @@ def test_cp2_tp2_equals_single_device(pool4, name, mode):
     assert all(r["measured"] == results[0]["measured"] for r in results)
 
 
-def test_cp2_dp2_ulysses_llama(pool4):
-    results = pool4.run(compare, "llama-tiny", CP("ulysses"))
+@pytest.mark.parametrize("name,mode", [("llama-tiny", "ulysses"), ("gpt-tiny", "ring"),
+                                       ("hf-gpt2", "ring")])
+def test_cp2_dp2_equals_single_device(pool4, name, mode):
+    results = pool4.run(compare, name, CP(mode))
     for r in results:
         _check(r)
         assert ("all_reduce", "dp") in r["measured"]

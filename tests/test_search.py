@@ -20,6 +20,7 @@ from autopar.cost.hardware import load_hardware
 from autopar.cost.model import tensor_modes
 from autopar.errors import PlanError, WorldError
 from autopar.models import workload
+from autopar.plan import Plan
 from autopar.search.partition import balance, balance_dp, balance_within, choose_states
 from autopar.search.search import _counts
 from autopar.world import World
@@ -411,3 +412,16 @@ def test_executable_search_offers_megatron_sp_only_where_the_runtime_splits_sequ
     res = planner.search(vit, world, global_batch=8, executable=True,
                          constraints={"tp": 4, "tp_mode": "1d"})
     assert {s.sp for s in res.best.states} == {"none"}
+
+
+@pytest.mark.parametrize("seq,layout", [(1536, "zigzag"), (1539, "contiguous")])
+def test_ring_plans_take_the_zigzag_layout_where_2cp_divides_the_sequence(small, seq, layout):
+    """Ring attention's plan runs zigzag (balanced causal work) when the sequence splits into
+    2 x cp chunks, and contiguous blocks when it only splits into cp."""
+    chain = dataclasses.replace(small, tokens_per_sample=seq)
+    world = World(6, per_node=6)
+    res = planner.search(chain, world, global_batch=6, constraints=dict(cp=3, sp="ring"))
+    assert res.best is not None and res.best.cp_mode == "ring"
+    plan = planner.to_plan(chain, world, res, 6, "bf16", 0.0)
+    assert plan.mesh["cp"] == 3 and plan.cp_layout() == layout
+    assert Plan.from_json(plan.to_json()).cp_layout() == layout

@@ -29,6 +29,7 @@ from autopar.runtime.sequence import SequenceAttention
 from autopar.runtime.kernels import GridCrossEntropy, GridLinear, GridNorm, PartialBias, \
     StreamCall, StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
 from autopar.sharding.axes import TensorMesh
+from autopar.sharding.catalog import cross_entropy_args
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution
 
@@ -119,9 +120,7 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict,
                                  VocabParallelEmbedding(axis, padding, args.get("reduce", True)),
                                  (node.args[0], node.args[1]))
         elif strategy.rewrite == "vocab_parallel_cross_entropy":
-            args = list(node.args) + [None] * (6 - len(node.args))
-            reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
-            ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+            _, reduction, ignore, _ = cross_entropy_args(old)
             _replace_with_module(gm, node, "vocab_cross_entropy",
                                  VocabParallelCrossEntropy(axis, reduction, ignore),
                                  (node.args[0], node.args[1]))

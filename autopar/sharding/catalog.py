@@ -519,15 +519,24 @@ def softmax(ctx: RuleContext) -> Strategy:
     return follow(ctx, x, layout)
 
 
+def cross_entropy_args(node: fx.Node) -> tuple:
+    """(weight, reduction, ignore_index, label_smoothing) of an aten.cross_entropy_loss node,
+    defaults filled in (reduction 1 is the mean)."""
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight = node.kwargs.get("weight", args[2])
+    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+    ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    return weight, reduction, ignore, smoothing
+
+
 def loss(ctx: RuleContext) -> Strategy:
     """Vocabulary-parallel cross-entropy: max, sum of exponentials and target logit all-reduced."""
     node = ctx.node
     if node.target is not aten.cross_entropy_loss.default or ctx.mode != "1d":
         return replicate(ctx)
     logits, target = node.args[0], node.args[1]
-    args = list(node.args) + [None] * (6 - len(node.args))
-    weight = node.kwargs.get("weight", args[2])
-    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    weight, _, _, smoothing = cross_entropy_args(node)
     if _shard_dim(ctx, logits) != 1 or len(ctx.shape(logits)) != 2 or weight is not None \
             or smoothing:
         return replicate(ctx)
@@ -801,8 +810,8 @@ def _flatten_samples(in_shape, out_shape, ins, outs, shard: Shard, parts: int):
     None. (Megatron-SP's sequence splits over tp are gathered at such views instead: the
     1D rules after them want whole tokens.)"""
     run = sympy.Mul(*[in_shape[d] for d in ins[1:]])
-    if shard.axis != CP or shard.groups != 1 or len(outs) != 1 or len(ins) < 2 or shard.dim != ins[1] or \
-            not _batch_like(in_shape[ins[0]]) or not run.is_number or \
+    if shard.axis != CP or shard.groups != 1 or len(outs) != 1 or len(ins) < 2 or \
+            shard.dim != ins[1] or not _batch_like(in_shape[ins[0]]) or not run.is_number or \
             not divisible(in_shape[shard.dim], parts):
         return None
     return Shard(outs[0], shard.axis, -int(run))
@@ -1102,11 +1111,7 @@ def grid_loss(ctx: RuleContext) -> Strategy:
     if node.target is not aten.cross_entropy_loss.default:
         return replicate(ctx)
     logits, target = node.args[0], node.args[1]
-    args = list(node.args) + [None] * (6 - len(node.args))
-    weight = node.kwargs.get("weight", args[2])
-    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
-    ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
-    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    weight, reduction, ignore, smoothing = cross_entropy_args(node)
     if len(ctx.shape(logits)) != 2 or weight is not None or smoothing or reduction != 1:
         return replicate(ctx)
     layout = ctx.layout(logits)
@@ -1260,11 +1265,7 @@ def _token_loss(ctx: RuleContext, strategy: Strategy) -> Strategy:
             strategy.name not in ("replicate", "vocab_parallel"):
         return strategy
     logits, target = node.args[0], node.args[1]
-    args = list(node.args) + [None] * (6 - len(node.args))
-    weight = node.kwargs.get("weight", args[2])
-    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
-    ignore = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
-    smoothing = node.kwargs.get("label_smoothing", args[5]) or 0.0
+    weight, reduction, ignore, smoothing = cross_entropy_args(node)
     lay_x, lay_t = ctx.layouts.get(logits), ctx.layouts.get(target)
     if len(ctx.shape(logits)) != 2 or len(ctx.shape(target)) != 1 or weight is not None or \
             smoothing or reduction != 1 or not isinstance(lay_x, Layout) or \
