@@ -1,0 +1,217 @@
+"""Cut a training graph into pipeline stages at layer boundaries.
+
+`split_stages(gm, stage_of_layer, n)` returns one GraphModule per stage. Stage 0 takes the
+graph's inputs (the batch and the target); stage k > 0 takes the values earlier stages
+produced that stage k or a later one reads, in a fixed order, and returns those that
+stage k+1 or a later one reads (a value crossing several stages, a skip connection, is
+passed along by every stage in between); the last stage returns the graph's output (the
+loss). Every value that crosses a boundary is a tensor, so each boundary is one
+point-to-point send of a tuple of tensors.
+
+Values derived only from sizes and constants (the sizes of the inputs, aranges, position
+tables cut from buffers, causal masks built from positions) are never sent: each stage
+that reads one recomputes it from its own inputs' sizes (`Stages.recomputed` names them).
+Reading the batch size of a graph input in a later stage becomes reading it from a carried
+tensor with the same batch dim.
+
+Parameters stay attributes of the original module: a stage reads those its nodes use.
+A parameter read by more than one stage (a tied input and output embedding) is listed in
+`Stages.shared`; on different ranks its gradients must be summed over those stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.errors import PlanError
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Stages:
+    modules: list[fx.GraphModule]
+    inputs: list[list[str]]  # stage k: the names of the values it receives, in order
+    outputs: list[list[str]]  # stage k: the names of the values it sends on, in order
+    params: list[set[str]]  # stage k: the parameter attributes it reads
+    shared: dict[str, list[int]] = field(default_factory=dict)  # parameter -> its stages
+    recomputed: set[str] = field(default_factory=set)  # size-derived nodes rebuilt per stage
+
+
+def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int) -> Stages:
+    """Cut `gm` into `n` stages. `stage_of_layer` maps layer names (node.meta["autopar"]
+    .layer, the loss's layer included: map it to the last stage) to stage indices. A node
+    runs on its layer's stage, or later when it reads a later stage's value: a model's
+    root layer has ops both before its blocks and after them (transformers' final view).
+    A node of no listed layer joins the latest stage among its inputs (stage 0 when it has
+    none). Raises PlanError when a node that reads parameters would run on a later stage
+    than its layer's (layers placed out of order), or a layer beyond the last stage."""
+    graph = gm.graph
+    placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
+    output = next(nd for nd in graph.nodes if nd.op == "output")
+    free = _size_derived(graph)
+    stage: dict[fx.Node, int] = {}
+    for nd in graph.nodes:
+        if nd.op in ("placeholder", "get_attr") or nd in free:
+            continue
+        if nd.op == "output":
+            continue
+        info = nd.meta.get("autopar")
+        layer = getattr(info, "layer", None)
+        inputs = [stage[a] for a in nd.all_input_nodes if a in stage]
+        earliest = max(inputs, default=0)
+        k = max(stage_of_layer.get(layer, 0), earliest)
+        if layer in stage_of_layer and k != stage_of_layer[layer] and \
+                any(a.op == "get_attr" and _is_parameter(a) for a in nd.all_input_nodes):
+            raise PlanError(f"layer {layer} is placed on stage {stage_of_layer[layer]} but its "
+                            f"node {nd.name} reads a value of stage {earliest}; stages must "
+                            "follow the order in which the model runs its layers.")
+        stage[nd] = k
+    for nd in placeholders:
+        stage[nd] = 0
+    if max(stage.values(), default=0) >= n:
+        raise PlanError(f"a layer is placed on stage {max(stage.values())} of a {n}-stage "
+                        "pipeline.")
+    # what each stage reads from earlier ones (the graph's inputs are stage 0's values)
+    reads_before: list[set[fx.Node]] = [set() for _ in range(n)]
+    for nd in graph.nodes:
+        if nd.op == "output":
+            k = n - 1
+        elif nd in stage and nd.op != "placeholder":
+            k = stage[nd]
+        else:
+            continue
+        for a in _sources(nd.all_input_nodes, free):
+            if a.op != "get_attr" and stage[a] < k:
+                reads_before[k].add(a)
+    order = {nd: i for i, nd in enumerate(graph.nodes)}
+    # carried into stage k: what stage k or a later one reads that an earlier stage made
+    carried: list[list[fx.Node]] = [placeholders]
+    for k in range(1, n):
+        vals = {a for j in range(k, n) for a in reads_before[j] if stage[a] < k}
+        carried.append(sorted(vals, key=order.__getitem__))
+    modules, ins, outs, params = [], [], [], []
+    for k in range(n):
+        sends = carried[k + 1] if k + 1 < n else None
+        mod, used = _build_stage(gm, k, stage, free, carried[k], sends, output)
+        modules.append(mod)
+        ins.append([v.name for v in carried[k]])
+        outs.append([v.name for v in sends] if sends is not None else ["output"])
+        params.append(used)
+    shared: dict[str, list[int]] = {}
+    for k, used in enumerate(params):
+        for p in used:
+            shared.setdefault(p, []).append(k)
+    shared = {p: ks for p, ks in shared.items() if len(ks) > 1}
+    return Stages(modules, ins, outs, params, shared, {nd.name for nd in free})
+
+
+def _sources(reads, free: set) -> list[fx.Node]:
+    """The non-free values `reads` depend on: free nodes are looked through (they are
+    rebuilt where they are read), down to the inputs whose sizes they read."""
+    out, todo, seen = [], list(reads), set()
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a in free:
+            if a.op == "call_function" and a.target is aten.sym_size.int:
+                continue  # rebuilt from a carried tensor's size
+            todo.extend(a.all_input_nodes)
+        else:
+            out.append(a)
+    return out
+
+
+def _size_derived(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from sizes and constants only: sizes of any value, aranges, buffers
+    and everything pure built from them, but no parameter (its gradient must come from
+    one place) and no input or activation value."""
+    free: set[fx.Node] = set()
+    for nd in graph.nodes:
+        if nd.op == "call_function" and nd.target is aten.sym_size.int:
+            free.add(nd)
+            continue
+        if nd.op == "get_attr":
+            continue
+        if nd.op != "call_function" or nd.is_impure() or \
+                getattr(nd.target, "_nondeterministic_seeded", False):
+            continue
+        inputs = nd.all_input_nodes
+        if all(a in free or (a.op == "get_attr" and not _is_parameter(a)) for a in inputs):
+            free.add(nd)
+    return free
+
+
+def _is_parameter(nd: fx.Node) -> bool:
+    owner = nd.graph.owning_module
+    try:
+        value = owner.get_parameter(nd.target)
+    except AttributeError:
+        return False
+    return isinstance(value, torch.nn.Parameter)
+
+
+def _build_stage(gm, k, stage, free, receives, sends, output):
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    used: set[str] = set()
+    for v in receives:
+        p = graph.placeholder(v.name)
+        p.meta = dict(v.meta)
+        env[v] = p
+
+    def value(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if a.op == "get_attr":
+            new = graph.get_attr(a.target)
+            new.meta = dict(a.meta)
+            if _is_parameter(a):
+                used.add(a.target)
+        elif a.op == "call_function" and a.target is aten.sym_size.int and \
+                a.args[0] not in env:
+            new = _size_from_carried(graph, a, env)
+        elif a in free:
+            new = graph.node_copy(a, value)
+        else:
+            raise PlanError(f"stage {k} reads {a.name}, which it neither computes nor "
+                            "receives")
+        env[a] = new
+        return new
+
+    for nd in gm.graph.nodes:
+        if stage.get(nd) != k or nd.op == "placeholder" or nd in free:
+            continue
+        env[nd] = graph.node_copy(nd, value)
+    if sends is None:
+        graph.output(fx.map_arg(output.args[0], value))
+    else:
+        graph.output(tuple(value(v) for v in sends))
+    graph.lint()
+    module = fx.GraphModule(gm, graph)
+    return module, used
+
+
+def _size_from_carried(graph: fx.Graph, size_node: fx.Node, env: dict) -> fx.Node:
+    """A size of an input this stage does not receive, read from a received tensor whose dim
+    has the same (symbolic) global size: the batch of the input ids, from an activation."""
+    source, dim = size_node.args[0], size_node.args[1]
+    want = sympy.sympify(source.meta["autopar"].shape[dim])
+    for old, new in env.items():
+        info = old.meta.get("autopar")
+        shape = getattr(info, "shape", None)
+        if new.op != "placeholder" or not shape:
+            continue
+        for d, size in enumerate(shape):
+            if sympy.simplify(sympy.sympify(size) - want) == 0 and want.free_symbols:
+                out = graph.call_function(aten.sym_size.int, (new, d))
+                out.meta = dict(size_node.meta)
+                return out
+    raise PlanError(f"a later pipeline stage reads size {dim} of input {source.name} "
+                    f"({want}) but receives no tensor with that size")
