@@ -3,7 +3,8 @@
 Running the stages one after another, each fed what the previous one returned, gives the
 loss and every parameter gradient of the whole training graph. Only tensors cross stage
 boundaries; size-derived values (the batch size, causal masks, position tables) are
-rebuilt by each stage that reads them; a tied embedding is reported as shared.
+rebuilt by each stage that reads them; a tied embedding is reported as shared. With the
+targets split off, the loss is a module of its own and no integer tensor crosses a stage.
 """
 
 import pytest
@@ -75,6 +76,37 @@ def test_stages_in_sequence_equal_the_whole_graph(name, n):
                 assert shape and sympy.sympify(shape[0]).free_symbols == {BATCH}, value.name
 
 
+def _run_with_loss(stages, inputs, target):
+    out = stages.modules[0](*inputs)
+    for module in stages.modules[1:]:
+        out = module(*out)
+    loss = stages.loss(*out, target)
+    return loss[0] if isinstance(loss, (tuple, list)) else loss
+
+
+@pytest.mark.parametrize("name,n", [("gpt-tiny", 2), ("hf-gpt2", 2), (LLAMA4, 4)])
+def test_targets_stay_with_the_loss_and_never_cross_a_stage(name, n):
+    """With the target split off, stage 0 takes the token ids only, every boundary carries
+    floating-point activations only (a pipeline schedule infers their shapes by running
+    stages on made-up values, which integer ids would not survive), and the loss module
+    on the last stage's outputs and the target gives the whole graph's loss and gradients."""
+    traced, inputs, target = _traced(name)
+    stages = split_stages(traced.gm, _contiguous([layer.name for layer in traced.layers], n),
+                          n, targets=1)
+    assert stages.loss is not None and len(stages.inputs[0]) == len(inputs)
+    for k in range(1, n):
+        for value in stages.modules[k].graph.nodes:
+            if value.op == "placeholder":
+                assert value.meta["autopar"].dtype.is_floating_point, value.name
+    loss, grads = _grads(traced.gm, lambda: _run_with_loss(stages, inputs, target))
+    ref_loss, ref_grads = _grads(traced.gm, lambda: _whole(traced, inputs, target))
+    assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
+    for key, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[key], rtol=1e-6, atol=1e-7)
+    if name == "gpt-tiny":  # the classifier (tied to the embedding) is read by the loss side
+        assert stages.shared == {"model.lm_head.weight": [0, 1]}
+
+
 def _whole(traced, inputs, target):
     out = traced.gm(*inputs, target)
     return out[0] if isinstance(out, (tuple, list)) else out
@@ -120,5 +152,6 @@ def test_layers_placed_out_of_order_are_refused():
         split_stages(traced.gm, mapping, 2)
     mapping = _contiguous([layer.name for layer in traced.layers], 2)
     mapping["loss"] = 2
-    with pytest.raises(PlanError, match="stage 2 of a 2-stage pipeline"):
+    with pytest.raises(PlanError, match="layer loss is placed on stage 2; a 2-stage pipeline "
+                                        "has stages 0 to 1"):
         split_stages(traced.gm, mapping, 2)

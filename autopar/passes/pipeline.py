@@ -14,6 +14,10 @@ that reads one recomputes it from its own inputs' sizes (`Stages.recomputed` nam
 Reading the batch size of a graph input in a later stage becomes reading it from a carried
 tensor with the same batch dim.
 
+With `targets`, the loss (what reads the targets) is cut off as its own module, which a
+pipeline schedule calls on the last stage with each micro-batch's targets: the targets
+(integer class ids) never travel between stages.
+
 Parameters stay attributes of the original module: a stage reads those its nodes use.
 A parameter read by more than one stage (a tied input and output embedding) is listed in
 `Stages.shared`; on different ranks its gradients must be summed over those stages.
@@ -37,33 +41,51 @@ class Stages:
     modules: list[fx.GraphModule]
     inputs: list[list[str]]  # stage k: the names of the values it receives, in order
     outputs: list[list[str]]  # stage k: the names of the values it sends on, in order
-    params: list[set[str]]  # stage k: the parameter attributes it reads
+    params: list[set[str]]  # stage k: the parameter attributes it reads (its loss included)
     shared: dict[str, list[int]] = field(default_factory=dict)  # parameter -> its stages
     recomputed: set[str] = field(default_factory=set)  # size-derived nodes rebuilt per stage
+    # with targets: loss(*last stage's outputs, *targets) -> the graph's output
+    loss: fx.GraphModule | None = None
 
 
-def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int) -> Stages:
+def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int,
+                 targets: int = 0) -> Stages:
     """Cut `gm` into `n` stages. `stage_of_layer` maps layer names (node.meta["autopar"]
     .layer, the loss's layer included: map it to the last stage) to stage indices. A node
     runs on its layer's stage, or later when it reads a later stage's value: a model's
     root layer has ops both before its blocks and after them (transformers' final view).
     A node of no listed layer joins the latest stage among its inputs (stage 0 when it has
     none). Raises PlanError when a node that reads parameters would run on a later stage
-    than its layer's (layers placed out of order), or a layer beyond the last stage."""
+    than its layer's (layers placed out of order), or a layer beyond the last stage.
+
+    `targets`: the graph's last `targets` inputs are the targets. They never cross a stage
+    boundary: what reads them (the loss) becomes `Stages.loss`, called on the last stage's
+    outputs and the targets (a pipeline schedule's loss function), and stage 0 takes the
+    other inputs. Without targets the target travels with the activations and the last
+    stage returns the loss itself.
+    """
+    bad = sorted((k, layer) for layer, k in stage_of_layer.items() if not 0 <= k < n)
+    if bad:
+        raise PlanError(f"layer {bad[0][1]} is placed on stage {bad[0][0]}; a {n}-stage "
+                        f"pipeline has stages 0 to {n - 1}.")
     graph = gm.graph
     placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
+    inputs, target_nodes = placeholders[:len(placeholders) - targets], \
+        placeholders[len(placeholders) - targets:]
     output = next(nd for nd in graph.nodes if nd.op == "output")
     free = _size_derived(graph)
-    stage: dict[fx.Node, int] = {}
+    loss_stage = n if targets else n - 1  # a virtual stage after the last holds the loss
+    stage: dict[fx.Node, int] = {nd: 0 for nd in inputs}
+    stage.update({nd: loss_stage for nd in target_nodes})
     for nd in graph.nodes:
-        if nd.op in ("placeholder", "get_attr") or nd in free:
-            continue
-        if nd.op == "output":
+        if nd.op in ("placeholder", "get_attr", "output") or nd in free:
             continue
         info = nd.meta.get("autopar")
         layer = getattr(info, "layer", None)
-        inputs = [stage[a] for a in nd.all_input_nodes if a in stage]
-        earliest = max(inputs, default=0)
+        earliest = max((stage[a] for a in nd.all_input_nodes if a in stage), default=0)
+        if targets and earliest == loss_stage:
+            stage[nd] = loss_stage  # reads a target
+            continue
         k = max(stage_of_layer.get(layer, 0), earliest)
         if layer in stage_of_layer and k != stage_of_layer[layer] and \
                 any(a.op == "get_attr" and _is_parameter(a) for a in nd.all_input_nodes):
@@ -71,16 +93,11 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int) -> 
                             f"node {nd.name} reads a value of stage {earliest}; stages must "
                             "follow the order in which the model runs its layers.")
         stage[nd] = k
-    for nd in placeholders:
-        stage[nd] = 0
-    if max(stage.values(), default=0) >= n:
-        raise PlanError(f"a layer is placed on stage {max(stage.values())} of a {n}-stage "
-                        "pipeline.")
     # what each stage reads from earlier ones (the graph's inputs are stage 0's values)
-    reads_before: list[set[fx.Node]] = [set() for _ in range(n)]
+    reads_before: list[set[fx.Node]] = [set() for _ in range(loss_stage + 1)]
     for nd in graph.nodes:
         if nd.op == "output":
-            k = n - 1
+            k = loss_stage
         elif nd in stage and nd.op != "placeholder":
             k = stage[nd]
         else:
@@ -90,24 +107,28 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int) -> 
                 reads_before[k].add(a)
     order = {nd: i for i, nd in enumerate(graph.nodes)}
     # carried into stage k: what stage k or a later one reads that an earlier stage made
-    carried: list[list[fx.Node]] = [placeholders]
-    for k in range(1, n):
-        vals = {a for j in range(k, n) for a in reads_before[j] if stage[a] < k}
+    carried: list[list[fx.Node]] = [inputs]
+    for k in range(1, loss_stage + 1):
+        vals = {a for j in range(k, loss_stage + 1) for a in reads_before[j] if stage[a] < k}
         carried.append(sorted(vals, key=order.__getitem__))
     modules, ins, outs, params = [], [], [], []
     for k in range(n):
-        sends = carried[k + 1] if k + 1 < n else None
+        sends = carried[k + 1] if k + 1 <= loss_stage else None
         mod, used = _build_stage(gm, k, stage, free, carried[k], sends, output)
         modules.append(mod)
         ins.append([v.name for v in carried[k]])
         outs.append([v.name for v in sends] if sends is not None else ["output"])
         params.append(used)
+    loss = None
+    if targets:
+        loss, used = _build_stage(gm, n, stage, free, carried[n] + target_nodes, None, output)
+        params[-1] |= used
     shared: dict[str, list[int]] = {}
     for k, used in enumerate(params):
         for p in used:
             shared.setdefault(p, []).append(k)
     shared = {p: ks for p, ks in shared.items() if len(ks) > 1}
-    return Stages(modules, ins, outs, params, shared, {nd.name for nd in free})
+    return Stages(modules, ins, outs, params, shared, {nd.name for nd in free}, loss)
 
 
 def _sources(reads, free: set) -> list[fx.Node]:
