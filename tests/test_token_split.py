@@ -130,3 +130,18 @@ def test_gpt2_cp_plan_uses_the_kernels_and_drops_the_mask():
               tuple(n.meta["autopar"].shape[-2:]) == (sympy.Integer(8), sympy.Integer(8))
               and len(n.meta["autopar"].shape) == 4 and n.meta["autopar"].shape[1] == 1]
     assert not square, [n.name for n in square]
+
+
+def test_a_mask_too_large_to_check_gathers_the_sequence_and_says_so(monkeypatch):
+    """Masks are evaluated up to `MAX_ELEMENTS` (16384^2 at batch 1); past it GPT-2's
+    attention runs with the sequence gathered and the plan's note says why."""
+    import autopar.graph.masks as masks
+
+    monkeypatch.setattr(masks, "MAX_ELEMENTS", 8 * 8 - 1)  # GPT-2's test mask is 8 x 8
+    model, inputs, target, loss_fn = build("hf-gpt2", 4)
+    traced = trace(model, inputs, loss_fn=loss_fn, example_target=target, train=True)
+    mesh = TensorMesh("1d", (("cp", 2), ("tp", 1)))
+    solution = solve(traced, axis="tp", size=1, mesh=mesh, sequence_mode="ring")
+    sdpa = [s for n, s in solution.strategies.items()
+            if n.target is aten.scaled_dot_product_attention.default]
+    assert sdpa and all(s.name == "replicate" and "too large to check" in s.note for s in sdpa)

@@ -20,20 +20,38 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 _KEY = "autopar_causal_mask"
+# The largest mask evaluated (elements at batch 1): 16384 x 16384 booleans is 256 MiB, and
+# the subgraph holds a few such tensors at once. Longer sequences are not evaluated.
+MAX_ELEMENTS = 2 ** 28
 
 
 def is_causal_mask(mask: fx.Node) -> bool:
     """Whether `mask` (an attention mask node, [..., S, S] boolean or additive) is the causal
     lower triangle for every batch entry and head, whatever the input values. Evaluated
     once per node, at the traced shapes with the batch set to 1; any dependence on input
-    values (a padding mask passed in) makes it False."""
+    values (a padding mask passed in) makes it False, and so does a mask of more than
+    MAX_ELEMENTS elements (it is not evaluated; pass is_causal=True to SDPA instead)."""
     if _KEY not in mask.meta:
         try:
-            value = _evaluate(mask)
+            value = _evaluate(mask) if _elements(mask) <= MAX_ELEMENTS else None
         except _NotConstant:
             value = None
         mask.meta[_KEY] = value is not None and _lower_triangle(value)
     return mask.meta[_KEY]
+
+
+def too_large(mask: fx.Node) -> bool:
+    """Whether `mask` is past the size `is_causal_mask` evaluates (MAX_ELEMENTS)."""
+    return _elements(mask) > MAX_ELEMENTS
+
+
+def _elements(mask: fx.Node) -> int:
+    shape = getattr(mask.meta.get("autopar"), "shape", None) or ()
+    out = 1
+    for size in shape:
+        size = sympy.sympify(size)
+        out *= int(size.subs({s: 1 for s in size.free_symbols}))
+    return out
 
 
 class _NotConstant(Exception):

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.analysis import NodeInfo, OpKind
-from autopar.graph.masks import is_causal_mask
+from autopar.graph.masks import is_causal_mask, too_large
 from autopar.graph.trace import BATCH
 from autopar.sharding.axes import GRIDS, MULTI_D, TensorMesh, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
@@ -388,6 +388,10 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     if isinstance(mask, fx.Node) and not causal and len(ctx.shape(q)) == 4 and \
             ctx.shape(q)[2] == ctx.shape(k)[2] and is_causal_mask(mask):
         causal, mask = True, None  # a causal mask built from positions (transformers' models)
+    if isinstance(mask, fx.Node) and too_large(mask):
+        return replicate(ctx, note=f"the attention mask of {node.name} is too large to check "
+                                   "for causality; ran with the sequence gathered (pass "
+                                   "is_causal=True instead of a causal mask)")
     if isinstance(mask, fx.Node) or dropout_p:
         return replicate(ctx, note="sequence-parallel attention takes no mask or dropout; "
                                    "ran with the sequence gathered")
