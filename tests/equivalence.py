@@ -54,7 +54,10 @@ def build(name: str, batch: int, seed: int = 0):
     from autopar.models import build as zoo_build
 
     model, (x,) = zoo_build(name, batch=batch, device="cpu", seed=seed)
-    x = x if x.dtype.is_floating_point else torch.randint(0, int(x.max()) + 2, x.shape)
+    if not x.dtype.is_floating_point:  # token ids below the first embedding's size
+        vocab = next((m.num_embeddings for m in model.modules()
+                      if isinstance(m, torch.nn.Embedding)), int(x.max()) + 2)
+        x = torch.randint(0, min(int(x.max()) + 2, vocab), x.shape)
     if x.dtype.is_floating_point:
         x = torch.randn(x.shape)
     with torch.no_grad():

@@ -14,6 +14,7 @@ from equivalence import build
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH, trace
+from autopar.passes.pipeline import contiguous_stages as _contiguous
 from autopar.passes.pipeline import split_stages
 
 GPT4 = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
@@ -24,19 +25,6 @@ def _traced(name: str, batch: int = 4):
     model, inputs, target, loss_fn = build(name, batch)
     return trace(model, inputs, loss_fn=loss_fn, example_target=target, train=True), \
         inputs, target
-
-
-def _contiguous(layers: list[str], n: int) -> dict[str, int]:
-    """Blocks (layers named ...<number>) in n equal runs; what comes before the first block on
-    stage 0, what comes after the last on stage n - 1."""
-    blocks = [name for name in layers if name.rsplit(".", 1)[-1].isdigit()]
-    first, last = layers.index(blocks[0]), layers.index(blocks[-1])
-    out = {b: i * n // len(blocks) for i, b in enumerate(blocks)}
-    for i, name in enumerate(layers):
-        if name not in out:
-            out[name] = 0 if i < first else n - 1 if i > last else out[layers[i - 1]]
-    out["loss"] = n - 1
-    return out
 
 
 def _run(stages, inputs, target):
@@ -155,3 +143,9 @@ def test_layers_placed_out_of_order_are_refused():
     with pytest.raises(PlanError, match="layer loss is placed on stage 2; a 2-stage pipeline "
                                         "has stages 0 to 1"):
         split_stages(traced.gm, mapping, 2)
+
+
+def test_contiguous_stages_refuses_more_stages_than_blocks():
+    with pytest.raises(PlanError, match="a 4-stage pipeline needs at least 4 blocks; the "
+                                        "model has 2: use 2 stages or fewer"):
+        _contiguous(["wte", "blocks.0", "blocks.1", "ln_f", "loss"], 4)

@@ -131,6 +131,23 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int,
     return Stages(modules, ins, outs, params, shared, {nd.name for nd in free}, loss)
 
 
+def contiguous_stages(layers: list[str], n: int) -> dict[str, int]:
+    """A stage per layer for `split_stages`: the repeated blocks (layers whose name ends in
+    a number) in n runs of equal length, what comes before the first block on stage 0,
+    what comes after the last (final norm, classifier, loss) on stage n - 1."""
+    blocks = [name for name in layers if name.rsplit(".", 1)[-1].isdigit()]
+    if len(blocks) < n:
+        raise PlanError(f"a {n}-stage pipeline needs at least {n} blocks; the model has "
+                        f"{len(blocks)}: use {max(1, len(blocks))} stages or fewer.")
+    first, last = layers.index(blocks[0]), layers.index(blocks[-1])
+    out = {b: i * n // len(blocks) for i, b in enumerate(blocks)}
+    for i, name in enumerate(layers):
+        if name not in out:
+            out[name] = 0 if i < first else n - 1 if i > last else out[layers[i - 1]]
+    out["loss"] = n - 1
+    return out
+
+
 def _sources(reads, free: set) -> list[fx.Node]:
     """The non-free values `reads` depend on: free nodes are looked through (they are
     rebuilt where they are read), down to the inputs whose sizes they read."""

@@ -1,0 +1,172 @@
+"""Run the stages of `autopar.passes.pipeline.split_stages` under a pipeline schedule.
+
+`PipelineRunner(stages, group, schedule, microbatches)` places the stages on the members of
+the pipeline axis `group` and drives them with torch.distributed.pipelining:
+
+    schedule       stages per member   member r holds       torch schedule
+    "gpipe"        1                   stage r              ScheduleGPipe
+    "1f1b"         1                   stage r              Schedule1F1B
+    "interleaved"  v (`chunks`)        r, r + p, ...        ScheduleInterleaved1F1B
+    "zero_bubble"  2                   r and 2p - 1 - r     ScheduleZBVZeroBubble
+
+(p members; `stage_count(schedule, p, chunks)` says how many stages to cut.) The first
+stage takes the micro-batches of the inputs; the last stage's outputs go to the split's
+loss module with the micro-batch's targets (the schedule's loss function). Gradients are
+averaged over micro-batches (each parameter's once, after the schedule), so they equal
+the whole batch's mean loss gradient. `step` returns that mean loss on every member.
+A parameter read by stages on different members (a tied embedding) has its gradient
+summed over them after the schedule's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from autopar.errors import PlanError
+from autopar.passes.pipeline import Stages
+from autopar.runtime.collectives import AxisGroup
+
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+              "interleaved": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleZBVZeroBubble"}
+
+
+def stage_count(schedule: str, members: int, chunks: int = 1) -> int:
+    """How many stages a schedule runs on `members` pipeline ranks."""
+    if schedule not in _SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r}; choose one of "
+                        f"{', '.join(_SCHEDULES)}.")
+    if schedule in ("gpipe", "1f1b"):
+        return members
+    if schedule == "zero_bubble":
+        return 2 * members
+    if chunks < 2:
+        raise PlanError("the interleaved schedule needs chunks >= 2 (virtual stages per rank); "
+                        "use pipeline=dict(..., chunks=2) or the 1f1b schedule.")
+    return chunks * members
+
+
+def stage_owner(schedule: str, stage: int, members: int) -> int:
+    """The pipeline member that runs `stage`."""
+    if schedule in ("gpipe", "1f1b"):
+        return stage
+    if schedule == "zero_bubble":  # V shape: down the members, then back up
+        return stage if stage < members else 2 * members - 1 - stage
+    return stage % members
+
+
+class PipelineRunner:
+    def __init__(self, stages: Stages, group: AxisGroup, schedule: str, microbatches: int,
+                 device: torch.device | str = "cpu"):
+        p, rank = group.size, group.rank
+        n = len(stages.modules)
+        if n != stage_count(schedule, p, max(1, n // p)):
+            raise PlanError(f"the {schedule} schedule on {p} pipeline ranks runs "
+                            f"{stage_count(schedule, p, max(1, n // p))} stages, not {n}.")
+        if stages.loss is None:
+            raise PlanError("the pipeline runtime needs the stages cut with their targets "
+                            "(split_stages(..., targets=1)).")
+        self.group, self.schedule_name, self.microbatches = group, schedule, microbatches
+        self.stages = stages
+        self.mine = [k for k in range(n) if stage_owner(schedule, k, p) == rank]
+        self.first_owner, self.last_owner = stage_owner(schedule, 0, p), \
+            stage_owner(schedule, n - 1, p)
+        process_group = group.group
+        self._stages = [PipelineStage(stages.modules[k], k, n, torch.device(device),
+                                      group=process_group) for k in self.mine]
+        loss = stages.loss
+
+        def loss_fn(output, target):
+            out = loss(*(output if isinstance(output, tuple) else (output,)), target)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        cls = getattr(torch_schedules, _SCHEDULES[schedule])
+        # scale_grads=False: the schedule would scale each stage's parameters, twice for a
+        # parameter two stages on this member share (zero-bubble's V puts the tied
+        # embedding's first and last stage on member 0); `step` scales each one once
+        chosen = self._stages[0] if schedule in ("gpipe", "1f1b") else self._stages
+        self._schedule = cls(chosen, n_microbatches=microbatches, loss_fn=loss_fn,
+                             scale_grads=False)
+        self._params = _unique([t for k in self.mine for t in
+                                _params_of(stages.modules[k], stages.params[k])] +
+                               (_params_of(stages.loss, stages.params[n - 1])
+                                if n - 1 in self.mine else []))
+        # tied parameters: one group per set of members that hold a copy (every rank of the
+        # world takes part in creating each group, as torch requires)
+        self._tied = []
+        for name in sorted(stages.shared):
+            owners = sorted({stage_owner(schedule, k, p) for k in stages.shared[name]})
+            if len(owners) < 2:
+                continue
+            ranks = [dist.get_global_rank(process_group, o) for o in owners] \
+                if process_group is not None else owners
+            tie = dist.new_group(ranks)
+            if rank in owners:
+                k = next(k for k in self.mine if name in stages.params[k])
+                module = stages.loss if name not in _names(stages.modules[k]) else \
+                    stages.modules[k]
+                self._tied.append((_attr(module, name), tie))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this member's stages read (each once)."""
+        return list(self._params)
+
+    def step(self, inputs: tuple, target: torch.Tensor) -> float:
+        """One forward and backward of the whole batch through the pipeline (gradients
+        accumulate into .grad; zero them before). Returns the batch's mean loss."""
+        if target.shape[0] % self.microbatches:
+            raise PlanError(f"a batch of {target.shape[0]} does not split into "
+                            f"{self.microbatches} micro-batches; use a batch that is a "
+                            f"multiple of {self.microbatches}.")
+        args, kwargs = (), {}
+        if 0 in self.mine:
+            args = tuple(inputs)
+        losses: list = []
+        if len(self.stages.modules) - 1 in self.mine:
+            kwargs = {"target": target, "losses": losses}
+        self._schedule.step(*args, **kwargs)
+        for param in self._params:  # the sum over micro-batches of their mean losses' grads
+            if param.grad is not None:
+                param.grad.div_(self.microbatches)
+        for param, tie in self._tied:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=tie)
+        value = torch.zeros(1)
+        if losses:
+            value[0] = torch.stack([v.detach().float() for v in losses]).mean()
+        if self.group.size > 1:
+            dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
+                           group=self.group.group)
+        return float(value[0])
+
+
+def _names(module: torch.nn.Module) -> set[str]:
+    return {n.target for n in module.graph.nodes if n.op == "get_attr"}
+
+
+def _attr(module: torch.nn.Module, target: str):
+    out = module
+    for part in target.split("."):
+        out = getattr(out, part)
+    return out
+
+
+def _params_of(module: torch.nn.Module, names) -> list:
+    out = []
+    for name in sorted(names):
+        try:
+            out.append(_attr(module, name))
+        except AttributeError:
+            continue
+    return out
+
+
+def _unique(params: list) -> list:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
