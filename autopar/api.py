@@ -52,6 +52,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         axes = {"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]}
         if chosen.mesh["cp"] > 1:  # one DeviceMesh ("dp", "cp", "tp")
             axes = {"dp": chosen.mesh["dp"], "cp": chosen.mesh["cp"], "tp": chosen.mesh["tp"]}
+        if chosen.mesh["pp"] > 1:  # pipeline outermost: ("pp", "dp", "tp")
+            axes = {"pp": chosen.mesh["pp"], **axes}
         groups = axis_groups(axes)
     else:
         groups = tensor_groups(chosen.mesh["dp"], tensor)

@@ -44,6 +44,8 @@ class Engine(nn.Module):
         self._model = model  # kept until the training graph is traced, then released
         self._tp, self._dp = groups["tp"], groups["dp"]
         self._cp = groups["cp"] if "cp" in groups else AxisGroup("cp", 1, 0, None, self.comm_log)
+        self._pp = groups["pp"] if "pp" in groups else AxisGroup("pp", 1, 0, None, self.comm_log)
+        self._pipeline = None  # a PipelineRunner once the training graph is built (pp > 1)
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
             self.mesh = TensorMesh("1d", (("cp", self._cp.size), ("tp", self._tp.size)))
@@ -156,6 +158,56 @@ class Engine(nn.Module):
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
         self.train_gm = self._build(self.train_graph, self.train_solution)
         self._model = None
+        if self._pp.size > 1:
+            self._pipeline = self._build_pipeline()
+
+    def _build_pipeline(self):
+        """The local training graph cut into stages (blocks spread evenly), this rank's
+        placed under the plan's schedule on the pipeline axis."""
+        from autopar.passes.pipeline import contiguous_stages, split_stages
+        from autopar.runtime.pipeline import PipelineRunner, stage_count
+
+        pipe = self.plan.pipeline
+        n = stage_count(pipe.schedule, self._pp.size, pipe.chunks)
+        layers = [layer.name for layer in self.train_graph.layers]
+        self._stage_of_layer = contiguous_stages(layers, n)
+        stages = split_stages(self.train_gm, self._stage_of_layer, n, targets=1)
+        microbatches = pipe.microbatches if pipe.microbatches > 1 else n
+        return PipelineRunner(stages, self._pp, pipe.schedule, microbatches, self._device)
+
+    def _pipeline_layers(self) -> set[str]:
+        """The layers this pipeline rank's stages run."""
+        from autopar.runtime.pipeline import stage_owner
+
+        runner = self._pipeline
+        return {layer for layer, k in self._stage_of_layer.items()
+                if stage_owner(runner.schedule_name, k, self._pp.size) == self._pp.rank}
+
+    def _owned_targets(self) -> dict[str, int]:
+        """Parameter attribute -> the pipeline rank whose stages train it (the first, for a
+        tied parameter: every owner holds the same value)."""
+        from autopar.runtime.pipeline import stage_owner
+
+        runner = self._pipeline
+        out: dict[str, int] = {}
+        for k, names in enumerate(runner.stages.params):
+            for name in names:
+                owner = stage_owner(runner.schedule_name, k, self._pp.size)
+                out[name] = min(out.get(name, owner), owner)
+        return out
+
+    def _sync_pipeline_params(self) -> None:
+        """Every pipeline rank gets the trained values of the parameters other ranks own
+        (each rank trains only its stages' parameters)."""
+        if self._pipeline is None:
+            return
+        group = self._pp.group
+        for target, owner in sorted(self._owned_targets().items()):
+            pinfo = self.train_graph.params[target]
+            local = self._local[_key(pinfo)]
+            with torch.no_grad():
+                torch.distributed.broadcast(local.data, src=torch.distributed.get_global_rank(
+                    group, owner), group=group)
 
     # ------------------------------------------------------------------ running
     def batch_split(self) -> int:
@@ -194,8 +246,11 @@ class Engine(nn.Module):
         *local_inputs, local_target = self._cut_sequence(tuple(local_inputs) + (local_target,),
                                                          self.train_graph)
         self.train_gm.train()
-        loss = self.train_gm(*local_inputs, local_target)
-        loss.backward()
+        if self._pipeline is not None:  # forward and backward through the schedule
+            loss = torch.tensor(self._pipeline.step(tuple(local_inputs), local_target))
+        else:
+            loss = self.train_gm(*local_inputs, local_target)
+            loss.backward()
         self._average_gradients()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -229,6 +284,7 @@ class Engine(nn.Module):
                 raise PlanError(f"the batch {t.shape[0]} does not split over the "
                                 f"{self.mesh.mode} batch split of {split}; use a multiple of "
                                 f"{split}.")
+        self._sync_pipeline_params()
         return self.forward_gm(*self._cut_sequence(inputs, self.forward_graph))
 
     # ------------------------------------------------------------------ accounting
@@ -238,12 +294,17 @@ class Engine(nn.Module):
             raise PlanError("the training graph is traced at the first train_step; call it first.")
         local = global_batch // self._dp.size
         out: dict[tuple[str, str], int] = {}
+        mine = self._pipeline_layers() if self._pipeline is not None else None
+        layer_of = {n.name: n.meta["autopar"].layer for n in self.train_graph.graph.nodes}
         for c in self.train_solution.comm:
+            if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
+                continue
             key = (c.op, c.axis)
             out[key] = out.get(key, 0) + int(sympy.sympify(c.bytes).subs(BATCH, local))
         if self._dp.size > 1:
-            grad_bytes = sum(p.numel() * p.element_size() for p in self._unique_params()
-                             if p.requires_grad)
+            params = self._pipeline.parameters() if self._pipeline is not None else \
+                self._unique_params()
+            grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             out[("all_reduce", "dp")] = grad_bytes + 4  # the gradients, then the loss
         return out
 
@@ -268,6 +329,7 @@ class Engine(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole weights on every rank, keyed and ordered as the original model's state_dict."""
+        self._sync_pipeline_params()
         whole = {}
         for key, local in self._local.items():
             layout = self._layouts[key]

@@ -65,6 +65,10 @@ class PipelineRunner:
         if n != stage_count(schedule, p, max(1, n // p)):
             raise PlanError(f"the {schedule} schedule on {p} pipeline ranks runs "
                             f"{stage_count(schedule, p, max(1, n // p))} stages, not {n}.")
+        if schedule == "1f1b" and microbatches < n:
+            raise PlanError(f"the 1f1b schedule over {n} stages needs at least {n} "
+                            f"micro-batches, not {microbatches}; use pipeline=dict(..., "
+                            f"microbatches={n}) or more, or the gpipe schedule.")
         if stages.loss is None:
             raise PlanError("the pipeline runtime needs the stages cut with their targets "
                             "(split_stages(..., targets=1)).")
@@ -74,27 +78,16 @@ class PipelineRunner:
         self.first_owner, self.last_owner = stage_owner(schedule, 0, p), \
             stage_owner(schedule, n - 1, p)
         process_group = group.group
-        self._stages = [PipelineStage(stages.modules[k], k, n, torch.device(device),
-                                      group=process_group) for k in self.mine]
-        loss = stages.loss
-
-        def loss_fn(output, target):
-            out = loss(*(output if isinstance(output, tuple) else (output,)), target)
-            return out[0] if isinstance(out, (tuple, list)) else out
-
-        cls = getattr(torch_schedules, _SCHEDULES[schedule])
-        # scale_grads=False: the schedule would scale each stage's parameters, twice for a
-        # parameter two stages on this member share (zero-bubble's V puts the tied
-        # embedding's first and last stage on member 0); `step` scales each one once
-        chosen = self._stages[0] if schedule in ("gpipe", "1f1b") else self._stages
-        self._schedule = cls(chosen, n_microbatches=microbatches, loss_fn=loss_fn,
-                             scale_grads=False)
+        self._device = torch.device(device)
+        self._schedule = None
+        self._shapes = None  # the micro-batch shapes the schedule was built for
         self._params = _unique([t for k in self.mine for t in
                                 _params_of(stages.modules[k], stages.params[k])] +
                                (_params_of(stages.loss, stages.params[n - 1])
                                 if n - 1 in self.mine else []))
-        # tied parameters: one group per set of members that hold a copy (every rank of the
-        # world takes part in creating each group, as torch requires)
+        # tied parameters: a group per set of members that hold a copy, in every pipeline
+        # (each data- and tensor-parallel coordinate has its own pipeline; torch wants every
+        # rank of the world to create every group, so the sets are gathered first)
         self._tied = []
         for name in sorted(stages.shared):
             owners = sorted({stage_owner(schedule, k, p) for k in stages.shared[name]})
@@ -102,12 +95,56 @@ class PipelineRunner:
                 continue
             ranks = [dist.get_global_rank(process_group, o) for o in owners] \
                 if process_group is not None else owners
-            tie = dist.new_group(ranks)
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, ranks)
+            tie, _ = dist.new_subgroups_by_enumeration(sorted({tuple(r) for r in every}))
             if rank in owners:
                 k = next(k for k in self.mine if name in stages.params[k])
                 module = stages.loss if name not in _names(stages.modules[k]) else \
                     stages.modules[k]
                 self._tied.append((_attr(module, name), tie))
+
+    def _prepare(self, inputs: tuple) -> None:
+        """Build the schedule for this micro-batch shape. The stages get example inputs and
+        outputs (every stage run once on the first micro-batch, on every member, with the
+        communication log off), so torch does not infer shapes by running them inside the
+        schedule: that run's collectives would be logged, and integer inputs would be made
+        up."""
+        micro = tuple(t[:t.shape[0] // self.microbatches] for t in inputs)
+        shapes = tuple(tuple(t.shape) for t in micro)
+        if shapes == self._shapes:
+            return
+        log = self.group.log
+        enabled, log.enabled = log.enabled, False
+        examples = []
+        try:  # with autograd on, so the examples say which values carry gradients
+            args = micro
+            for module in self.stages.modules:
+                out = module(*args)
+                out = tuple(_example(o) for o in (out if isinstance(out, (tuple, list))
+                                                 else (out,)))
+                examples.append((args, out))
+                args = out
+        finally:
+            log.enabled = enabled
+        n = len(self.stages.modules)
+        stages = [PipelineStage(self.stages.modules[k], k, n, self._device,
+                                input_args=examples[k][0], output_args=examples[k][1],
+                                group=self.group.group) for k in self.mine]
+        loss = self.stages.loss
+
+        def loss_fn(output, target):
+            out = loss(*(output if isinstance(output, tuple) else (output,)), target)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        cls = getattr(torch_schedules, _SCHEDULES[self.schedule_name])
+        # scale_grads=False: the schedule would scale each stage's parameters, twice for a
+        # parameter two stages on this member share (zero-bubble's V puts the tied
+        # embedding's first and last stage on member 0); `step` scales each one once
+        chosen = stages[0] if self.schedule_name in ("gpipe", "1f1b") else stages
+        self._schedule = cls(chosen, n_microbatches=self.microbatches, loss_fn=loss_fn,
+                             scale_grads=False)
+        self._shapes = shapes
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters this member's stages read (each once)."""
@@ -120,6 +157,7 @@ class PipelineRunner:
             raise PlanError(f"a batch of {target.shape[0]} does not split into "
                             f"{self.microbatches} micro-batches; use a batch that is a "
                             f"multiple of {self.microbatches}.")
+        self._prepare(tuple(inputs))
         args, kwargs = (), {}
         if 0 in self.mine:
             args = tuple(inputs)
@@ -140,6 +178,13 @@ class PipelineRunner:
             dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
                            group=self.group.group)
         return float(value[0])
+
+
+def _example(t):
+    """A detached copy of a stage's output that keeps whether it needs a gradient."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().clone().requires_grad_(t.requires_grad)
 
 
 def _names(module: torch.nn.Module) -> set[str]:

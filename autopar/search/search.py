@@ -839,10 +839,8 @@ def _not_executable(executable: dict) -> list[str]:
     """What the runtime cannot execute yet, in words, from the EXECUTABLE description."""
     out = []
     axes = executable.get("axes", ())
-    for axis, words in (("pp", "pipeline parallelism (pp > 1)"),
-                        ("cp", "sequence parallelism over a cp axis (Ulysses, ring)")):
-        if axis not in axes:
-            out.append(words)
+    if "cp" not in axes:
+        out.append("sequence parallelism over a cp axis (Ulysses, ring)")
     if "cp" in axes and not executable.get("cp_with_tp", True):
         out.append("a cp axis combined with tensor parallelism")
     elif "cp" in axes and executable.get("cp_with_tp") == "1d":
@@ -860,4 +858,8 @@ def _not_executable(executable: dict) -> list[str]:
         out.append("ZeRO stage " + "/".join(map(str, zero)))
     if not executable.get("offload", False):
         out.append("optimizer offload")
-    return [w + ": the runtime cannot execute it yet" for w in out]
+    out = [w + ": the runtime cannot execute it yet" for w in out]
+    if "pp" not in axes:
+        out.insert(0, "pipeline parallelism (pp > 1): runs from a plan that names it "
+                      "(pipeline=dict(size=...)); this search does not choose it yet")
+    return out
