@@ -295,12 +295,15 @@ class Engine(nn.Module):
         local = global_batch // self._dp.size
         out: dict[tuple[str, str], int] = {}
         mine = self._pipeline_layers() if self._pipeline is not None else None
+        # a pipeline runs every collective once per micro-batch, at the micro-batch's size
+        runs = self._pipeline.microbatches if self._pipeline is not None else 1
         layer_of = {n.name: n.meta["autopar"].layer for n in self.train_graph.graph.nodes}
         for c in self.train_solution.comm:
             if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
                 continue
             key = (c.op, c.axis)
-            out[key] = out.get(key, 0) + int(sympy.sympify(c.bytes).subs(BATCH, local))
+            nbytes = runs * int(sympy.sympify(c.bytes).subs(BATCH, local // runs))
+            out[key] = out.get(key, 0) + nbytes
         if self._dp.size > 1:
             params = self._pipeline.parameters() if self._pipeline is not None else \
                 self._unique_params()
