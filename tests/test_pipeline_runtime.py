@@ -184,3 +184,9 @@ def test_parallelize_pp2_tp2_dp2_equals_single_device(pool8):
     from equivalence import assert_equal, compare
 
     assert_equal(pool8.run(compare, GPT8, PP(2, tensor={"size": 2, "mode": "1d"}, data=2)))
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_refused(pool4):
+    said = pool4.run(_bad_pipeline, GPT8, {"pipeline": {"size": 4, "microbatches": 2}}, 8)
+    assert all("the 1f1b schedule over 4 stages needs at least 4 micro-batches, not 2" in m
+               for m in said), said
