@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import dist_pool_fixture
+from numerics import leaf, max_rel, rand64
 from torch import nn
 
 from autopar.runtime.collectives import AxisGroup, CommLog
@@ -63,18 +64,6 @@ def _grid(mode: str, log: CommLog, roles: tuple = ("x", "y", "z")):
     return Grid3D(*(g[r] for r in roles))
 
 
-def _rand(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone().requires_grad_(True)
-
-
 def _sl(n: int, index: int, parts: int) -> slice:
     return slice(index * n // parts, (index + 1) * n // parts)
 
@@ -109,28 +98,28 @@ def _layout_checks(grid) -> dict[str, bool]:
 
 
 def _check_linear(grid, gen, errs: dict, with_bias: bool) -> None:
-    x, w, b, dy = _rand(gen, B, S, H), _rand(gen, N, H), _rand(gen, N), _rand(gen, B, S, N)
-    xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
+    x, w, b, dy = rand64(gen, B, S, H), rand64(gen, N, H), rand64(gen, N), rand64(gen, B, S, N)
+    xr, wr, br = leaf(x), leaf(w), leaf(b)
     yr = F.linear(xr, wr, br if with_bias else None)
     yr.backward(dy)
-    xl, wl, bl = _leaf(grid.cut(x, "x")), _leaf(grid.cut(w, "weight")), _leaf(grid.cut(b, "bias"))
+    xl, wl, bl = leaf(grid.cut(x, "x")), leaf(grid.cut(w, "weight")), leaf(grid.cut(b, "bias"))
     yl = linear(xl, wl, bl if with_bias else None, grid)
     yl.backward(grid.cut(dy, "y"))
     name = "linear" if with_bias else "linear_nobias"
-    errs[f"{name}.y"] = _rel(grid.assemble(yl, "y"), yr)
-    errs[f"{name}.dx"] = _rel(grid.assemble(xl.grad, "x"), xr.grad)
-    errs[f"{name}.dW"] = _rel(grid.assemble(wl.grad, "weight"), wr.grad)
+    errs[f"{name}.y"] = max_rel(grid.assemble(yl, "y"), yr)
+    errs[f"{name}.dx"] = max_rel(grid.assemble(xl.grad, "x"), xr.grad)
+    errs[f"{name}.dW"] = max_rel(grid.assemble(wl.grad, "weight"), wr.grad)
     if with_bias:
-        errs[f"{name}.db"] = _rel(grid.assemble(bl.grad, "bias"), br.grad)
+        errs[f"{name}.db"] = max_rel(grid.assemble(bl.grad, "bias"), br.grad)
     else:
         errs[f"{name}.db_is_none"] = 0.0 if bl.grad is None else 1.0
 
 
 def _check_norms(grid, gen, errs: dict) -> None:
-    x, w, b, dy = _rand(gen, B, S, H) * 3 + 1, _rand(gen, H), _rand(gen, H), _rand(gen, B, S, H)
+    x, w, b, dy = rand64(gen, B, S, H) * 3 + 1, rand64(gen, H), rand64(gen, H), rand64(gen, B, S, H)
     for name in ("layer_norm", "rms_norm"):
-        xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
-        xl, wl, bl = _leaf(grid.cut(x, "x")), _leaf(grid.cut(w, "norm")), _leaf(grid.cut(b, "norm"))
+        xr, wr, br = leaf(x), leaf(w), leaf(b)
+        xl, wl, bl = leaf(grid.cut(x, "x")), leaf(grid.cut(w, "norm")), leaf(grid.cut(b, "norm"))
         if name == "layer_norm":
             yr = F.layer_norm(xr, (H,), wr, br, eps=1e-5)
             yl = layer_norm(xl, wl, bl, grid, eps=1e-5)
@@ -139,42 +128,42 @@ def _check_norms(grid, gen, errs: dict) -> None:
             yl = rms_norm(xl, wl, grid, eps=1e-6)
         yr.backward(dy)
         yl.backward(grid.cut(dy, "x"))
-        errs[f"{name}.y"] = _rel(grid.assemble(yl, "x"), yr)
-        errs[f"{name}.dx"] = _rel(grid.assemble(xl.grad, "x"), xr.grad)
-        errs[f"{name}.dw"] = _rel(grid.assemble(wl.grad, "norm"), wr.grad)
+        errs[f"{name}.y"] = max_rel(grid.assemble(yl, "x"), yr)
+        errs[f"{name}.dx"] = max_rel(grid.assemble(xl.grad, "x"), xr.grad)
+        errs[f"{name}.dw"] = max_rel(grid.assemble(wl.grad, "norm"), wr.grad)
         if name == "layer_norm":
-            errs[f"{name}.db"] = _rel(grid.assemble(bl.grad, "norm"), br.grad)
+            errs[f"{name}.db"] = max_rel(grid.assemble(bl.grad, "norm"), br.grad)
 
 
 def _check_embedding(grid, gen, errs: dict) -> None:
-    table, dy = _rand(gen, V, H), _rand(gen, B, S, H)
+    table, dy = rand64(gen, V, H), rand64(gen, B, S, H)
     ids = torch.randint(0, V, (B, S), generator=gen)
     ids[0, 0] = ids[-1, -1] = 1  # the padding row appears on more than one rank
     ids[1, 0] = ids[2, 1] = 5    # and so does a repeated token
-    er = _leaf(table)
+    er = leaf(table)
     yr = F.embedding(ids, er, padding_idx=1)
     yr.backward(dy)
-    el = _leaf(grid.cut(table, "embedding"))
+    el = leaf(grid.cut(table, "embedding"))
     yl = embedding(grid.cut(ids, "ids"), el, grid, padding_idx=1)
     yl.backward(grid.cut(dy, "x"))
-    errs["embedding.y"] = _rel(grid.assemble(yl, "x"), yr)
-    errs["embedding.dE"] = _rel(grid.assemble(el.grad, "embedding"), er.grad)
+    errs["embedding.y"] = max_rel(grid.assemble(yl, "x"), yr)
+    errs["embedding.dE"] = max_rel(grid.assemble(el.grad, "embedding"), er.grad)
 
 
 def _check_cross_entropy(grid, gen, errs: dict) -> None:
-    x, table = _rand(gen, B, S, H), _rand(gen, V, H)
+    x, table = rand64(gen, B, S, H), rand64(gen, V, H)
     target = torch.randint(0, V, (B, S), generator=gen)
     target[0, 1] = target[B - 1, 0] = target[B - 1, 2] = -100  # ignored rows on two ranks
     scale = 1.3  # upstream gradient of the loss
-    xr, er = _leaf(x), _leaf(table)
+    xr, er = leaf(x), leaf(table)
     lr = F.cross_entropy((xr @ er.T).reshape(-1, V), target.reshape(-1), ignore_index=-100)
     (lr * scale).backward()
-    xl, el = _leaf(grid.cut(x, "x")), _leaf(grid.cut(table, "weight"))
+    xl, el = leaf(grid.cut(x, "x")), leaf(grid.cut(table, "weight"))
     ll = classifier_cross_entropy(xl, el, grid.cut(target, "target"), grid)
     (ll * scale).backward()
-    errs["cross_entropy.loss"] = _rel(ll.detach(), lr.detach())
-    errs["cross_entropy.dx"] = _rel(grid.assemble(xl.grad, "x"), xr.grad)
-    errs["cross_entropy.dE"] = _rel(grid.assemble(el.grad, "weight"), er.grad)
+    errs["cross_entropy.loss"] = max_rel(ll.detach(), lr.detach())
+    errs["cross_entropy.dx"] = max_rel(grid.assemble(xl.grad, "x"), xr.grad)
+    errs["cross_entropy.dE"] = max_rel(grid.assemble(el.grad, "weight"), er.grad)
 
 
 def _check_block(grid, gen, errs: dict) -> None:
@@ -187,10 +176,10 @@ def _check_block(grid, gen, errs: dict) -> None:
     fc1 = nn.Linear(H, 4 * H, dtype=torch.float64)
     fc2 = nn.Linear(4 * H, H, dtype=torch.float64)
     norm2 = nn.LayerNorm(H, dtype=torch.float64)
-    head = nn.Parameter(_rand(gen, V, H))
+    head = nn.Parameter(rand64(gen, V, H))
     for p in [*emb.parameters(), *norm1.parameters(), *fc1.parameters(),
               *fc2.parameters(), *norm2.parameters()]:
-        p.data.copy_(_rand(gen, *p.shape))
+        p.data.copy_(rand64(gen, *p.shape))
     ids = torch.randint(0, V, (B, S), generator=gen)
     target = torch.randint(0, V, (B, S), generator=gen)
     target[1, 1] = -100
@@ -210,7 +199,7 @@ def _check_block(grid, gen, errs: dict) -> None:
     hl = hl + s_fc2(F.gelu(s_fc1(s_norm1(hl))))
     ll = s_head(s_norm2(hl), grid.cut(target, "target"))
     ll.backward()
-    errs["block.loss"] = _rel(ll.detach(), loss.detach())
+    errs["block.loss"] = max_rel(ll.detach(), loss.detach())
     pairs = [(s_emb.weight, emb.weight, "embedding", grid),
              (s_norm1.weight, norm1.weight, "norm", grid),
              (s_fc1.weight, fc1.weight, "weight", grid), (s_fc1.bias, fc1.bias, "bias", grid),
@@ -218,7 +207,7 @@ def _check_block(grid, gen, errs: dict) -> None:
              (s_norm2.weight, norm2.weight, "norm", grid), (s_norm2.bias, norm2.bias, "norm", grid),
              (s_head.weight, head, "weight", grid)]
     for n, (local, full, role, g) in enumerate(pairs):
-        errs[f"block.grad{n}.{role}"] = _rel(g.assemble(local.grad, role), full.grad)
+        errs[f"block.grad{n}.{role}"] = max_rel(g.assemble(local.grad, role), full.grad)
 
 
 def _run_kernels(mode: str, roles: tuple = ("x", "y", "z")) -> dict:
@@ -247,9 +236,9 @@ def _linear_comm(mode: str) -> dict:
     log = CommLog()
     grid = _grid(mode, log)
     gen = torch.Generator().manual_seed(7)
-    x, w, b = (_leaf(grid.cut(t, r)) for t, r in ((_rand(gen, B, S, H), "x"),
-                                                     (_rand(gen, N, H), "weight"),
-                                                     (_rand(gen, N), "bias")))
+    x, w, b = (leaf(grid.cut(t, r)) for t, r in ((rand64(gen, B, S, H), "x"),
+                                                     (rand64(gen, N, H), "weight"),
+                                                     (rand64(gen, N), "bias")))
     y = linear(x, w, b, grid)
     y.backward(torch.ones_like(y))
     return {phase: {f"{op} {axis}": n for (op, axis), n in log.totals([phase]).items()}
@@ -378,14 +367,14 @@ def test_size_one_axes_need_no_process_group():
     one = [AxisGroup(a, 1, 0, None, log) for a in ("a", "b", "c")]
     gen = torch.Generator().manual_seed(5)
     for grid in (Grid2D(one[0], one[1]), Grid2p5D(*one), Grid3D(*one)):
-        x, w, b = _leaf(_rand(gen, B, S, H)), _leaf(_rand(gen, N, H)), _leaf(_rand(gen, N))
+        x, w, b = leaf(rand64(gen, B, S, H)), leaf(rand64(gen, N, H)), leaf(rand64(gen, N))
         y = linear(x, w, b, grid)
         y.backward(torch.ones_like(y))
-        xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
+        xr, wr, br = leaf(x), leaf(w), leaf(b)
         F.linear(xr, wr, br).backward(torch.ones_like(y))
         for got, ref in ((y, F.linear(xr, wr, br)), (x.grad, xr.grad), (w.grad, wr.grad),
                          (b.grad, br.grad)):
-            assert _rel(got.detach(), ref.detach()) <= TOL
+            assert max_rel(got.detach(), ref.detach()) <= TOL
     ops = {r.op for r in log}
     assert {"broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce"} <= ops
     assert all(r.bytes > 0 for r in log)

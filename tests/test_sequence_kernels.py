@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import dist_pool_fixture
+from numerics import leaf, max_rel, rand64
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,21 +54,9 @@ def _group(log: CommLog) -> AxisGroup:
     return AxisGroup("cp", dist.get_world_size(), dist.get_rank(), dist.group.WORLD, log)
 
 
-def _rand(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone().requires_grad_(True)
-
-
 def _inputs(gen, hkv: int, d: int = D, dv: int = DV):
-    return _rand(gen, B, H, S, d), _rand(gen, B, hkv, S, d), _rand(gen, B, hkv, S, dv), \
-        _rand(gen, B, H, S, dv)
+    return rand64(gen, B, H, S, d), rand64(gen, B, hkv, S, d), rand64(gen, B, hkv, S, dv), \
+        rand64(gen, B, H, S, dv)
 
 
 def _kernel(mode: str, tile: int | None):
@@ -80,18 +69,18 @@ def _kernel(mode: str, tile: int | None):
 def _check_case(g: AxisGroup, gen, mode, layout, causal, hkv, scale,
                 tile) -> dict[str, float]:
     q, k, v, dout = _inputs(gen, hkv)
-    full = [_leaf(t) for t in (q, k, v)]
+    full = [leaf(t) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=causal, scale=scale,
                                          enable_gqa=hkv != H)
     ref.backward(dout)
-    local = [_leaf(cut_sequence(t, g, 2, layout)) for t in (q, k, v)]
+    local = [leaf(cut_sequence(t, g, 2, layout)) for t in (q, k, v)]
     out = _kernel(mode, tile)(*local, g, causal=causal, scale=scale, layout=layout)
     out.backward(cut_sequence(dout, g, 2, layout))
     name = (f"{mode}.{layout}.{'causal' if causal else 'full'}.kv{hkv}.scale{scale}"
             f".tile{tile}")
-    errs = {f"{name}.out": _rel(assemble_sequence(out, g, 2, layout), ref)}
+    errs = {f"{name}.out": max_rel(assemble_sequence(out, g, 2, layout), ref)}
     for n, lt, ft in zip("qkv", local, full):
-        errs[f"{name}.d{n}"] = _rel(assemble_sequence(lt.grad, g, 2, layout), ft.grad)
+        errs[f"{name}.d{n}"] = max_rel(assemble_sequence(lt.grad, g, 2, layout), ft.grad)
     return errs
 
 
@@ -110,7 +99,7 @@ def _comm(mode: str, layout: str, causal: bool, hkv: int) -> list[tuple]:
     g = _group(log)
     gen = torch.Generator().manual_seed(7)
     q, k, v, dout = (cut_sequence(t, g, 2, layout) for t in _inputs(gen, hkv))
-    q, k, v = _leaf(q), _leaf(k), _leaf(v)
+    q, k, v = leaf(q), leaf(k), leaf(v)
     KERNELS[mode](q, k, v, g, causal=causal, layout=layout).backward(dout)
     return [(r.op, r.axis, r.bytes, r.phase) for r in log]
 
@@ -138,7 +127,7 @@ def _ring_footprint(layout: str, causal: bool, hkv: int, tile: int | None) -> di
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (cut_sequence(t, g, 2, layout)
                      for t in _inputs(gen, hkv, FOOT_D, FOOT_D))
-    q, k, v = _leaf(q), _leaf(k), _leaf(v)
+    q, k, v = leaf(q), leaf(k), leaf(v)
     saved: list[tuple] = []
 
     def pack(t):
@@ -265,18 +254,18 @@ def test_size_one_axis_is_dense_attention():
     g = AxisGroup("cp", 1, 0, None, log)
     gen = torch.Generator().manual_seed(11)
     q, k, v, dout = _inputs(gen, 2)
-    full = [_leaf(t) for t in (q, k, v)]
+    full = [leaf(t) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
     ref.backward(dout)
     for mode in ("ring", "ulysses"):
         module = SequenceAttention("cp", mode, is_causal=True, enable_gqa=True)
         bind(module, {"cp": g})
-        local = [_leaf(t) for t in (q, k, v)]
+        local = [leaf(t) for t in (q, k, v)]
         out = module(*local)
         out.backward(dout)
-        assert _rel(out.detach(), ref.detach()) <= TOL
+        assert max_rel(out.detach(), ref.detach()) <= TOL
         for lt, ft in zip(local, full):
-            assert _rel(lt.grad, ft.grad) <= TOL
+            assert max_rel(lt.grad, ft.grad) <= TOL
     assert [r.op for r in log] == ["all_to_all"] * 8
 
 

@@ -46,6 +46,7 @@ class Engine(nn.Module):
         self._cp = groups["cp"] if "cp" in groups else AxisGroup("cp", 1, 0, None, self.comm_log)
         self._pp = groups["pp"] if "pp" in groups else AxisGroup("pp", 1, 0, None, self.comm_log)
         self._pipeline = None  # a PipelineRunner once the training graph is built (pp > 1)
+        self._synced_at = -1  # the step at which pipeline ranks last shared their weights
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
             self.mesh = TensorMesh("1d", (("cp", self._cp.size), ("tp", self._tp.size)))
@@ -183,26 +184,15 @@ class Engine(nn.Module):
         return {layer for layer, k in self._stage_of_layer.items()
                 if stage_owner(runner.schedule_name, k, self._pp.size) == self._pp.rank}
 
-    def _owned_targets(self) -> dict[str, int]:
-        """Parameter attribute -> the pipeline rank whose stages train it (the first, for a
-        tied parameter: every owner holds the same value)."""
-        from autopar.runtime.pipeline import stage_owner
-
-        runner = self._pipeline
-        out: dict[str, int] = {}
-        for k, names in enumerate(runner.stages.params):
-            for name in names:
-                owner = stage_owner(runner.schedule_name, k, self._pp.size)
-                out[name] = min(out.get(name, owner), owner)
-        return out
-
     def _sync_pipeline_params(self) -> None:
         """Every pipeline rank gets the trained values of the parameters other ranks own
-        (each rank trains only its stages' parameters)."""
-        if self._pipeline is None:
+        (each rank trains only its stages' parameters); once per optimizer step, not per
+        inference call (every rank has taken the same number of steps)."""
+        if self._pipeline is None or self._synced_at == self.steps:
             return
+        self._synced_at = self.steps
         group = self._pp.group
-        for target, owner in sorted(self._owned_targets().items()):
+        for target, owner in sorted(self._pipeline.param_owners().items()):
             pinfo = self.train_graph.params[target]
             local = self._local[_key(pinfo)]
             with torch.no_grad():

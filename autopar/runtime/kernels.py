@@ -76,16 +76,8 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local_t, inside, valid, count = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
-        grad_logits[rows, local_t] -= inside.to(grad_logits.dtype)
-        if ctx.reduction == 0:
-            scale = grad * valid
-        elif ctx.reduction == 2:
-            scale = grad * valid
-        else:
-            scale = grad * valid / count
-        return grad_logits * scale.unsqueeze(1), None, None, None, None
+        scale = grad * valid if ctx.reduction in (0, 2) else grad * valid / count  # none, sum
+        return multid.ce_logit_grad(softmax, local_t, inside, scale), None, None, None, None
 
 
 class VocabParallelCrossEntropy(Bound):

@@ -603,11 +603,18 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local_t, inside, valid, count = ctx.saved_tensors
-        dz = softmax.clone()
-        rows = torch.arange(dz.shape[0], device=dz.device)
-        dz[rows, local_t] -= inside.to(dz.dtype)
-        dz *= (valid.to(dz.dtype) * (grad / count))[:, None]
+        dz = ce_logit_grad(softmax, local_t, inside, valid.to(softmax.dtype) * (grad / count))
         return dz.reshape(ctx.shape), None, None, None, None
+
+
+def ce_logit_grad(softmax: torch.Tensor, local_t: torch.Tensor, inside: torch.Tensor,
+                  row_scale: torch.Tensor) -> torch.Tensor:
+    """Gradient of cross-entropy for this rank's [rows, vocabulary slice] logits: softmax
+    minus the one-hot of targets inside the slice, each row times `row_scale`."""
+    dz = softmax.clone()
+    rows = torch.arange(dz.shape[0], device=dz.device)
+    dz[rows, local_t] -= inside.to(dz.dtype)
+    return dz * row_scale[:, None]
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, grid: Grid,

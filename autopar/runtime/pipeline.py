@@ -81,10 +81,14 @@ class PipelineRunner:
         self._device = torch.device(device)
         self._schedule = None
         self._shapes = None  # the micro-batch shapes the schedule was built for
-        self._params = _unique([t for k in self.mine for t in
-                                _params_of(stages.modules[k], stages.params[k])] +
-                               (_params_of(stages.loss, stages.params[n - 1])
-                                if n - 1 in self.mine else []))
+        # this member's modules share Parameter objects; each attribute read once
+        modules = [stages.modules[k] for k in self.mine] + \
+            ([stages.loss] if n - 1 in self.mine else [])
+        held = {node.target: m for m in modules for node in m.graph.nodes
+                if node.op == "get_attr"}
+        self._by_name = {name: _attr(held[name], name)
+                         for name in sorted(set().union(*(stages.params[k] for k in self.mine)))}
+        self._params = _unique(list(self._by_name.values()))
         # tied parameters: a group per set of members that hold a copy, in every pipeline
         # (each data- and tensor-parallel coordinate has its own pipeline; torch wants every
         # rank of the world to create every group, so the sets are gathered first)
@@ -99,10 +103,7 @@ class PipelineRunner:
             dist.all_gather_object(every, ranks)
             tie, _ = dist.new_subgroups_by_enumeration(sorted({tuple(r) for r in every}))
             if rank in owners:
-                k = next(k for k in self.mine if name in stages.params[k])
-                module = stages.loss if name not in _names(stages.modules[k]) else \
-                    stages.modules[k]
-                self._tied.append((_attr(module, name), tie))
+                self._tied.append((self._by_name[name], tie))
 
     def _prepare(self, inputs: tuple) -> None:
         """Build the schedule for this micro-batch shape. The stages get example inputs and
@@ -146,6 +147,16 @@ class PipelineRunner:
                              scale_grads=False)
         self._shapes = shapes
 
+    def param_owners(self) -> dict[str, int]:
+        """Parameter attribute -> the member whose stages train it (the lowest, for a tied
+        parameter: every owner holds the same value)."""
+        out: dict[str, int] = {}
+        for k, names in enumerate(self.stages.params):
+            owner = stage_owner(self.schedule_name, k, self.group.size)
+            for name in names:
+                out[name] = min(out.get(name, owner), owner)
+        return out
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters this member's stages read (each once)."""
         return list(self._params)
@@ -187,24 +198,10 @@ def _example(t):
     return t.detach().clone().requires_grad_(t.requires_grad)
 
 
-def _names(module: torch.nn.Module) -> set[str]:
-    return {n.target for n in module.graph.nodes if n.op == "get_attr"}
-
-
 def _attr(module: torch.nn.Module, target: str):
     out = module
     for part in target.split("."):
         out = getattr(out, part)
-    return out
-
-
-def _params_of(module: torch.nn.Module, names) -> list:
-    out = []
-    for name in sorted(names):
-        try:
-            out.append(_attr(module, name))
-        except AttributeError:
-            continue
     return out
 
 
