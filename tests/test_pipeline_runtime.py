@@ -190,3 +190,34 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_refused(pool4):
     said = pool4.run(_bad_pipeline, GPT8, {"pipeline": {"size": 4, "microbatches": 2}}, 8)
     assert all("the 1f1b schedule over 4 stages needs at least 4 micro-batches, not 2" in m
                for m in said), said
+
+
+def _pp_inference(steps: int = 2) -> float:
+    """Largest relative difference between the pipeline engine's inference (called twice,
+    after `steps` train steps) and the single-device model trained alike."""
+    import torch.distributed as dist
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(GPT8, 8)
+    reference = copy.deepcopy(model)
+    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=opt, plan=PP(2))
+    ref_opt = opt(reference.parameters())
+    for _ in range(steps):
+        engine.train_step(inputs, target)
+        ref_opt.zero_grad()
+        loss_fn(reference(*inputs), target).backward()
+        ref_opt.step()
+    with torch.no_grad():
+        want = reference(*inputs)
+        got = [engine(*inputs), engine(*inputs)]
+    return max(relative(g, want) for g in got)
+
+
+def test_inference_after_pipeline_training_uses_every_stage_weights(pool2):
+    """Each rank trains only its stages' weights; inference runs the whole model on every
+    rank, so the weights other ranks trained are shared first (once per step)."""
+    assert all(err < 1e-5 for err in pool2.run(_pp_inference))
