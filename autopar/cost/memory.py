@@ -70,11 +70,13 @@ key/value head), so the prediction is within a few percent, not exact.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Iterable
 
 import sympy
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -771,6 +773,50 @@ def measure_saved_activations(fn: Callable[[], object], exclude: Iterable[torch.
         if ptr in batch:
             spans.setdefault(ptr, []).append(_span(t))
     return _storage_bytes(saved, skip | batch) + sum(_union(s) for s in spans.values())
+
+
+def measure_peak_saved_activations(fn: Callable[[], object],
+                                   exclude: Iterable[torch.Tensor] = (),
+                                   inputs: Iterable[torch.Tensor] = ()) -> int:
+    """The most bytes autograd holds saved at once while `fn()` runs.
+
+    Where `measure_saved_activations` adds up everything saved in a step, this follows
+    what is alive: a storage counts from the moment a tensor on it is saved until the last
+    tensor saved on it is freed (autograd releases them as each backward runs). A pipeline
+    stage holds the activations of its micro-batches in flight, so its peak is what the
+    schedule decides. Storages of `exclude` (parameters, buffers) do not count; storages of
+    `inputs` count the bytes their saved views reach.
+    """
+    skip = frozenset(t.untyped_storage().data_ptr() for t in exclude)
+    batch = frozenset(t.untyped_storage().data_ptr() for t in inputs) - skip
+    held: dict[int, list] = {}  # storage -> [bytes, [weak refs to the tensors saved on it]]
+    peak = [0]
+
+    def live() -> int:
+        total = 0
+        for ptr in list(held):
+            nbytes, refs = held[ptr]
+            refs[:] = [r for r in refs if r() is not None]
+            if refs:
+                total += nbytes
+            else:
+                del held[ptr]
+        return total
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip:
+            nbytes = _union([_span(t)]) if ptr in batch else storage.nbytes()
+            key = (ptr, _span(t)) if ptr in batch else ptr
+            entry = held.setdefault(key, [nbytes, []])
+            entry[1].append(weakref.ref(t))
+            peak[0] = max(peak[0], live())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return peak[0]
 
 
 def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> StateBytes:

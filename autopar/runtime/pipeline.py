@@ -1,15 +1,12 @@
 """Run the stages of `autopar.passes.pipeline.split_stages` under a pipeline schedule.
 
 `PipelineRunner(stages, group, schedule, microbatches)` places the stages on the members of
-the pipeline axis `group` and drives them with torch.distributed.pipelining:
+the pipeline axis `group` and drives them with torch.distributed.pipelining (ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble); which stages each member
+holds and in what order it runs them is `autopar.cost.schedule`, the model the planner
+prices (its order is read from the same torch classes).
 
-    schedule       stages per member   member r holds       torch schedule
-    "gpipe"        1                   stage r              ScheduleGPipe
-    "1f1b"         1                   stage r              Schedule1F1B
-    "interleaved"  v (`chunks`)        r, r + p, ...        ScheduleInterleaved1F1B
-    "zero_bubble"  2                   r and 2p - 1 - r     ScheduleZBVZeroBubble
-
-(p members; `stage_count(schedule, p, chunks)` says how many stages to cut.) The first
+(`stage_count(schedule, p, chunks)` says how many stages to cut.) The first
 stage takes the micro-batches of the inputs; the last stage's outputs go to the split's
 loss module with the micro-batch's targets (the schedule's loss function). Gradients are
 averaged over micro-batches (each parameter's once, after the schedule), so they equal
@@ -25,36 +22,15 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
 from autopar.passes.pipeline import Stages
 from autopar.runtime.collectives import AxisGroup
 
+__all__ = ["PipelineRunner", "stage_count", "stage_owner"]
+
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
               "interleaved": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleZBVZeroBubble"}
-
-
-def stage_count(schedule: str, members: int, chunks: int = 1) -> int:
-    """How many stages a schedule runs on `members` pipeline ranks."""
-    if schedule not in _SCHEDULES:
-        raise PlanError(f"unknown pipeline schedule {schedule!r}; choose one of "
-                        f"{', '.join(_SCHEDULES)}.")
-    if schedule in ("gpipe", "1f1b"):
-        return members
-    if schedule == "zero_bubble":
-        return 2 * members
-    if chunks < 2:
-        raise PlanError("the interleaved schedule needs chunks >= 2 (virtual stages per rank); "
-                        "use pipeline=dict(..., chunks=2) or the 1f1b schedule.")
-    return chunks * members
-
-
-def stage_owner(schedule: str, stage: int, members: int) -> int:
-    """The pipeline member that runs `stage`."""
-    if schedule in ("gpipe", "1f1b"):
-        return stage
-    if schedule == "zero_bubble":  # V shape: down the members, then back up
-        return stage if stage < members else 2 * members - 1 - stage
-    return stage % members
 
 
 class PipelineRunner:
@@ -65,10 +41,7 @@ class PipelineRunner:
         if n != stage_count(schedule, p, max(1, n // p)):
             raise PlanError(f"the {schedule} schedule on {p} pipeline ranks runs "
                             f"{stage_count(schedule, p, max(1, n // p))} stages, not {n}.")
-        if schedule == "1f1b" and microbatches < n:
-            raise PlanError(f"the 1f1b schedule over {n} stages needs at least {n} "
-                            f"micro-batches, not {microbatches}; use pipeline=dict(..., "
-                            f"microbatches={n}) or more, or the gpipe schedule.")
+        check_microbatches(schedule, p, microbatches, max(1, n // p))
         if stages.loss is None:
             raise PlanError("the pipeline runtime needs the stages cut with their targets "
                             "(split_stages(..., targets=1)).")
@@ -129,9 +102,10 @@ class PipelineRunner:
         finally:
             log.enabled = enabled
         n = len(self.stages.modules)
-        stages = [PipelineStage(self.stages.modules[k], k, n, self._device,
-                                input_args=examples[k][0], output_args=examples[k][1],
-                                group=self.group.group) for k in self.mine]
+        split = self.schedule_name == "zero_bubble"  # backward split into I and W
+        stages = [(_SplitBackwardStage if split else PipelineStage)(
+            self.stages.modules[k], k, n, self._device, input_args=examples[k][0],
+            output_args=examples[k][1], group=self.group.group) for k in self.mine]
         loss = self.stages.loss
 
         def loss_fn(output, target):
@@ -175,7 +149,10 @@ class PipelineRunner:
         losses: list = []
         if len(self.stages.modules) - 1 in self.mine:
             kwargs = {"target": target, "losses": losses}
-        self._schedule.step(*args, **kwargs)
+        # return_outputs=False: the last stage would keep every micro-batch's output, and
+        # with it (under zero-bubble, whose input-gradient pass retains the graph) the
+        # saved activations the weight-gradient pass does not free, to the end of the step
+        self._schedule.step(*args, return_outputs=False, **kwargs)
         for param in self._params:  # the sum over micro-batches of their mean losses' grads
             if param.grad is not None:
                 param.grad.div_(self.microbatches)
@@ -189,6 +166,46 @@ class PipelineRunner:
             dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
                            group=self.group.group)
         return float(value[0])
+
+
+class _SplitBackwardStage(PipelineStage):
+    """A stage whose micro-batches' saved activations are released right after their
+    weight-gradient pass (W).
+
+    Under zero-bubble the input-gradient pass (I) keeps the autograd graph for W, and W
+    walks only the part of it that leads to the weights: the tensors saved by the rest
+    (the input-gradient-only ops) stay referenced to the end of the step, about 40% of a
+    block's activations per micro-batch here. Every micro-batch's forward saves through
+    its own box (outer saved-tensor hooks, such as a memory probe's, still see each
+    tensor); W empties the box, so the stage holds what the schedule says it holds.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._boxes: dict[int, list] = {}
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        box = self._boxes.setdefault(fwd_chunk_id, [])
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer else (None, None)
+
+        def pack(t):
+            box.append(outer_pack(t) if outer_pack else t)
+            return len(box) - 1
+
+        def unpack(i):
+            value = box[i]
+            return outer_unpack(value) if outer_unpack else value
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        box = self._boxes.pop(bwd_chunk_id, None)
+        if box is not None:
+            box.clear()
+        return out
 
 
 def _example(t):
