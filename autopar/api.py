@@ -13,7 +13,7 @@ from autopar.plan import Plan
 from autopar.runtime.engine import Engine, check_context_dims, check_grid_dims, \
     check_sequence_dims
 from autopar.runtime.mesh import axis_groups, tensor_groups
-from autopar.world import World
+from autopar.world import World, local_device
 
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
             axes = {"pp": chosen.mesh["pp"], **axes}
         groups = axis_groups(axes)
     else:
-        groups = tensor_groups(chosen.mesh["dp"], tensor)
+        groups = tensor_groups(chosen.mesh["dp"], tensor, pp=chosen.mesh["pp"])
     return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,
                   forward_graph=traced)
 
@@ -104,7 +104,7 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn) -> Plan:
 
     if not isinstance(world, World):
         world = World(devices=size, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-                      device=_local_device())
+                      device=local_device())
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else \
         (example_inputs,)
     target = None
@@ -130,20 +130,6 @@ def _example_target(out, loss_fn):
             continue
     raise PlanError("cannot make an example target for loss_fn (tried class indices and a "
                     "tensor shaped like the output); pass a plan instead of plan=None.")
-
-
-def _local_device() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    if "H200" in name:
-        return "h200"
-    if "H100" in name:
-        return "h100-80gb"
-    if "A100" in name:
-        total = torch.cuda.get_device_properties(0).total_memory
-        return "a100-80gb" if total > 50 * 1024 ** 3 else "a100-40gb"
-    return "a100-80gb"
 
 
 def _resolve_plan(plan, size: int, world) -> Plan:

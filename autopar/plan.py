@@ -169,10 +169,6 @@ class Plan:
     def unsupported(self) -> list[str]:
         """Parts of this plan the runtime cannot execute yet (they can still be planned)."""
         out = []
-        if self.mesh["pp"] > 1 and (self.mesh["cp"] > 1 or self.grid_mode() != "1d"):
-            out.append("pipeline parallelism together with " +
-                       ("a cp axis" if self.mesh["cp"] > 1 else f"{self.grid_mode()} tensor "
-                        "parallelism") + " (pipelines run with data and 1d tensor parallelism)")
         if self.mesh["cp"] > 1 and self.mesh["tp"] > 1:  # cp runs beside 1d tensor layers only
             if self.grid_mode() != "1d":
                 out.append(f"sequence parallelism over a cp axis together with {self.grid_mode()} "

@@ -12,7 +12,8 @@ Values derived only from sizes and constants (the sizes of the inputs, aranges, 
 tables cut from buffers, causal masks built from positions) are never sent: each stage
 that reads one recomputes it from its own inputs' sizes (`Stages.recomputed` names them).
 Reading the batch size of a graph input in a later stage becomes reading it from a carried
-tensor with the same batch dim.
+tensor with the same batch dim (times the pieces a 2D/2.5D/3D layout splits that dim into
+on this rank, `node.meta["autopar_parts"]`).
 
 With `targets`, the loss (what reads the targets) is cut off as its own module, which a
 pipeline schedule calls on the last stage with each micro-batch's targets: the targets
@@ -26,6 +27,8 @@ A parameter read by more than one stage (a tied input and output embedding) is l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import operator
 
 import sympy
 import torch
@@ -131,14 +134,21 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int,
     return Stages(modules, ins, outs, params, shared, {nd.name for nd in free}, loss)
 
 
-def contiguous_stages(layers: list[str], n: int) -> dict[str, int]:
-    """A stage per layer for `split_stages`: the repeated blocks (layers whose name ends in
-    a number) in n runs of equal length, what comes before the first block on stage 0,
-    what comes after the last (final norm, classifier, loss) on stage n - 1."""
+def check_stage_count(layers: list[str], n: int) -> list[str]:
+    """The repeated blocks of `layers` (names ending in an index); one sentence when there
+    are fewer than the n stages, each of which must hold at least one."""
     blocks = [name for name in layers if name.rsplit(".", 1)[-1].isdigit()]
     if len(blocks) < n:
         raise PlanError(f"a {n}-stage pipeline needs at least {n} blocks; the model has "
                         f"{len(blocks)}: use {max(1, len(blocks))} stages or fewer.")
+    return blocks
+
+
+def contiguous_stages(layers: list[str], n: int) -> dict[str, int]:
+    """A stage per layer for `split_stages`: the repeated blocks (layers whose name ends in
+    a number) in n runs of equal length, what comes before the first block on stage 0,
+    what comes after the last (final norm, classifier, loss) on stage n - 1."""
+    blocks = check_stage_count(layers, n)
     first, last = layers.index(blocks[0]), layers.index(blocks[-1])
     out = {b: i * n // len(blocks) for i, b in enumerate(blocks)}
     for i, name in enumerate(layers):
@@ -246,10 +256,14 @@ def _size_from_carried(graph: fx.Graph, size_node: fx.Node, env: dict) -> fx.Nod
         shape = getattr(info, "shape", None)
         if new.op != "placeholder" or not shape:
             continue
+        parts = old.meta.get("autopar_parts") or (1,) * len(shape)
         for d, size in enumerate(shape):
             if sympy.simplify(sympy.sympify(size) - want) == 0 and want.free_symbols:
                 out = graph.call_function(aten.sym_size.int, (new, d))
                 out.meta = dict(size_node.meta)
+                if parts[d] > 1:  # this rank holds 1/parts of the dim (2D splits the batch)
+                    out = graph.call_function(operator.mul, (out, parts[d]))
+                    out.meta = dict(size_node.meta)
                 return out
     raise PlanError(f"a later pipeline stage reads size {dim} of input {source.name} "
                     f"({want}) but receives no tensor with that size")

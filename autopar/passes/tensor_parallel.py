@@ -18,6 +18,7 @@ solution lists, which is what makes predicted and measured communication equal.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -57,6 +58,8 @@ def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int
     axis) this rank's parameter slices, as a new GraphModule."""
     out, mapping = clone_graph_module(gm)
     readers: dict = {}
+    for old, new in mapping.items():  # before the rewrite: redistributions copy this meta
+        new.meta[PARTS] = dim_parts(solution.layouts.get(old), solution.sizes)
     localize_ops(out, solution, mapping, readers)
     insert_collectives(out, solution, mapping, readers)
     drop_dead_code(out.graph)
@@ -65,6 +68,20 @@ def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int
     out.graph.lint()
     out.recompile()
     return out
+
+
+PARTS = "autopar_parts"  # node.meta key: into how many pieces each dim is split on this rank
+
+
+def dim_parts(layout, sizes: dict[str, int]) -> tuple[int, ...] | None:
+    """Per dim of a value, into how many pieces the tensor axes split it (1: whole); None
+    for a value without a layout. A rank holds size // parts elements of each dim."""
+    if not isinstance(layout, Layout):
+        return None
+    out = [1] * layout.ndim
+    for shard in layout.shards:
+        out[shard.dim] *= sizes.get(shard.axis, 1)
+    return tuple(out)
 
 
 def drop_dead_code(graph: fx.Graph) -> None:
@@ -313,6 +330,10 @@ def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict,
                                f"to {[c.name for c in t.consumers]}")
         current = producer
         anchor = min(consumers, key=_index(graph))
+        parts = dim_parts(solution.layouts.get(t.producer), solution.sizes)
+        # the steps belong to the first consumer's layer (the plan counts their bytes there,
+        # and a pipeline runs them on that layer's stage)
+        info = _layer_of(producer.meta.get("autopar"), t.consumers[0].meta.get("autopar"))
         for step in t.steps:
             stem = f"{step.axis}_{step.kind}_{producer.name}"
             zigzag = step.axis == "cp" and solution.sequence_layout == "zigzag"
@@ -321,9 +342,24 @@ def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict,
             with graph.inserting_before(anchor):
                 nxt = graph.call_module(name, (current,))
             nxt.meta = dict(producer.meta)
+            if info is not None:
+                nxt.meta["autopar"] = info
+            if parts is not None and step.dim is not None:
+                size = solution.sizes.get(step.axis, 1)
+                parts = list(parts)
+                parts[step.dim] = parts[step.dim] // size if step.kind.startswith("gather") \
+                    else parts[step.dim] * size
+                parts = tuple(parts)
+            nxt.meta[PARTS] = parts
             current = nxt
         for consumer in consumers:
             consumer.replace_input_with(producer, current)
+
+
+def _layer_of(info, consumer):
+    if info is None or consumer is None or info.layer == consumer.layer:
+        return info
+    return dataclasses.replace(info, layer=consumer.layer)
 
 
 def _index(graph: fx.Graph):

@@ -48,16 +48,18 @@ def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, A
     return out
 
 
-def tensor_groups(dp: int, mesh: TensorMesh, log: CommLog | None = None) -> dict[str, AxisGroup]:
-    """AxisGroups for `dp` and every tensor axis of `mesh` that is a process group."""
+def tensor_groups(dp: int, mesh: TensorMesh, log: CommLog | None = None,
+                  pp: int = 1) -> dict[str, AxisGroup]:
+    """AxisGroups for `dp` and every tensor axis of `mesh` that is a process group, and
+    for `pp` (outermost) when the plan has a pipeline."""
     log = log if log is not None else CommLog()
-    dims = (("dp", dp),) + mesh.dims
+    dims = ((("pp", pp),) if pp > 1 else ()) + (("dp", dp),) + mesh.dims
     names = tuple(name for name, _ in dims)
     sizes = tuple(size for _, size in dims)
-    world = dp * mesh.total
+    world = pp * dp * mesh.total
     if world == 1 or not dist.is_available() or not dist.is_initialized():
-        if world > 1:
-            axis_groups({"dp": dp, "tp": mesh.total}, log)  # raises the launcher sentence
+        if world > 1:  # raises the launcher sentence
+            axis_groups({"pp": pp, "dp": dp, "tp": mesh.total}, log)
         return {a: AxisGroup(a, 1, 0, None, log) for a in ("dp",) + mesh.axes}
     if dist.get_world_size() != world:
         raise WorldError(f"the plan needs {world} processes but this job has "
