@@ -7,6 +7,7 @@ runs, restricted to the modes the runtime executes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 
@@ -18,16 +19,16 @@ from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.plan import LayerPlan, PipelinePlan, Plan, ZeroPlan
 from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
-from autopar.world import World
+from autopar.world import World, local_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # What the runtime executes today; parallelize searches only these.
-EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("dp", "tp", "cp"),
+EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("pp", "dp", "tp", "cp"),
               "cp_with_tp": "1d",  # cp beside 1D tensor parallelism without Megatron-SP
-              "recompute": ("none",), "zero": (0,), "sp": ("megatron",), "schedules": (),
-              "offload": False}
+              "recompute": ("none",), "zero": (0,), "sp": ("megatron",),
+              "schedules": ("gpipe", "1f1b", "interleaved", "zero_bubble"), "offload": False}
 
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
@@ -55,6 +56,37 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
     chain.traced = traced
     chain.names = _names(traced, repeat or {})
     return chain
+
+
+def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: int,
+                    microbatches: int) -> list[int]:
+    """The stage of each layer of `traced` (a training trace) for a plan that names a
+    pipeline but not its stages: the planner's split for exactly this plan (its mesh,
+    tensor mode, schedule and micro-batches fixed), balanced by predicted time under each
+    stage's memory limit, on the plan's hardware profile (this machine's when the plan
+    names none). When nothing fits memory the
+    time-balanced split of the closest candidate is taken."""
+    world = plan.world if isinstance(plan.world, World) else \
+        World(devices=math.prod(plan.mesh.values()), device=local_device())
+    chain = layer_chain(traced, tokens_per_sample=tokens_per_sample)
+    chain.refused = add_tensor_parallel(traced, chain, sorted({1, plan.mesh["tp"]}))
+    chain.traced = traced
+    chain.names = [layer.name for layer in traced.layers]
+    pipe = plan.pipeline
+    constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
+                              tp=plan.mesh["tp"], schedule=pipe.schedule, zero=0,
+                              recompute="none", offload=False,
+                              tp_mode=plan.grid_mode() if plan.mesh["tp"] > 1 else None,
+                              microbatches=microbatches,
+                              chunks=pipe.chunks if pipe.schedule == "interleaved" else None,
+                              sp=plan.sequence_mode if plan.mesh["cp"] > 1 else None)
+    options = Options(global_batch=global_batch, dtype="fp32", top=1)
+    result = Search(chain, world, options, constraints).run()
+    best = result.best or min((c for c, _ in result.alternatives if c.stages),
+                              key=lambda c: c.memory_per_device, default=None)
+    if best is None:
+        raise PlanError("the planner finds no pipeline split for this plan.")
+    return list(best.stages)
 
 
 def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:

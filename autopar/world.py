@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from autopar.cost.hardware import GiB, Hardware, load_hardware  # noqa: F401
 from autopar.errors import WorldError
 
@@ -38,3 +40,18 @@ class World:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def local_device() -> str:
+    """The device profile of the accelerator this process runs on ("cpu" without one)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        return "h100-80gb"
+    if "A100" in name:
+        total = torch.cuda.get_device_properties(0).total_memory
+        return "a100-80gb" if total > 50 * 1024 ** 3 else "a100-40gb"
+    return "a100-80gb"

@@ -221,3 +221,122 @@ def test_inference_after_pipeline_training_uses_every_stage_weights(pool2):
     """Each rank trains only its stages' weights; inference runs the whole model on every
     rank, so the weights other ranks trained are shared first (once per step)."""
     assert all(err < 1e-5 for err in pool2.run(_pp_inference))
+
+
+# ---------------------------------------------------------------- the schedule model
+def _runtime_order(schedule: str, chunks: int, microbatches: int = 4) -> list:
+    """The compute actions torch's live schedule runs on this rank, after one step."""
+    import torch.distributed as dist
+
+    from autopar.graph.trace import trace
+    from autopar.passes.pipeline import contiguous_stages, split_stages
+    from autopar.runtime.mesh import axis_groups
+    from autopar.runtime.pipeline import PipelineRunner, stage_count
+
+    model, inputs, target, loss_fn = build(GPT8, 8)
+    traced = trace(model, inputs, loss_fn=loss_fn, example_target=target, train=True)
+    p = dist.get_world_size()
+    n = stage_count(schedule, p, chunks)
+    stages = split_stages(traced.gm, contiguous_stages([la.name for la in traced.layers], n),
+                          n, targets=1)
+    runner = PipelineRunner(stages, axis_groups({"pp": p})["pp"], schedule, microbatches)
+    runner.step(inputs, target)
+    ops = runner._schedule.pipeline_order[dist.get_rank()]
+    return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in ops
+            if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
+
+
+@pytest.mark.parametrize("schedule,chunks", [("interleaved", 2), ("zero_bubble", 2)])
+def test_schedule_model_runs_the_runtime_order(pool2, schedule, chunks):
+    """`autopar.cost.schedule.order` is the order torch's schedule runs, action for action,
+    so the bubble and memory the planner predicts are those of the schedule that runs."""
+    from autopar.cost.schedule import order
+
+    got = pool2.run(_runtime_order, schedule, chunks)
+    assert got == [list(ops) for ops in order(schedule, 2, 4, chunks)]
+
+
+# ---------------------------------------------------------------- hybrid meshes
+def test_parallelize_pp2_with_context_parallelism(pool4):
+    """pp2 x cp2: ring attention (zigzag) in a GPT, Ulysses in a GQA llama; the stages pass
+    each rank's own tokens."""
+    from equivalence import assert_equal, compare
+
+    assert_equal(pool4.run(compare, GPT8, PP(2, sequence={"size": 2, "mode": "ring"})))
+    assert_equal(pool4.run(compare, LLAMA4, PP(2, "zero_bubble",
+                                               sequence={"size": 2, "mode": "ulysses"})))
+
+
+def test_parallelize_pp2_with_2d_tensor_and_with_cp_tp(pool8):
+    """pp2 x 2D (tp 4 as a 2 x 2 grid): later stages read the batch size from a carried
+    activation that the grid splits (times its pieces), and a weight's redistribution runs
+    on the stage of the layer that reads it, where the plan counts its bytes. And
+    pp2 x cp2 x tp2 under zero-bubble."""
+    from equivalence import assert_equal, compare
+
+    assert_equal(pool8.run(compare, GPT8, PP(2, tensor={"size": 4, "mode": "2d"}), 3, 16))
+    assert_equal(pool8.run(compare, LLAMA4, PP(2, "zero_bubble",
+                                               sequence={"size": 2, "mode": "ring"},
+                                               tensor={"size": 2, "mode": "1d"}), 3, 16))
+
+
+def test_parallelize_pp2_with_3d_tensor():
+    """pp2 x 3D (tp 8 as 2 x 2 x 2): world 16."""
+    from distributed import DistPool
+    from equivalence import assert_equal, compare
+
+    with DistPool(16, timeout_s=900) as pool:
+        assert_equal(pool.run(compare, GPT8, {"pipeline": {"size": 2, "microbatches": 2},
+                                              "tensor": {"size": 8, "mode": "3d"}}, 2, 16))
+
+
+# ---------------------------------------------------------------- planner's stages
+HEAVY_HEAD = "gpt:layers=8,hidden=64,heads=4,vocab=4096,seq=32"
+
+
+def _stages_probe(engine, inputs, target):
+    return dict(engine._stage_of_layer)
+
+
+def test_stages_are_balanced_by_predicted_time(pool2):
+    """A dict plan names no stages: the engine takes the planner's split for that plan. A
+    classifier over 4096 words costs about as much as one of this GPT's blocks (on this
+    machine's profile), so the last stage gets fewer blocks than the first, and training
+    still equals one device."""
+    from equivalence import assert_equal, compare
+
+    two = {"pipeline": {"size": 2, "microbatches": 2}}  # micro-batches of 4
+    results = pool2.run(compare, HEAVY_HEAD, two, 3, 8, _stages_probe)
+    assert_equal(results)
+    split = results[0]["probe"]
+    blocks = [split[f"blocks.{i}"] for i in range(8)]
+    assert blocks == sorted(blocks) and blocks.count(0) > blocks.count(1) >= 1, split
+    assert split["lm_head"] == 1 and split["wte"] == 0
+
+
+def _planned(world: int) -> dict:
+    """A plan from autopar.plan (pipeline fixed to 2 stages), run by parallelize: the engine
+    cuts where the plan says."""
+    import copy
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(HEAVY_HEAD, 8)
+    made = autopar.plan(copy.deepcopy(model), tuple(t[:2] for t in inputs), world,
+                        global_batch=8, constraints={"pp": 2, "dp": world // 2, "tp": 1},
+                        loss_fn=loss_fn, example_target=target[:2], dtype="fp32",
+                        executable=True)
+    return {"plan": made.to_json(), "stages": {lp.name: lp.stage for lp in made.layers}}
+
+
+def test_parallelize_runs_the_planners_stages(pool2):
+    from equivalence import assert_equal, compare
+
+    from autopar.plan import Plan
+
+    planned = _planned(2)
+    plan = Plan.from_json(planned["plan"])
+    results = pool2.run(compare, HEAVY_HEAD, plan, 3, 8, _stages_probe)
+    assert_equal(results)
+    assert results[0]["probe"] == planned["stages"]
+    assert "pipeline" not in " ".join(plan.search.get("left_out", []))

@@ -160,21 +160,56 @@ class Engine(nn.Module):
         self.train_gm = self._build(self.train_graph, self.train_solution)
         self._model = None
         if self._pp.size > 1:
-            self._pipeline = self._build_pipeline()
+            self._pipeline = self._build_pipeline(int(target.shape[0]) * self._dp.size)
 
-    def _build_pipeline(self):
-        """The local training graph cut into stages (blocks spread evenly), this rank's
-        placed under the plan's schedule on the pipeline axis."""
-        from autopar.passes.pipeline import contiguous_stages, split_stages
+    def _build_pipeline(self, global_batch: int):
+        """The local training graph cut into stages, this rank's placed under the plan's
+        schedule on the pipeline axis. The stages are the plan's when it names them (a
+        plan from `autopar.plan`), else the planner's split for this plan: balanced by
+        predicted time under each stage's memory limit."""
+        from autopar.cost.schedule import check_microbatches
+        from autopar.passes.pipeline import check_stage_count, split_stages
         from autopar.runtime.pipeline import PipelineRunner, stage_count
 
         pipe = self.plan.pipeline
         n = stage_count(pipe.schedule, self._pp.size, pipe.chunks)
-        layers = [layer.name for layer in self.train_graph.layers]
-        self._stage_of_layer = contiguous_stages(layers, n)
-        stages = split_stages(self.train_gm, self._stage_of_layer, n, targets=1)
         microbatches = pipe.microbatches if pipe.microbatches > 1 else n
+        layers = [layer.name for layer in self.train_graph.layers]
+        check_stage_count(layers, n)
+        check_microbatches(pipe.schedule, self._pp.size, microbatches, pipe.chunks)
+        dp = self._dp.size
+        if (global_batch // dp) % microbatches:
+            raise PlanError(f"a batch of {global_batch} does not split into {microbatches} "
+                            "micro-batches" + (f" on each of {dp} data-parallel replicas"
+                                               if dp > 1 else "")
+                            + f"; use a batch that is a multiple of {microbatches * dp}.")
+        self._stage_of_layer = self._planned_stages(layers, n) or \
+            self._balanced_stages(layers, n, global_batch, microbatches)
+        stages = split_stages(self.train_gm, self._stage_of_layer, n, targets=1)
         return PipelineRunner(stages, self._pp, pipe.schedule, microbatches, self._device)
+
+    def _planned_stages(self, layers: list[str], n: int) -> dict[str, int] | None:
+        """The plan's own stage per layer, when it gives one for every layer of this
+        graph, in order, using every one of the n stages."""
+        planned = {lp.name: lp.stage for lp in self.plan.layers}
+        if not layers or any(name not in planned for name in layers):
+            return None
+        stages = [planned[name] for name in layers]
+        if sorted(set(stages)) != list(range(n)) or stages != sorted(stages):
+            return None
+        return dict(zip(layers, stages))
+
+    def _balanced_stages(self, layers: list[str], n: int, global_batch: int,
+                         microbatches: int) -> dict[str, int]:
+        from autopar.planner import pipeline_stages
+        from autopar.sharding.solve import tokens_per_sample
+
+        stages = pipeline_stages(self.train_graph, self.plan, global_batch,
+                                 tokens_per_sample(self.train_graph) or 1, microbatches)
+        if len(stages) != len(layers) or max(stages) != n - 1:
+            raise PlanError(f"the planner split {len(stages)} layers into {max(stages) + 1} "
+                            f"stages; the graph has {len(layers)} layers for {n} stages.")
+        return dict(zip(layers, stages))
 
     def _pipeline_layers(self) -> set[str]:
         """The layers this pipeline rank's stages run."""

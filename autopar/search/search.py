@@ -26,6 +26,7 @@ import numpy as np
 from autopar.cost.comm import collective_time, placements
 from autopar.cost.hardware import GiB, Hardware
 from autopar.cost.layer import LayerChain
+from autopar.cost.schedule import SCHEDULES, check_microbatches, in_flight, stage_owner, step_time
 from autopar.cost.model import (
     OPTIMIZER_BYTES,
     RECOMPUTE,
@@ -38,7 +39,6 @@ from autopar.cost.model import (
 from autopar.errors import PlanError
 from autopar.search.partition import balance, balance_within, choose_states
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 ORDER = ("tp", "cp", "dp", "pp")  # innermost first
 USABLE_MEMORY = 0.92  # the rest goes to the framework, kernels' workspaces, fragmentation
 
@@ -59,6 +59,7 @@ class Constraints:
     microbatches: int | None = None
     micro_batch_size: int | None = None
     schedule: str | None = None
+    chunks: int | None = None  # stages per rank of the interleaved schedule
 
     @classmethod
     def of(cls, value) -> Constraints:
@@ -120,7 +121,8 @@ class Candidate:
         if self.cp_mode:
             parts.append(f"cp {self.cp_mode}")
         if m["pp"] > 1:
-            parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.chunks > 1 else ""))
+            parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.schedule == "interleaved"
+                                               else ""))
         parts.append(f"mb {self.micro_batch}x{self.microbatches}")
         parts.append(f"zero {self.zero}" + ("+offload" if self.offload else ""))
         parts.append("recompute " + "/".join(rc))
@@ -253,7 +255,8 @@ class Search:
                 return True
             if self.opt.executable is not None and "cp" not in self.opt.executable.get("axes", ()):
                 return False
-            return has_attention and seq % cp == 0 and seq // cp >= 256
+            # a chosen cp leaves each rank 256 tokens or more; a fixed one only has to divide
+            return has_attention and seq % cp == 0 and (seq // cp >= 256 or self.c.cp == cp)
 
         meshes = factorisations(world, self.c, len(self.blocks) or 1, seq_ok)
         if self.opt.executable is not None:
@@ -315,6 +318,12 @@ class Search:
             return (f"pp {fixed['pp']} needs at least {fixed['pp']} blocks to put one on each "
                     f"stage, but the model has {blocks}; use --pp "
                     f"{max(d for d in divisors(world) if d <= blocks)} or less.")
+        if tiles and fixed.get("cp", 1) > 1:
+            seq = self.chain.tokens_per_sample
+            return (f"cp {fixed['cp']} splits the sequence over {fixed['cp']} ranks, but this "
+                    f"model has " + (f"a sequence of {seq} tokens, which it does not divide"
+                                     if any(lt.attention for lt in self.chain.types) else
+                                     "no attention to split") + "; choose another --cp.")
         if fixed:
             prod = math.prod(fixed.values())
             near = [d for d in divisors(world)]
@@ -437,7 +446,7 @@ class Search:
                     elif schedule == "interleaved":
                         pipe = m * slowest + (pp - 1) * avg / v
                     elif schedule == "zero_bubble":
-                        pipe = m * slowest + (pp * avg - slowest) / 3
+                        pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
                     else:
                         pipe = (m - 1) * slowest + pp * avg
                     out.append(_Leaf(pipe + dp_lb, next(self._leaf_numbers), dict(mesh), pl,
@@ -458,11 +467,19 @@ class Search:
                     "schedules", ()):
                 continue
             if s == "interleaved":
-                for v in (2, 4):
-                    if len(self.blocks) % (pp * v) == 0 and m % pp == 0:
-                        out.append((s, v))
+                options = [(s, v) for v in ((self.c.chunks,) if self.c.chunks else (2, 4))
+                           if len(self.blocks) >= pp * v
+                           and m % pp == 0]
+            elif s == "zero_bubble":  # ZB-V: two stages per rank
+                options = [(s, 2)] if len(self.blocks) >= 2 * pp else []
             else:
-                out.append((s, 1))
+                options = [(s, 1)]
+            for option in options:
+                try:
+                    check_microbatches(s, pp, m, option[1])
+                except PlanError:
+                    continue
+                out.append(option)
         return out
 
     def _zero_options(self, mesh):
@@ -515,35 +532,23 @@ class Search:
         slowest = float(dev.max())
         if pp == 1 or schedule == "none":
             total = m * slowest
-        elif schedule == "interleaved":
-            total = m * slowest + (pp - 1) * slowest / v
-        elif schedule == "zero_bubble":
-            # ZB-H1 keeps 1F1B's memory and cuts its bubble to about a third
-            # (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR)
-            total = m * slowest + (float(dev.sum()) - slowest) / 3
-        else:
-            total = (m - 1) * slowest + float(dev.sum())
+        else:  # closed forms of autopar.cost.schedule (checked against its simulation)
+            total = step_time(schedule, pp, m, [float(x) for x in dev], v)
         return total, total - m * slowest, dev
 
     def _in_flight(self, schedule, pp, v, m) -> np.ndarray:
         """Micro-batches whose activations each device holds at its peak."""
         if pp == 1:
             return np.ones(1)
-        if schedule == "gpipe":
-            return np.full(pp, float(m))
-        held = np.minimum(m, pp - np.arange(pp)).astype(float)
-        if schedule == "interleaved":
-            # the interleaved schedule warms up with more micro-batches in flight
-            # (Narayanan et al. 2021 §2.2.2): about (1 + (p-1)/(p v)) x 1F1B's
-            held = held * (1 + (pp - 1) / (pp * v))
-        return held
+        return np.array(in_flight(schedule, pp, m, v))
 
     # ------------------------------------------------------------ evaluation
     def _evaluate(self, leaf):
         leaf.prep.build()
         if leaf.stage_of is None:
             leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
-            leaf.device_of = [s % leaf.mesh["pp"] for s in leaf.stage_of]
+            leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh["pp"])
+                              for s in leaf.stage_of]
         for zero, offload in leaf.zeros:
             cand = self._price(leaf, zero, offload)
             yield cand
