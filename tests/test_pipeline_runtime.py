@@ -340,3 +340,26 @@ def test_parallelize_runs_the_planners_stages(pool2):
     assert_equal(results)
     assert results[0]["probe"] == planned["stages"]
     assert "pipeline" not in " ".join(plan.search.get("left_out", []))
+
+
+def _held_weights(engine, inputs, target) -> dict:
+    """Bytes of parameters this rank holds after a step, and those its stages read."""
+    held = sum(p.untyped_storage().nbytes() for p in engine.parameters())
+    mine = sum(p.numel() * p.element_size() for p in engine._pipeline.parameters())
+    whole = sum(p.numel() * p.element_size()
+                for p in engine.train_graph.gm.parameters())  # the model's own tensors
+    return {"held": held, "mine": mine, "whole": whole}
+
+
+def test_pipeline_ranks_hold_only_their_stages_weights(pool2):
+    """While it trains, a pipeline rank holds the weights its stages read and no others
+    (the tied embedding on both ranks); full_state_dict and inference fetch the rest from
+    their owners, and training goes on equal to one device."""
+    from equivalence import assert_equal, compare
+
+    results = pool2.run(compare, GPT8, PP(2), 3, 8, _held_weights)
+    assert_equal(results)
+    for r in results:
+        probe = r["probe"]
+        assert probe["held"] == probe["mine"] < probe["whole"], probe
+    assert sum(r["probe"]["held"] for r in results) < 1.3 * results[0]["probe"]["whole"]

@@ -47,6 +47,7 @@ class Engine(nn.Module):
         self._pp = groups["pp"] if "pp" in groups else AxisGroup("pp", 1, 0, None, self.comm_log)
         self._pipeline = None  # a PipelineRunner once the training graph is built (pp > 1)
         self._synced_at = -1  # the step at which pipeline ranks last shared their weights
+        self._released: dict = {}  # parameter -> (shape, dtype) freed on this pipeline rank
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
             self.mesh = TensorMesh("1d", (("cp", self._cp.size), ("tp", self._tp.size)))
@@ -186,7 +187,8 @@ class Engine(nn.Module):
         self._stage_of_layer = self._planned_stages(layers, n) or \
             self._balanced_stages(layers, n, global_batch, microbatches)
         stages = split_stages(self.train_gm, self._stage_of_layer, n, targets=1)
-        return PipelineRunner(stages, self._pp, pipe.schedule, microbatches, self._device)
+        return PipelineRunner(stages, self._pp, pipe.schedule, microbatches, self._device,
+                              every_weight=self._sync_pipeline_params)
 
     def _planned_stages(self, layers: list[str], n: int) -> dict[str, int] | None:
         """The plan's own stage per layer, when it gives one for every layer of this
@@ -221,18 +223,34 @@ class Engine(nn.Module):
 
     def _sync_pipeline_params(self) -> None:
         """Every pipeline rank gets the trained values of the parameters other ranks own
-        (each rank trains only its stages' parameters); once per optimizer step, not per
-        inference call (every rank has taken the same number of steps)."""
-        if self._pipeline is None or self._synced_at == self.steps:
+        (each rank trains only its stages' parameters, and holds no others while it
+        trains); once per optimizer step, not per inference call (every rank has taken
+        the same number of steps)."""
+        if self._pipeline is None or (self._synced_at == self.steps and not self._released):
             return
         self._synced_at = self.steps
         group = self._pp.group
         for target, owner in sorted(self._pipeline.param_owners().items()):
-            pinfo = self.train_graph.params[target]
-            local = self._local[_key(pinfo)]
+            local = self._local[_key(self.train_graph.params[target])]
+            held = self._released.pop(target, None)
+            if held is not None:  # made again, to be filled by its owner
+                local.data = torch.empty(held[0], dtype=held[1], device=local.device)
             with torch.no_grad():
                 torch.distributed.broadcast(local.data, src=torch.distributed.get_global_rank(
                     group, owner), group=group)
+
+    def _release_pipeline_params(self) -> None:
+        """Free the parameters only other pipeline ranks' stages read: a rank holds its
+        stages' weights (a tied embedding on every rank whose stages read it), as the
+        planner's memory per stage assumes. Inference, full_state_dict and a new micro-batch
+        shape (whose stages are rebuilt) fetch them again from their owners."""
+        mine = {id(p) for p in self._pipeline.parameters()}
+        for target in self._pipeline.param_owners():
+            local = self._local[_key(self.train_graph.params[target])]
+            if id(local) in mine or target in self._released or local.numel() == 0:
+                continue
+            self._released[target] = (tuple(local.shape), local.dtype)
+            local.data = torch.empty(0, dtype=local.dtype, device=local.device)
 
     # ------------------------------------------------------------------ running
     def batch_split(self) -> int:
@@ -272,7 +290,9 @@ class Engine(nn.Module):
                                                          self.train_graph)
         self.train_gm.train()
         if self._pipeline is not None:  # forward and backward through the schedule
+            self._release_pipeline_params()  # (inference may have fetched them)
             loss = torch.tensor(self._pipeline.step(tuple(local_inputs), local_target))
+            self._release_pipeline_params()
         else:
             loss = self.train_gm(*local_inputs, local_target)
             loss.backward()

@@ -35,7 +35,7 @@ _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 class PipelineRunner:
     def __init__(self, stages: Stages, group: AxisGroup, schedule: str, microbatches: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", every_weight=None):
         p, rank = group.size, group.rank
         n = len(stages.modules)
         if n != stage_count(schedule, p, max(1, n // p)):
@@ -46,6 +46,9 @@ class PipelineRunner:
             raise PlanError("the pipeline runtime needs the stages cut with their targets "
                             "(split_stages(..., targets=1)).")
         self.group, self.schedule_name, self.microbatches = group, schedule, microbatches
+        # called (on every member) before the stages run once to find their shapes: a
+        # member that holds only its stages' weights fetches the others for that run
+        self._every_weight = every_weight
         self.stages = stages
         self.mine = [k for k in range(n) if stage_owner(schedule, k, p) == rank]
         self.first_owner, self.last_owner = stage_owner(schedule, 0, p), \
@@ -88,6 +91,8 @@ class PipelineRunner:
         shapes = tuple(tuple(t.shape) for t in micro)
         if shapes == self._shapes:
             return
+        if self._every_weight is not None:
+            self._every_weight()
         log = self.group.log
         enabled, log.enabled = log.enabled, False
         examples = []
