@@ -176,7 +176,7 @@ class Plan:
             if self.sequence_parallel_layers():
                 out.append("sequence parallelism over a cp axis together with Megatron sequence "
                            "parallelism (sequence_parallel)")
-        if self.zero.stage or self.zero.offload:
+        if self.zero.stage >= 2 or self.zero.offload:  # ZeRO-1 runs
             out.append(f"ZeRO stage {self.zero.stage}" + (" with offload" if self.zero.offload else ""))
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):
             out.append("recomputation")

@@ -297,14 +297,14 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
             assert max(cand.stages) + 1 == cand.mesh["pp"] * cand.chunks
         if cand.mesh["cp"] > 1:  # cp runs beside 1D tensor parallelism without SP only
             assert all(s.mode.name == "1d" and s.sp == "none" for s in cand.states)
-        assert cand.zero == 0 and not cand.offload
+        assert cand.zero in (0, 1) and not cand.offload  # ZeRO-1 runs
         assert all(s.recompute == "none" for s in cand.states)
         # the runtime runs one grid per plan, which 1D layers may join
         grids = {(s.mode.name, s.mode.q, s.mode.d) for s in cand.states if s.mode.name != "1d"}
         assert len(grids) <= 1, grids
     said = " | ".join(res.left_out)
     for words in ("cp axis combined with 2D", "selective/full recomputation",
-                  "ZeRO stage 1/2/3", "offload"):
+                  "ZeRO stage 2/3", "offload"):
         assert words in said, (words, said)
     assert "pipeline" not in said  # the search chooses pipelines for parallelize
     # 2D/2.5D/3D and Megatron-SP run: they are named only as what cp cannot join yet

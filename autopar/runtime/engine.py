@@ -71,8 +71,13 @@ class Engine(nn.Module):
         self.train_graph = None
         self.train_solution: Solution | None = None
         self.train_gm: fx.GraphModule | None = None
-        params = self._unique_params()
-        self.optimizer = optimizer(params) if optimizer is not None else None
+        self._optimizer_factory = optimizer
+        self._zero = None  # ZeRO-1 state over dp (autopar.runtime.zero), when the plan asks
+        self.optimizer = None
+        if not self._zero_sharded():
+            self.optimizer = optimizer(self._unique_params()) if optimizer is not None else None
+        elif self._pp.size == 1:  # a pipeline rank shards the parameters of its stages
+            self._make_zero(self._unique_params())
         self.steps = 0
 
     # ------------------------------------------------------------------ building
@@ -162,6 +167,18 @@ class Engine(nn.Module):
         self._model = None
         if self._pp.size > 1:
             self._pipeline = self._build_pipeline(int(target.shape[0]) * self._dp.size)
+            if self._zero_sharded():
+                self._make_zero(self._pipeline.parameters())
+
+    def _zero_sharded(self) -> bool:
+        return self.plan.zero.stage >= 1 and self._dp.size > 1
+
+    def _make_zero(self, params) -> None:
+        """ZeRO-1: the optimizer runs on this rank's 1/dp of every parameter."""
+        from autopar.runtime.zero import ShardedOptimizerState
+
+        self._zero = ShardedOptimizerState(list(params), self._dp, self._optimizer_factory)
+        self.optimizer = self._zero.optimizer
 
     def _build_pipeline(self, global_batch: int):
         """The local training graph cut into stages, this rank's placed under the plan's
@@ -300,6 +317,8 @@ class Engine(nn.Module):
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self._zero is not None:
+            self._zero.gather_parameters()
         self.steps += 1
         value = loss.detach().float().reshape(1)
         if self._dp.size > 1:
@@ -308,6 +327,9 @@ class Engine(nn.Module):
 
     def _average_gradients(self) -> None:
         if self._dp.size == 1:
+            return
+        if self._zero is not None:  # each rank receives the mean of its pieces only
+            self._zero.reduce_gradients()
             return
         params = [p for p in self._unique_params() if p.grad is not None]
         if not params:
@@ -354,6 +376,10 @@ class Engine(nn.Module):
                 self._unique_params()
             grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             out[("all_reduce", "dp")] = grad_bytes + 4  # the gradients, then the loss
+            if self._zero is not None:  # ZeRO-1: the all-reduce's two halves, padded
+                out[("all_reduce", "dp")] = 4
+                out[("reduce_scatter", "dp")] = self._zero.padded_bytes()
+                out[("all_gather", "dp")] = self._zero.padded_bytes()
         return out
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:

@@ -1,0 +1,83 @@
+"""ZeRO stage 1 over the data-parallel axis: each replica keeps 1/dp of the optimizer state.
+
+Rajbhandari et al. 2019 (ZeRO, §5.1 "P_os"): every data-parallel rank holds the whole
+parameters and computes whole gradients, but updates only its shard of every parameter
+with its optimizer, then the ranks all-gather the updated shards. The optimizer's state
+(Adam's two moments) is built for the shards only, so it is 1/dp per rank.
+
+Layout: each parameter is flattened, padded to a multiple of dp and cut into dp equal
+pieces; rank r owns piece r of every parameter. One buffer holds, rank after rank, the
+pieces of all parameters, so a step is one reduce-scatter of the gradients (each rank
+receives the sum of its pieces) and one all-gather of the updated pieces: the bytes of
+a data-parallel all-reduce, split in its two halves (Rajbhandari et al. §7.2.1).
+
+The optimizer the user's factory builds runs on the shards (one `nn.Parameter` per
+parameter, in the same order), so element-wise optimizers (SGD, Adam, AdamW, weight
+decay) give exactly the unsharded update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autopar.runtime.collectives import AxisGroup
+
+
+class ShardedOptimizerState:
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory):
+        self.params = [p for p in params if p.requires_grad]
+        self.dp = dp
+        self.numels = [p.numel() for p in self.params]
+        self.chunks = [-(-n // dp.size) for n in self.numels]
+        self.total = sum(self.chunks)  # this rank's piece of every parameter, in elements
+        r = dp.rank
+        self.shards = []
+        for p, k in zip(self.params, self.chunks):
+            flat = p.detach().reshape(-1)[r * k:(r + 1) * k]
+            shard = torch.zeros(k, dtype=p.dtype, device=p.device)
+            shard[:flat.numel()] = flat
+            self.shards.append(nn.Parameter(shard))
+        self.optimizer = factory(self.shards) if factory is not None else None
+
+    def padded_bytes(self) -> int:
+        """Bytes of one reduce-scatter input (and of one all-gather output)."""
+        if not self.params:
+            return 0
+        return self.dp.size * self.total * self.params[0].element_size()
+
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over dp into each rank's pieces (the mean, as DDP gives), and
+        free the whole gradients."""
+        if not self.params:
+            return
+        p0 = self.params[0]
+        buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p, n, k in zip(self.params, self.numels, self.chunks):
+            if p.grad is not None:
+                padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
+                padded[:n] = p.grad.reshape(-1)
+                buf[:, offset:offset + k] = padded.view(self.dp.size, k)
+                p.grad = None
+            offset += k
+        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
+        mine /= self.dp.size
+        offset = 0
+        for shard, k in zip(self.shards, self.chunks):
+            shard.grad = mine[offset:offset + k]
+            offset += k
+
+    def gather_parameters(self) -> None:
+        """Every rank gets every rank's updated pieces, written into the whole parameters."""
+        if not self.params:
+            return
+        local = torch.cat([s.detach() for s in self.shards])
+        full = self.dp.all_gather(local, 0, 1, "step").view(self.dp.size, self.total)
+        offset = 0
+        with torch.no_grad():
+            for p, n, k in zip(self.params, self.numels, self.chunks):
+                p.copy_(full[:, offset:offset + k].reshape(-1)[:n].view_as(p))
+                offset += k
+        for shard in self.shards:
+            shard.grad = None
