@@ -72,7 +72,7 @@ class Engine(nn.Module):
         self.train_solution: Solution | None = None
         self.train_gm: fx.GraphModule | None = None
         self._optimizer_factory = optimizer
-        self._zero = None  # ZeRO-1 state over dp (autopar.runtime.zero), when the plan asks
+        self._zero = None  # ZeRO-1/2 state over dp (autopar.runtime.zero), when the plan asks
         self.optimizer = None
         if not self._zero_sharded():
             self.optimizer = optimizer(self._unique_params()) if optimizer is not None else None
@@ -174,10 +174,12 @@ class Engine(nn.Module):
         return self.plan.zero.stage >= 1 and self._dp.size > 1
 
     def _make_zero(self, params) -> None:
-        """ZeRO-1: the optimizer runs on this rank's 1/dp of every parameter."""
+        """ZeRO-1/2: the optimizer runs on this rank's 1/dp of every parameter (and, with
+        stage 2, the gradients are cut to those pieces during the backward)."""
         from autopar.runtime.zero import ShardedOptimizerState
 
-        self._zero = ShardedOptimizerState(list(params), self._dp, self._optimizer_factory)
+        self._zero = ShardedOptimizerState(list(params), self._dp, self._optimizer_factory,
+                                           self.plan.zero.stage)
         self.optimizer = self._zero.optimizer
 
     def _build_pipeline(self, global_batch: int):
@@ -376,7 +378,7 @@ class Engine(nn.Module):
                 self._unique_params()
             grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             out[("all_reduce", "dp")] = grad_bytes + 4  # the gradients, then the loss
-            if self._zero is not None:  # ZeRO-1: the all-reduce's two halves, padded
+            if self._zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
                 out[("all_reduce", "dp")] = 4
                 out[("reduce_scatter", "dp")] = self._zero.padded_bytes()
                 out[("all_gather", "dp")] = self._zero.padded_bytes()

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 over the data-parallel axis: each replica keeps 1/dp of the optimizer state.
+"""ZeRO stages 1 and 2 over the data-parallel axis: each replica keeps 1/dp of the
+optimizer state (stage 1), and of the gradients (stage 2).
 
 Rajbhandari et al. 2019 (ZeRO, §5.1 "P_os"): every data-parallel rank holds the whole
 parameters and computes whole gradients, but updates only its shard of every parameter
@@ -10,6 +11,11 @@ pieces; rank r owns piece r of every parameter. One buffer holds, rank after ran
 pieces of all parameters, so a step is one reduce-scatter of the gradients (each rank
 receives the sum of its pieces) and one all-gather of the updated pieces: the bytes of
 a data-parallel all-reduce, split in its two halves (Rajbhandari et al. §7.2.1).
+
+Stage 2 (§5.2 "P_os+g") reduce-scatters each parameter's gradient as soon as autograd
+has accumulated it (a post-accumulate-grad hook) and frees the whole gradient there, so
+whole gradients never pile up: a rank holds its pieces and at most the gradients of the
+op that backward is running. The bytes are stage 1's, sent during the backward.
 
 The optimizer the user's factory builds runs on the shards (one `nn.Parameter` per
 parameter, in the same order), so element-wise optimizers (SGD, Adam, AdamW, weight
@@ -25,9 +31,9 @@ from autopar.runtime.collectives import AxisGroup
 
 
 class ShardedOptimizerState:
-    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory):
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory, stage: int = 1):
         self.params = [p for p in params if p.requires_grad]
-        self.dp = dp
+        self.dp, self.stage = dp, stage
         self.numels = [p.numel() for p in self.params]
         self.chunks = [-(-n // dp.size) for n in self.numels]
         self.total = sum(self.chunks)  # this rank's piece of every parameter, in elements
@@ -39,17 +45,33 @@ class ShardedOptimizerState:
             shard[:flat.numel()] = flat
             self.shards.append(nn.Parameter(shard))
         self.optimizer = factory(self.shards) if factory is not None else None
+        self._hooks = []
+        if stage >= 2:
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda param, i=i: self._reduce_one(i)))
+
+    def _reduce_one(self, i: int) -> None:
+        """Stage 2: this parameter's gradient is complete; keep only this rank's piece of
+        its mean over dp (added to what earlier backwards left, as .grad accumulates)."""
+        p, n, k = self.params[i], self.numels[i], self.chunks[i]
+        padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
+        padded[:n] = p.grad.reshape(-1)
+        p.grad = None
+        piece = self.dp.reduce_scatter(padded, 0, 1, "backward") / self.dp.size
+        shard = self.shards[i]
+        shard.grad = piece if shard.grad is None else shard.grad + piece
 
     def padded_bytes(self) -> int:
-        """Bytes of one reduce-scatter input (and of one all-gather output)."""
+        """Bytes of one step's reduce-scatter inputs (and of its all-gather output)."""
         if not self.params:
             return 0
         return self.dp.size * self.total * self.params[0].element_size()
 
     def reduce_gradients(self) -> None:
         """Sum the gradients over dp into each rank's pieces (the mean, as DDP gives), and
-        free the whole gradients."""
-        if not self.params:
+        free the whole gradients (stage 2 did this during the backward)."""
+        if not self.params or self.stage >= 2:
             return
         p0 = self.params[0]
         buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)

@@ -490,8 +490,9 @@ class Search:
                 continue
             if zero and replicas == 1:
                 continue
-            if self.opt.executable is not None and zero not in self.opt.executable.get(
-                    "zero", (0,)):
+            ex = self.opt.executable
+            if ex is not None and (zero not in ex.get("zero", (0,)) or (
+                    mesh["pp"] > 1 and zero not in ex.get("zero_with_pp", (0, 1, 2, 3)))):
                 continue
             for offload in (False, True):
                 if self.c.offload is not None and offload != self.c.offload:
@@ -861,6 +862,10 @@ def _not_executable(executable: dict) -> list[str]:
     zero = [z for z in (1, 2, 3) if z not in executable.get("zero", ())]
     if zero:
         out.append("ZeRO stage " + "/".join(map(str, zero)))
+    with_pp = [z for z in executable.get("zero", ()) if z and z not in
+               executable.get("zero_with_pp", executable.get("zero", ()))]
+    if with_pp:
+        out.append("ZeRO stage " + "/".join(map(str, with_pp)) + " together with a pipeline")
     if not executable.get("offload", False):
         out.append("optimizer offload")
     out = [w + ": the runtime cannot execute it yet" for w in out]
