@@ -118,3 +118,11 @@ def test_what_zero_cannot_run_yet_is_named():
         ["ZeRO stage 3"]
     assert Plan.from_dict({"pipeline": 2, "data": 2, "zero": {"stage": 1}}, 4).unsupported() \
         == []
+
+
+def test_zero_with_context_parallelism(pool4):
+    """dp2 x cp2: the cp ranks sum their parameter gradients inside the backward, before
+    ZeRO cuts them to pieces over dp."""
+    for stage in (1, 2):
+        assert_equal(pool4.run(compare, GPT, {"data": 2, "zero": {"stage": stage},
+                                              "sequence": {"size": 2, "mode": "ring"}}))
