@@ -3,8 +3,8 @@
     python benchmarks/bench_memory.py [--models gpt-tiny llama-tiny ...] [--batch 8]
                                       [--worlds 4 8] [--plans 2d 3d ...]
 
-Spawns a gloo world of 4 local processes (data, 1D and 2D plans), then one of 8 (1D, 2.5D
-and 3D plans). For each model and plan, the prediction comes from the plan's own sharding
+Spawns a gloo world of 4 local processes (data with ZeRO 0, 1 and 2, 1D and 2D plans),
+then one of 8 (1D, 2.5D and 3D plans). For each model and plan, the prediction comes from the plan's own sharding
 solution, solved as the engine solves it (`Plan.from_dict`, the inference graph first, then
 the training graph with the parameter layouts the inference graph fixed, the plan's mesh
 and per-layer modes), at the batch of one data-parallel replica (2D, 2.5D and 3D split
@@ -32,6 +32,8 @@ from gloo_world import results_path, run_world  # noqa: E402
 
 # name -> (world, plan); 1D rows at world 8 are the contrast: their activations stay whole.
 PLANS = {"data 4": (4, {"data": 4}),
+         "data 4 zero 1": (4, {"data": 4, "zero": {"stage": 1}}),
+         "data 4 zero 2": (4, {"data": 4, "zero": {"stage": 2}}),
          "tensor 4": (4, {"tensor": {"size": 4, "mode": "1d"}}),
          "tensor 2 x data 2": (4, {"tensor": {"size": 2, "mode": "1d"}}),
          "2d 2x2": (4, {"tensor": {"size": 4, "mode": "2d"}}),
@@ -91,7 +93,8 @@ def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
     sample = tuple(t[:2] for t in inputs)
     traced, solution = plan_solution(model, sample, target[:2], loss_fn, plan)
     replica_batch = batch // plan.mesh["dp"]  # multi-D batch splits are layouts on dim 0
-    predicted = state_bytes(traced, solution, optimizer="adamw").to_json()
+    predicted = state_bytes(traced, solution, optimizer="adamw", zero_stage=plan.zero.stage,
+                            dp=plan.mesh["dp"]).to_json()
     predicted["activations"] = sum(activation_bytes(traced, solution, replica_batch).values())
     layouts = {t: str(layout) for t, layout in solution.params.items()}
     return {"predicted": predicted, "replica_batch": replica_batch, "layouts": layouts}

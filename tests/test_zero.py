@@ -36,7 +36,7 @@ def test_zero1_data_parallel_equals_single_device(pool2):
         assert r["measured"][("reduce_scatter", "dp")] > 0
         assert ("all_reduce", "dp") in r["measured"]  # the loss, 4 bytes
         probe = r["probe"]  # AdamW's two moments: half of them on each of 2 ranks
-        assert probe["whole"] / 2 <= probe["state"] <= probe["whole"] / 2 * 1.01, probe
+        assert abs(probe["state"] - probe["whole"] / 2) <= 0.01 * probe["whole"] / 2, probe
 
 
 def test_zero1_with_tensor_parallelism(pool4):
@@ -55,7 +55,7 @@ def test_zero1_at_dp4_keeps_a_quarter_of_the_state(pool4):
     assert_equal(results)
     for r in results:
         probe = r["probe"]
-        assert probe["whole"] / 4 <= probe["state"] <= probe["whole"] / 4 * 1.02, probe
+        assert abs(probe["state"] - probe["whole"] / 4) <= 0.02 * probe["whole"] / 4, probe
 
 
 def _gradient_peak(stage: int) -> dict:
@@ -99,7 +99,7 @@ def test_zero2_equals_single_device_and_never_holds_every_gradient(pool2):
     for probe in pool2.run(_gradient_peak, 2):
         # no whole gradient outlives its own accumulation: none is held when the next comes
         assert probe["peak"] == 0, probe
-        assert probe["whole"] / 2 <= probe["pieces"] <= probe["whole"] / 2 * 1.01, probe
+        assert abs(probe["pieces"] - probe["whole"] / 2) <= 0.01 * probe["whole"] / 2, probe
     for probe in pool2.run(_gradient_peak, 1):  # stage 1 holds them to the backward's end
         assert probe["peak"] > probe["whole"] / 2, probe
 

@@ -823,25 +823,42 @@ def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> Sta
     """Bytes this rank of an Engine holds in parameters, gradients, optimizer state, buffers.
 
     The engine sets gradients to None once its optimizer has stepped, so with `step` (e.g.
-    `lambda: engine.train_step(x, y)`) the gradients are measured inside it, just before
-    the optimizer runs; without, the gradients present now are counted.
+    `lambda: engine.train_step(x, y)`) the gradients are measured inside it, at their
+    peak of two moments: when the backward is done (before data-parallel averaging) and
+    just before the optimizer runs. Under ZeRO the optimizer's parameters are this rank's
+    pieces (views of the whole parameters): ZeRO-1 holds whole gradients after the
+    backward and pieces at the step; ZeRO-2 holds pieces only. Without `step`, the
+    gradients present now are counted.
     """
     params = list(engine.parameters())
+    zero = getattr(engine, "_zero", None)
+    pieces = list(zero.shards) if zero is not None else []
     grads: list[int] = []
 
-    def before_step(optimizer, args, kwargs) -> None:
-        grads.append(_storage_bytes(p.grad for p in params if p.grad is not None))
+    def held_grads() -> int:
+        return _storage_bytes(p.grad for p in params + pieces if p.grad is not None)
 
-    if step is not None and engine.optimizer is not None:
-        handle = engine.optimizer.register_step_pre_hook(before_step)
+    def before_step(optimizer, args, kwargs) -> None:
+        grads.append(held_grads())
+
+    if step is not None:
+        averaging = engine._average_gradients
+
+        def sampled() -> None:
+            grads.append(held_grads())
+            averaging()
+
+        engine._average_gradients = sampled  # shadows the method for this one step
+        handle = engine.optimizer.register_step_pre_hook(before_step) \
+            if engine.optimizer is not None else None
         try:
             step()
         finally:
-            handle.remove()
-    elif step is not None:
-        step()
+            del engine._average_gradients
+            if handle is not None:
+                handle.remove()
     if not grads:
-        grads.append(_storage_bytes(p.grad for p in params if p.grad is not None))
+        grads.append(held_grads())
     state = []
     if engine.optimizer is not None:
         for per_param in engine.optimizer.state.values():
@@ -849,6 +866,6 @@ def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> Sta
     graphs = [gm for gm in (engine.forward_gm, engine.train_gm) if gm is not None]
     buffers = [b for gm in graphs for b in gm.buffers()]
     param_storages = frozenset(p.untyped_storage().data_ptr() for p in params)
-    return StateBytes(parameters=_storage_bytes(params), gradients=grads[-1],
+    return StateBytes(parameters=_storage_bytes(params), gradients=max(grads),
                       optimizer=_storage_bytes(state),
                       buffers=_storage_bytes(buffers, param_storages))

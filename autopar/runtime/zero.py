@@ -38,12 +38,11 @@ class ShardedOptimizerState:
         self.chunks = [-(-n // dp.size) for n in self.numels]
         self.total = sum(self.chunks)  # this rank's piece of every parameter, in elements
         r = dp.rank
-        self.shards = []
-        for p, k in zip(self.params, self.chunks):
-            flat = p.detach().reshape(-1)[r * k:(r + 1) * k]
-            shard = torch.zeros(k, dtype=p.dtype, device=p.device)
-            shard[:flat.numel()] = flat
-            self.shards.append(nn.Parameter(shard))
+        # this rank's piece of each parameter is a view of the parameter itself (the last
+        # ranks' pieces stop at its end): the optimizer updates it in place, no copy kept
+        self.lengths = [max(0, min(k, n - r * k)) for n, k in zip(self.numels, self.chunks)]
+        self.shards = [nn.Parameter(p.data.view(-1)[r * k:r * k + length])
+                       for p, k, length in zip(self.params, self.chunks, self.lengths)]
         self.optimizer = factory(self.shards) if factory is not None else None
         self._hooks = []
         if stage >= 2:
@@ -58,7 +57,8 @@ class ShardedOptimizerState:
         padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
         padded[:n] = p.grad.reshape(-1)
         p.grad = None
-        piece = self.dp.reduce_scatter(padded, 0, 1, "backward") / self.dp.size
+        piece = (self.dp.reduce_scatter(padded, 0, 1, "backward") / self.dp.size)[
+            :self.lengths[i]]
         shard = self.shards[i]
         shard.grad = piece if shard.grad is None else shard.grad + piece
 
@@ -86,15 +86,20 @@ class ShardedOptimizerState:
         mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
         mine /= self.dp.size
         offset = 0
-        for shard, k in zip(self.shards, self.chunks):
-            shard.grad = mine[offset:offset + k]
+        for shard, k, length in zip(self.shards, self.chunks, self.lengths):
+            shard.grad = mine[offset:offset + length]
             offset += k
 
     def gather_parameters(self) -> None:
         """Every rank gets every rank's updated pieces, written into the whole parameters."""
         if not self.params:
             return
-        local = torch.cat([s.detach() for s in self.shards])
+        p0 = self.params[0]
+        local = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for shard, k, length in zip(self.shards, self.chunks, self.lengths):
+            local[offset:offset + length] = shard.detach()
+            offset += k
         full = self.dp.all_gather(local, 0, 1, "step").view(self.dp.size, self.total)
         offset = 0
         with torch.no_grad():
