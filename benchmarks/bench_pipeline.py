@@ -13,8 +13,8 @@ by predicted time under memory limits, `autopar.planner.pipeline_stages`).
 - step: median wall time of the pipeline's forward and backward (`PipelineRunner.step`,
   the optimizer step left out) over `--steps` steps after a warm-up;
 - busy: the rank's stages run alone, without communication, each micro-batch's forward
-  and backward (inputs made by running the earlier stages locally: every rank holds all
-  weights); idle = 1 - busy / step;
+  and backward (inputs made by running the earlier stages locally, with every stage's
+  weights fetched for it); idle = 1 - busy / step;
 - model: `autopar.cost.schedule.simulate` playing the schedule's own order (read from
   torch's schedule classes) with the stages' measured forward, backward and weight-gradient
   seconds and the measured point-to-point time of one boundary tensor;
@@ -150,6 +150,7 @@ def worker(rank: int, m: int, steps: int, out_path: str) -> None:
             runner.step((x,), target)
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
+        engine._sync_pipeline_params()  # every stage runs here: fetch the others' weights
         mine = _stage_costs(runner, (x[:MICRO],), target[:MICRO])
         costs: list = [None, None]
         dist.all_gather_object(costs, mine)
