@@ -17,15 +17,19 @@ from autopar.world import World, local_device
 
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
-                plan=None, seed: int = 0) -> Engine:
+                plan=None, seed: int = 0, max_grad_norm: float | None = None) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (choose one), a Plan, a path to a plan file, or a Colossal-AI style dict
     such as dict(tensor=dict(size=4, mode="1d")) or dict(tensor=dict(size=8, mode="2.5d",
     depth=2, layers={"blocks.0": "1d"})); a bad plan is refused before any process work.
     `optimizer` is a factory taking the parameters, e.g. functools.partial(torch.optim.AdamW,
-    lr=3e-4).
+    lr=3e-4). `max_grad_norm`: clip the gradients by their global norm over every shard
+    before each optimizer step, as torch.nn.utils.clip_grad_norm_ does on one device (the
+    norm of the step is `engine.last_grad_norm`).
     """
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise PlanError(f"max_grad_norm must be a positive number, not {max_grad_norm!r}.")
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
@@ -58,6 +62,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     else:
         groups = tensor_groups(chosen.mesh["dp"], tensor, pp=chosen.mesh["pp"])
     return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,
+                  max_grad_norm=max_grad_norm,
                   forward_graph=traced)
 
 

@@ -71,9 +71,11 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None) -> dict:
+def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None,
+            max_grad_norm: float | None = None) -> dict:
     """`probe(engine, inputs, target)`, when given, runs after the first step; what it returns
-    comes back under "probe"."""
+    comes back under "probe". `max_grad_norm`: both sides clip by the global gradient norm
+    (the reference with torch.nn.utils.clip_grad_norm_); the norms come back too."""
     import torch.distributed as dist
 
     import autopar
@@ -83,9 +85,10 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None) -> dict
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     world = dist.get_world_size() if dist.is_initialized() else 1
     engine = autopar.parallelize(model, world, example_inputs=tuple(t[:2] for t in inputs),
-                                 loss_fn=loss_fn, optimizer=opt, plan=plan)
+                                 loss_fn=loss_fn, optimizer=opt, plan=plan,
+                                 max_grad_norm=max_grad_norm)
     ref_opt = opt(reference.parameters())
-    loss_errors, measured, predicted = [], {}, {}
+    loss_errors, measured, predicted, norms = [], {}, {}, []
     for step in range(steps):
         engine.comm_log.clear()
         loss = engine.train_step(inputs, target)
@@ -96,6 +99,9 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None) -> dict
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(*inputs), target)
         ref_loss.backward()
+        if max_grad_norm is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+            norms.append((engine.last_grad_norm, float(ref_norm)))
         ref_opt.step()
         loss_errors.append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
     full = engine.full_state_dict()
@@ -111,7 +117,7 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None) -> dict
             "noise_abs": noise_error,
             "keys_equal": list(full) == list(ref_state), "measured": measured,
             "predicted": predicted, "held": held,
-            "replicated": engine.replicated_parameters(), "probe": probed}
+            "replicated": engine.replicated_parameters(), "probe": probed, "norms": norms}
 
 
 def assert_equal(results: list[dict]) -> None:

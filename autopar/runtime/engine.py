@@ -14,6 +14,7 @@ import operator
 
 import sympy
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
@@ -35,10 +36,12 @@ class Engine(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
-                 forward_graph=None):
+                 forward_graph=None, max_grad_norm: float | None = None):
         super().__init__()
         self.plan = plan
         self.groups = groups
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups["tp"].log
         self.loss_fn = loss_fn
         self._model = model  # kept until the training graph is traced, then released
@@ -316,6 +319,8 @@ class Engine(nn.Module):
             loss = self.train_gm(*local_inputs, local_target)
             loss.backward()
         self._average_gradients()
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self._clip_gradients(self.max_grad_norm)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -326,6 +331,52 @@ class Engine(nn.Module):
         if self._dp.size > 1:
             value = self._dp.all_reduce(value, "step") / self._dp.size
         return float(value)
+
+    def _gradients(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(gradient, the local parameter it belongs to) for every gradient this rank holds
+        for its optimizer: ZeRO pieces, or its (stages') whole local parameters."""
+        if self._zero is not None:
+            return [(s.grad, p) for s, p in zip(self._zero.shards, self._zero.params)
+                    if s.grad is not None]
+        params = self._pipeline.parameters() if self._pipeline is not None else \
+            self._unique_params()
+        return [(p.grad, p) for p in params if p.grad is not None]
+
+    def _copies(self, param: nn.Parameter) -> int:
+        """On how many ranks of the world the same gradient values of `param` (or of this
+        rank's ZeRO piece of it) lie: its copies over the tensor axes (a layout that splits
+        it into k pieces over a mesh of n ranks leaves n/k copies of each; cp keeps whole
+        copies), over dp (none under ZeRO, whose pieces differ), and over the pipeline
+        ranks that share a tied parameter."""
+        key = self._key_of.get(id(param))
+        layout = self._layouts.get(key)
+        parts = layout.parts(self.mesh.sizes) if layout is not None else 1
+        copies = self.mesh.total // parts
+        if self._zero is None:
+            copies *= self._dp.size
+        if self._pipeline is not None:
+            copies *= self._pipeline.copies(param)
+        return copies
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Scale every gradient by max_norm / (global norm + 1e-6) when that is below 1, the
+        norm taken over every shard of every parameter once (one scalar all-reduce over the
+        world), as torch.nn.utils.clip_grad_norm_ does on one device. Returns the norm."""
+        if not hasattr(self, "_key_of"):
+            self._key_of = {id(t): key for key, t in self._local.items()}
+        grads = self._gradients()
+        total = torch.zeros(1, dtype=torch.float64)
+        for grad, param in grads:
+            total += grad.detach().double().pow(2).sum() / self._copies(param)
+        self.comm_log.add("all_reduce", "world", total.numel() * total.element_size(), "step")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        norm = float(total.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for grad, _ in grads:
+                grad.mul_(coef)
+        return norm
 
     def _average_gradients(self) -> None:
         if self._dp.size == 1:
@@ -382,6 +433,8 @@ class Engine(nn.Module):
                 out[("all_reduce", "dp")] = 4
                 out[("reduce_scatter", "dp")] = self._zero.padded_bytes()
                 out[("all_gather", "dp")] = self._zero.padded_bytes()
+        if self.max_grad_norm is not None:  # the squared norm, summed over the world
+            out[("all_reduce", "world")] = 8
         return out
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:

@@ -69,6 +69,7 @@ class PipelineRunner:
         # (each data- and tensor-parallel coordinate has its own pipeline; torch wants every
         # rank of the world to create every group, so the sets are gathered first)
         self._tied = []
+        self._copies: dict[int, int] = {}  # tied parameter -> members holding a copy
         for name in sorted(stages.shared):
             owners = sorted({stage_owner(schedule, k, p) for k in stages.shared[name]})
             if len(owners) < 2:
@@ -80,6 +81,7 @@ class PipelineRunner:
             tie, _ = dist.new_subgroups_by_enumeration(sorted({tuple(r) for r in every}))
             if rank in owners:
                 self._tied.append((self._by_name[name], tie))
+                self._copies[id(self._by_name[name])] = len(owners)
 
     def _prepare(self, inputs: tuple) -> None:
         """Build the schedule for this micro-batch shape. The stages get example inputs and
@@ -135,6 +137,10 @@ class PipelineRunner:
             for name in names:
                 out[name] = min(out.get(name, owner), owner)
         return out
+
+    def copies(self, param: torch.nn.Parameter) -> int:
+        """On how many pipeline members `param` lives (2 or more for a tied parameter)."""
+        return self._copies.get(id(param), 1)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters this member's stages read (each once)."""
