@@ -1,5 +1,6 @@
 """autopar: trace a PyTorch model, plan how to split it over devices, and run the plan."""
 
+from autopar import optim
 from autopar.api import parallelize
 from autopar.errors import AutoparError, PlanError, TraceError, WorldError
 from autopar.graph import trace
@@ -7,6 +8,6 @@ from autopar.plan import Plan
 from autopar.planner import plan
 from autopar.world import World
 
-__all__ = ["AutoparError", "Plan", "PlanError", "TraceError", "World", "WorldError",
+__all__ = ["AutoparError", "Plan", "PlanError", "TraceError", "World", "WorldError", "optim",
            "parallelize", "plan", "trace"]
 __version__ = "0.1.0"

@@ -72,17 +72,18 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None,
-            max_grad_norm: float | None = None) -> dict:
+            max_grad_norm: float | None = None, optimizer=None) -> dict:
     """`probe(engine, inputs, target)`, when given, runs after the first step; what it returns
     comes back under "probe". `max_grad_norm`: both sides clip by the global gradient norm
-    (the reference with torch.nn.utils.clip_grad_norm_); the norms come back too."""
+    (the reference with torch.nn.utils.clip_grad_norm_); the norms come back too.
+    `optimizer`: a factory for both sides (default AdamW)."""
     import torch.distributed as dist
 
     import autopar
 
     model, inputs, target, loss_fn = build(name, batch)
     reference = copy.deepcopy(model)
-    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+    opt = optimizer or functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     world = dist.get_world_size() if dist.is_initialized() else 1
     engine = autopar.parallelize(model, world, example_inputs=tuple(t[:2] for t in inputs),
                                  loss_fn=loss_fn, optimizer=opt, plan=plan,

@@ -78,7 +78,7 @@ class Engine(nn.Module):
         self._zero = None  # ZeRO-1/2 state over dp (autopar.runtime.zero), when the plan asks
         self.optimizer = None
         if not self._zero_sharded():
-            self.optimizer = optimizer(self._unique_params()) if optimizer is not None else None
+            self._adopt(optimizer(self._unique_params()) if optimizer is not None else None)
         elif self._pp.size == 1:  # a pipeline rank shards the parameters of its stages
             self._make_zero(self._unique_params())
         self.steps = 0
@@ -183,7 +183,48 @@ class Engine(nn.Module):
 
         self._zero = ShardedOptimizerState(list(params), self._dp, self._optimizer_factory,
                                            self.plan.zero.stage)
-        self.optimizer = self._zero.optimizer
+        self._adopt(self._zero.optimizer)
+
+    def _adopt(self, optimizer) -> None:
+        """Keep the optimizer; one that asks for whole-parameter norms (autopar.optim's LAMB
+        and LARS) gets them across this plan's shards."""
+        self.optimizer = optimizer
+        if optimizer is not None and hasattr(optimizer, "whole_norms"):
+            optimizer.whole_norms = self._whole_norms
+
+    def _whole_norms(self, params, tensors) -> list[torch.Tensor]:
+        """For each optimizer parameter (a local parameter, or a ZeRO piece of one), the norm
+        of the whole tensor `tensors[i]` is this rank's piece of: squared norms weighed by
+        their copies, in one vector indexed by parameter name, summed over the world."""
+        owner = {id(s): p for s, p in zip(self._zero.shards, self._zero.params)} \
+            if self._zero is not None else {}
+        slots = []
+        vec = torch.zeros(len(self._norm_index), dtype=torch.float64)
+        for param, t in zip(params, tensors):
+            local = owner.get(id(param), param)
+            slot = self._norm_index[self._names[self._key_of[id(local)]][0]]
+            vec[slot] += t.detach().double().pow(2).sum() / self._copies(local)
+            slots.append(slot)
+        self.comm_log.add("all_reduce", "world", vec.numel() * vec.element_size(), "step")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vec)
+        return [vec[slot].sqrt() for slot in slots]
+
+    @property
+    def _norm_index(self) -> dict[str, int]:
+        """Every parameter's name (the same list on every rank) -> its slot in the norms."""
+        if not hasattr(self, "_norm_index_cache"):
+            names = sorted({self._names[key][0] for key, t in self._local.items()
+                            if isinstance(t, nn.Parameter)})
+            self._norm_index_cache = {name: i for i, name in enumerate(names)}
+        return self._norm_index_cache
+
+    @property
+    def _key_of(self) -> dict[int, int]:
+        """id of a local parameter -> its key in self._local."""
+        if not hasattr(self, "_key_of_cache"):
+            self._key_of_cache = {id(t): key for key, t in self._local.items()}
+        return self._key_of_cache
 
     def _build_pipeline(self, global_batch: int):
         """The local training graph cut into stages, this rank's placed under the plan's
@@ -362,8 +403,6 @@ class Engine(nn.Module):
         """Scale every gradient by max_norm / (global norm + 1e-6) when that is below 1, the
         norm taken over every shard of every parameter once (one scalar all-reduce over the
         world), as torch.nn.utils.clip_grad_norm_ does on one device. Returns the norm."""
-        if not hasattr(self, "_key_of"):
-            self._key_of = {id(t): key for key, t in self._local.items()}
         grads = self._gradients()
         total = torch.zeros(1, dtype=torch.float64)
         for grad, param in grads:
@@ -433,8 +472,15 @@ class Engine(nn.Module):
                 out[("all_reduce", "dp")] = 4
                 out[("reduce_scatter", "dp")] = self._zero.padded_bytes()
                 out[("all_gather", "dp")] = self._zero.padded_bytes()
+        world = 0
         if self.max_grad_norm is not None:  # the squared norm, summed over the world
-            out[("all_reduce", "world")] = 8
+            world += 8
+        if self.optimizer is not None and \
+                getattr(self.optimizer, "whole_norms", None) == self._whole_norms:
+            # LAMB/LARS: two vectors of squared norms (one per parameter) per group
+            world += 2 * len(self.optimizer.param_groups) * 8 * len(self._norm_index)
+        if world:
+            out[("all_reduce", "world")] = world
         return out
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:
