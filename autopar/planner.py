@@ -51,9 +51,14 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
         x = example_inputs[0]
         tokens_per_sample = int(x.shape[1]) if x.dim() > 1 and not x.dtype.is_floating_point \
             else 1
+    return chain_of(traced, tokens_per_sample, tp_sizes, repeat)
+
+
+def chain_of(traced, tokens_per_sample: int, tp_sizes=(), repeat: dict[str, int] | None = None) \
+        -> LayerChain:
+    """The layer chain of a training trace, with each kind's costs at every tensor size."""
     chain = layer_chain(traced, repeat=repeat, tokens_per_sample=tokens_per_sample)
-    sizes = sorted({1, *tp_sizes})
-    chain.refused = add_tensor_parallel(traced, chain, sizes)
+    chain.refused = add_tensor_parallel(traced, chain, sorted({1, *tp_sizes}))
     chain.traced = traced
     chain.names = _names(traced, repeat or {})
     return chain
@@ -65,14 +70,11 @@ def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: in
     pipeline but not its stages: the planner's split for exactly this plan (its mesh,
     tensor mode, schedule and micro-batches fixed), balanced by predicted time under each
     stage's memory limit, on the plan's hardware profile (this machine's when the plan
-    names none). When nothing fits memory the
-    time-balanced split of the closest candidate is taken."""
+    names none). When nothing fits memory the time-balanced split of the closest
+    candidate is taken."""
     world = plan.world if isinstance(plan.world, World) else \
         World(devices=math.prod(plan.mesh.values()), device=local_device())
-    chain = layer_chain(traced, tokens_per_sample=tokens_per_sample)
-    chain.refused = add_tensor_parallel(traced, chain, sorted({1, plan.mesh["tp"]}))
-    chain.traced = traced
-    chain.names = [layer.name for layer in traced.layers]
+    chain = chain_of(traced, tokens_per_sample, (plan.mesh["tp"],))
     pipe = plan.pipeline
     constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
                               tp=plan.mesh["tp"], schedule=pipe.schedule, zero=0,

@@ -28,8 +28,9 @@ GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 LLAMA4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 
 
-def _pp_run(spec: str, schedule: str, chunks: int = 1, microbatches: int = 4,
-            steps: int = 3) -> dict:
+def _runner(model, inputs, target, loss_fn, schedule: str, chunks: int, microbatches: int):
+    """The model's training graph cut into contiguous stages, run by a PipelineRunner over
+    every rank of the world: (runner, traced graph, stages)."""
     import torch.distributed as dist
 
     from autopar.graph.trace import trace
@@ -37,14 +38,21 @@ def _pp_run(spec: str, schedule: str, chunks: int = 1, microbatches: int = 4,
     from autopar.runtime.mesh import axis_groups
     from autopar.runtime.pipeline import PipelineRunner, stage_count
 
-    model, inputs, target, loss_fn = build(spec, 8)
-    reference = copy.deepcopy(model)
     traced = trace(model, inputs, loss_fn=loss_fn, example_target=target, train=True)
     p = dist.get_world_size()
     n = stage_count(schedule, p, chunks)
     stages = split_stages(traced.gm, contiguous_stages([la.name for la in traced.layers], n),
                           n, targets=1)
     runner = PipelineRunner(stages, axis_groups({"pp": p})["pp"], schedule, microbatches)
+    return runner, traced, stages
+
+
+def _pp_run(spec: str, schedule: str, chunks: int = 1, microbatches: int = 4,
+            steps: int = 3) -> dict:
+    model, inputs, target, loss_fn = build(spec, 8)
+    reference = copy.deepcopy(model)
+    runner, traced, stages = _runner(model, inputs, target, loss_fn, schedule, chunks,
+                                     microbatches)
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     optimizer, ref_opt = opt(runner.parameters()), opt(reference.parameters())
     losses = []
@@ -228,18 +236,8 @@ def _runtime_order(schedule: str, chunks: int, microbatches: int = 4) -> list:
     """The compute actions torch's live schedule runs on this rank, after one step."""
     import torch.distributed as dist
 
-    from autopar.graph.trace import trace
-    from autopar.passes.pipeline import contiguous_stages, split_stages
-    from autopar.runtime.mesh import axis_groups
-    from autopar.runtime.pipeline import PipelineRunner, stage_count
-
     model, inputs, target, loss_fn = build(GPT8, 8)
-    traced = trace(model, inputs, loss_fn=loss_fn, example_target=target, train=True)
-    p = dist.get_world_size()
-    n = stage_count(schedule, p, chunks)
-    stages = split_stages(traced.gm, contiguous_stages([la.name for la in traced.layers], n),
-                          n, targets=1)
-    runner = PipelineRunner(stages, axis_groups({"pp": p})["pp"], schedule, microbatches)
+    runner, _, _ = _runner(model, inputs, target, loss_fn, schedule, chunks, microbatches)
     runner.step(inputs, target)
     ops = runner._schedule.pipeline_order[dist.get_rank()]
     return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in ops

@@ -203,12 +203,23 @@ class Engine(nn.Module):
         for param, t in zip(params, tensors):
             local = owner.get(id(param), param)
             slot = self._norm_index[self._names[self._key_of[id(local)]][0]]
-            vec[slot] += t.detach().double().pow(2).sum() / self._copies(local)
+            vec[slot] += self._squares_once(t, local)
             slots.append(slot)
+        self._sum_over_world(vec)
+        return [vec[slot].sqrt() for slot in slots]
+
+    def _squares_once(self, t: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        """This rank's share of the squared norm of `t` (a piece of `param` or of its
+        gradient): its squares over the number of ranks holding the same values, so that
+        summing over the world counts each value once."""
+        return t.detach().double().pow(2).sum() / self._copies(param)
+
+    def _sum_over_world(self, vec: torch.Tensor) -> torch.Tensor:
+        """Sum `vec` over every rank in place (logged as an all-reduce on axis 'world')."""
         self.comm_log.add("all_reduce", "world", vec.numel() * vec.element_size(), "step")
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vec)
-        return [vec[slot].sqrt() for slot in slots]
+        return vec
 
     @property
     def _norm_index(self) -> dict[str, int]:
@@ -299,8 +310,7 @@ class Engine(nn.Module):
             if held is not None:  # made again, to be filled by its owner
                 local.data = torch.empty(held[0], dtype=held[1], device=local.device)
             with torch.no_grad():
-                torch.distributed.broadcast(local.data, src=torch.distributed.get_global_rank(
-                    group, owner), group=group)
+                dist.broadcast(local.data, src=dist.get_global_rank(group, owner), group=group)
 
     def _release_pipeline_params(self) -> None:
         """Free the parameters only other pipeline ranks' stages read: a rank holds its
@@ -379,9 +389,12 @@ class Engine(nn.Module):
         if self._zero is not None:
             return [(s.grad, p) for s, p in zip(self._zero.shards, self._zero.params)
                     if s.grad is not None]
-        params = self._pipeline.parameters() if self._pipeline is not None else \
+        return [(p.grad, p) for p in self._trained_params() if p.grad is not None]
+
+    def _trained_params(self) -> list[nn.Parameter]:
+        """The local parameters this rank trains (under a pipeline: its stages')."""
+        return self._pipeline.parameters() if self._pipeline is not None else \
             self._unique_params()
-        return [(p.grad, p) for p in params if p.grad is not None]
 
     def _copies(self, param: nn.Parameter) -> int:
         """On how many ranks of the world the same gradient values of `param` (or of this
@@ -406,11 +419,8 @@ class Engine(nn.Module):
         grads = self._gradients()
         total = torch.zeros(1, dtype=torch.float64)
         for grad, param in grads:
-            total += grad.detach().double().pow(2).sum() / self._copies(param)
-        self.comm_log.add("all_reduce", "world", total.numel() * total.element_size(), "step")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        norm = float(total.sqrt())
+            total += self._squares_once(grad, param)
+        norm = float(self._sum_over_world(total).sqrt())
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for grad, _ in grads:
@@ -464,9 +474,8 @@ class Engine(nn.Module):
             nbytes = runs * int(sympy.sympify(c.bytes).subs(BATCH, local // runs))
             out[key] = out.get(key, 0) + nbytes
         if self._dp.size > 1:
-            params = self._pipeline.parameters() if self._pipeline is not None else \
-                self._unique_params()
-            grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            grad_bytes = sum(p.numel() * p.element_size() for p in self._trained_params()
+                             if p.requires_grad)
             out[("all_reduce", "dp")] = grad_bytes + 4  # the gradients, then the loss
             if self._zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
                 out[("all_reduce", "dp")] = 4

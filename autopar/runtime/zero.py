@@ -53,14 +53,20 @@ class ShardedOptimizerState:
     def _reduce_one(self, i: int) -> None:
         """Stage 2: this parameter's gradient is complete; keep only this rank's piece of
         its mean over dp (added to what earlier backwards left, as .grad accumulates)."""
-        p, n, k = self.params[i], self.numels[i], self.chunks[i]
-        padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
-        padded[:n] = p.grad.reshape(-1)
+        p = self.params[i]
+        padded = self._padded_grad(i)
         p.grad = None
         piece = (self.dp.reduce_scatter(padded, 0, 1, "backward") / self.dp.size)[
             :self.lengths[i]]
         shard = self.shards[i]
         shard.grad = piece if shard.grad is None else shard.grad + piece
+
+    def _padded_grad(self, i: int) -> torch.Tensor:
+        """Parameter i's gradient, flat, zero-padded to dp equal pieces."""
+        p, n, k = self.params[i], self.numels[i], self.chunks[i]
+        padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
+        padded[:n] = p.grad.reshape(-1)
+        return padded
 
     def padded_bytes(self) -> int:
         """Bytes of one step's reduce-scatter inputs (and of its all-gather output)."""
@@ -76,11 +82,9 @@ class ShardedOptimizerState:
         p0 = self.params[0]
         buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)
         offset = 0
-        for p, n, k in zip(self.params, self.numels, self.chunks):
+        for i, (p, k) in enumerate(zip(self.params, self.chunks)):
             if p.grad is not None:
-                padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
-                padded[:n] = p.grad.reshape(-1)
-                buf[:, offset:offset + k] = padded.view(self.dp.size, k)
+                buf[:, offset:offset + k] = self._padded_grad(i).view(self.dp.size, k)
                 p.grad = None
             offset += k
         mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
