@@ -23,15 +23,19 @@ class Progress:
 
     def __init__(self, stream=sys.stderr, after_s: float = 1.0):
         self.stream, self.after, self.start, self.shown = stream, after_s, time.perf_counter(), False
+        self.last = -1
 
     def __call__(self, done: int, total: int) -> None:
         if time.perf_counter() - self.start < self.after or total <= 0:
             return
-        self.shown = True
+        percent = 100 * done // total
+        if percent == self.last:  # redraw only on change: a log file gets one bar per percent
+            return
+        self.shown, self.last = True, percent
         width = 30
         filled = int(width * done / total)
         self.stream.write(f"\rsearching [{'#' * filled}{'.' * (width - filled)}] "
-                          f"{100 * done // total:3d}%")
+                          f"{percent:3d}%")
         self.stream.flush()
 
     def close(self) -> None:
@@ -99,7 +103,6 @@ def constraints_of(args) -> dict:
 
 
 def _plan(args, world_size: int | None = None):
-    from autopar import report
     from autopar import planner
     from autopar.search.search import divisors
     from autopar.world import World
@@ -127,8 +130,14 @@ def _plan(args, world_size: int | None = None):
 def _emit(args, data: dict) -> None:
     from autopar import report
 
-    text = json.dumps(data, indent=2) if args.format == "json" else \
-        report.plan_text(data, top=args.top)
+    if args.format == "json":
+        text = json.dumps(data, indent=2)
+    elif args.format == "html":
+        from autopar.report_html import plan_html
+
+        text = plan_html(data, model=args.model).rstrip("\n")
+    else:
+        text = report.plan_text(data, top=args.top)
     if args.command == "explain" and args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
@@ -211,8 +220,10 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--min-throughput", type=float, default=None,
                    help="with --min-devices: tokens per second the plan must reach")
     p.add_argument("--plan", default=None, help="explain this plan file (its choices are fixed)")
-    p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("-o", "--output", default=None)
+    p.add_argument("--format", choices=("text", "json", "html"), default="text",
+                   help="html: one self-contained page with charts (open it in a browser)")
+    p.add_argument("-o", "--output", default=None,
+                   help="explain: write the report here; search: write the plan here")
     p.add_argument("--top", type=int, default=None, help="show only the first K layer rows")
     p.add_argument("--top-alternatives", type=int, default=5,
                    help="how many runner-up plans to keep, with why each lost")

@@ -1,29 +1,47 @@
 """The planner's report: what `autopar explain` prints and `--format json` writes.
 
 Built from the Plan the search returned and the layer chain it priced: per-layer strategy,
-the collectives each kind of layer runs, memory per device, predicted time, and why this
-plan beat the runners-up.
+the collectives each kind of layer runs, each pipeline stage's time and each pipeline
+rank's memory by kind, communication per mesh axis, predicted time, and why this plan beat
+the runners-up. Every number is repriced with the search's own functions (state_cost,
+memory_by_kind, stage_transfer), so the per-rank detail adds up to the plan's prediction.
+`autopar.report_html` draws the same data.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from autopar.cost.comm import placements
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import Context, LayerState, TensorMode, formulas, state_cost
+from autopar.cost.model import Context, LayerState, StateCost, TensorMode, formulas, state_cost
+from autopar.cost.schedule import in_flight, stage_owner
 from autopar.plan import Plan, cp_layout
-from autopar.search.search import ORDER
+from autopar.search.search import (ORDER, USABLE_MEMORY, conversion_s, dp_wire_bytes,
+                                   memory_by_kind, stage_transfer)
 
 GiB = 1024 ** 3
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 
 def plan_report(plan: Plan, chain: LayerChain) -> dict:
-    """The JSON object of the public contract, plus per-kind detail and the formulas."""
+    """The JSON object of the public contract, plus per-layer and per-kind costs, per-stage
+    time (`stages`), per-rank memory (`ranks`), traffic per mesh axis (`comm_by_axis`) and
+    the formulas."""
     data = plan.to_json()
+    states = [LayerState(_mode(lp.tp_mode, plan.mesh["tp"], plan.tp_depth), lp.sp, lp.recompute)
+              for lp in plan.layers]
+    ctx = _context(plan)
+    costs = _layer_costs(plan, chain, states, ctx)
     data["layers"] = [{"name": lp.name, "tp_mode": lp.tp_mode, "sp": lp.sp,
-                       "recompute": lp.recompute, "stage": lp.stage} for lp in plan.layers]
-    data["layer_kinds"] = _kinds(plan, chain)
+                       "recompute": lp.recompute, "stage": lp.stage, "kind": lt.name,
+                       "time_s": c.time, "activation_bytes": int(c.activations),
+                       "param_bytes": int(c.params)}
+                      for lp, lt, c in zip(plan.layers, chain.layers(), costs)]
+    data.update(_pipeline_detail(plan, chain, states, costs))
+    data["layer_kinds"] = _kinds(plan, chain, ctx)
     data["replicated_groups"] = []
     if plan.mesh["tp"] > 1 and plan.tp_mode == "1d" and chain.traced is not None:
         _add_strategies(data, plan, chain)
@@ -31,11 +49,102 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     return data
 
 
-def _kinds(plan: Plan, chain: LayerChain) -> list[dict]:
-    world = plan.world
-    pl = placements(plan.mesh, ORDER, world.per_node)
-    ctx = Context(world.profile, plan.search.get("dtype", "bf16"), pl["tp"], pl["cp"],
-                  plan.sequence_mode, plan.search.get("attention_kernel", "flash"))
+def _context(plan: Plan) -> Context:
+    """The pricing context the search used for this plan's mesh."""
+    pl = placements(plan.mesh, ORDER, plan.world.per_node)
+    return Context(plan.world.profile, plan.search.get("dtype", "bf16"), pl["tp"], pl["cp"],
+                   plan.sequence_mode, plan.search.get("attention_kernel", "flash"))
+
+
+def _layer_costs(plan: Plan, chain: LayerChain, states: list[LayerState],
+                 ctx: Context) -> list[StateCost]:
+    """Each layer's cost for one micro-batch under its chosen state (priced once per kind
+    and state: a 96-block model has a handful of distinct ones)."""
+    b = plan.pipeline.micro_batch_size or 1
+    seen: dict = {}
+    out = []
+    for index, state in zip(chain.order, states):
+        key = (index, state)
+        if key not in seen:
+            seen[key] = state_cost(chain.types[index], state, b, ctx)
+        out.append(seen[key])
+    return out
+
+
+def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
+                     costs: list[StateCost]) -> dict:
+    """Per stage its time for one micro-batch, per pipeline rank its memory by kind, and
+    communication per mesh axis for one step on the slowest rank.
+
+    A layer's own communication (1D all-reduces, sequence all-to-alls, ...) and a layout
+    conversion before it run once forward and once more as their conjugate backward, so
+    half of it goes to each half of the stage's time."""
+    mesh, pipe, zero = plan.mesh, plan.pipeline, plan.zero
+    pp, m, v = mesh["pp"], pipe.microbatches, pipe.chunks
+    b = pipe.micro_batch_size or 1
+    hw = plan.world.profile
+    pl = placements(plan.mesh, ORDER, plan.world.per_node)
+    layers = chain.layers()
+    conv = [0.0] + [conversion_s(layers[i - 1].boundary(b), pl, hw)
+                    if states[i].layout != states[i - 1].layout else 0.0
+                    for i in range(1, len(states))]
+    stage_of = [lp.stage for lp in plan.layers]
+    n_stages = max(stage_of, default=0) + 1
+    owner = [stage_owner(pipe.schedule, s, pp) if pp > 1 else 0 for s in range(n_stages)]
+    stages = []
+    for s in range(n_stages):
+        idx = [i for i, st in enumerate(stage_of) if st == s]
+        share = [costs[i].comm / 2 + conv[i] / 2 for i in idx]
+        stages.append({
+            "stage": s, "rank": owner[s], "layers": len(idx),
+            "first": plan.layers[idx[0]].name if idx else None,
+            "last": plan.layers[idx[-1]].name if idx else None,
+            "forward_s": sum(costs[i].forward for i in idx) + sum(share),
+            "backward_s": sum(costs[i].backward + costs[i].recompute for i in idx) + sum(share),
+            "activation_bytes": int(sum(costs[i].activations for i in idx)),
+            "param_bytes": int(sum(costs[i].params for i in idx)),
+        })
+    device_of = np.array([owner[s] for s in stage_of], dtype=int)
+    params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
+    acts_dev = np.bincount(device_of, weights=[c.activations for c in costs], minlength=pp)
+    held = np.array(in_flight(pipe.schedule, pp, m, v)) if pp > 1 else np.ones(1)
+    replicas = mesh["dp"] * mesh["cp"]
+    biggest = max((c.params for c in costs), default=0.0)
+    parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
+                           held, chain.dtype_bytes)
+    per_rank = np.bincount(device_of, weights=[c.time + t for c, t in zip(costs, conv)],
+                           minlength=pp)
+    ranks = [{"rank": r, "stages": [s["stage"] for s in stages if s["rank"] == r],
+              "microbatches_in_flight": float(held[r]),
+              "time_per_microbatch_s": float(per_rank[r]),
+              "memory_bytes": {k: int(parts[k][r]) for k in MEMORY_KINDS}} for r in range(pp)]
+    slow = [i for i, d in enumerate(device_of) if d == int(np.argmax(per_rank))]
+    p2p_s, p2p_bytes = stage_transfer(layers, stage_of, b, pl, hw) if pp > 1 else (0.0, 0.0)
+    pred = plan.predicted
+    comm = {
+        "tp": {"seconds": m * sum(costs[i].comm - costs[i].cp_comm + conv[i] for i in slow),
+               "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes for i in slow),
+               "carries": "tensor-parallel collectives inside layers and layout conversions"},
+        "cp": {"seconds": m * sum(costs[i].cp_comm for i in slow),
+               "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
+               "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
+               if plan.sequence_mode else "sequence parallelism around attention"},
+        "dp": {"seconds": pred.get("dp_comm_s", 0.0),
+               "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage),
+               "carries": "gradient sync over the dp x cp replicas" + (
+                   f" (ZeRO-{zero.stage})" if zero.stage else "")},
+        "pp": {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
+               "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
+               "carries": "activations forward and their gradients backward between stages"},
+    }
+    for axis, entry in comm.items():
+        entry["size"] = mesh[axis]
+    capacity = {"device_bytes": int(hw.memory_bytes),
+                "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY)}
+    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity}
+
+
+def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
     b = plan.pipeline.micro_batch_size or 1
     tp = plan.mesh["tp"]
     out = []
@@ -133,7 +242,8 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"per step {pred['model_flops_per_step']:.3e}",
         f"  memory per device {pred['memory_per_device_bytes'] / GiB:.2f} GiB: "
         + ", ".join(f"{k} {v / GiB:.2f}" for k, v in pred["memory_breakdown_bytes"].items()),
-        f"  communication per device per step {pred['comm_bytes_per_device'] / GiB:.2f} GiB",
+        f"  communication per device per step {pred['comm_bytes_per_device'] / GiB:.2f} GiB"
+        + _axes_text(data.get("comm_by_axis")),
         "",
         f"  {'layers':<26} {'n':>4} {'strategy':<24} {'fwd+bwd ms':>10} {'comm ms':>8} "
         f"{'act/dev':>9} {'params/dev':>10}",
@@ -147,19 +257,28 @@ def plan_text(data: dict, top: int | None = None) -> str:
             strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"
         lines.append(f"  {k['span']:<26} {k['layers']:>4} {strategy:<24} "
                      f"{1e3 * (pm['forward_s'] + pm['backward_s'] + pm['recompute_s']):>10.2f} "
-                     f"{1e3 * pm['comm_s']:>8.2f} {_size(pm['activation_bytes']):>9} "
-                     f"{_size(k['param_bytes_per_device']):>10}")
+                     f"{1e3 * pm['comm_s']:>8.2f} {size_text(pm['activation_bytes']):>9} "
+                     f"{size_text(k['param_bytes_per_device']):>10}")
         if k.get("strategies"):
             lines.append("      " + ", ".join(k["strategies"]))
         for c in k["collectives"]:
             lines.append(f"      {c['phase']:<8} {c['op']:<26} on {c['axis']}: "
-                         f"{_size(c['bytes'])} per micro-batch")
+                         f"{size_text(c['bytes'])} per micro-batch")
     if top is not None and len(data["layer_kinds"]) > top:
         lines.append(f"  ... {len(data['layer_kinds']) - top} more kinds of layer")
     lines += ["", f"  why this plan: searched {search['candidates']} candidates in "
                   f"{search['time_s']:.2f} s ({search.get('total_s', 0):.2f} s with tracing)"]
+    if search.get("alternatives"):
+        lines.append(f"    {'step':>9} {'mem/dev':>9}  plan: why it lost")
+        if "winner" in search:
+            lines.append(f"    {seconds_text(pred['step_time_s']):>9} "
+                         f"{size_text(pred['memory_per_device_bytes']):>9}  "
+                         f"{search['winner']}: chosen")
     for alt in search["alternatives"]:
-        lines.append(f"    {alt['plan']}: {alt['reason']}")
+        step, mem = alt.get("step_time_s"), alt.get("memory_per_device_bytes")
+        # a runner-up known only by its lower bound was never priced: no memory figure
+        lines.append(f"    {seconds_text(step) if step else '-':>9} "
+                     f"{size_text(mem) if mem else '-':>9}  {alt['plan']}: {alt['reason']}")
     for note in search.get("left_out", []):
         lines.append(f"  left out: {note}")
     if data.get("replicated_groups"):
@@ -175,7 +294,26 @@ def plan_text(data: dict, top: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _size(nbytes: float) -> str:
+def _axes_text(comm: dict | None) -> str:
+    """`; tp 0.23 s 12.0 GiB, dp ...`: the mesh axes that carry traffic (size > 1)."""
+    if not comm:
+        return ""
+    parts = [f"{axis} {seconds_text(entry['seconds'])} {size_text(entry['bytes'])}"
+             for axis, entry in comm.items() if entry["size"] > 1]
+    if not parts:
+        return ""
+    return "; by axis (seconds, bytes on the slowest rank): " + ", ".join(parts)
+
+
+def seconds_text(s: float) -> str:
+    """Seconds at a scale a person reads: 15.038 s, 1.41 ms, 70.7 us."""
+    if s == 0:
+        return "0 s"
+    return f"{s:.3f} s" if s >= 1 else f"{1e3 * s:.2f} ms" if s >= 1e-3 else f"{1e6 * s:.1f} us"
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in GiB, MiB or KiB, whichever reads best."""
     if nbytes >= GiB:
         return f"{nbytes / GiB:.2f} GiB"
     if nbytes >= 1024 ** 2:

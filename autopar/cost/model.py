@@ -18,7 +18,7 @@ import sympy
 
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
-from autopar.cost.layer import LayerType, Lin
+from autopar.cost.layer import LayerType
 
 # Mixed-precision Adam keeps an fp32 master copy and two fp32 moments: 12 bytes per
 # parameter on top of the 16-bit parameter and gradient (Rajbhandari et al. 2019, §3.1).
@@ -122,6 +122,10 @@ class StateCost:
     comm_bytes: float
     activations: float  # bytes kept for backward
     params: float  # bytes of parameters held
+    # the share of comm / comm_bytes spent on the cp axis (sequence parallelism around
+    # attention), so a report can split communication by mesh axis; the rest is on tp
+    cp_comm: float = 0.0
+    cp_comm_bytes: float = 0.0
 
     @property
     def time(self) -> float:
@@ -193,10 +197,12 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         sec, nbytes = _multi_d_comm(lt, mode, batch / c, ctx, state.recompute == "full")
         comm += sec
         comm_bytes += nbytes
+    cp_comm = cp_bytes = 0.0
     if c > 1 and lt.attention:
-        sec, nbytes = _context_comm(lt, mode, batch, ctx, attn_fwd)
-        comm += sec * (1.5 if state.recompute in ("full", "selective") else 1)
-        comm_bytes += nbytes
+        sec, cp_bytes = _context_comm(lt, mode, batch, ctx, attn_fwd)
+        cp_comm = sec * (1.5 if state.recompute in ("full", "selective") else 1)
+        comm += cp_comm
+        comm_bytes += cp_bytes
     # Memory: activations kept for backward, parameters held.
     if state.recompute == "full":
         acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)
@@ -218,7 +224,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         params = lt.param_bytes / (mode.q * mode.q)
     else:
         params = lt.param_bytes / t
-    return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params)
+    return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
+                     cp_comm, cp_bytes)
 
 
 def _gathered_3d(lt: LayerType, mode: TensorMode, batch: float) -> float:
@@ -318,7 +325,7 @@ def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     blocks travel c-1 hops forward and c-1 again backward, and the key and value gradients
     c hops (the last one home), overlapped with the attention blocks they feed.
     """
-    c, hw = ctx.cp.size, ctx.hw
+    c = ctx.cp.size
     act = lt.boundary(batch) / (mode.size * c)
     seconds = nbytes = 0.0
     if c <= 1:

@@ -17,7 +17,8 @@ cannot drift from the runtime). `simulate` plays the orders against per-stage co
 each action waits for the rank to be free and for what it reads (the previous stage's
 forward, the next stage's input gradient, plus a point-to-point transfer when the two
 stages are on different ranks). It returns the step time, each rank's busy and idle
-time, and each rank's peak of activations held: a micro-batch's activations on a stage
+time, when each action ran (what `autopar explain --format html` draws), and each
+rank's peak of activations held: a micro-batch's activations on a stage
 live from its forward to its backward (to the weight gradient, W, when the backward is
 split), Narayanan et al. 2021 §2.2 and Qi et al. 2024 §2-3.
 
@@ -28,7 +29,7 @@ pipeline benchmark use `simulate` with the stages' own costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from autopar.errors import PlanError
@@ -135,6 +136,9 @@ class Timeline:
     busy_s: list[float]  # per rank: seconds of its own work
     peak_bytes: list[float]  # per rank: most activation bytes held at once
     peak_microbatches: list[float]  # per rank: the same in micro-batches of its stages
+    # per rank, its actions as played: (kind, stage, micro-batch, start_s, end_s), so a
+    # report can draw the schedule as a Gantt chart
+    spans: list[list[tuple]] = field(default_factory=list)
 
     @property
     def idle(self) -> list[float]:
@@ -191,6 +195,7 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
 
     free, pos = [0.0] * p, [0] * p
     busy = [0.0] * p
+    spans: list[list[tuple]] = [[] for _ in range(p)]
     left = sum(len(ops) for ops in orders)
     while left:
         moved = False
@@ -202,7 +207,9 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
                 if t is None:
                     break
                 d = duration[kind](s)
-                done[(kind, s, i)] = max(t, free[r]) + d
+                begin = max(t, free[r])
+                done[(kind, s, i)] = begin + d
+                spans[r].append((kind, s, i, begin, begin + d))
                 free[r] = done[(kind, s, i)]
                 busy[r] += d
                 pos[r] += 1
@@ -226,7 +233,7 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
                 held_m -= weight
         peak_b.append(best)
         peak_m.append(best_m)
-    return Timeline(max(free), busy, peak_b, peak_m)
+    return Timeline(max(free), busy, peak_b, peak_m, spans)
 
 
 @lru_cache(maxsize=1024)

@@ -80,6 +80,8 @@ class Constraints:
 @dataclass
 class Options:
     global_batch: int
+    # the compute dtype (its GEMM rate; bytes come from the trace), named as parallelize's
+    # precision=; what mixed precision holds: autopar.cost.memory.state_bytes
     dtype: str = "bf16"
     attention_kernel: str = "flash"
     executable: set | None = None  # restrict to what the runtime runs: {"tp_modes": .., ...}
@@ -523,13 +525,9 @@ class Search:
         """(step seconds of the pipeline, bubble seconds, per-device seconds per micro-batch)."""
         dev = np.bincount(device_of, weights=layer_time, minlength=pp)
         if pp > 1:
-            # activations cross each stage boundary forward and their gradients backward;
-            # under tensor parallelism each rank sends its 1/tp slice (Narayanan et al. 2021
-            # §4.1, scatter/gather), and interleaving crosses v times as many boundaries
-            boundary = max(self.layers[i].boundary(b) for i in range(len(stage_of) - 1)
-                           if stage_of[i] != stage_of[i + 1])
-            nbytes = boundary / (pl["tp"].size * pl["cp"].size)
-            dev = dev + 2 * v * collective_time("p2p", nbytes, pl["pp"], self.hw)
+            # activations cross each stage boundary forward and their gradients backward,
+            # and interleaving crosses v times as many boundaries
+            dev = dev + 2 * v * stage_transfer(self.layers, stage_of, b, pl, self.hw)[0]
         slowest = float(dev.max())
         if pp == 1 or schedule == "none":
             total = m * slowest
@@ -578,18 +576,9 @@ class Search:
         return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight):
-        replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
-        e = self.chain.dtype_bytes
-        weights = params_dev / (replicas if zero == 3 else 1)
-        grads = params_dev / (replicas if zero >= 2 else 1)
-        optim = np.zeros_like(params_dev) if offload else \
-            params_dev / e * OPTIMIZER_BYTES.get(e, 12) / (replicas if zero else 1)
-        buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
-                               + (2 * biggest if zero == 3 else 0.0))
-        activations = acts_dev * in_flight
-        parts = dict(parameters=weights, gradients=grads, optimizer=optim, buffers=buffers,
-                     activations=activations)
-        return weights + grads + optim + buffers + activations, parts
+        parts = memory_by_kind(params_dev, acts_dev, biggest, leaf.mesh["dp"] * leaf.mesh["cp"],
+                               zero, offload, in_flight, self.chain.dtype_bytes)
+        return sum(parts.values()), parts
 
     def _price(self, leaf, zero, offload) -> Candidate:
         prep, mesh = leaf.prep, leaf.mesh
@@ -637,8 +626,7 @@ class Search:
         compute = leaf.m * sum(prep.compute(i, chosen[i]) for i in on_slow)
         comm = leaf.m * sum(prep.cost(i, chosen[i]).comm for i in on_slow)
         comm_bytes = leaf.m * sum(prep.cost(i, chosen[i]).comm_bytes for i in on_slow)
-        if replicas > 1:
-            comm_bytes += 2 * (replicas - 1) / replicas * worst * (1.5 if zero == 3 else 1)
+        comm_bytes += dp_wire_bytes(worst, replicas, zero)
         worst_dev = int(np.argmax(total))
         memory = {k: float(v[worst_dev]) for k, v in parts.items()}
         return Candidate(dict(mesh), leaf.b, leaf.m, leaf.schedule if pp > 1 else "none",
@@ -714,9 +702,7 @@ class _Prepared:
         mat = search._cost_cache.get(key)
         if mat is None:
             prev_states, cur_states = self.per_type[a][0], self.per_type[b_type][0]
-            nbytes = search.chain.types[a].boundary(b) / max(1, pl["cp"].size)
-            gather = collective_time("all_gather", nbytes, pl["tp"], search.hw) \
-                if pl["tp"].size > 1 else 0.0
+            gather = conversion_s(search.chain.types[a].boundary(b), pl, search.hw)
             mat = np.array([[0.0 if sa.layout == sb.layout else gather for sb in cur_states]
                             for sa in prev_states])
             search._cost_cache[key] = mat
@@ -782,6 +768,55 @@ class _Prepared:
             for i, k in zip(members, best[2]):
                 chosen[i] = k
             spare = used + spare - best[1]
+
+
+def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
+                   offload: bool, in_flight, dtype_bytes: int) -> dict:
+    """Bytes per device by kind (arrays over the pipeline ranks) from the parameter and
+    activation bytes of the layers each holds. A function of its own so that the plan's
+    report prices every pipeline rank exactly as the search priced the worst one.
+
+    ZeRO-1 shards optimizer states over the replicas, 2 also gradients, 3 also parameters
+    (Rajbhandari et al. 2019); the buffers are the flat communication buffers of the
+    biggest layer, twice for data-parallel sync and twice more for ZeRO-3's gathers."""
+    e = dtype_bytes
+    weights = params_dev / (replicas if zero == 3 else 1)
+    grads = params_dev / (replicas if zero >= 2 else 1)
+    optim = np.zeros_like(params_dev) if offload else \
+        params_dev / e * OPTIMIZER_BYTES.get(e, 12) / (replicas if zero else 1)
+    buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
+                           + (2 * biggest if zero == 3 else 0.0))
+    return dict(parameters=weights, gradients=grads, optimizer=optim, buffers=buffers,
+                activations=acts_dev * in_flight)
+
+
+def dp_wire_bytes(param_bytes: float, replicas: int, zero: int) -> float:
+    """Bytes one device sends to sync its gradients over the data-parallel replicas (ring
+    all-reduce, or reduce-scatter + all-gather: the same bytes), half again under ZeRO-3,
+    whose parameters are gathered for the backward as well as the forward."""
+    if replicas <= 1:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * param_bytes * (1.5 if zero == 3 else 1)
+
+
+def stage_transfer(layers, stage_of, b: int, pl: dict, hw: Hardware) -> tuple[float, float]:
+    """(seconds, bytes) of one point-to-point transfer between pipeline stages: the
+    biggest activation that crosses a stage boundary, of which each rank sends its
+    1/(tp x cp) slice (Narayanan et al. 2021 §4.1, scatter/gather)."""
+    crossing = [layers[i].boundary(b) for i in range(len(stage_of) - 1)
+                if stage_of[i] != stage_of[i + 1]]
+    if not crossing:
+        return 0.0, 0.0
+    nbytes = max(crossing) / (pl["tp"].size * pl["cp"].size)
+    return collective_time("p2p", nbytes, pl["pp"], hw), nbytes
+
+
+def conversion_s(boundary_bytes: float, pl: dict, hw: Hardware) -> float:
+    """Seconds to hand a layer's output to a neighbour of another layout: an all-gather
+    over tp of this rank's cp share of it."""
+    if pl["tp"].size <= 1:
+        return 0.0
+    return collective_time("all_gather", boundary_bytes / max(1, pl["cp"].size), pl["tp"], hw)
 
 
 def _counts(options, times, mems, n, budget):
