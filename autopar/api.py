@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
+from autopar.passes.precision import compute_dtype
 from autopar.plan import Plan
 from autopar.runtime.engine import Engine, check_context_dims, check_grid_dims, \
     check_sequence_dims
@@ -17,7 +18,8 @@ from autopar.world import World, local_device
 
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
-                plan=None, seed: int = 0, max_grad_norm: float | None = None) -> Engine:
+                plan=None, seed: int = 0, max_grad_norm: float | None = None,
+                precision: str = "fp32") -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (choose one), a Plan, a path to a plan file, or a Colossal-AI style dict
@@ -26,10 +28,14 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     `optimizer` is a factory taking the parameters, e.g. functools.partial(torch.optim.AdamW,
     lr=3e-4). `max_grad_norm`: clip the gradients by their global norm over every shard
     before each optimizer step, as torch.nn.utils.clip_grad_norm_ does on one device (the
-    norm of the step is `engine.last_grad_norm`).
+    norm of the step is `engine.last_grad_norm`). `precision`: "fp32" (default), or "bf16" /
+    "fp16" to run forward and backward in 16 bits on fp32 master weights, the loss in fp32
+    (autopar.passes.precision); fp16 scales the loss dynamically (`engine.loss_scale`,
+    `engine.skipped_steps`, autopar.runtime.scaler).
     """
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise PlanError(f"max_grad_norm must be a positive number, not {max_grad_norm!r}.")
+    compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
@@ -49,7 +55,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     _init_process_group(size)
     _check_process_group(size)
     if chosen is None:
-        chosen = _search_plan(model, size, world, example_inputs, loss_fn)
+        chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
         _check_executable(chosen)
     tensor = chosen.tensor_mesh()
     if tensor.mode == "1d":
@@ -62,7 +68,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     else:
         groups = tensor_groups(chosen.mesh["dp"], tensor, pp=chosen.mesh["pp"])
     return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,
-                  max_grad_norm=max_grad_norm,
+                  max_grad_norm=max_grad_norm, precision=precision,
                   forward_graph=traced)
 
 
@@ -90,7 +96,19 @@ def _init_process_group(size: int) -> None:
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None or "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend)
+            return
+        # torchrun keeps one store across restarts (--max-restarts): the keys a killed
+        # attempt's ranks left there (their addresses) would be read by a rank that joins
+        # before the others, so each attempt forms its group under its own prefix
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                              is_master=rank == 0 and not agent)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=rank, world_size=size)
 
 
 def _check_process_group(size: int) -> None:
@@ -103,8 +121,11 @@ def _check_process_group(size: int) -> None:
                          f"with --nproc-per-node {size} or pass world={job}.")
 
 
-def _search_plan(model, size: int, world, example_inputs, loss_fn) -> Plan:
-    """plan=None: search among the modes the runtime executes (and say what was left out)."""
+def _search_plan(model, size: int, world, example_inputs, loss_fn,
+                 precision: str = "fp32") -> Plan:
+    """plan=None: search among the modes the runtime executes (and say what was left out),
+    timing the compute at `precision`'s rate (the planner's `dtype`, same names; fp32
+    leaves it to the parameters' dtype, as before)."""
     from autopar.planner import plan as make_plan
 
     if not isinstance(world, World):
@@ -117,7 +138,8 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn) -> Plan:
         with torch.no_grad():
             target = _example_target(model(*inputs), loss_fn)
     chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
-                       example_target=target, executable=True, top=3)
+                       example_target=target, executable=True, top=3,
+                       dtype=None if precision == "fp32" else precision)
     chosen.notes.extend(f"left out: {n}" for n in chosen.search.get("left_out", []))
     return chosen
 

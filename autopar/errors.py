@@ -15,3 +15,7 @@ class PlanError(AutoparError):
 
 class WorldError(AutoparError):
     """The world (devices, process group, hardware profile) is not what the request needs."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint could not be written or read (the file system or a rank failed)."""

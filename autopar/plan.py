@@ -176,11 +176,10 @@ class Plan:
             if self.sequence_parallel_layers():
                 out.append("sequence parallelism over a cp axis together with Megatron sequence "
                            "parallelism (sequence_parallel)")
-        if self.zero.stage == 3 or self.zero.offload:  # ZeRO-1 and 2 run
-            out.append(f"ZeRO stage {self.zero.stage}" + (" with offload" if self.zero.offload else ""))
-        elif self.zero.stage == 2 and self.mesh["pp"] > 1:
-            out.append("ZeRO stage 2 together with a pipeline (each micro-batch's backward "
-                       "would reduce-scatter the gradients; use stage 1)")
+        if self.zero.offload and (self.zero.stage == 0 or self.mesh["dp"] == 1):
+            out.append("offload without ZeRO over two or more data-parallel ranks (the "
+                       "offloaded optimizer runs on the pieces ZeRO cuts; use "
+                       "zero=dict(stage=1, 2 or 3, offload=True) with data >= 2)")
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):
             out.append("recomputation")
         return out

@@ -27,9 +27,9 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # What the runtime executes today; parallelize searches only these.
 EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("pp", "dp", "tp", "cp"),
               "cp_with_tp": "1d",  # cp beside 1D tensor parallelism without Megatron-SP
-              "recompute": ("none",), "zero": (0, 1, 2), "zero_with_pp": (0, 1),
+              "recompute": ("none",), "zero": (0, 1, 2, 3), "zero_with_pp": (0, 1, 2, 3),
               "sp": ("megatron",),
-              "schedules": ("gpipe", "1f1b", "interleaved", "zero_bubble"), "offload": False}
+              "schedules": ("gpipe", "1f1b", "interleaved", "zero_bubble"), "offload": True}
 
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,

@@ -3,7 +3,7 @@
     python benchmarks/bench_memory.py [--models gpt-tiny llama-tiny ...] [--batch 8]
                                       [--worlds 4 8] [--plans 2d 3d ...]
 
-Spawns a gloo world of 4 local processes (data with ZeRO 0, 1 and 2, 1D and 2D plans),
+Spawns a gloo world of 4 local processes (data with ZeRO 0, 1, 2 and 3, 1D and 2D plans),
 then one of 8 (1D, 2.5D and 3D plans). For each model and plan, the prediction comes from the plan's own sharding
 solution, solved as the engine solves it (`Plan.from_dict`, the inference graph first, then
 the training graph with the parameter layouts the inference graph fixed, the plan's mesh
@@ -34,6 +34,7 @@ from gloo_world import results_path, run_world  # noqa: E402
 PLANS = {"data 4": (4, {"data": 4}),
          "data 4 zero 1": (4, {"data": 4, "zero": {"stage": 1}}),
          "data 4 zero 2": (4, {"data": 4, "zero": {"stage": 2}}),
+         "data 4 zero 3": (4, {"data": 4, "zero": {"stage": 3}}),
          "tensor 4": (4, {"tensor": {"size": 4, "mode": "1d"}}),
          "tensor 2 x data 2": (4, {"tensor": {"size": 2, "mode": "1d"}}),
          "2d 2x2": (4, {"tensor": {"size": 4, "mode": "2d"}}),

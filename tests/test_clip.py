@@ -44,7 +44,8 @@ def test_clipping_equals_one_device_at_world_2(pool2, plan):
 @pytest.mark.parametrize("plan", [
     {"tensor": {"size": 4, "mode": "2d"}},
     {"data": 2, "tensor": {"size": 2, "mode": "1d"}, "zero": {"stage": 1}},
-], ids=["2d", "dp2-tp2-zero1"])
+    {"data": 2, "tensor": {"size": 2, "mode": "1d"}, "zero": {"stage": 3}},
+], ids=["2d", "dp2-tp2-zero1", "dp2-tp2-zero3"])
 def test_clipping_equals_one_device_at_world_4(pool4, plan):
     _check(pool4.run(compare, GPT, plan, 3, 8, None, LIMIT))
 

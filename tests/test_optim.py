@@ -84,8 +84,9 @@ LARS_F = functools.partial(LARS, lr=0.5, momentum=0.9, weight_decay=1e-4)
 @pytest.mark.parametrize("plan", [
     {"tensor": {"size": 2, "mode": "1d"}},
     {"data": 2, "zero": {"stage": 1}},
+    {"data": 2, "zero": {"stage": 3}},
     {"pipeline": {"size": 2, "microbatches": 2}},
-], ids=["tp2", "zero1", "pp2"])
+], ids=["tp2", "zero1", "zero3", "pp2"])
 def test_sharded_equals_one_device(pool2, factory, plan):
     assert_equal(pool2.run(compare, GPT, plan, 3, 8, None, None, factory))
 

@@ -1,5 +1,6 @@
 """The README's first command block works as written: its explain command, its test command."""
 
+import os
 import re
 import shlex
 import subprocess
@@ -51,3 +52,23 @@ def test_readme_test_command_is_the_one_ci_runs():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if "pytest" in line and not line.lstrip().startswith(("#", "echo"))]
     assert ci == readme
+
+
+def _python_block_after(heading: str) -> str:
+    """The first ```python block of the README section under `heading`."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n{heading}\n")
+    block = re.search(r"^```python\n(.*?)^```", text[start:], re.DOTALL | re.MULTILINE)
+    assert block, f"README.md has no python block under {heading}"
+    return block.group(1)
+
+
+def test_readme_checkpoint_snippet_runs(tmp_path):
+    """The Checkpoints snippet runs as written (in a scratch directory) and leaves a
+    published checkpoint that `latest` names."""
+    done = subprocess.run([sys.executable, "-c", _python_block_after("### Checkpoints")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000001"
+    assert (tmp_path / "checkpoints" / "step-00000001" / ".metadata").is_file()

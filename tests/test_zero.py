@@ -58,21 +58,27 @@ def test_zero1_at_dp4_keeps_a_quarter_of_the_state(pool4):
         assert abs(probe["state"] - probe["whole"] / 4) <= 0.02 * probe["whole"] / 4, probe
 
 
-def _gradient_peak(stage: int) -> dict:
+def _gradient_peak(stage: int, bucket_bytes: int | None = None) -> dict:
     """After a warm-up step, the most bytes of whole gradients held at once during one
     train_step (sampled each time a parameter's gradient is about to accumulate), and the
-    bytes of this rank's gradient pieces when the optimizer steps."""
+    bytes of this rank's gradient pieces when the optimizer steps. `bucket_bytes`: stage
+    2's bucket size for this engine."""
     import torch
     import torch.distributed as dist
     from equivalence import build
 
     import autopar
+    from autopar.runtime import zero
 
+    default = zero.BUCKET_BYTES
+    if bucket_bytes is not None:
+        zero.BUCKET_BYTES = bucket_bytes
     model, inputs, target, loss_fn = build(GPT, 8)
     engine = autopar.parallelize(model, dist.get_world_size(),
                                  example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                  plan={"data": 2, "zero": {"stage": stage}})
+    zero.BUCKET_BYTES = default
     engine.train_step(inputs, target)
     params = [p for p in engine.parameters() if p.requires_grad]
     peak, pieces = [0], []
@@ -91,17 +97,38 @@ def _gradient_peak(stage: int) -> dict:
     for h in handles + [pre]:
         h.remove()
     whole = sum(p.numel() * p.element_size() for p in params)
-    return {"peak": peak[0], "pieces": pieces[0], "whole": whole}
+    buckets = [sum(params[i].numel() * 4 for i in b) for b in getattr(engine._zero, "buckets", [])]
+    return {"peak": peak[0], "pieces": pieces[0], "whole": whole, "buckets": buckets}
 
 
 def test_zero2_equals_single_device_and_never_holds_every_gradient(pool2):
     assert_equal(pool2.run(compare, GPT, {"data": 2, "zero": {"stage": 2}}))
-    for probe in pool2.run(_gradient_peak, 2):
-        # no whole gradient outlives its own accumulation: none is held when the next comes
-        assert probe["peak"] == 0, probe
+    # buckets of 16 KiB: whole gradients pile up to one bucket, never to the model's
+    for probe in pool2.run(_gradient_peak, 2, 16 << 10):
+        assert len(probe["buckets"]) > 3, probe
+        assert probe["peak"] <= max(probe["buckets"]) < probe["whole"] / 3, probe
         assert abs(probe["pieces"] - probe["whole"] / 2) <= 0.01 * probe["whole"] / 2, probe
     for probe in pool2.run(_gradient_peak, 1):  # stage 1 holds them to the backward's end
         assert probe["peak"] > probe["whole"] / 2, probe
+
+
+def test_zero2_with_pipeline_parallelism(pool4):
+    """Each micro-batch's backward reduce-scatters its stage's gradients into the pieces
+    (bucketed by stage); under ZB-V rank 0 runs the first and the last stage, whose tied
+    embedding is a bucket sent once both stages have added to it (the weight-gradient
+    pass writes .grad itself, so the stage says when it is done)."""
+    for schedule in ("1f1b", "zero_bubble"):
+        assert_equal(pool4.run(compare, GPT8, {"data": 2, "zero": {"stage": 2}, "pipeline": {
+            "size": 2, "microbatches": 4, "schedule": schedule}}))
+
+
+def test_zero3_with_pipeline_parallelism(pool4):
+    """Each stage gathers its layers for every micro-batch's forward and again where its
+    backward needs them, and reduce-scatters each micro-batch's gradients into the pieces;
+    the tied embedding's pieces are summed between the first and last stage's members."""
+    for schedule in ("1f1b", "zero_bubble"):
+        assert_equal(pool4.run(compare, GPT8, {"data": 2, "zero": {"stage": 3}, "pipeline": {
+            "size": 2, "microbatches": 4, "schedule": schedule}}))
 
 
 def test_zero2_with_tensor_parallelism(pool4):
@@ -109,13 +136,13 @@ def test_zero2_with_tensor_parallelism(pool4):
                                             "zero": {"stage": 2}}))
 
 
-def test_what_zero_cannot_run_yet_is_named():
+def test_every_stage_runs_with_a_pipeline():
     from autopar.plan import Plan
 
-    with_pp = Plan.from_dict({"pipeline": 2, "data": 2, "zero": {"stage": 2}}, 4)
-    assert any("ZeRO stage 2 together with a pipeline" in m for m in with_pp.unsupported())
-    assert Plan.from_dict({"data": 4, "zero": {"stage": 3}}, 4).unsupported() == \
-        ["ZeRO stage 3"]
+    for stage in (1, 2, 3):
+        assert Plan.from_dict({"pipeline": 2, "data": 2, "zero": {"stage": stage}},
+                              4).unsupported() == []
+    assert Plan.from_dict({"data": 4, "zero": {"stage": 3}}, 4).unsupported() == []
     assert Plan.from_dict({"pipeline": 2, "data": 2, "zero": {"stage": 1}}, 4).unsupported() \
         == []
 
@@ -123,6 +150,117 @@ def test_what_zero_cannot_run_yet_is_named():
 def test_zero_with_context_parallelism(pool4):
     """dp2 x cp2: the cp ranks sum their parameter gradients inside the backward, before
     ZeRO cuts them to pieces over dp."""
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         assert_equal(pool4.run(compare, GPT, {"data": 2, "zero": {"stage": stage},
                                               "sequence": {"size": 2, "mode": "ring"}}))
+
+
+# ---------------------------------------------------------------------------- ZeRO-3
+
+
+def _zero3_held(name: str, plan: dict) -> dict:
+    """After a first step: bytes of the parameters a rank keeps (its pieces; the whole
+    local parameters are emptied), of the whole parameters, and the most layers whose
+    gathered parameters are alive at once during the next step's forward and backward."""
+    import torch
+    import torch.distributed as dist
+    from equivalence import build
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(name, 8)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), plan=plan)
+    engine.train_step(inputs, target)
+    zero = engine._zero
+    kept = sum(s.numel() * s.element_size() for s in zero.shards)
+    emptied = sum(p.numel() for p in zero.params)
+    whole = sum(n * 4 for n in zero.numels)
+    most = [0]
+
+    def counted(fn):
+        def run(*args):
+            out = fn(*args)
+            most[0] = max(most[0], len(zero._live) + len(zero._cache) + len(zero._pending))
+            return out
+        return run
+
+    zero.gather_forward = counted(zero.gather_forward)
+    zero.gather_backward = counted(zero.gather_backward)
+    engine.train_step(inputs, target)
+    return {"kept": kept, "emptied": emptied, "whole": whole, "most_alive": most[0],
+            "units": len(zero.units), "regathered": len(zero.backward_gathers),
+            "train_units": len(engine._train_units)}
+
+
+def test_zero3_data_parallel_equals_single_device(pool2):
+    """Each layer's parameters are gathered before it runs and dropped after: the forward
+    gathers every layer once, the backward again those an op saved (not the embedding),
+    and each layer's gradients are reduce-scattered once; the plan predicts those bytes."""
+    plan = {"data": 2, "zero": {"stage": 3}}
+    results = pool2.run(compare, GPT8, plan)
+    assert_equal(results)
+    for r in results:
+        measured = r["measured"]
+        assert measured[("all_gather", "dp")] > measured[("reduce_scatter", "dp")]
+    for probe in pool2.run(_zero3_held, GPT8, plan):
+        assert probe["emptied"] == 0, probe
+        assert abs(probe["kept"] - probe["whole"] / 2) <= 0.01 * probe["whole"] / 2, probe
+        # the current layer, the prefetched one and the one whose gather is being waited
+        # for: never the 10 layers of the model at once
+        assert probe["most_alive"] <= 3, probe
+        assert 0 < probe["regathered"] < probe["train_units"], probe
+
+
+def test_zero3_with_tensor_parallelism(pool4):
+    assert_equal(pool4.run(compare, LLAMA, {"data": 2, "tensor": {"size": 2, "mode": "1d"},
+                                            "zero": {"stage": 3}}))
+
+
+def test_zero3_at_dp4_keeps_a_quarter(pool4):
+    plan = {"data": 4, "zero": {"stage": 3}}
+    assert_equal(pool4.run(compare, GPT, plan, 3, 8))
+    for probe in pool4.run(_zero3_held, GPT, plan):
+        assert abs(probe["kept"] - probe["whole"] / 4) <= 0.02 * probe["whole"] / 4, probe
+
+
+# ---------------------------------------------------------------------------- offload
+
+
+def _where_the_optimizer_lives(engine, inputs, target) -> dict:
+    """Devices of the optimizer's pieces and state, and whether a piece shares storage
+    with the parameters (ZeRO's pieces are views of them; offloaded ones are copies)."""
+    params = {p.untyped_storage().data_ptr() for p in engine._zero.params}
+    state = [v for per in engine.optimizer.state.values() for v in per.values()
+             if hasattr(v, "device") and v.numel() > 1]
+    return {"pieces": sorted({str(s.device) for s in engine._zero.shards}),
+            "state": sorted({str(v.device) for v in state}),
+            "state_tensors": len(state),
+            "views": sum(s.untyped_storage().data_ptr() in params for s in engine._zero.shards)}
+
+
+def test_offload_equals_single_device_for_every_stage(pool4):
+    """ZeRO-Offload: the optimizer steps on host copies of the pieces; the results are
+    those of one device, with the same bytes over dp (the host copies add none)."""
+    for stage in (1, 2, 3):
+        plan = {"data": 2, "tensor": {"size": 2, "mode": "1d"},
+                "zero": {"stage": stage, "offload": True}}
+        results = pool4.run(compare, LLAMA, plan, 3, 8, _where_the_optimizer_lives)
+        assert_equal(results)
+        for r in results:
+            probe = r["probe"]
+            assert probe["pieces"] == ["cpu"] and probe["state"] == ["cpu"], probe
+            assert probe["state_tensors"] > 0 and probe["views"] == 0, probe
+
+
+def test_offload_needs_zero_over_data_parallel_ranks():
+    from autopar.plan import Plan
+
+    for spec, world in (({"data": 2, "zero": {"stage": 0, "offload": True}}, 2),
+                        ({"tensor": {"size": 2}, "zero": {"stage": 2, "offload": True}}, 2)):
+        said = Plan.from_dict(spec, world).unsupported()
+        assert any("offload without ZeRO over two or more data-parallel ranks" in m
+                   for m in said), said
+    assert Plan.from_dict({"data": 2, "zero": {"stage": 3, "offload": True}}, 2).unsupported() \
+        == []

@@ -680,6 +680,20 @@ def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", ze
     OPTIMIZERS). ZeRO over `dp` data-parallel ranks splits the optimizer state (stage 1),
     also the gradients (stage 2), also the parameters (stage 3); each rank's share is
     rounded up, as a flat buffer padded to `dp` equal parts would be.
+
+    Mixed precision: `parallelize(precision="bf16" | "fp16")` keeps the model's fp32
+    parameters as the optimizer's masters and gives them fp32 gradients
+    (autopar.passes.precision), so this function on the fp32 trace is what such a run
+    holds across steps (4 + 4 bytes a parameter, plus fp32 moments); the 16-bit casts of
+    the weights live from their layer's forward to its backward, like activations, and
+    the activations are 16-bit. The planner's `dtype` (the CLI's `--dtype`) is the same
+    compute dtype. The CLI traces its zoo models in that dtype: bf16 parameters and
+    gradients (2 + 2 bytes) and, with `cost.model.OPTIMIZER_BYTES`, 12 bytes of fp32 master
+    and moments, the runtime's 16 bytes a parameter split differently, and 16-bit
+    activations as at run time. `autopar.plan` on an fp32 model prices the masters exactly
+    and the activations at fp32 (twice what a bf16 run saves). Either way the search
+    prices the data-parallel gradient all-reduce at the trace's dtype, where the runtime
+    all-reduces fp32 gradients (twice a bf16 trace's bytes).
     """
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer {optimizer!r} is unknown to the memory model; use one of "
@@ -827,7 +841,9 @@ def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> Sta
     peak of two moments: when the backward is done (before data-parallel averaging) and
     just before the optimizer runs. Under ZeRO the optimizer's parameters are this rank's
     pieces (views of the whole parameters): ZeRO-1 holds whole gradients after the
-    backward and pieces at the step; ZeRO-2 holds pieces only. Without `step`, the
+    backward and pieces at the step; ZeRO-2 holds pieces only. ZeRO-3's pieces own their
+    storage and the whole parameters are emptied, so the parameters counted are the
+    pieces (layers gathered for the forward live only inside it). Without `step`, the
     gradients present now are counted.
     """
     params = list(engine.parameters())
@@ -866,6 +882,6 @@ def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> Sta
     graphs = [gm for gm in (engine.forward_gm, engine.train_gm) if gm is not None]
     buffers = [b for gm in graphs for b in gm.buffers()]
     param_storages = frozenset(p.untyped_storage().data_ptr() for p in params)
-    return StateBytes(parameters=_storage_bytes(params), gradients=max(grads),
+    return StateBytes(parameters=_storage_bytes(params + pieces), gradients=max(grads),
                       optimizer=_storage_bytes(state),
                       buffers=_storage_bytes(buffers, param_storages))

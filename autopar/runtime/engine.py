@@ -5,7 +5,10 @@ the loss (traced at the first `train_step`, when the target's shape is known) an
 alone for inference. Data parallelism is the engine's: it hands each rank its slice of the
 global batch and averages gradients over the `dp` axis after the backward pass. Tensor
 parallelism is the graphs': 1D on the `tp` axis, 2D, 2.5D and 3D on the axes of the plan's
-`TensorMesh` (`autopar.sharding.axes`), which the groups passed in must hold.
+`TensorMesh` (`autopar.sharding.axes`), which the groups passed in must hold. Mixed
+precision (`precision="bf16" | "fp16"`) is a pass over both graphs right after the
+sharding rewrite (`autopar.passes.precision`): 16-bit compute on the fp32 parameters, which
+stay the optimizer's masters; fp16 adds dynamic loss scaling (`autopar.runtime.scaler`).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH, trace
+from autopar.passes.precision import cast_precision, comm_factors, compute_dtype
 from autopar.passes.tensor_parallel import (apply_solution, local_slice, shard_parameters,
                                             shard_steps)
 from autopar.plan import Plan
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
 from autopar.runtime.kernels import RandomStreams, bind_streams
+from autopar.runtime.scaler import LossScaler
 from autopar.runtime.sequence import cut_sequence
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.layout import Layout
@@ -36,11 +41,17 @@ class Engine(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
-                 forward_graph=None, max_grad_norm: float | None = None):
+                 forward_graph=None, max_grad_norm: float | None = None,
+                 precision: str = "fp32"):
         super().__init__()
         self.plan = plan
         self.groups = groups
         self.max_grad_norm = max_grad_norm
+        # mixed precision (autopar.passes.precision): the graphs compute in this dtype (None:
+        # fp32, no cast), the parameters stay fp32 masters; fp16 scales the loss
+        self.precision = precision
+        self._compute_dtype = compute_dtype(precision)
+        self.scaler = LossScaler() if precision == "fp16" else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups["tp"].log
         self.loss_fn = loss_fn
@@ -51,6 +62,7 @@ class Engine(nn.Module):
         self._pipeline = None  # a PipelineRunner once the training graph is built (pp > 1)
         self._synced_at = -1  # the step at which pipeline ranks last shared their weights
         self._released: dict = {}  # parameter -> (shape, dtype) freed on this pipeline rank
+        self._refilled: set = set()  # ZeRO-3 parameters made whole for a pipeline sync
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
             self.mesh = TensorMesh("1d", (("cp", self._cp.size), ("tp", self._tp.size)))
@@ -75,7 +87,8 @@ class Engine(nn.Module):
         self.train_solution: Solution | None = None
         self.train_gm: fx.GraphModule | None = None
         self._optimizer_factory = optimizer
-        self._zero = None  # ZeRO-1/2 state over dp (autopar.runtime.zero), when the plan asks
+        self._zero = None  # ZeRO state over dp (runtime.zero: 1/2, runtime.zero3: 3)
+        self._train_units: list[int] = []  # ZeRO-3: the layers the training graph gathers
         self.optimizer = None
         if not self._zero_sharded():
             self._adopt(optimizer(self._unique_params()) if optimizer is not None else None)
@@ -120,6 +133,8 @@ class Engine(nn.Module):
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
         gm = apply_solution(traced.gm, solution, coords=None)
+        if self._compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
+            gm = cast_precision(gm, self._compute_dtype)
         shard_parameters(gm, {target: self._local_tensor(traced.gm, pinfo, solution)
                               for target, pinfo in traced.params.items()})
         bind(gm, self.groups)
@@ -167,22 +182,51 @@ class Engine(nn.Module):
         fixed = {t: fixed[t] for t in fixed if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
         self.train_gm = self._build(self.train_graph, self.train_solution)
+        self._train_units = self._zero.rewrite(self.train_gm) if self._zero_three() else []
         self._model = None
         if self._pp.size > 1:
             self._pipeline = self._build_pipeline(int(target.shape[0]) * self._dp.size)
             if self._zero_sharded():
-                self._make_zero(self._pipeline.parameters())
+                self._make_zero(self._pipeline.parameters(),
+                                self._pipeline.stage_parameters())
+                if self._zero.stage == 2:
+                    self._pipeline.weights_done = self._zero.stage_done
+                if self._zero.stage == 3:  # this rank's stages (and the loss) gather
+                    runner = self._pipeline
+                    for module in [runner.stages.modules[k] for k in runner.mine] + \
+                            ([runner.stages.loss] if runner.last_owner == self._pp.rank
+                             else []):
+                        self._train_units += self._zero.rewrite(module)
+                    runner.saving = self._zero.saving
+                    self._zero.overlap = False
+            if getattr(self, "_held_optimizer", None):  # load() before the stages existed
+                from autopar.runtime.checkpoint import adopt_held_optimizer
+
+                adopt_held_optimizer(self)
 
     def _zero_sharded(self) -> bool:
         return self.plan.zero.stage >= 1 and self._dp.size > 1
 
-    def _make_zero(self, params) -> None:
-        """ZeRO-1/2: the optimizer runs on this rank's 1/dp of every parameter (and, with
-        stage 2, the gradients are cut to those pieces during the backward)."""
-        from autopar.runtime.zero import ShardedOptimizerState
+    def _zero_three(self) -> bool:
+        return self._zero is not None and self._zero.stage == 3
 
-        self._zero = ShardedOptimizerState(list(params), self._dp, self._optimizer_factory,
-                                           self.plan.zero.stage)
+    def _make_zero(self, params, stages=None) -> None:
+        """ZeRO: the optimizer runs on this rank's 1/dp of every parameter (with stage 2,
+        the gradients are cut to those pieces during the backward, under a pipeline
+        (`stages`: each stage's parameters) once per micro-batch; with stage 3 the pieces
+        are all a rank keeps, and the graphs gather each layer's parameters)."""
+        from autopar.runtime.zero import ShardedOptimizerState
+        from autopar.runtime.zero3 import ZeroThree
+
+        offload = self.plan.zero.offload
+        if self.plan.zero.stage == 3:
+            self._zero = ZeroThree(list(params), self._dp, self._optimizer_factory, offload,
+                                   self._compute_dtype)
+            self._zero.rewrite(self.forward_gm)
+        else:
+            self._zero = ShardedOptimizerState(list(params), self._dp, self._optimizer_factory,
+                                               self.plan.zero.stage, offload=offload,
+                                               stages=stages)
         self._adopt(self._zero.optimizer)
 
     def _adopt(self, optimizer) -> None:
@@ -309,6 +353,11 @@ class Engine(nn.Module):
             held = self._released.pop(target, None)
             if held is not None:  # made again, to be filled by its owner
                 local.data = torch.empty(held[0], dtype=held[1], device=local.device)
+            if self._zero_three() and self._zero.index_of(local) is not None:
+                # ZeRO-3 keeps pieces: made whole (over dp) to send, and for the other
+                # stages' graphs this rank runs to find their shapes, until the next step
+                local.data = self._zero.whole(local)
+                self._refilled.add(target)
             with torch.no_grad():
                 dist.broadcast(local.data, src=dist.get_global_rank(group, owner), group=group)
 
@@ -317,6 +366,10 @@ class Engine(nn.Module):
         stages' weights (a tied embedding on every rank whose stages read it), as the
         planner's memory per stage assumes. Inference, full_state_dict and a new micro-batch
         shape (whose stages are rebuilt) fetch them again from their owners."""
+        for target in self._refilled:  # ZeRO-3's pieces are what this rank keeps
+            local = self._local[_key(self.train_graph.params[target])]
+            local.data = torch.empty(0, dtype=local.dtype, device=local.device)
+        self._refilled.clear()
         mine = {id(p) for p in self._pipeline.parameters()}
         for target in self._pipeline.param_owners():
             local = self._local[_key(self.train_graph.params[target])]
@@ -364,24 +417,76 @@ class Engine(nn.Module):
         self.train_gm.train()
         if self._pipeline is not None:  # forward and backward through the schedule
             self._release_pipeline_params()  # (inference may have fetched them)
+            # the schedule's loss function scales what it differentiates (fp16), not the
+            # loss it reports
+            self._pipeline.loss_scale = self.loss_scale
             loss = torch.tensor(self._pipeline.step(tuple(local_inputs), local_target))
+            if self._zero is not None and self._zero.stage >= 2:
+                self._zero.after_pipeline(self._pipeline.microbatches, self._pipeline.tied())
+            if self._zero_three():
+                self._zero.end_backward()
             self._release_pipeline_params()
+        elif self._zero_three():  # saved parameters are gathered again in the backward
+            with self._zero.saving():
+                loss = self.train_gm(*local_inputs, local_target)
+            self._backward(loss)
+            self._zero.end_backward()
         else:
             loss = self.train_gm(*local_inputs, local_target)
-            loss.backward()
+            self._backward(loss)
         self._average_gradients()
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = self._clip_gradients(self.max_grad_norm)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        if self._zero is not None:
-            self._zero.gather_parameters()
+        if self._overflowed():  # fp16: every rank skips this step alike
+            self._drop_gradients()
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = float("inf")
+        else:
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = self._clip_gradients(self.max_grad_norm)
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if self._zero is not None:
+                self._zero.gather_parameters()
         self.steps += 1
         value = loss.detach().float().reshape(1)
         if self._dp.size > 1:
             value = self._dp.all_reduce(value, "step") / self._dp.size
         return float(value)
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before the backward (fp16's dynamic loss
+        scale, `self.scaler`; 1.0 under bf16 and fp32, which need none)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """train_steps whose fp16 gradients overflowed somewhere, so no rank stepped."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+
+    def _overflowed(self) -> bool:
+        """fp16: unscale the gradients this rank holds (after the data-parallel reduction,
+        before clipping and the step: scales are powers of two, so this is exact) and say
+        whether any rank's hold an inf or a nan (one flag summed over the world); updates
+        the scale. False without a scaler."""
+        if self.scaler is None:
+            return False
+        overflow = self.scaler.unscale_([g for g, _ in self._gradients()],
+                                        self._sum_over_world)
+        self.scaler.update(overflow)
+        return overflow
+
+    def _drop_gradients(self) -> None:
+        """Forget a skipped step's gradients: the parameters' and the ZeRO pieces'."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        for p in self._trained_params():
+            p.grad = None
+        for piece in getattr(self._zero, "shards", ()):
+            piece.grad = None
 
     def _gradients(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
         """(gradient, the local parameter it belongs to) for every gradient this rank holds
@@ -454,7 +559,10 @@ class Engine(nn.Module):
                                 f"{self.mesh.mode} batch split of {split}; use a multiple of "
                                 f"{split}.")
         self._sync_pipeline_params()
-        return self.forward_gm(*self._cut_sequence(inputs, self.forward_graph))
+        out = self.forward_gm(*self._cut_sequence(inputs, self.forward_graph))
+        if self._zero_three():
+            self._zero.drain()
+        return out
 
     # ------------------------------------------------------------------ accounting
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
@@ -467,19 +575,32 @@ class Engine(nn.Module):
         # a pipeline runs every collective once per micro-batch, at the micro-batch's size
         runs = self._pipeline.microbatches if self._pipeline is not None else 1
         layer_of = {n.name: n.meta["autopar"].layer for n in self.train_graph.graph.nodes}
-        for c in self.train_solution.comm:
+        # under bf16/fp16 the model part's collectives move 16-bit values
+        for c, factor in comm_factors(self.train_solution, self._compute_dtype):
             if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
                 continue
             key = (c.op, c.axis)
-            nbytes = runs * int(sympy.sympify(c.bytes).subs(BATCH, local // runs))
+            nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
             out[key] = out.get(key, 0) + nbytes
         if self._dp.size > 1:
             grad_bytes = sum(p.numel() * p.element_size() for p in self._trained_params()
                              if p.requires_grad)
             out[("all_reduce", "dp")] = grad_bytes + 4  # the gradients, then the loss
-            if self._zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
+            if self._zero_three():  # each layer gathered for its forward, again where its
+                # backward needs it (an embedding's does not), its gradients reduce-scattered
+                # (under a pipeline, for each micro-batch)
+                z = self._zero
+                once = sum(z.unit_bytes(u) for u in self._train_units)
                 out[("all_reduce", "dp")] = 4
-                out[("reduce_scatter", "dp")] = self._zero.padded_bytes()
+                out[("reduce_scatter", "dp")] = runs * once
+                out[("all_gather", "dp")] = \
+                    runs * sum(z.gather_bytes(u) for u in self._train_units) + \
+                    sum(z.gather_bytes(u) for u in z.backward_gathers or ())
+            elif self._zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
+                out[("all_reduce", "dp")] = 4
+                # (stage 2 under a pipeline reduce-scatters each micro-batch's gradients)
+                sends = runs if self._zero.stage == 2 else 1
+                out[("reduce_scatter", "dp")] = sends * self._zero.padded_bytes()
                 out[("all_gather", "dp")] = self._zero.padded_bytes()
         world = 0
         if self.max_grad_norm is not None:  # the squared norm, summed over the world
@@ -488,6 +609,8 @@ class Engine(nn.Module):
                 getattr(self.optimizer, "whole_norms", None) == self._whole_norms:
             # LAMB/LARS: two vectors of squared norms (one per parameter) per group
             world += 2 * len(self.optimizer.param_groups) * 8 * len(self._norm_index)
+        if self.scaler is not None:  # fp16: the overflow flag, summed over the world
+            world += 4
         if world:
             out[("all_reduce", "world")] = world
         return out
@@ -498,7 +621,9 @@ class Engine(nn.Module):
         for key, local in self._local.items():
             layout = self._layouts[key]
             parts = layout.parts(self.mesh.sizes) if layout is not None else 1
-            nbytes = local.numel() * local.element_size()
+            i = self._zero.index_of(local) if self._zero_three() else None
+            numel = local.numel() if i is None else self._zero.numels[i]  # (ZeRO-3: whole)
+            nbytes = numel * local.element_size()
             out[self._names[key][0]] = (nbytes, nbytes * parts)
         return out
 
@@ -518,6 +643,8 @@ class Engine(nn.Module):
         for key, local in self._local.items():
             layout = self._layouts[key]
             value = local.detach()
+            if self._zero_three() and self._zero.index_of(local) is not None:
+                value = self._zero.whole(local)  # ZeRO-3 keeps pieces only
             if layout is not None:
                 for shard in layout.shards:  # composites: minor component first
                     for axis, groups in reversed(shard_steps(shard, self.mesh)):
@@ -526,6 +653,24 @@ class Engine(nn.Module):
                 whole[name] = value.clone()
         whole.update(self._untraced_state)
         return {k: whole[k] for k in self._state_keys if k in whole}
+
+    def save(self, path, keep: int = 2) -> str:
+        """Checkpoint weights, optimizer state and step counter under the directory `path`,
+        each rank writing only the part it holds, in a form any plan and world can load
+        (`autopar.runtime.checkpoint`); atomic: `path/latest` names the newest complete
+        checkpoint, the newest `keep` are kept. Every rank calls it; returns the
+        checkpoint's directory."""
+        from autopar.runtime.checkpoint import save
+
+        return save(self, path, keep=keep)
+
+    def load(self, path) -> str:
+        """Restore weights, optimizer state and step counter from a checkpoint written by
+        `save` under any plan or world (`path`: the directory given to save, or one of its
+        step directories). Every rank calls it; returns the checkpoint's directory."""
+        from autopar.runtime.checkpoint import load
+
+        return load(self, path)
 
 
 def check_divisible(traced, solution: Solution) -> None:

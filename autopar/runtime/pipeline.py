@@ -17,6 +17,9 @@ summed over them after the schedule's backward.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -46,6 +49,16 @@ class PipelineRunner:
             raise PlanError("the pipeline runtime needs the stages cut with their targets "
                             "(split_stages(..., targets=1)).")
         self.group, self.schedule_name, self.microbatches = group, schedule, microbatches
+        # fp16's loss scale (the engine sets it before each step): the schedule's loss
+        # function returns loss * loss_scale, which the backward differentiates; `step`
+        # reports the loss unscaled
+        self.loss_scale = 1.0
+        # called with j after this member's j-th stage has made one micro-batch's weight
+        # gradients (ZeRO-2 sends them then)
+        self.weights_done = None
+        # a context each stage's forward and the loss run in (ZeRO-3: saved parameters
+        # are kept as references and gathered again in the backward)
+        self.saving = contextlib.nullcontext
         # called (on every member) before the stages run once to find their shapes: a
         # member that holds only its stages' weights fetches the others for that run
         self._every_weight = every_weight
@@ -110,14 +123,19 @@ class PipelineRunner:
             log.enabled = enabled
         n = len(self.stages.modules)
         split = self.schedule_name == "zero_bubble"  # backward split into I and W
-        stages = [(_SplitBackwardStage if split else PipelineStage)(
+        stages = [(_SplitBackwardStage if split else _Stage)(
             self.stages.modules[k], k, n, self._device, input_args=examples[k][0],
             output_args=examples[k][1], group=self.group.group) for k in self.mine]
+        for j, stage in enumerate(stages):
+            stage.weights_done = functools.partial(self._weights_done, j)
+            stage.saving = lambda: self.saving()
         loss = self.stages.loss
 
         def loss_fn(output, target):
-            out = loss(*(output if isinstance(output, tuple) else (output,)), target)
-            return out[0] if isinstance(out, (tuple, list)) else out
+            with self.saving():
+                out = loss(*(output if isinstance(output, tuple) else (output,)), target)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            return out * self.loss_scale if self.loss_scale != 1.0 else out
 
         cls = getattr(torch_schedules, _SCHEDULES[self.schedule_name])
         # scale_grads=False: the schedule would scale each stage's parameters, twice for a
@@ -127,6 +145,10 @@ class PipelineRunner:
         self._schedule = cls(chosen, n_microbatches=self.microbatches, loss_fn=loss_fn,
                              scale_grads=False)
         self._shapes = shapes
+
+    def _weights_done(self, j: int) -> None:
+        if self.weights_done is not None:
+            self.weights_done(j)
 
     def param_owners(self) -> dict[str, int]:
         """Parameter attribute -> the member whose stages train it (the lowest, for a tied
@@ -145,6 +167,16 @@ class PipelineRunner:
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters this member's stages read (each once)."""
         return list(self._params)
+
+    def stage_parameters(self) -> list[list[torch.nn.Parameter]]:
+        """For each of this member's stages, in order, the parameters it reads (a tied
+        parameter under every stage of this member that reads it)."""
+        return [_unique([self._by_name[name] for name in sorted(self.stages.params[k])])
+                for k in self.mine]
+
+    def tied(self) -> list[tuple[torch.nn.Parameter, object]]:
+        """(parameter, process group of the members holding a copy) for tied parameters."""
+        return list(self._tied)
 
     def step(self, inputs: tuple, target: torch.Tensor) -> float:
         """One forward and backward of the whole batch through the pipeline (gradients
@@ -172,14 +204,41 @@ class PipelineRunner:
                 dist.all_reduce(param.grad, group=tie)
         value = torch.zeros(1)
         if losses:
-            value[0] = torch.stack([v.detach().float() for v in losses]).mean()
+            value[0] = torch.stack([v.detach().float() for v in losses]).mean() / self.loss_scale
         if self.group.size > 1:
             dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
                            group=self.group.group)
         return float(value[0])
 
 
-class _SplitBackwardStage(PipelineStage):
+class _Stage(PipelineStage):
+    """A stage that says when one micro-batch's weight gradients are made: after a full
+    backward, or after the weight-gradient pass when the backward is split (zero-bubble),
+    which writes .grad itself rather than through autograd's accumulation."""
+
+    weights_done = None
+    saving = contextlib.nullcontext
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self.saving():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                           last_backward=False):
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
+        if full_backward and self.weights_done is not None:
+            self.weights_done()
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.weights_done is not None:
+            self.weights_done()
+        return out
+
+
+class _SplitBackwardStage(_Stage):
     """A stage whose micro-batches' saved activations are released right after their
     weight-gradient pass (W).
 

@@ -12,14 +12,24 @@ pieces of all parameters, so a step is one reduce-scatter of the gradients (each
 receives the sum of its pieces) and one all-gather of the updated pieces: the bytes of
 a data-parallel all-reduce, split in its two halves (Rajbhandari et al. §7.2.1).
 
-Stage 2 (§5.2 "P_os+g") reduce-scatters each parameter's gradient as soon as autograd
-has accumulated it (a post-accumulate-grad hook) and frees the whole gradient there, so
-whole gradients never pile up: a rank holds its pieces and at most the gradients of the
-op that backward is running. The bytes are stage 1's, sent during the backward.
+Stage 2 (§5.2 "P_os+g") reduce-scatters gradients during the backward, in buckets: the
+parameters, in the reverse of their order (roughly the order the backward finishes
+them), are grouped into buckets of at most `BUCKET_BYTES` (padded); a post-accumulate-
+grad hook counts each parameter of a bucket as done, and the last one sends the whole
+bucket in one reduce-scatter and frees its whole gradients (§5.2's "bucketization").
+Whole gradients pile up to one bucket at most, instead of to the whole model; one
+collective per bucket instead of per parameter keeps the step near DDP's (measured in
+benchmarks/bench_peers.py). The bytes are stage 1's, sent during the backward.
 
 The optimizer the user's factory builds runs on the shards (one `nn.Parameter` per
 parameter, in the same order), so element-wise optimizers (SGD, Adam, AdamW, weight
 decay) give exactly the unsharded update.
+
+Offload (Ren et al. 2021, ZeRO-Offload §4): with `offload=True` the pieces are not views
+of the parameters but copies on the host (pinned when the parameters are on a GPU): the
+optimizer and its state live there and the step runs on the CPU. The reduced gradient
+pieces go down to the host (piece bytes per step) and the updated pieces come back up to
+be all-gathered: the device keeps parameters and gradients only.
 """
 
 from __future__ import annotations
@@ -29,9 +39,13 @@ from torch import nn
 
 from autopar.runtime.collectives import AxisGroup
 
+BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded bytes)
+
 
 class ShardedOptimizerState:
-    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory, stage: int = 1):
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory, stage: int = 1,
+                 bucket_bytes: int | None = None, offload: bool = False,
+                 stages: list[list[nn.Parameter]] | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.dp, self.stage = dp, stage
         self.numels = [p.numel() for p in self.params]
@@ -43,30 +57,120 @@ class ShardedOptimizerState:
         self.lengths = [max(0, min(k, n - r * k)) for n, k in zip(self.numels, self.chunks)]
         self.shards = [nn.Parameter(p.data.view(-1)[r * k:r * k + length])
                        for p, k, length in zip(self.params, self.chunks, self.lengths)]
+        self.offload = offload
+        if offload:  # the optimizer's pieces: copies on the host
+            self.shards = [nn.Parameter(host_copy(s.detach())) for s in self.shards]
         self.optimizer = factory(self.shards) if factory is not None else None
         self._hooks = []
+        self._reducing: list[tuple] = []  # stage 2: buckets in flight
+        self.buckets: list[list[int]] = []  # stage 2: parameter indices, reduced together
         if stage >= 2:
+            self._make_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes, stages)
+
+    def _make_buckets(self, bucket_bytes: int, stages) -> None:
+        """Buckets of consecutive parameters (last first) up to `bucket_bytes`; a bucket
+        is sent once each of its parameters has accumulated its gradient (a post-
+        accumulate-grad hook counts them). Under a pipeline (`stages`: this rank's stages'
+        parameters) a bucket holds one stage's parameters and is sent when the stage has
+        finished a micro-batch's weight gradients (`stage_done`: torch's zero-bubble W
+        pass writes .grad without autograd's accumulation, so no hook would fire); a
+        parameter two of this rank's stages read (a tied embedding under ZB-V) is a bucket
+        of its own, sent once both stages have added to it. Either way each bucket is
+        sent once per backward (per micro-batch under a pipeline)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        groups = [[index[id(p)] for p in ps if id(p) in index] for ps in stages] \
+            if stages is not None else [list(range(len(self.params)))]
+        reads = [sum(i in g for g in groups) for i in range(len(self.params))]
+        size = self.params[0].element_size() * self.dp.size if self.params else 4
+        self._need: list[int] = []
+        self._stage_buckets: list[list[int]] = [[] for _ in groups]
+        alone: dict[int, int] = {}  # a parameter read by two stages -> its bucket
+        for g in reversed(range(len(groups))):
+            fresh = True
+            for i in reversed(groups[g]):
+                if reads[i] > 1:
+                    if i not in alone:
+                        alone[i] = len(self.buckets)
+                        self.buckets.append([i])
+                        self._need.append(reads[i])
+                    self._stage_buckets[g].append(alone[i])
+                    fresh = True
+                    continue
+                if fresh or (sum(self.chunks[j] for j in self.buckets[-1]) + self.chunks[i]) \
+                        * size > bucket_bytes:
+                    self.buckets.append([])
+                    self._need.append(1 if stages is not None else 0)
+                    self._stage_buckets[g].append(len(self.buckets) - 1)
+                    fresh = False
+                self.buckets[-1].append(i)
+                if stages is None:
+                    self._need[-1] += 1
+        self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self._done = [0] * len(self.buckets)
+        if stages is None:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda param, i=i: self._reduce_one(i)))
+                    lambda param, i=i: self._count(self._bucket_of[i])))
 
-    def _reduce_one(self, i: int) -> None:
-        """Stage 2: this parameter's gradient is complete; keep only this rank's piece of
-        its mean over dp (added to what earlier backwards left, as .grad accumulates)."""
-        p = self.params[i]
-        padded = self._padded_grad(i)
-        p.grad = None
-        piece = (self.dp.reduce_scatter(padded, 0, 1, "backward") / self.dp.size)[
-            :self.lengths[i]]
-        shard = self.shards[i]
-        shard.grad = piece if shard.grad is None else shard.grad + piece
+    def _count(self, b: int) -> None:
+        self._done[b] += 1
+        if self._done[b] == self._need[b]:
+            self._reduce_bucket(b)
 
-    def _padded_grad(self, i: int) -> torch.Tensor:
-        """Parameter i's gradient, flat, zero-padded to dp equal pieces."""
-        p, n, k = self.params[i], self.numels[i], self.chunks[i]
-        padded = torch.zeros(self.dp.size * k, dtype=p.dtype, device=p.device)
-        padded[:n] = p.grad.reshape(-1)
-        return padded
+    def stage_done(self, j: int) -> None:
+        """Stage 2 under a pipeline: this rank's j-th stage has finished one micro-batch's
+        weight gradients; send its buckets that are now complete."""
+        for b in self._stage_buckets[j]:
+            self._count(b)
+
+    def after_pipeline(self, microbatches: int, tied) -> None:
+        """Stage 2 under a pipeline: the pieces hold the sum of the micro-batches'
+        gradients (each reduce-scattered as its backward made them)."""
+        self._land_reduced()
+        pieces_after_pipeline(self, microbatches, tied)
+
+    def _reduce_bucket(self, b: int) -> None:
+        """Keep only this rank's piece of the mean over dp of each gradient of bucket b
+        (added to what earlier backwards left, as .grad accumulates); free the rest."""
+        members = self.buckets[b]
+        self._done[b] = 0
+        p0 = self.params[members[0]]
+        width = sum(self.chunks[i] for i in members)
+        buf = torch.zeros(self.dp.size, width, dtype=p0.dtype, device=p0.device)
+        col = 0
+        for i in members:
+            k = self.chunks[i]
+            if self.params[i].grad is not None:
+                write_padded(buf[:, col:col + k], self.params[i].grad)
+                self.params[i].grad = None
+            col += k
+        if self.dp.size > 1:  # sent while the backward goes on; landed by _land_reduced
+            self.dp.log.add("reduce_scatter", self.dp.axis, buf.numel() * buf.element_size(),
+                            "backward")
+            mine = torch.empty(width, dtype=p0.dtype, device=p0.device)
+            work = torch.distributed.reduce_scatter_single(mine, buf.reshape(-1),
+                                                           group=self.dp.group, async_op=True)
+            self._reducing.append((members, work, mine))
+        else:
+            self._reducing.append((members, None, buf.reshape(-1)))
+
+    def _land_reduced(self) -> None:
+        """Wait for the buckets' reduce-scatters; add each piece of the mean over dp to its
+        shard's gradient (as .grad accumulates)."""
+        for members, work, mine in self._reducing:
+            if work is not None:
+                work.wait()
+            mine /= self.dp.size
+            col = 0
+            for i in members:
+                piece, shard = self._to_shard(mine[col:col + self.lengths[i]]), self.shards[i]
+                shard.grad = piece if shard.grad is None else shard.grad + piece
+                col += self.chunks[i]
+        self._reducing.clear()
+
+    def _to_shard(self, piece: torch.Tensor) -> torch.Tensor:
+        """A gradient piece where its shard lives (down to the host under offload)."""
+        return host_copy(piece) if self.offload else piece
 
     def padded_bytes(self) -> int:
         """Bytes of one step's reduce-scatter inputs (and of its all-gather output)."""
@@ -77,21 +181,27 @@ class ShardedOptimizerState:
     def reduce_gradients(self) -> None:
         """Sum the gradients over dp into each rank's pieces (the mean, as DDP gives), and
         free the whole gradients (stage 2 did this during the backward)."""
-        if not self.params or self.stage >= 2:
+        if not self.params:
+            return
+        if self.stage >= 2:  # buckets some of whose parameters got no gradient this time
+            for b, done in enumerate(self._done):
+                if done:
+                    self._reduce_bucket(b)
+            self._land_reduced()
             return
         p0 = self.params[0]
         buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)
         offset = 0
         for i, (p, k) in enumerate(zip(self.params, self.chunks)):
             if p.grad is not None:
-                buf[:, offset:offset + k] = self._padded_grad(i).view(self.dp.size, k)
+                write_padded(buf[:, offset:offset + k], p.grad)
                 p.grad = None
             offset += k
         mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
         mine /= self.dp.size
         offset = 0
         for shard, k, length in zip(self.shards, self.chunks, self.lengths):
-            shard.grad = mine[offset:offset + length]
+            shard.grad = self._to_shard(mine[offset:offset + length])
             offset += k
 
     def gather_parameters(self) -> None:
@@ -102,7 +212,7 @@ class ShardedOptimizerState:
         local = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
         offset = 0
         for shard, k, length in zip(self.shards, self.chunks, self.lengths):
-            local[offset:offset + length] = shard.detach()
+            local[offset:offset + length] = shard.detach()  # (up from the host: offload)
             offset += k
         full = self.dp.all_gather(local, 0, 1, "step").view(self.dp.size, self.total)
         offset = 0
@@ -112,3 +222,35 @@ class ShardedOptimizerState:
                 offset += k
         for shard in self.shards:
             shard.grad = None
+
+
+def write_padded(dst: torch.Tensor, grad: torch.Tensor) -> None:
+    """Write a gradient, flattened, into `dst` ([dp, k] columns of a zeroed buffer: row r
+    is rank r's piece), the last piece's tail left as the zero padding."""
+    flat, (rows, k) = grad.reshape(-1), dst.shape
+    full = flat.numel() // k
+    dst[:full].copy_(flat[:full * k].view(full, k))
+    if full < rows and flat.numel() > full * k:
+        dst[full, :flat.numel() - full * k].copy_(flat[full * k:])
+
+
+def pieces_after_pipeline(zero, microbatches: int, tied) -> None:
+    """ZeRO-2/3 under a pipeline: make the pieces' gradients (the sum over micro-batches)
+    their mean, and sum a tied parameter's pieces over the pipeline members that hold it
+    (`tied`: (parameter, group)), as the runner does for whole gradients."""
+    for shard in zero.shards:
+        if shard.grad is not None:
+            shard.grad.div_(microbatches)
+    where = {id(p): i for i, p in enumerate(zero.params)}
+    for param, tie in tied:
+        shard = zero.shards[where[id(param)]]
+        if shard.grad is not None:
+            torch.distributed.all_reduce(shard.grad, group=tie)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory (pinned when `t` is on a GPU, so copies overlap)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                      pin_memory=t.device.type == "cuda")
+    out.copy_(t)
+    return out

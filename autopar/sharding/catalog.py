@@ -445,8 +445,11 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
         comm += [CommOp("p2p", CP, "forward", kv, node.name) for _ in range(c - 1)]
         if ctx.requires_grad.get(node, any(grads)):
             comm += [CommOp("p2p", CP, "backward", kv, node.name) for _ in range(c - 1)]
-            if grads[1] or grads[2]:  # float32/float64 accumulators: the inputs' bytes
-                comm += [CommOp("p2p", CP, "backward", kv, node.name) for _ in range(c)]
+            if grads[1] or grads[2]:  # dk, dv accumulators: float32 for 16-bit inputs
+                item = _itemsize(k.meta["autopar"].dtype)
+                acc = kv * sympy.Rational(max(4, item), item)
+                comm += [CommOp("p2p", CP, "backward", acc, node.name, accumulator=True)
+                         for _ in range(c)]
     needs = {n: Need(_rep(n).with_shard(2, CP)) for n in (q, k, v)}
     out = _out_layouts(ctx, lambda shape: Layout.replicated(len(shape)).with_shard(2, CP)
                        if len(shape) == 4 else Layout.replicated(len(shape)))

@@ -28,6 +28,9 @@ class CommOp:
     phase: str  # "forward" or "backward"
     bytes: sympy.Expr
     where: str  # the graph node that runs it
+    # it moves a kernel's accumulators (ring attention's dk, dv), which stay float32 for
+    # 16-bit inputs, not the value's own dtype (autopar.passes.precision prices it so)
+    accumulator: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,275 @@
+"""Mixed precision as a graph pass: the model computes in bf16 or fp16, the parameters
+(the optimizer's masters) and the loss stay fp32.
+
+`cast_precision(gm, dtype)` rewrites a traced (and usually already sharded) graph so that
+
+* every floating parameter is cast to `dtype` where the model reads it: one `aten._to_copy`
+  per parameter and reading layer, just before that layer's first use. The cast's backward
+  converts the gradient back, so autograd delivers fp32 gradients to the fp32 parameters,
+  and the data-parallel all-reduce, ZeRO, clipping and the optimizer see fp32 as they do
+  without this pass. The cast reads whatever node produces the parameter: a get_attr
+  today; a later pass that makes the parameter some other way (gathering ZeRO-3 pieces)
+  replaces the get_attr's uses, the cast's included;
+* every floating graph input the model reads is cast the same way;
+* what the model computes from those (the "compute stream") runs in `dtype`: dtype
+  arguments of stream ops (conversions, export's dtype asserts) are rewritten to `dtype`.
+  A graph traced in fp32 cannot tell a deliberate upcast of an activation (`x.float()`
+  before a norm, a no-op at trace time) from any other no-op, so the stream follows one
+  dtype (norm and softmax kernels accumulate in fp32 inside anyway);
+* values made from sizes, integers, constants and buffers only (positions, causal masks,
+  rotary tables, `torch.ones(n)`) keep the dtype the model gives them and are cast to
+  `dtype` where the stream reads them, as a 16-bit model's own `.to(x.dtype)` would:
+  positions beyond 256 are not exact in bf16, so angles computed from them stay fp32;
+* the loss part of a training graph (the nodes the loss function added, layer "loss",
+  see `autopar.graph.trace.LOSS_MODULE`) runs in the traced dtype: each stream value it
+  reads is cast back first, so the reported loss and the softmax over the vocabulary keep
+  fp32 (a 16-bit log-sum-exp over many classes loses the small probabilities that carry
+  the gradient);
+* stream values the graph returns (an inference graph's logits) are cast back to their
+  traced dtype, so callers get what the single-device model returns.
+
+Collectives of the stream then move 16-bit values (half of fp32's bytes), those of the
+loss part fp32. `comm_factors` says, for each collective of a sharding solution, by how
+much its bytes change, so the engine's prediction stays equal to what the runtime logs.
+Run the pass after `apply_solution` (it reads the layer and dtype the rewrite keeps in
+each node's meta; a redistribution carries its first consumer's layer) and before the
+collectives are bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from fractions import Fraction
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.errors import PlanError
+
+aten = torch.ops.aten
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""`parallelize(precision=...)` names -> compute dtype (None: no cast, today's fp32)."""
+
+LOSS_LAYER = "loss"  # the layer analyse gives the nodes the loss function added
+CAST = "autopar_precision"  # node.meta key on the casts this pass inserts: "compute" | "loss"
+
+_SIZE_OPS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
+_DTYPE_ARGS = {aten.to.dtype: 1, aten._to_copy.default: None, aten.to.dtype_layout: None}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The compute dtype of a precision name, or PlanError naming the valid ones."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise PlanError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, not "
+                        f"{precision!r}.")
+    return PRECISIONS[precision]
+
+
+def cast_precision(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """A new GraphModule (sharing gm's tensors and submodules) whose model computes in
+    `dtype` and whose loss part runs in the traced dtype (see the module docstring)."""
+    from autopar.passes.tensor_parallel import clone_graph_module
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise PlanError(f"cast_precision needs torch.bfloat16 or torch.float16, not {dtype}.")
+    out, _ = clone_graph_module(gm)
+    graph = out.graph
+    nodes = list(graph.nodes)
+    traced = {node: _traced_dtype(node) for node in nodes}  # before any is retargeted
+    stream = compute_stream(out)
+    order = {node: i for i, node in enumerate(nodes)}
+    for node in nodes:
+        if node.op in ("get_attr", "placeholder") and node in stream:
+            _cast_reads(graph, node, dtype, order, [
+                u for u in node.users if _model_part(u) and u.target not in _SIZE_OPS])
+        elif node in stream and node.op == "call_function":
+            _retarget_dtypes(node, dtype)
+        elif node.target is aten._assert_tensor_metadata.default and \
+                node.args and node.args[0] in stream:
+            _retarget_dtypes(node, dtype)  # asserts a stream value's (now 16-bit) dtype
+        elif _model_part(node) and _holds_floating(node, traced):  # made from no stream
+            _cast_reads(graph, node, dtype, order, [u for u in node.users if u in stream])
+    made: dict = {}
+    for node in nodes:  # stream values the loss part reads, or the graph returns
+        if node.op == "output" or (node.op != "placeholder" and _in_loss(node)):
+            _cast_back(graph, node, traced, stream, made)
+    graph.lint()
+    out.recompile()
+    return out
+
+
+def compute_stream(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that run in the compute dtype under `cast_precision`: floating parameters
+    and graph inputs, and every floating value of the model part computed from one."""
+    stream: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                value = operator.attrgetter(node.target)(gm)
+            except AttributeError:
+                continue
+            if isinstance(value, nn.Parameter) and value.dtype.is_floating_point:
+                stream.add(node)
+        elif node.op == "placeholder":
+            if _floating(node):
+                stream.add(node)
+        elif node.op != "output" and _model_part(node) and _holds_floating(node, {}) and \
+                any(a in stream for a in node.all_input_nodes):
+            stream.add(node)
+    return stream
+
+
+def _in_loss(node: fx.Node) -> bool:
+    info = node.meta.get("autopar")
+    return getattr(info, "layer", None) == LOSS_LAYER
+
+
+def _model_part(node: fx.Node) -> bool:
+    """An op of the model: not the loss function's, not the output."""
+    return node.op != "output" and not _in_loss(node)
+
+
+def _traced_dtype(node: fx.Node) -> torch.dtype | None:
+    info = node.meta.get("autopar")
+    dtype = getattr(info, "dtype", None)
+    if dtype is None:
+        val = node.meta.get("val")
+        dtype = val.dtype if isinstance(val, torch.Tensor) else None
+    return dtype
+
+
+def _floating(node: fx.Node) -> bool:
+    dtype = _traced_dtype(node)
+    return dtype is not None and dtype.is_floating_point
+
+
+def _holds_floating(node: fx.Node, traced: dict) -> bool:
+    """A floating tensor, or a tuple holding one (a multi-output op read by getitem)."""
+    dtype = traced.get(node) or _traced_dtype(node)
+    if dtype is not None:
+        return dtype.is_floating_point
+    val = node.meta.get("val")
+    return isinstance(val, (list, tuple)) and any(
+        isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in val)
+
+
+def _cast_reads(graph: fx.Graph, source: fx.Node, dtype: torch.dtype, order: dict,
+                readers: list[fx.Node]) -> None:
+    """`readers` read a cast of `source` instead: one cast per reading layer, placed just
+    before that layer's first reader (not at the top where export hoists the get_attr
+    nodes: a pass that gathers a layer's parameters in front of their first use, as
+    ZeRO-3 does, then still gathers each layer when it runs), so a pipeline stage casts
+    what it reads itself (a tied embedding read by the first and the last stage is cast on
+    both, each gradient flowing to the one parameter)."""
+    by_layer: dict[str | None, list[fx.Node]] = {}
+    for user in readers:
+        layer = getattr(user.meta.get("autopar"), "layer", None)
+        by_layer.setdefault(layer, []).append(user)
+    for layer, users in by_layer.items():
+        with graph.inserting_before(min(users, key=order.__getitem__)):
+            cast = graph.call_function(aten._to_copy.default, (source,), {"dtype": dtype})
+        _describe(cast, source, dtype, layer, "compute")
+        for user in users:
+            user.replace_input_with(source, cast)
+
+
+def _cast_back(graph: fx.Graph, node: fx.Node, traced: dict, stream: set,
+               made: dict) -> None:
+    """Each stream value `node` (a loss-part op, or the output) reads is read through a
+    cast to its traced dtype, made once per value and reading part."""
+    for arg in list(node.all_input_nodes):
+        dtype = traced.get(arg)
+        if arg not in stream or arg.op in ("get_attr", "placeholder") or dtype is None or \
+                not dtype.is_floating_point:
+            continue
+        layer = LOSS_LAYER if node.op != "output" else getattr(
+            arg.meta.get("autopar"), "layer", None)
+        cast = made.get((arg, layer))
+        if cast is None:
+            with graph.inserting_after(arg):
+                cast = graph.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
+            _describe(cast, arg, dtype, layer, "loss")
+            made[(arg, layer)] = cast
+        node.replace_input_with(arg, cast)
+
+
+def _describe(cast: fx.Node, source: fx.Node, dtype: torch.dtype, layer, role: str) -> None:
+    """The cast's meta: the source's, in the reading layer, with the dtype it produces."""
+    cast.meta = {k: v for k, v in source.meta.items() if k != CAST}
+    info = source.meta.get("autopar")
+    if info is not None:
+        from autopar.graph.analysis import OpKind
+
+        cast.meta["autopar"] = dataclasses.replace(
+            info, kind=OpKind.ELEMENTWISE, dtype=dtype,
+            layer=layer if layer is not None else info.layer)
+    val = source.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        cast.meta["val"] = val.to(dtype)
+    cast.meta[CAST] = role
+
+
+def _retarget_dtypes(node: fx.Node, dtype: torch.dtype) -> None:
+    """A floating dtype named by a stream op (a conversion, an assert on a value's
+    metadata) becomes the compute dtype, and so does the dtype its meta records."""
+    kwargs = dict(node.kwargs)
+    if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
+        kwargs["dtype"] = dtype
+        node.kwargs = kwargs
+    position = _DTYPE_ARGS.get(node.target)
+    if position is not None and len(node.args) > position and \
+            isinstance(node.args[position], torch.dtype) and \
+            node.args[position].is_floating_point:
+        args = list(node.args)
+        args[position] = dtype
+        node.args = tuple(args)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype.is_floating_point and val.dtype != dtype:
+        node.meta["val"] = val.to(dtype)
+    info = node.meta.get("autopar")
+    if info is not None and info.dtype is not None and info.dtype.is_floating_point:
+        node.meta["autopar"] = dataclasses.replace(info, dtype=dtype)
+
+
+def comm_factors(solution, dtype: torch.dtype | None) -> list[tuple[object, Fraction]]:
+    """Every collective of `solution` (in `Solution.comm`'s order) with the factor its bytes
+    take when the graph runs under `cast_precision(dtype)` (1 everywhere for None).
+
+    The catalog prices each collective at the traced dtype of the value it moves. A stream
+    value (`compute_stream` on the traced graph) moves in `dtype`: factor itemsize(dtype)
+    / itemsize(traced dtype); the loss part's values, values made from no stream (a mask,
+    a rotary table) and integers move as traced: factor 1. A redistribution runs where its
+    first consumer is (the rewrite puts it in that layer), so one feeding the loss moves
+    the value cast back. Ring attention's dk, dv accumulators (`CommOp.accumulator`)
+    travel in fp32 for 16-bit inputs: factor 1 from an fp32 trace."""
+    one = Fraction(1)
+    if dtype is None or not solution.strategies:
+        return [(c, one) for c in solution.comm]
+    stream = compute_stream(next(iter(solution.strategies)).graph.owning_module)
+
+    def of(c, value: fx.Node, reader: fx.Node) -> Fraction:
+        traced = _traced_dtype(value)
+        if traced is None:
+            return one
+        if c.accumulator:  # float32, or the inputs' wider dtype, either way
+            return Fraction(max(4, _itemsize(dtype)), max(4, _itemsize(traced)))
+        if value not in stream or not _model_part(reader):
+            return one
+        return Fraction(_itemsize(dtype), _itemsize(traced))
+
+    out = []
+    for node, strategy in solution.strategies.items():
+        for t in solution.transitions:
+            if t.consumers[0] is node:
+                out.extend((c, of(c, t.producer, node)) for c in t.comm)
+        out.extend((c, of(c, node, node)) for c in strategy.comm)
+    out.extend((c, of(c, t.producer, t.producer)) for t in solution.transitions
+               if t.consumers[0].op == "output" for c in t.comm)
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()

@@ -1,0 +1,787 @@
+"""Distributed checkpoints of a training engine: weights, optimizer state and step counter,
+written with torch.distributed.checkpoint (DCP) and loadable under another plan or world.
+
+What is stored. Every tensor is stored as the *whole* tensor of the original model, keyed by
+its name in the original model's state_dict: `model/<name>` for weights and buffers,
+`optim/<name>/<key>` for an optimizer state shaped like its parameter (Adam's moments),
+`optim.scalar/<name>/<key>` for a 0-dim state tensor (AdamW's step) and `optim.value/<name>/
+<key>` for a state that is a Python number (autopar.optim's LAMB step). Nothing in the stored
+form depends on the plan, so any plan on any world reads it back; `autopar.json` beside DCP's
+files records the step, the world, the plan and the names (for tied weights) for people
+and for `load_full_state_dict`.
+
+Why each rank writes only its own part, not gathered whole tensors. A rank's tensor-parallel
+slice is a set of boxes of the whole tensor (one box under 1D; a box per q/k/v block for a
+fused QKV weight split blockwise; products of boxes under 2D, 2.5D and 3D, whose composite
+axes cut a dim component by component), and a ZeRO piece (a flat range of that slice) is a
+few more boxes (a partial first row, whole rows, a partial last row). DCP stores a tensor
+as chunks (offsets, sizes) of its global shape, so each rank hands it exactly the boxes it
+holds: no collective moves any tensor data to save, no rank ever materialises a whole
+tensor (memory stays what training uses), the bytes written are spread over the ranks, and
+replicas (data-parallel copies, tensor ranks holding a replicated weight, pipeline ranks
+sharing a tied embedding) describe identical boxes that DCP's planner deduplicates, so each
+element is written once. Loading is the same in reverse: each rank asks for the boxes of
+its new slice or piece and DCP's resharding reads the overlaps from whatever chunks the
+saving plan wrote. DTensor could not describe these layouts (its shards are contiguous
+chunks; a blockwise QKV split or a ZeRO piece of a tensor-parallel slice is not), and
+gathering whole tensors would cost the memory and traffic of `full_state_dict` per save.
+Under ZeRO the weights and the optimizer states are taken from the pieces (never from the
+whole local parameter, whose storage ZeRO-3 frees between steps), with one helper
+(`_piece_region`) for both.
+
+Atomicity. A save writes into `<dir>/.tmp-step-N`, every rank waits for DCP's metadata to
+be written, then rank 0 adds `autopar.json`, publishes the directory under a name no
+checkpoint has yet (`step-N`, or `step-N-1` ... when step N was saved before) with one
+`os.replace`, and then points `<dir>/latest` at it by writing `latest.tmp` and
+`os.replace`-ing it over `latest`. A crash at any moment leaves `latest` naming a complete
+checkpoint: before the rename the new one is invisible, after it the old one is still
+there. Only then are checkpoints beyond the newest `keep` deleted; the temporary
+directory a crashed save leaves is never read, and the next save removes it. The
+directory must be on a file system every rank sees (the usual case for DCP). DCP's own
+collectives (plans, metadata) run on the default process group and are not logged in
+`engine.comm_log`, which stays the training steps' traffic.
+
+Pipelines. A pipeline rank fetches the weights it released before saving (as
+`full_state_dict` does) and writes those its stages train; it builds its optimizer at
+its first train_step, so a load before then holds every parameter's slice state and
+hands it over (cut to ZeRO pieces) when the optimizer exists.
+
+Not stored: the dropout streams (`autopar.runtime.kernels.RandomStreams`), which are seeded
+per rank of a plan and so cannot carry over to another plan; models with dropout p > 0
+resume with fresh masks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from autopar.errors import CheckpointError, PlanError
+from autopar.passes.tensor_parallel import shard_steps
+
+FORMAT = "autopar-dcp"
+VERSION = 1
+META = "autopar.json"
+LATEST = "latest"
+WEIGHT, STATE, SCALAR, VALUE = "model/", "optim/", "optim.scalar/", "optim.value/"
+_STEP_DIR = re.compile(r"^step-(\d+)(?:-(\d+))?$")
+_TMP_PREFIX = ".tmp-"
+
+
+# ---------------------------------------------------------------------- geometry
+@dataclass
+class _Region:
+    """Where one local tensor lies in the whole tensor of `shape`: boxes, each the global
+    offsets of a box and the view of the local tensor that holds it."""
+
+    shape: tuple[int, ...]
+    boxes: list[tuple[tuple[int, ...], torch.Tensor]]
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.size())
+                for o, v in self.boxes]
+
+    def find(self, index: MetadataIndex) -> torch.Tensor:
+        """The view of the box at `index.offset` (`index.index`, when given, is its position
+        in `boxes`: a load may ask for overlapping boxes of two local tensors)."""
+        i = index.index
+        if i is not None and i < len(self.boxes) and \
+                torch.Size(self.boxes[i][0]) == index.offset:
+            return self.boxes[i][1]
+        for offsets, view in self.boxes:
+            if torch.Size(offsets) == index.offset:
+                return view
+        raise KeyError(f"{index.fqn} has no box at {tuple(index.offset)} on this rank")
+
+
+def _runs(layout, mesh, coords: dict[str, int], shape: tuple[int, ...]) -> list[list]:
+    """Per dim of the whole tensor of `shape`, the (global start, length) runs this rank's
+    slice holds, in the slice's order: the cuts of `local_slice`, followed on positions."""
+    runs = [[(0, n)] for n in shape]
+    if layout is None:
+        return runs
+    for shard in layout.shards:
+        for axis, groups in shard_steps(shard, mesh):
+            parts, index = mesh.size(axis), mesh.index(axis, coords)
+            held = runs[shard.dim]
+            m = sum(n for _, n in held) // (groups * parts)
+            picked = []
+            for b in range(groups):  # this rank's m positions of every block
+                picked += _take(held, (b * parts + index) * m, m)
+            runs[shard.dim] = _merge(picked)
+    return runs
+
+
+def _take(runs: list, start: int, length: int) -> list:
+    """The global runs of local positions [start, start + length) of a dim held as `runs`."""
+    out, pos = [], 0
+    for g, n in runs:
+        lo, hi = max(start, pos), min(start + length, pos + n)
+        if lo < hi:
+            out.append((g + lo - pos, hi - lo))
+        pos += n
+    return out
+
+
+def _merge(runs: list) -> list:
+    out = []
+    for g, n in runs:
+        if out and out[-1][0] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((g, n))
+    return out
+
+
+def _whole_shape(local_shape, layout, mesh) -> tuple[int, ...]:
+    """The whole tensor's shape, from a slice's shape and its layout."""
+    shape = list(local_shape)
+    if layout is not None:
+        for shard in layout.shards:
+            for axis, _ in shard_steps(shard, mesh):
+                shape[shard.dim] *= mesh.size(axis)
+    return tuple(shape)
+
+
+def _place(runs: list, shape: tuple[int, ...], local_boxes) -> _Region:
+    """The region of local boxes ((offsets in the slice), view) through the slice's runs:
+    each local box splits where a dim's runs break."""
+    boxes = []
+    for offsets, view in local_boxes:
+        per_dim = []
+        for d, (o, n) in enumerate(zip(offsets, view.shape)):
+            cuts, pos = [], 0  # (offset in the view, global start, length)
+            for g, length in runs[d]:
+                lo, hi = max(o, pos), min(o + n, pos + length)
+                if lo < hi:
+                    cuts.append((lo - o, g + lo - pos, hi - lo))
+                pos += length
+            per_dim.append(cuts)
+        for combo in itertools.product(*per_dim):
+            part = view
+            for d, (rel, _, length) in enumerate(combo):
+                part = part.narrow(d, rel, length)
+            boxes.append((tuple(g for _, g, _ in combo), part))
+    return _Region(tuple(shape), boxes)
+
+
+def _slice_region(tensor: torch.Tensor, runs: list, shape) -> _Region:
+    """A tensor shaped like this rank's slice: one local box, the whole of it."""
+    if tensor.numel() == 0 and math.prod(shape) > 0:
+        return _Region(tuple(shape), [])
+    return _place(runs, shape, [((0,) * tensor.dim(), tensor)])
+
+
+def _flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list:
+    """Boxes (offsets, sizes) covering the row-major flat positions [start, stop) of a
+    tensor of `shape`, in order; each is a contiguous run of the flat order (a partial
+    row, whole rows, a partial row, recursively)."""
+    if start >= stop or math.prod(shape) == 0:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    rest = tuple(shape[1:])
+
+    def row(i, lo, hi):
+        return [((i,) + o, (1,) + s) for o, s in _flat_boxes(lo, hi, rest)]
+
+    if first == last:
+        return row(first, start - first * inner, stop - first * inner)
+    out, head = [], first
+    if start % inner:
+        out += row(first, start % inner, inner)
+        head += 1
+    tail = last + 1 if stop % inner == 0 else last
+    if tail > head:
+        out.append(((head,) + (0,) * len(rest), (tail - head,) + rest))
+    if stop % inner:
+        out += row(last, 0, stop % inner)
+    return out
+
+
+def _piece_region(piece: torch.Tensor, start: int, local_shape, runs: list,
+                  shape) -> _Region:
+    """A ZeRO piece (flat positions [start, start + len) of this rank's slice, of
+    `local_shape`) as boxes of the whole tensor: used for the weights and for every
+    optimizer state of the piece alike."""
+    strides = [math.prod(local_shape[d + 1:]) for d in range(len(local_shape))]
+    local = []
+    for offsets, sizes in _flat_boxes(start, start + piece.numel(), tuple(local_shape)):
+        flat = sum(o * s for o, s in zip(offsets, strides)) - start
+        local.append((offsets, piece.reshape(-1)[flat:flat + math.prod(sizes)].view(sizes)))
+    return _place(runs, shape, local)
+
+
+# ---------------------------------------------------------------------- planners
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner (deduplication of replicas, global metadata, validation that
+    the chunks tile every tensor) fed with each rank's boxes."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, region in self.state_dict.items():
+            for i, (offsets, view) in enumerate(region.boxes):
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                   sizes=view.size()),
+                        properties=TensorProperties.create_from_tensor(view),
+                        size=torch.Size(region.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        return self.state_dict[index.fqn].find(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Each rank reads the overlaps of its boxes with the stored chunks (DCP resharding)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, region in self.state_dict.items():
+            if region.boxes:
+                items += create_read_items_for_chunk_list(
+                    fqn, self.metadata.state_dict_metadata[fqn], region.chunks())
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].find(index)
+
+
+# ---------------------------------------------------------------------- the engine's tensors
+def _geometry(engine, local: torch.Tensor):
+    """(runs, whole shape) of a local slice of the engine."""
+    key = engine._key_of[id(local)]
+    layout = engine._layouts[key]
+    shape = _whole_shape(_local_shape(engine, local), layout, engine.mesh)
+    return _runs(layout, engine.mesh, engine._coords, shape), shape
+
+
+def _local_shape(engine, local: torch.Tensor) -> tuple[int, ...]:
+    """A local slice's shape, also while ZeRO-3 keeps only its pieces (and has emptied
+    the whole parameter)."""
+    zero = engine._zero
+    if zero is not None and hasattr(zero, "shapes"):
+        for p, shape in zip(zero.params, zero.shapes):
+            if p is local:
+                return tuple(shape)
+    return tuple(local.shape)
+
+
+def _pieces(engine) -> dict[int, tuple[torch.Tensor, int]]:
+    """id(local parameter) -> (this rank's ZeRO piece of it, the piece's first flat
+    position in the slice), when ZeRO shards the optimizer."""
+    zero = engine._zero
+    if zero is None:
+        return {}
+    r = engine._dp.rank
+    return {id(p): (s, r * k) for p, s, k in zip(zero.params, zero.shards, zero.chunks)}
+
+
+def _canonical(engine, local) -> str:
+    return engine._names[engine._key_of[id(local)]][0]
+
+
+def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(optimizer parameter, the local parameter it is or is a ZeRO piece of) for every
+    parameter this rank's optimizer steps (under a pipeline: its stages')."""
+    if engine.optimizer is None:
+        return []
+    owner = {id(s): p for s, p in zip(engine._zero.shards, engine._zero.params)} \
+        if engine._zero is not None else {}
+    trained = {id(p) for p in engine._trained_params()}
+    out = []
+    for group in engine.optimizer.param_groups:
+        for q in group["params"]:
+            local = owner.get(id(q), q)
+            if id(local) in trained and id(local) in engine._key_of:
+                out.append((q, local))
+    return out
+
+
+def _state_region(engine, opt_param, local, tensor, pieces) -> _Region:
+    """The region of `tensor`, shaped like `opt_param` (a local slice or a ZeRO piece)."""
+    runs, shape = _geometry(engine, local)
+    if id(local) in pieces and pieces[id(local)][0] is opt_param:
+        return _piece_region(tensor, pieces[id(local)][1], _local_shape(engine, local), runs,
+                             shape)
+    return _slice_region(tensor, runs, shape)
+
+
+def _save_state(engine) -> dict[str, _Region]:
+    """fqn -> this rank's region for everything a checkpoint holds."""
+    out: dict[str, _Region] = {}
+    pieces = _pieces(engine)
+    trained = {id(p) for p in engine._trained_params()} if engine._pipeline is not None \
+        else None
+    for key, local in engine._local.items():
+        fqn = WEIGHT + engine._names[key][0]
+        if trained is not None and isinstance(local, nn.Parameter) and local.requires_grad \
+                and id(local) not in trained:
+            continue  # another pipeline rank trains it and writes it
+        runs, shape = _geometry(engine, local)
+        if id(local) in pieces:  # ZeRO: from the pieces, never the whole parameter
+            piece, start = pieces[id(local)]
+            out[fqn] = _piece_region(piece.detach(), start, _local_shape(engine, local), runs,
+                                     shape)
+        else:
+            out[fqn] = _slice_region(local.detach(), runs, shape)
+    for name, value in engine._untraced_state.items():
+        out[WEIGHT + name] = _slice_region(value, [[(0, n)] for n in value.shape],
+                                           tuple(value.shape))
+    held = getattr(engine, "_held_optimizer", None)
+    if held is not None:  # loaded, not yet handed to a pipeline's optimizer: as loaded
+        for local, state in held[0].values():
+            _state_entries(engine, local, local, state, pieces, out)
+    else:
+        for q, local in _optimizer_params(engine):
+            _state_entries(engine, q, local, engine.optimizer.state.get(q, {}), pieces, out)
+    return out
+
+
+def _state_entries(engine, q, local, state: dict, pieces, out: dict) -> None:
+    """The regions of one optimizer parameter's state (`q`: `local` or a ZeRO piece of it)
+    by kind: shaped like `q` (sharded as it), a 0-dim tensor, or a Python number."""
+    name = _canonical(engine, local)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.shape == q.shape:
+            out[f"{STATE}{name}/{k}"] = _state_region(engine, q, local, v.detach(), pieces)
+        elif isinstance(v, torch.Tensor) and v.dim() == 0:
+            out[f"{SCALAR}{name}/{k}"] = _Region((), [((), v.detach())])
+        elif isinstance(v, (bool, int, float)):
+            t = torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+            out[f"{VALUE}{name}/{k}"] = _Region((), [((), t)])
+        else:
+            raise PlanError(f"the optimizer state {k!r} of {name} is a {type(v).__name__} "
+                            "that is neither shaped like its parameter nor a scalar, which "
+                            "a checkpoint cannot reshard.")
+
+
+# ---------------------------------------------------------------------- directories
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ".metadata")) and \
+        os.path.isfile(os.path.join(path, META))
+
+
+def _published(root: str) -> list[str]:
+    """Complete checkpoint directories under root, in the order they were saved (the time
+    autopar.json records, then step and the suffix a second save of a step gets): after a
+    load of an older step, the new branch's checkpoints are the newest, not the abandoned
+    ones with higher steps."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = _STEP_DIR.match(name)
+        if m and _is_complete(os.path.join(root, name)):
+            try:
+                with open(os.path.join(root, name, META)) as f:
+                    saved_at = float(json.load(f).get("saved_at", 0.0))
+            except (OSError, ValueError, AttributeError):
+                saved_at = 0.0
+            found.append(((saved_at, int(m.group(1)), int(m.group(2) or 0)), name))
+    return [name for _, name in sorted(found)]
+
+
+def resolve(path) -> str:
+    """The checkpoint directory `path` names: itself when it is one, else the one its
+    `latest` pointer names (or, without a pointer, its newest complete one)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise PlanError(f"there is no checkpoint directory {path}; pass a directory "
+                        "engine.save wrote.")
+    if _is_complete(path):
+        return path
+    pointer = os.path.join(path, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        if _is_complete(os.path.join(path, name)):
+            return os.path.join(path, name)
+    published = _published(path)
+    if not published:
+        raise PlanError(f"{path} holds no complete checkpoint (no `latest` pointer and no "
+                        "step-* directory with DCP metadata and autopar.json); pass a "
+                        "directory engine.save wrote.")
+    return os.path.join(path, published[-1])
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _publish(root: str, tmp: str, step: int, meta: dict, keep: int) -> str:
+    """Rank 0: make the written temporary directory a checkpoint, point `latest` at it,
+    then drop checkpoints beyond the newest `keep`."""
+    meta_path = os.path.join(tmp, META)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    name, n = f"step-{step:08d}", 0
+    while os.path.exists(os.path.join(root, name)):  # never replace a checkpoint
+        n += 1
+        name = f"step-{step:08d}-{n}"
+    os.replace(tmp, os.path.join(root, name))
+    _fsync_dir(root)
+    _write_atomic(os.path.join(root, LATEST), name + "\n")
+    published = _published(root)
+    for old in published[:max(0, len(published) - keep)]:
+        if old != name:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return os.path.join(root, name)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _single() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _dcp(call, state: dict, what: str, no_dist: bool = False, tail: str = "",
+         **kwargs) -> None:
+    """dcp.save or dcp.load; one process (no process group, or `no_dist`) says so without
+    DCP's warning that it assumes so. DCP's failure (a BaseException, raised on every
+    rank) becomes a CheckpointError naming the ranks and the first cause."""
+    no_dist = no_dist or _single()
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            call(state, no_dist=no_dist, **kwargs)
+        except CheckpointException as e:
+            ranks = sorted(e.failures)
+            cause = e.failures[ranks[0]][0] if ranks else e
+            raise CheckpointError(f"{what} failed on rank{'s' if len(ranks) > 1 else ''} "
+                                  f"{', '.join(map(str, ranks))} ({type(cause).__name__}: "
+                                  f"{cause}){tail}.") from e
+
+
+def _rank() -> int:
+    return 0 if _single() else dist.get_rank()
+
+
+def _agree(error: str | None) -> None:
+    """Rank 0's outcome on every rank (a barrier that also carries rank 0's error)."""
+    box = [error]
+    if _distributed():
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(f"rank 0 could not prepare or publish the checkpoint ({box[0]}); "
+                              "the last complete one, which `latest` names, is untouched.")
+
+
+# ---------------------------------------------------------------------- save / load
+def save(engine, path, keep: int = 2) -> str:
+    """Write a checkpoint of `engine` under the directory `path` (made if missing) and
+    return the published checkpoint's directory; a collective: every rank calls it."""
+    if keep < 1:
+        raise PlanError(f"keep must be at least 1 checkpoint, not {keep}.")
+    root = os.path.abspath(os.fspath(path))
+    engine._sync_pipeline_params()  # a pipeline rank fetches the weights it released
+    step = int(engine.steps)
+    tmp = os.path.join(root, f"{_TMP_PREFIX}step-{step:08d}")
+    error = None
+    if _rank() == 0:  # leftovers of crashed saves go; nobody writes into them now
+        try:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):
+                if name.startswith(_TMP_PREFIX):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = str(e)
+    _agree(error)
+    state = _save_state(engine)
+    _dcp(dcp.save, state, f"writing the checkpoint of step {step} into {tmp}",
+         tail="; `latest` still names the last complete checkpoint",
+         storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_SavePlanner())
+    published = None
+    if _rank() == 0:
+        try:
+            published = _publish(root, tmp, step, _metadata(engine, state), keep)
+        except OSError as e:
+            error = str(e)
+    _agree(error)
+    return published or resolve(root)
+
+
+def _metadata(engine, state: dict) -> dict:
+    """autopar.json: what a person (and load_full_state_dict) needs beside DCP's files."""
+    groups = []
+    if engine.optimizer is not None:
+        for group in engine.optimizer.param_groups:
+            groups.append({k: list(v) if isinstance(v, tuple) else v
+                           for k, v in group.items() if k != "params"
+                           and isinstance(v, (bool, int, float, str, tuple, type(None)))})
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return {"format": FORMAT, "version": VERSION, "step": int(engine.steps), "world": world,
+            "plan": engine.plan.to_json(), "saved_at": time.time(),
+            "names": {names[0]: list(names) for names in engine._names.values()},
+            "state_keys": list(engine._state_keys), "param_groups": groups,
+            "loss_scaler": _scaler_state(engine)}
+
+
+def _scaler_state(engine) -> dict | None:
+    """fp16's loss scaler (the same on every rank): kept so a resumed run goes on at the
+    scale it reached instead of overflowing its way down from the initial one."""
+    scaler = getattr(engine, "scaler", None)
+    if scaler is None:
+        return None
+    return {"scale": scaler.scale, "good_steps": scaler.good_steps,
+            "skipped_steps": scaler.skipped_steps}
+
+
+def _read(path) -> tuple[str, dict, dict]:
+    ckpt = resolve(path)
+    with open(os.path.join(ckpt, META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise PlanError(f"{ckpt} is not an autopar checkpoint ({META} has format "
+                        f"{meta.get('format')!r}); write it with engine.save.")
+    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    return ckpt, meta, stored
+
+
+def load(engine, path) -> str:
+    """Load weights, optimizer state and step counter into `engine` from the checkpoint
+    `path` names (a directory engine.save wrote into, or one of its step directories),
+    whatever plan and world wrote it; returns the checkpoint's directory. A collective.
+
+    A pipeline builds its optimizer (for the rank's stages, and its ZeRO pieces) at the
+    first train_step; loaded before then, the state of every parameter's slice is held
+    and handed over there (`adopt_held_optimizer`), and a save in between writes it."""
+    ckpt, meta, stored = _read(path)
+    engine._sync_pipeline_params()  # every slice held again, to be overwritten
+    targets = _weight_targets(engine, stored)
+    hold = engine._pp.size > 1 and engine._pipeline is None
+    pairs = [(p, p) for p in engine._unique_params() if p.requires_grad] if hold else \
+        _optimizer_params(engine)
+    fill = _optimizer_targets(engine, stored, targets, pairs)
+    _dcp(dcp.load, targets, f"reading the checkpoint {ckpt}",
+         storage_reader=dcp.FileSystemReader(ckpt), planner=_LoadPlanner())
+    groups = meta.get("param_groups") or []
+    if hold:
+        engine._held_optimizer = ({id(local): (local, _values(state)) for local, state in fill},
+                                  groups)
+    else:
+        engine._held_optimizer = None
+        _restore(engine.optimizer,
+                 [(q, _values(state)) for (q, _), (_, state) in zip(pairs, fill)], groups)
+    engine.steps = int(meta["step"])
+    scaler, saved = getattr(engine, "scaler", None), meta.get("loss_scaler")
+    if scaler is not None and saved is not None:  # (a bf16/fp32 checkpoint has none)
+        scaler.scale = float(saved["scale"])
+        scaler.good_steps = int(saved["good_steps"])
+        scaler.skipped_steps = int(saved["skipped_steps"])
+    return ckpt
+
+
+def adopt_held_optimizer(engine) -> None:
+    """Give the optimizer a pipeline rank has just built the state `load` held: each
+    parameter's slice state, cut to this rank's ZeRO piece where ZeRO shards it."""
+    held, engine._held_optimizer = engine._held_optimizer, None
+    if held is None or engine.optimizer is None:
+        return
+    states, groups = held
+    pieces = _pieces(engine)
+    fill = []
+    for q, local in _optimizer_params(engine):
+        _, state = states.get(id(local), (None, {}))
+        if id(local) in pieces and pieces[id(local)][0] is q:
+            start = pieces[id(local)][1]
+            state = {k: v.reshape(-1)[start:start + q.numel()].clone()
+                     if isinstance(v, torch.Tensor) and v.shape == local.shape else v
+                     for k, v in state.items()}
+        fill.append((q, state))
+    _restore(engine.optimizer, fill, groups)
+
+
+def _restore(optimizer, fill: list, groups: list) -> None:
+    """Put loaded state in place: `fill` is (optimizer parameter, {key: value}); the
+    saved hyperparameters (lr, betas, ...; a scheduler may have moved them) too."""
+    if optimizer is None:
+        return
+    for q, state in fill:
+        optimizer.state.pop(q, None)
+        if state:
+            optimizer.state[q] = dict(state)
+    if len(groups) == len(optimizer.param_groups):
+        for group, values in zip(optimizer.param_groups, groups):
+            for k, v in values.items():
+                if k in group:
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _weight_targets(engine, stored: dict) -> dict[str, _Region]:
+    """fqn -> the region of this rank's tensor each weight is read into; refuses a
+    checkpoint whose weights' names or shapes differ from the model's."""
+    targets: dict[str, _Region] = {}
+    pieces = _pieces(engine)
+    wanted = set()
+    for key, local in engine._local.items():
+        names = engine._names[key]
+        fqn = next((WEIGHT + n for n in names if WEIGHT + n in stored), None)
+        if fqn is None:
+            raise PlanError(f"the checkpoint has no weight {names[0]}, which the model has; "
+                            "load a checkpoint of this model.")
+        wanted.add(fqn)
+        runs, shape = _geometry(engine, local)
+        _check_shape(fqn[len(WEIGHT):], stored[fqn], shape)
+        whole = tuple(local.shape) == _local_shape(engine, local) and _holds_whole(local)
+        region = _slice_region(local.data, runs, shape) if whole else _Region(shape, [])
+        if id(local) in pieces:
+            piece, start = pieces[id(local)]
+            if not _aliases(piece, local):  # pieces of their own (ZeRO-3): filled too
+                extra = _piece_region(piece.data, start, _local_shape(engine, local), runs,
+                                      shape)
+                region = _Region(shape, region.boxes + extra.boxes)
+        targets[fqn] = region
+    for name, value in engine._untraced_state.items():
+        fqn = WEIGHT + name
+        if fqn not in stored:
+            raise PlanError(f"the checkpoint has no weight {name}, which the model has; "
+                            "load a checkpoint of this model.")
+        wanted.add(fqn)
+        _check_shape(name, stored[fqn], tuple(value.shape))
+        targets[fqn] = _slice_region(value, [[(0, n)] for n in value.shape],
+                                     tuple(value.shape))
+    extra = sorted(k for k in stored if k.startswith(WEIGHT) and k not in wanted)
+    if extra:
+        raise PlanError(f"the checkpoint holds {extra[0][len(WEIGHT):]}, which the model does "
+                        "not have; load a checkpoint of this model.")
+    return targets
+
+
+def _check_shape(what: str, md, shape) -> None:
+    if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(shape):
+        got = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "not a tensor"
+        raise PlanError(f"the checkpoint's {what} has shape {got} but the model's has "
+                        f"{tuple(shape)}; load a checkpoint of this model.")
+
+
+def _holds_whole(t: torch.Tensor) -> bool:
+    """Whether a local parameter's storage holds its values (ZeRO-3 frees it)."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _aliases(piece: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether a ZeRO piece is a view of its whole parameter (stages 1 and 2)."""
+    return piece.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+
+
+def _optimizer_targets(engine, stored: dict, targets: dict, pairs: list) -> list:
+    """Add to `targets` the regions the optimizer state of each (optimizer parameter,
+    local parameter) pair is read into: new tensors shaped like the optimizer parameter
+    (a slice, or a ZeRO piece), sliced from the whole states as the weights are. Returns
+    (local parameter, {key: (kind, tensor)}) per pair, filled once DCP has read."""
+    by_name: dict[str, list] = {}
+    for fqn in stored:
+        for kind in (STATE, SCALAR, VALUE):
+            if fqn.startswith(kind):
+                name, key = fqn[len(kind):].split("/", 1)
+                by_name.setdefault(name, []).append((kind, key, fqn))
+    pieces = _pieces(engine)
+    fill = []
+    for q, local in pairs:
+        names = engine._names[engine._key_of[id(local)]]
+        state = {}
+        for kind, key, fqn in next((by_name[n] for n in names if n in by_name), []):
+            md = stored[fqn]
+            if kind == STATE:
+                _check_shape(f"{names[0]} state {key!r}", md, _geometry(engine, local)[1])
+                t = torch.empty(q.shape, dtype=md.properties.dtype, device=q.device)
+                targets[fqn] = _state_region(engine, q, local, t, pieces)
+            else:
+                t = torch.empty((), dtype=md.properties.dtype)
+                targets[fqn] = _Region((), [((), t)])
+            state[key] = (kind, t)
+        fill.append((local, state))
+    return fill
+
+
+def _values(state: dict) -> dict:
+    """A state read by DCP as the optimizer holds it: Python numbers back from 0-dim."""
+    return {k: t.item() if kind == VALUE else t for k, (kind, t) in state.items()}
+
+
+def load_full_state_dict(path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint as the original model's state_dict (every name of a tied
+    weight, in the model's order), read in this one process: no process group needed."""
+    ckpt, meta, stored = _read(path)
+    whole = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for fqn, md in stored.items() if fqn.startswith(WEIGHT)}
+    _dcp(dcp.load, whole, f"reading the checkpoint {ckpt}", no_dist=True,
+         storage_reader=dcp.FileSystemReader(ckpt))
+    out = {}
+    for fqn, value in whole.items():
+        name = fqn[len(WEIGHT):]
+        for alias in meta.get("names", {}).get(name, [name]):
+            out[alias] = value
+    order = [k for k in meta.get("state_keys", []) if k in out]
+    return {k: out[k] for k in order + sorted(set(out) - set(order))}
+
+
+def load_full_optimizer_state(path) -> dict[str, dict]:
+    """The optimizer state of a checkpoint as whole tensors, per parameter name (the first
+    of a tied weight's names) and state key, read in this one process: what one device's
+    optimizer would hold for the whole model, to inspect or compare."""
+    ckpt, _, stored = _read(path)
+    whole = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for fqn, md in stored.items() if fqn.startswith((STATE, SCALAR, VALUE))}
+    _dcp(dcp.load, whole, f"reading the checkpoint {ckpt}", no_dist=True,
+         storage_reader=dcp.FileSystemReader(ckpt))
+    out: dict[str, dict] = {}
+    for fqn, value in sorted(whole.items()):
+        kind = next(k for k in (STATE, SCALAR, VALUE) if fqn.startswith(k))
+        name, key = fqn[len(kind):].split("/", 1)
+        out.setdefault(name, {})[key] = value.item() if kind == VALUE else value
+    return out

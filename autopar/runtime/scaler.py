@@ -1,0 +1,62 @@
+"""Dynamic loss scaling for fp16 training (Micikevicius et al. 2018, "Mixed Precision
+Training", §3.2): multiply the loss by a scale before the backward so that small gradients
+survive fp16's narrow range, divide the gradients by it before they are used, and adapt
+the scale to the largest value that does not overflow.
+
+fp16 keeps 5 exponent bits: values below about 6e-8 flush to zero and values above 65504
+overflow to inf. Gradients of a language model are mostly far below 1, so unscaled many
+of them would vanish in the 16-bit backward. The scale starts high (2**16); a step whose
+gradients hold an inf or a nan anywhere in the world is skipped (no optimizer step, the
+gradients dropped) and the scale halved; after `growth_interval` steps in a row without
+overflow it is doubled, to find the largest safe scale again as gradients shrink.
+
+The scaler itself does no communication: `unscale_` takes the function that sums a
+tensor over every rank (the engine's), because a rank holds only its shards (tensor-
+parallel slices, ZeRO pieces, pipeline stages) and all ranks must skip the same steps.
+Scales are powers of two, so scaling and unscaling are exact in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LossScaler:
+    """The current loss scale and its update rule; see the module docstring."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1 or \
+                growth_interval < 1:
+            raise ValueError("LossScaler needs init_scale > 0, growth_factor > 1, "
+                             "0 < backoff_factor < 1 and growth_interval >= 1.")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.good_steps = 0  # steps without overflow since the scale last changed
+        self.skipped_steps = 0  # steps skipped for an overflow, in all
+
+    def unscale_(self, grads: list[torch.Tensor], sum_over_world) -> bool:
+        """Divide `grads` (this rank's, in place) by the scale; True when any rank's holds
+        an inf or a nan. `sum_over_world(t)` sums a tensor over every rank in place: one
+        all-reduce of a one-element flag, so every rank decides alike."""
+        inv = 1.0 / self.scale
+        device = grads[0].device if grads else torch.device("cpu")
+        bad = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:
+            g.mul_(inv)
+            bad += (~torch.isfinite(g)).any()  # no host sync per gradient
+        return bool(sum_over_world(bad)[0] > 0)
+
+    def update(self, overflow: bool) -> None:
+        """After a step: halve the scale on overflow, double it after `growth_interval` good
+        steps in a row."""
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0

@@ -1,0 +1,448 @@
+"""ZeRO stage 3 over the data-parallel axis: parameters, gradients and optimizer state all
+kept as 1/dp pieces, whole parameters gathered layer by layer just before use.
+
+Rajbhandari et al. 2019 (ZeRO, §5.3 "P_os+g+p"): each rank stores piece r of every
+parameter. Before a layer runs, its parameters are all-gathered; after its last use they
+are dropped. The backward gathers them again where an op needs them, and reduce-scatters
+the layer's gradients into the pieces. Per step that is 1.5x a data-parallel all-reduce
+(two all-gathers and one reduce-scatter of the parameters' bytes, §7.2.1).
+
+Why graph-level and not FSDP2. The engine runs rewritten fx graphs whose parameters are
+the tensor-parallel slices the plan chose, read by get_attr nodes; there are no
+submodules left to wrap with `fully_shard`, and FSDP2 would shard the slices with DTensor
+on a mesh the tensor, sequence and 2D/2.5D/3D kernels do not know. Here the rewrite is one
+pass over the graph the planner already reasons about: each layer (the planner's unit, the
+node meta's `layer`) gets one gather node in front of its first use, so the gather is as
+wide as one layer, as FSDP2's per-module group is, and composes with every tensor mode
+unchanged because it only sees local slices. benchmarks/bench_peers.py measures it
+beside FSDP2 on the same model and world.
+
+Memory. A gathered layer lives in one flat buffer; the graph's code frees its values
+after their last use, and autograd would keep whatever an op saves for its backward
+(a matmul keeps its weight). A saved-tensor hook replaces any saved tensor that lies in a
+gathered buffer by (layer, size, stride, offset) and, in the backward, re-gathers the
+layer the first time one of its saved tensors is needed; the layer's gather node's own
+backward runs after every use of its outputs, and drops that buffer after reduce-
+scattering the gradients. So at any time a rank holds its pieces plus the layers being
+computed (and the one prefetched). The forward's last layer is the backward's first, so
+its buffer is kept for it rather than dropped and gathered again (FSDP2 treats its root
+the same way).
+
+Prefetch. Each gather is issued asynchronously one layer ahead: the forward, when it
+waits for layer i, starts layer i+1's all-gather; the backward, when it re-gathers a
+layer, starts the next one in the order the backward needed them at the first step.
+Which layers the backward needs again is a property of the ops (an embedding's backward
+needs only the indices): the first step records it, and `backward_gathers` reports it.
+Each layer's reduce-scatter is issued asynchronously too, and the pieces' gradients land
+when the backward ends (under a pipeline it runs inside the backward, whose zero-bubble
+weight pass takes the gradients from autograd).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
+
+
+class _Unit:
+    """One layer's parameters: which of the engine's parameters, where in its buffer."""
+
+    def __init__(self, layer: str, members: list[int], numels: list[int], chunks: list[int]):
+        self.layer, self.members = layer, members
+        self.offsets, off = [], 0  # where each member lies in the whole (gathered) buffer
+        for i in members:
+            self.offsets.append(off)
+            off += numels[i]
+        self.numel = off
+        self.chunk = sum(chunks[i] for i in members)  # one rank's piece of the unit
+
+
+class ZeroThree:
+    """The pieces, the layer units, the gathers and the gradient reduce-scatters."""
+
+    stage = 3
+
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
+                 offload: bool = False, compute_dtype: torch.dtype | None = None):
+        self.params = [p for p in params if p.requires_grad]
+        self.dp = dp
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.chunks = [-(-n // dp.size) for n in self.numels]
+        self.total = sum(self.chunks)
+        r = dp.rank
+        self.lengths = [max(0, min(k, n - r * k)) for n, k in zip(self.numels, self.chunks)]
+        # this rank's pieces own their storage; the whole local parameters are emptied
+        self.offload = offload  # pieces, optimizer and its step on the host
+        own = host_copy if offload else torch.clone
+        self.shards = [nn.Parameter(own(p.detach().reshape(-1)[r * k:r * k + length]))
+                       for p, k, length in zip(self.params, self.chunks, self.lengths)]
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        # mixed precision: layers are gathered in the compute dtype (half the bytes; the
+        # graph's cast of a gathered parameter is then the same tensor, which the saved-
+        # tensor hook recognises), gradients reduce-scattered in the masters' dtype
+        self.gather_dtype = compute_dtype or self.dtype
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.optimizer = factory(self.shards) if factory is not None else None
+        self.units: list[_Unit] = []
+        self._unit_of_layer: dict[str, int] = {}
+        self._pending: dict[int, tuple] = {}  # unit -> (work, output, phase) in flight
+        self._live: dict[int, tuple] = {}  # storage address -> (unit, weakref to buffer)
+        self._cache: dict[int, torch.Tensor] = {}  # unit -> buffer re-gathered for backward
+        self._backward_order: list[int] | None = None  # learnt in the first step
+        self._grad_next = False  # whether the gather running now will have a backward
+        self._saving = 0  # inside `saving` (a training forward)
+        # reduce-scatter asynchronously, landing the pieces' gradients at `end_backward`;
+        # not under a pipeline, whose zero-bubble weight pass wants them from autograd
+        self.overlap = True
+        self._reducing: list[tuple] = []
+        self._seen_backward: list[int] = []
+
+    # ------------------------------------------------------------------ graph rewrite
+    def index_of(self, param) -> int | None:
+        return self._index.get(id(param))
+
+    def _unit(self, layer: str, members: list[int]) -> int:
+        key = f"{layer}|{','.join(map(str, members))}"
+        if key not in self._unit_of_layer:
+            self._unit_of_layer[key] = len(self.units)
+            self.units.append(_Unit(layer, members, self.numels, self.chunks))
+        return self._unit_of_layer[key]
+
+    def rewrite(self, gm: fx.GraphModule) -> list[int]:
+        """Replace every read of a sharded parameter by the output of its layer's gather
+        node (one per layer, placed before the layer's first read), and drop the whole
+        parameters from the graph module. Returns the units gathered, in graph order."""
+        graph = gm.graph
+        reads: dict[fx.Node, int] = {}
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                i = self.index_of(operator.attrgetter(node.target)(gm))
+                if i is not None:
+                    reads[node] = i
+        if not reads:
+            return []
+        # the layers reading sharded parameters, in graph order, with what each reads
+        uses: dict[str, dict[int, list[fx.Node]]] = {}
+        first: dict[str, fx.Node] = {}
+        for node in graph.nodes:
+            for arg in node.all_input_nodes:
+                if arg in reads:
+                    layer = _layer(node)
+                    uses.setdefault(layer, {}).setdefault(reads[arg], []).append(node)
+                    first.setdefault(layer, node)
+        order = [self._unit(layer, sorted(per_param)) for layer, per_param in uses.items()]
+        for k, (layer, per_param) in enumerate(uses.items()):
+            members, u = sorted(per_param), order[k]
+            name = f"zero3_gather_{u}"
+            if not hasattr(gm, name):  # prefetches the graph's next layer when it runs
+                gm.add_submodule(name, _GatherLayer(
+                    self, u, order[k + 1] if k + 1 < len(order) else None))
+            with graph.inserting_before(first[layer]):
+                gathered = graph.call_module(name, ())
+                _copy_layer_meta(gathered, first[layer])
+                outs = {}
+                for j, i in enumerate(members):
+                    outs[i] = graph.call_function(operator.getitem, (gathered, j))
+                    _copy_layer_meta(outs[i], first[layer])
+            for i, users in per_param.items():
+                for user in users:
+                    for arg in list(user.all_input_nodes):
+                        if reads.get(arg) == i:
+                            user.replace_input_with(arg, outs[i])
+                    if _casts_to(user, self.gather_dtype):  # gathered in that dtype already
+                        user.replace_all_uses_with(outs[i])
+                        graph.erase_node(user)
+        for node in reads:
+            if not node.users:
+                target = node.target
+                graph.erase_node(node)
+                module, _, attr = target.rpartition(".")
+                owner = gm.get_submodule(module)
+                if hasattr(owner, attr):
+                    delattr(owner, attr)
+        graph.lint()
+        gm.recompile()
+        return order
+
+    # ------------------------------------------------------------------ gathers
+    def _start(self, u: int, phase: str) -> None:
+        """Issue unit u's all-gather (asynchronously when dp > 1)."""
+        if u in self._pending:
+            return
+        unit = self.units[u]
+        send = torch.zeros(unit.chunk, dtype=self.gather_dtype, device=self.device)
+        off = 0
+        for i in unit.members:
+            send[off:off + self.lengths[i]] = self.shards[i].detach()
+            off += self.chunks[i]
+        self.dp.log.add("all_gather", self.dp.axis, unit.chunk * send.element_size()
+                        * self.dp.size, phase)
+        out = torch.empty(self.dp.size * unit.chunk, dtype=self.gather_dtype,
+                          device=self.device)
+        work = None
+        if self.dp.size > 1:
+            work = dist.all_gather_single(out, send, group=self.dp.group, async_op=True)
+        else:
+            out.copy_(send)
+        self._pending[u] = (work, out)
+
+    def _finish(self, u: int, phase: str) -> torch.Tensor:
+        """Unit u's whole parameters, one after the other in one flat buffer."""
+        self._start(u, phase)
+        work, out = self._pending.pop(u)
+        if work is not None:
+            work.wait()
+        unit = self.units[u]
+        pieces = out.view(self.dp.size, unit.chunk)
+        whole = torch.empty(unit.numel, dtype=self.gather_dtype, device=self.device)
+        col = 0
+        for i, off in zip(unit.members, unit.offsets):
+            k, n = self.chunks[i], self.numels[i]
+            whole[off:off + n] = pieces[:, col:col + k].reshape(-1)[:n]
+            col += k
+        return whole
+
+    def _views(self, u: int, whole: torch.Tensor) -> tuple:
+        unit = self.units[u]
+        return tuple(whole[off:off + self.numels[i]].view(self.shapes[i])
+                     for i, off in zip(unit.members, unit.offsets))
+
+    def gather_forward(self, u: int, after: int | None) -> torch.Tensor:
+        whole = self._finish(u, "forward")
+        if after is not None:  # prefetch the graph's next layer
+            self._start(after, "forward")
+        elif self._grad_next and self._saving:
+            # the graph's last layer is the backward's first: kept, not gathered again
+            self._cache[u] = whole
+        return whole
+
+    def track(self, u: int, whole: torch.Tensor) -> None:
+        """Remember that `whole`'s storage is unit u's, while it lives (for `saving`)."""
+        ptr = whole.untyped_storage().data_ptr()
+        self._live[ptr] = (u, weakref.ref(whole, lambda _, p=ptr: self._live.pop(p, None)))
+
+    def gather_backward(self, u: int) -> torch.Tensor:
+        if u not in self._cache:
+            self._cache[u] = self._finish(u, "backward")
+            self._seen_backward.append(u)
+            # prefetch the gather that came next at the first step (a pipeline's backward
+            # gathers a layer once per micro-batch: the order is a sequence, not a set)
+            order, k = self._backward_order, len(self._seen_backward)
+            if order is not None and k < len(order) and order[k] not in self._cache:
+                self._start(order[k], "backward")
+        return self._cache[u]
+
+    def reduce(self, u: int, grads: tuple) -> list[torch.Tensor | None]:
+        """The mean over dp of this rank's piece of each of unit u's gradients (one
+        reduce-scatter); drops the unit's re-gathered buffer, whose uses are all done."""
+        self._cache.pop(u, None)
+        unit = self.units[u]
+        buf = torch.zeros(self.dp.size, unit.chunk, dtype=self.dtype, device=self.device)
+        col = 0
+        for i, g in zip(unit.members, grads):
+            if g is not None:
+                write_padded(buf[:, col:col + self.chunks[i]], g)
+            col += self.chunks[i]
+        which = [g is not None for g in grads]
+        if self.overlap and self.dp.size > 1:  # sent while the backward goes on
+            self.dp.log.add("reduce_scatter", self.dp.axis, buf.numel() * buf.element_size(),
+                            "backward")
+            mine = torch.empty(unit.chunk, dtype=self.dtype, device=self.device)
+            work = dist.reduce_scatter_single(mine, buf.reshape(-1), group=self.dp.group,
+                                              async_op=True)
+            self._reducing.append((u, which, work, mine))
+            return [None] * len(grads)
+        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
+        return self._pieces(u, which, mine)
+
+    def _pieces(self, u: int, which: list[bool], mine: torch.Tensor) -> list:
+        """Unit u's reduce-scattered sums, as each member's piece of the mean over dp."""
+        mine = mine / self.dp.size
+        out, col = [], 0
+        for i, present in zip(self.units[u].members, which):
+            piece = mine[col:col + self.lengths[i]]
+            out.append(None if not present else host_copy(piece) if self.offload
+                       else piece.clone())
+            col += self.chunks[i]
+        return out
+
+    def _land_reduced(self) -> None:
+        """The overlapped reduce-scatters: wait for each, add its pieces to the gradients."""
+        for u, which, work, mine in self._reducing:
+            work.wait()
+            for i, piece in zip(self.units[u].members, self._pieces(u, which, mine)):
+                if piece is not None:
+                    shard = self.shards[i]
+                    shard.grad = piece if shard.grad is None else shard.grad + piece
+        self._reducing.clear()
+
+    # ------------------------------------------------------------------ saved tensors
+    @contextmanager
+    def saving(self):
+        """Run a forward whose saved tensors that lie in gathered buffers are kept as
+        references and re-gathered in the backward."""
+        # hooks already installed (a memory measurement, a user's offloading) still see
+        # every other saved tensor: only the innermost pair runs, so this one calls them
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t: torch.Tensor):
+            entry = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" \
+                else None
+            if entry is None or entry[1]() is None:
+                return t if outer_pack is None else _Outer(outer_pack(t))
+            return _Saved(entry[0], t.shape, t.stride(), t.storage_offset(), t.requires_grad)
+
+        def unpack(x):
+            if isinstance(x, _Outer):
+                return outer_unpack(x.packed)
+            if not isinstance(x, _Saved):
+                return x
+            whole = self.gather_backward(x.unit)
+            return whole.as_strided(x.size, x.stride, x.offset)
+
+        self._saving += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._saving -= 1
+
+    def end_backward(self) -> None:
+        """After the step's backward (every micro-batch's, under a pipeline): learn its
+        gather order once, drop anything left over."""
+        self._land_reduced()
+        if self._backward_order is None:
+            self._backward_order = list(self._seen_backward)
+        self._seen_backward = []
+        self._cache.clear()
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for and drop gathers nobody used (none once the backward order is learnt):
+        the pieces change at the step, so a gather never outlives the pass it began in."""
+        for u in list(self._pending):
+            work, _ = self._pending.pop(u)
+            if work is not None:
+                work.wait()
+        self._cache.clear()  # (an inference forward's last layer)
+
+    @property
+    def backward_gathers(self) -> list[int] | None:
+        """The units the backward gathers again, in its order (known after one step)."""
+        return self._backward_order
+
+    # ------------------------------------------------------------------ engine interface
+    def padded_bytes(self) -> int:
+        return self.dp.size * self.total * self.params[0].element_size() if self.params else 0
+
+    def unit_bytes(self, u: int) -> int:
+        """Bytes of unit u's gradient reduce-scatter (the masters' dtype)."""
+        return self.dp.size * self.units[u].chunk * self.params[0].element_size()
+
+    def gather_bytes(self, u: int) -> int:
+        """Bytes of one all-gather of unit u (the compute dtype)."""
+        return self.dp.size * self.units[u].chunk * \
+            torch.empty((), dtype=self.gather_dtype).element_size()
+
+    def reduce_gradients(self) -> None:
+        """Stage 3 reduce-scatters each layer's gradients in its backward."""
+
+    def after_pipeline(self, microbatches: int, tied) -> None:
+        """Under a pipeline: the pieces hold the sum of the micro-batches' gradients."""
+        pieces_after_pipeline(self, microbatches, tied)
+
+    def gather_parameters(self) -> None:
+        """The pieces are the parameters: the optimizer updated them in place."""
+        for shard in self.shards:
+            shard.grad = None
+
+    def whole(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's whole local (tensor-parallel) value of a sharded parameter."""
+        i = self._index[id(param)]
+        piece = torch.zeros(self.chunks[i], dtype=self.dtype, device=self.device)
+        piece[:self.lengths[i]] = self.shards[i].detach()
+        full = self.dp.all_gather(piece, 0, 1, "state")  # (piece up from the host: offload)
+        return full[:self.numels[i]].view(self.shapes[i]).clone()
+
+
+class _Saved:
+    __slots__ = ("unit", "size", "stride", "offset", "requires_grad")
+
+    def __init__(self, unit, size, stride, offset, requires_grad):
+        self.unit, self.size, self.stride, self.offset = unit, size, stride, offset
+        self.requires_grad = requires_grad
+
+
+class _Outer:
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, zero: ZeroThree, u: int, after, *shards):
+        ctx.zero, ctx.u = zero, u
+        whole = zero.gather_forward(u, after)
+        return zero._views(u, whole)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, *ctx.zero.reduce(ctx.u, grads))
+
+
+class _GatherLayer(nn.Module):
+    """A graph node: one layer's whole parameters, gathered from every rank's pieces."""
+
+    def __init__(self, zero: ZeroThree, unit: int, after: int | None):
+        super().__init__()
+        self._zero, self.unit, self.after = [zero], unit, after  # a list: no submodule
+        # the pieces are this node's parameters: what reads a graph's parameters (torch's
+        # zero-bubble weight-gradient pass) finds them
+        for j, i in enumerate(zero.units[unit].members):
+            self.register_parameter(f"piece{j}", zero.shards[i])
+
+    def extra_repr(self) -> str:
+        unit = self._zero[0].units[self.unit]
+        return f"layer={unit.layer!r}, params={len(unit.members)}"
+
+    def forward(self):
+        zero = self._zero[0]
+        shards = [zero.shards[i] for i in zero.units[self.unit].members]
+        zero._grad_next = torch.is_grad_enabled()
+        views = _Gather.apply(zero, self.unit, self.after, *shards)
+        if torch.is_grad_enabled():  # (inside the Function's forward it never is)
+            zero.track(self.unit, views[0]._base if views[0]._base is not None else views[0])
+        return views
+
+
+def _casts_to(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Whether `node` is mixed precision's cast of a parameter to `dtype`
+    (autopar.passes.precision), which a gather in that dtype makes redundant."""
+    return node.op == "call_function" and \
+        node.target is torch.ops.aten._to_copy.default and \
+        node.meta.get("autopar_precision") == "compute" and node.kwargs.get("dtype") == dtype
+
+
+def _layer(node: fx.Node) -> str:
+    meta = node.meta.get("autopar")
+    return getattr(meta, "layer", None) or "<graph>"
+
+
+def _copy_layer_meta(new: fx.Node, like: fx.Node) -> None:
+    if "autopar" in like.meta:
+        new.meta["autopar"] = like.meta["autopar"]

@@ -1,0 +1,167 @@
+"""Checkpoint save and load at world 4: time, bytes written, and exactness of a reshard.
+
+    python benchmarks/bench_checkpoint.py [--model gpt:layers=4,hidden=256,...] [--batch 8]
+                                          [--plans "data 4" "tensor 4" ...]
+
+Spawns a gloo world of 4 local processes. For each plan, an engine trains one AdamW step
+(so the optimizer has state) and saves (`Engine.save`: each rank writes the boxes of the
+whole tensors it holds; replicas are written once); the save is timed on every rank
+between barriers and the slowest rank reported, and the bytes are those of the published
+directory's files. A fresh engine (other initial weights) under the same plan loads it,
+timed the same way; then one under the next plan of the list loads it (a reshard: other
+slices, other ZeRO pieces) and saves it again at once, and the whole weights and whole
+optimizer states of the two checkpoints are compared element by element (the largest
+absolute difference: 0 when the reshard is exact). Beside them, the gathered baseline:
+`full_state_dict()` (whole weights on every rank, the optimizer state not included) and
+`torch.save` of it on rank 0. Prints a table and writes benchmarks/results/checkpoint.json.
+"""
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from gloo_world import results_path, run_world  # noqa: E402
+
+MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=64"
+PLANS = {"data 4": {"data": 4},
+         "tensor 4": {"tensor": {"size": 4, "mode": "1d"}},
+         "2d 2x2": {"tensor": {"size": 4, "mode": "2d"}},
+         "data 2 x tensor 2 zero 1": {"data": 2, "tensor": {"size": 2, "mode": "1d"},
+                                      "zero": {"stage": 1}},
+         "data 4 zero 2": {"data": 4, "zero": {"stage": 2}}}
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def engine_for(spec: str, plan: dict, batch: int, seed: int):
+    import autopar
+    from autopar.models import build
+
+    model, (x,) = build(spec, batch=batch, device="cpu", seed=seed)
+    return autopar.parallelize(model, dist.get_world_size(), example_inputs=(x[:2],),
+                               loss_fn=lm_loss, plan=plan,
+                               optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+
+
+def timed(fn):
+    """fn() between barriers; the slowest rank's seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn()
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return out, float(took)
+
+
+def dir_bytes(path: str) -> tuple[int, int]:
+    files = [os.path.join(path, f) for f in os.listdir(path)]
+    return sum(os.path.getsize(f) for f in files), len(files)
+
+
+def max_difference(a: str, b: str) -> tuple[float, float]:
+    """Largest absolute difference of the whole weights, and of the whole optimizer
+    states, of two checkpoints (inf when their keys differ)."""
+    from autopar.runtime.checkpoint import load_full_optimizer_state, load_full_state_dict
+
+    wa, wb = load_full_state_dict(a), load_full_state_dict(b)
+    sa, sb = load_full_optimizer_state(a), load_full_optimizer_state(b)
+    if list(wa) != list(wb) or set(sa) != set(sb):
+        return float("inf"), float("inf")
+    weights = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    states = 0.0
+    for name in sa:
+        if set(sa[name]) != set(sb[name]):
+            return weights, float("inf")
+        for key, v in sa[name].items():
+            w = sb[name][key]
+            states = max(states, float((torch.as_tensor(v) - torch.as_tensor(w)).abs().max()))
+    return weights, states
+
+
+def worker(rank, spec, batch, plan_names, scratch, out_path):
+    warnings.filterwarnings("ignore")
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for i, name in enumerate(plan_names):
+        nxt = plan_names[(i + 1) % len(plan_names)]
+        root = os.path.join(scratch, name.replace(" ", "_"))
+        engine = engine_for(spec, PLANS[name], batch, seed=0)
+        x = torch.randint(0, 1024, (batch, 64), generator=gen)
+        engine.train_step(x, x.roll(-1, 1))
+        published, save_s = timed(lambda: engine.save(root))
+        whole, gather_s = timed(engine.full_state_dict)
+        baseline = os.path.join(scratch, "whole.pt")
+        t0 = time.perf_counter()
+        if rank == 0:
+            torch.save(whole, baseline)
+        torch_save_s = time.perf_counter() - t0
+        fresh = engine_for(spec, PLANS[name], batch, seed=1)
+        _, load_s = timed(lambda: fresh.load(root))
+        other = engine_for(spec, PLANS[nxt], batch, seed=1)
+        _, reshard_s = timed(lambda: other.load(root))
+        resaved = other.save(root + "_resaved")
+        row = None
+        if rank == 0:
+            nbytes, files = dir_bytes(published)
+            weights, states = max_difference(published, resaved)
+            row = {"plan": name, "reshard_to": nxt, "save_s": save_s, "load_s": load_s,
+                   "reshard_load_s": reshard_s, "bytes": nbytes, "files": files,
+                   "gather_s": gather_s, "torch_save_s": torch_save_s,
+                   "whole_weights_bytes": os.path.getsize(baseline),
+                   "max_abs_diff_weights": weights, "max_abs_diff_optimizer": states}
+            rows.append(row)
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root + "_resaved", ignore_errors=True)
+        dist.barrier()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"world": 4, "model": spec, "batch": batch, "device": "cpu (gloo)",
+                       "rows": rows}, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    args = parser.parse_args()
+    out_path = results_path("checkpoint.json")
+    with tempfile.TemporaryDirectory(prefix="autopar-bench-ckpt-") as scratch:
+        run_world(worker, (args.model, args.batch, args.plans, scratch, out_path), 4)
+    with open(out_path) as f:
+        result = json.load(f)
+    print(f"{args.model}, world 4 (gloo, CPU), AdamW after one step; times are the slowest "
+          "rank's")
+    header = (f"{'plan':<26} {'save s':>7} {'load s':>7} {'MiB':>7} {'files':>5}  "
+              f"{'reshard load into':<26} {'s':>6} {'max|dw|':>8} {'max|dopt|':>9}  "
+              f"{'gather+torch.save s':>19}")
+    print(header)
+    print("-" * len(header))
+    for r in result["rows"]:
+        print(f"{r['plan']:<26} {r['save_s']:>7.3f} {r['load_s']:>7.3f} "
+              f"{r['bytes'] / 2**20:>7.2f} {r['files']:>5}  {r['reshard_to']:<26} "
+              f"{r['reshard_load_s']:>6.3f} {r['max_abs_diff_weights']:>8.1e} "
+              f"{r['max_abs_diff_optimizer']:>9.1e}  "
+              f"{r['gather_s'] + r['torch_save_s']:>19.3f}")
+    print("MiB: the published checkpoint (weights and AdamW state, each element once); "
+          "gather+torch.save: full_state_dict on every rank, then rank 0 writes the whole "
+          "weights (no optimizer state)")
+    print(f"written to {os.path.relpath(out_path, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Train a tiny GPT under torchrun, checkpointing every few steps, and survive a killed rank.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
+        tests/kill_train.py --out DIR [--steps 8] [--every 2] [--kill-at 6]
+
+Plan: 1D tensor parallelism over the 2 ranks. On the first attempt
+(TORCHELASTIC_RESTART_COUNT 0) rank 1 sends itself SIGKILL in the middle of step
+`--kill-at` (after that step's backward, just before its optimizer step), as a machine
+that dies would: no clean-up, no exception. torchrun sees the dead worker, stops the other
+one (blocked in a collective) and starts both again; the script then loads the latest
+checkpoint under DIR/ckpt and trains on to `--steps`. At the end rank 0 writes the final
+whole weights to DIR/final.pt and DIR/report.json (the attempt that finished, the step it
+resumed from). `reference(steps)` is the same training, uninterrupted, on one device:
+tests/test_checkpoint.py compares the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import autopar  # noqa: E402
+from autopar.models import build  # noqa: E402
+
+SPEC = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
+BATCH = 8
+OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def batch(step: int):
+    """The global batch of step `step` (0-based): the same in every attempt."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    return (torch.randint(0, 64, (BATCH, 16), generator=gen),
+            torch.randint(0, 64, (BATCH, 16), generator=gen))
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """The final state_dict of the same training on one device, never interrupted."""
+    model, _ = build(SPEC, batch=BATCH, device="cpu", seed=0)
+    opt = OPTIMIZER(model.parameters())
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--kill-at", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # parallelize joins torchrun's group (each restart under its own store prefix)
+    model, (x,) = build(SPEC, batch=BATCH, device="cpu", seed=0)
+    engine = autopar.parallelize(model, world, example_inputs=(x[:2],), loss_fn=lm_loss,
+                                 optimizer=OPTIMIZER,
+                                 plan={"tensor": {"size": world, "mode": "1d"}})
+    ckpt = os.path.join(args.out, "ckpt")
+    resumed = None
+    if os.path.exists(os.path.join(ckpt, "latest")):
+        engine.load(ckpt)
+        resumed = engine.steps
+    if attempt == 0 and rank == 1:
+        def die(optimizer, *_):
+            if engine.steps + 1 == args.kill_at:  # inside step kill_at, before its update
+                os.kill(os.getpid(), signal.SIGKILL)
+        engine.optimizer.register_step_pre_hook(die)
+    while engine.steps < args.steps:
+        engine.train_step(*batch(engine.steps))
+        if engine.steps % args.every == 0:
+            engine.save(ckpt)
+    final = engine.full_state_dict()
+    if rank == 0:
+        torch.save(final, os.path.join(args.out, "final.pt"))
+        with open(os.path.join(args.out, "report.json"), "w") as f:
+            json.dump({"attempt": attempt, "resumed_from": resumed, "steps": engine.steps}, f)
+
+
+if __name__ == "__main__":
+    main()
