@@ -176,10 +176,12 @@ class Plan:
             if self.sequence_parallel_layers():
                 out.append("sequence parallelism over a cp axis together with Megatron sequence "
                            "parallelism (sequence_parallel)")
-        if self.zero.offload and (self.zero.stage == 0 or self.mesh["dp"] == 1):
-            out.append("offload without ZeRO over two or more data-parallel ranks (the "
-                       "offloaded optimizer runs on the pieces ZeRO cuts; use "
-                       "zero=dict(stage=1, 2 or 3, offload=True) with data >= 2)")
+        if self.zero.offload and self.zero.stage == 0:
+            out.append("offload without ZeRO (the offloaded optimizer runs on the pieces ZeRO "
+                       "cuts; use zero=dict(stage=1, 2 or 3, offload=True))")
+        elif self.zero.offload and self.zero.stage == 3 and self.mesh["dp"] == 1:
+            out.append("ZeRO-3 offload over one data-parallel rank (no parameter to cut; "
+                       "use zero=dict(stage=1, offload=True) to offload the optimizer)")
         if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):
             out.append("recomputation")
         return out

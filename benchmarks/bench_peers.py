@@ -14,7 +14,7 @@ The engines take turns step by step (A B C ... A B C ...), so a burst of load fr
 elsewhere on the shared machine hits them alike; each row reports the median of the
 measured steps and the ratio to its peer's median from the same run. The losses of the
 last step are compared too (every engine trains the same model on the same data, so
-they agree to float rounding). Prints a table; writes benchmarks/results/peers.json.
+they agree to float rounding). Prints a table; writes benchmarks/results/peers_world<N>.json.
 """
 
 import argparse
@@ -142,7 +142,7 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    out_path = results_path("peers.json")
+    out_path = results_path(f"peers_world{args.world}.json")
     run_world(worker, (args.world, args.model, args.batch, args.steps, args.warmup, out_path),
               args.world)
     with open(out_path) as f:

@@ -340,7 +340,7 @@ def test_parallelize_world1_matches_eager_and_rejects_bad_input():
     torch.testing.assert_close(engine(x), reference(x))
     with pytest.raises(autopar.PlanError, match="not execute yet"):
         autopar.parallelize(model, 1, example_inputs=(x,),
-                            plan={"zero": {"stage": 1, "offload": True}})
+                            plan={"zero": {"stage": 0, "offload": True}})
     with pytest.raises(autopar.PlanError, match="does not divide the world size 1"):
         autopar.parallelize(model, 1, example_inputs=(x,), plan={"tensor": {"size": 2}, "data": 1})
     with pytest.raises(autopar.WorldError, match="positive int"):

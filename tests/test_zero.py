@@ -155,6 +155,49 @@ def test_zero_with_context_parallelism(pool4):
                                               "sequence": {"size": 2, "mode": "ring"}}))
 
 
+def _data_parallel_buckets(bucket_bytes: int) -> dict:
+    """Plain dp with buckets of `bucket_bytes`: the all-reduces one step sends during the
+    backward (each bucket's, started as its last gradient is accumulated), their sizes,
+    and the mean gradient one bucket's parameters end up with, against a whole all-reduce."""
+    import torch
+    import torch.distributed as dist
+    from equivalence import build
+
+    import autopar
+    from autopar.runtime import buckets
+
+    default, buckets.BUCKET_BYTES = buckets.BUCKET_BYTES, bucket_bytes
+    model, inputs, target, loss_fn = build(GPT, 8)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=None, plan={"data": 2})
+    engine.comm_log.clear()
+    engine.train_step(inputs, target)  # (the buckets are made with the training graph)
+    buckets.BUCKET_BYTES = default
+    sent = [r.bytes for r in engine.comm_log.records
+            if r.op == "all_reduce" and r.axis == "dp" and r.phase == "backward"]
+    grads = [p.grad.clone() for p in engine.parameters()]
+    # the same local gradients, averaged in one all-reduce
+    for p in engine.parameters():
+        p.grad = None
+    local = inputs[0][dist.get_rank() * 4:(dist.get_rank() + 1) * 4], \
+        target[dist.get_rank() * 4:(dist.get_rank() + 1) * 4]
+    engine.train_gm(*local).backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in engine.parameters()])
+    dist.all_reduce(flat)
+    whole = torch.cat([g.reshape(-1) for g in grads])
+    return {"sent": sent, "buckets": len(engine._buckets.buckets),
+            "error": float((whole - flat / 2).abs().max()),
+            "grad_bytes": 4 * flat.numel()}
+
+
+def test_data_parallel_all_reduces_buckets_during_the_backward(pool2):
+    for r in pool2.run(_data_parallel_buckets, 16 << 10):
+        assert r["buckets"] > 3 and len(r["sent"]) == r["buckets"], r
+        assert sum(r["sent"]) == r["grad_bytes"], r
+        assert r["error"] <= 1e-7, r
+
+
 # ---------------------------------------------------------------------------- ZeRO-3
 
 
@@ -254,13 +297,18 @@ def test_offload_equals_single_device_for_every_stage(pool4):
             assert probe["state_tensors"] > 0 and probe["views"] == 0, probe
 
 
-def test_offload_needs_zero_over_data_parallel_ranks():
+def test_offload_needs_zero_and_runs_on_one_rank():
+    """ZeRO-Offload's single-device case: one data-parallel rank, the optimizer on a host
+    copy of each whole parameter, the single-device results, no collective."""
     from autopar.plan import Plan
 
-    for spec, world in (({"data": 2, "zero": {"stage": 0, "offload": True}}, 2),
-                        ({"tensor": {"size": 2}, "zero": {"stage": 2, "offload": True}}, 2)):
-        said = Plan.from_dict(spec, world).unsupported()
-        assert any("offload without ZeRO over two or more data-parallel ranks" in m
-                   for m in said), said
-    assert Plan.from_dict({"data": 2, "zero": {"stage": 3, "offload": True}}, 2).unsupported() \
-        == []
+    said = Plan.from_dict({"data": 2, "zero": {"stage": 0, "offload": True}}, 2).unsupported()
+    assert any("offload without ZeRO" in m for m in said), said
+    said = Plan.from_dict({"zero": {"stage": 3, "offload": True}}, 1).unsupported()
+    assert any("ZeRO-3 offload over one data-parallel rank" in m for m in said), said
+    for stage in (1, 2):
+        r = compare(GPT, {"zero": {"stage": stage, "offload": True}}, 3, 8,
+                    _where_the_optimizer_lives)
+        assert_equal([r])
+        assert r["measured"] == {} and r["probe"]["views"] == 0, r
+        assert r["probe"]["state"] == ["cpu"], r

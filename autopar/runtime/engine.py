@@ -89,6 +89,7 @@ class Engine(nn.Module):
         self._optimizer_factory = optimizer
         self._zero = None  # ZeRO state over dp (runtime.zero: 1/2, runtime.zero3: 3)
         self._train_units: list[int] = []  # ZeRO-3: the layers the training graph gathers
+        self._buckets = None  # plain dp without a pipeline: the bucketed all-reduce
         self.optimizer = None
         if not self._zero_sharded():
             self._adopt(optimizer(self._unique_params()) if optimizer is not None else None)
@@ -184,6 +185,10 @@ class Engine(nn.Module):
         self.train_gm = self._build(self.train_graph, self.train_solution)
         self._train_units = self._zero.rewrite(self.train_gm) if self._zero_three() else []
         self._model = None
+        if self._dp.size > 1 and self._pp.size == 1 and self._zero is None:
+            from autopar.runtime.buckets import GradientBuckets
+
+            self._buckets = GradientBuckets(self._unique_params(), self._dp)
         if self._pp.size > 1:
             self._pipeline = self._build_pipeline(int(target.shape[0]) * self._dp.size)
             if self._zero_sharded():
@@ -205,7 +210,9 @@ class Engine(nn.Module):
                 adopt_held_optimizer(self)
 
     def _zero_sharded(self) -> bool:
-        return self.plan.zero.stage >= 1 and self._dp.size > 1
+        """Whether the optimizer runs on ZeRO's pieces: over two or more data-parallel
+        ranks, or offloaded (one rank's piece is then the whole parameter, on the host)."""
+        return self.plan.zero.stage >= 1 and (self._dp.size > 1 or self.plan.zero.offload)
 
     def _zero_three(self) -> bool:
         return self._zero is not None and self._zero.stage == 3
@@ -433,6 +440,8 @@ class Engine(nn.Module):
             self._zero.end_backward()
         else:
             loss = self.train_gm(*local_inputs, local_target)
+            if self._buckets is not None:  # the all-reduce overlaps the backward
+                self._buckets.armed = True
             self._backward(loss)
         self._average_gradients()
         if self._overflowed():  # fp16: every rank skips this step alike
@@ -533,10 +542,13 @@ class Engine(nn.Module):
         return norm
 
     def _average_gradients(self) -> None:
+        if self._zero is not None:  # each rank receives the mean of its pieces only
+            self._zero.reduce_gradients()  # (one rank, offloaded: the host copies)
+            return
         if self._dp.size == 1:
             return
-        if self._zero is not None:  # each rank receives the mean of its pieces only
-            self._zero.reduce_gradients()
+        if self._buckets is not None:
+            self._buckets.finish()
             return
         params = [p for p in self._unique_params() if p.grad is not None]
         if not params:

@@ -29,7 +29,9 @@ Offload (Ren et al. 2021, ZeRO-Offload §4): with `offload=True` the pieces are 
 of the parameters but copies on the host (pinned when the parameters are on a GPU): the
 optimizer and its state live there and the step runs on the CPU. The reduced gradient
 pieces go down to the host (piece bytes per step) and the updated pieces come back up to
-be all-gathered: the device keeps parameters and gradients only.
+be all-gathered: the device keeps parameters and gradients only. With one data-parallel
+rank (ZeRO-Offload's single-GPU case) the one piece is the whole parameter and no
+collective runs.
 """
 
 from __future__ import annotations
@@ -197,7 +199,9 @@ class ShardedOptimizerState:
                 write_padded(buf[:, offset:offset + k], p.grad)
                 p.grad = None
             offset += k
-        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
+        # (one data-parallel rank: offload alone, no collective)
+        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward") \
+            if self.dp.size > 1 else buf.reshape(-1)
         mine /= self.dp.size
         offset = 0
         for shard, k, length in zip(self.shards, self.chunks, self.lengths):
@@ -214,7 +218,8 @@ class ShardedOptimizerState:
         for shard, k, length in zip(self.shards, self.chunks, self.lengths):
             local[offset:offset + length] = shard.detach()  # (up from the host: offload)
             offset += k
-        full = self.dp.all_gather(local, 0, 1, "step").view(self.dp.size, self.total)
+        full = (self.dp.all_gather(local, 0, 1, "step") if self.dp.size > 1 else local).view(
+            self.dp.size, self.total)
         offset = 0
         with torch.no_grad():
             for p, n, k in zip(self.params, self.numels, self.chunks):

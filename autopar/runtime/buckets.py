@@ -1,0 +1,87 @@
+"""Plain data parallelism's gradient all-reduce, in buckets overlapped with the backward.
+
+The parameters, in the reverse of their order (roughly the order the backward finishes
+them), are grouped into buckets of at most `BUCKET_BYTES`. A post-accumulate-grad hook
+counts each parameter of a bucket as done; the last one copies the bucket's gradients
+into one flat buffer and starts its all-reduce asynchronously, so the sums travel while
+autograd computes the earlier layers' gradients (Li et al. 2020, PyTorch Distributed,
+§3.2.3 "bucketing gradients" and "overlapping computation with communication").
+`finish` (after the backward) sends the buckets some of whose parameters got no gradient,
+waits for every bucket and writes the means back into .grad. The bytes are those of one
+all-reduce of every gradient, as the plan predicts.
+
+Not used under a pipeline, whose micro-batches accumulate every gradient several times
+before the data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.runtime.collectives import AxisGroup
+
+BUCKET_BYTES = 4 << 20
+
+
+class GradientBuckets:
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup,
+                 bucket_bytes: int | None = None):
+        self.params = [p for p in params if p.requires_grad]
+        self.dp = dp
+        cap = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.buckets: list[list[int]] = []
+        size = 0
+        for i in reversed(range(len(self.params))):
+            nbytes = self.params[i].numel() * self.params[i].element_size()
+            if not self.buckets or size + nbytes > cap:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += nbytes
+        bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self._done = [0] * len(self.buckets)
+        self._flying: list[tuple] = []  # (bucket, work, flat buffer)
+        self.armed = False  # the engine's train_step backward only, not a user's own
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            lambda param, b=bucket_of[i]: self._count(b)) for i, p in enumerate(self.params)]
+
+    def _count(self, b: int) -> None:
+        if not self.armed:
+            return
+        self._done[b] += 1
+        if self._done[b] == len(self.buckets[b]):
+            self._send(b)
+
+    def _send(self, b: int) -> None:
+        self._done[b] = 0
+        grads = [self.params[i].grad for i in self.buckets[b] if self.params[i].grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.dp.log.add("all_reduce", self.dp.axis, flat.numel() * flat.element_size(),
+                        "backward")
+        work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
+        self._flying.append((b, work, flat))
+
+    def finish(self) -> None:
+        """After the backward: every gradient this rank holds becomes its mean over dp."""
+        for b, done in enumerate(self._done):
+            if done:  # some of its parameters got no gradient this time
+                self._send(b)
+        self.armed = False
+        for b, work, flat in self._flying:
+            work.wait()
+            flat /= self.dp.size
+            offset = 0
+            for i in self.buckets[b]:
+                grad = self.params[i].grad
+                if grad is not None:
+                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+        self._flying.clear()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
