@@ -1,20 +1,26 @@
-"""Step time beside torch's own data-parallel engines: DDP and FSDP2 (`fully_shard`).
+"""Step time beside torch's own engines: DDP, FSDP2, DTensor tensor parallelism, pipelining.
 
     python benchmarks/bench_peers.py [--world 2] [--model gpt:layers=4,hidden=256,...]
                                      [--batch 16] [--steps 12] [--warmup 3]
+                                     [--groups data tensor pipeline]
 
 One gloo world on this machine. Every rank builds the same model from one seed and
-trains it, on the same global batch with AdamW, under each engine:
+trains it, on the same global batch with AdamW, under each engine of a pair:
 
     autopar data 2          vs  DistributedDataParallel
     autopar ZeRO-1 / ZeRO-2 (for reference, beside DDP: their bytes equal an all-reduce)
     autopar ZeRO-3          vs  FSDP2 (fully_shard on every block, then on the model)
+    autopar tensor 1D       vs  DTensor parallelize_module (Colwise/RowwiseParallel), LLaMA
+    autopar pipeline 1F1B   vs  a hand-split torch.distributed.pipelining Schedule1F1B
 
 The engines take turns step by step (A B C ... A B C ...), so a burst of load from
 elsewhere on the shared machine hits them alike; each row reports the median of the
-measured steps and the ratio to its peer's median from the same run. The losses of the
-last step are compared too (every engine trains the same model on the same data, so
-they agree to float rounding). Prints a table; writes benchmarks/results/peers_world<N>.json.
+measured steps and the ratio to its peer's median from the same run. The last step's
+losses are printed too: the engines of the data pair and the tensor pair train the same
+model on the same data and agree to float rounding; the hand-split pipeline gives its
+last stage a copy of the tied embedding (torch's stages cannot share one), so its model
+drifts from the tied one as they train. Prints a table; writes
+benchmarks/results/peers_world<N>.json.
 """
 
 import argparse
@@ -37,8 +43,15 @@ from gloo_world import results_path, run_world  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=64"
 # row -> (what runs, its peer's row)
-ROWS = {"autopar data": "DDP", "autopar zero 1": "DDP", "autopar zero 2": "DDP",
-        "autopar zero 3": "FSDP2", "DDP": None, "FSDP2": None}
+# the tensor-parallel pair runs a LLaMA: separate q, k, v projections, which
+# ColwiseParallel splits by heads (a fused QKV weight would be split across q, k and v)
+TP_MODEL = "llama:layers=4,hidden=256,heads=8,kv_heads=8,ffn=688,vocab=2048,seq=64"
+# group -> {row: its peer's row (None: the peer itself)}
+ROWS = {"data": {"autopar data": "DDP", "autopar zero 1": "DDP", "autopar zero 2": "DDP",
+                 "autopar zero 3": "FSDP2", "DDP": None, "FSDP2": None},
+        "tensor": {"autopar tensor 1d": "DTensor TP", "DTensor TP": None},
+        "pipeline": {"autopar pipeline 1f1b": "pipelining 1f1b", "pipelining 1f1b": None}}
+MICROBATCHES = 4
 
 
 def lm_loss(logits, target):
@@ -108,30 +121,145 @@ def _mean(loss: torch.Tensor) -> float:
     return float(value) / dist.get_world_size()
 
 
-def worker(rank, world, spec, batch, steps, warmup, out_path):
+def _tensor_engines(world: int, batch: int) -> dict:
+    """autopar's 1D plan beside torch's DTensor `parallelize_module` with ColwiseParallel
+    (q, k, v, gate, up) and RowwiseParallel (o, down) on every block: each rank trains on
+    the whole batch, heads split over the ranks."""
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    model, x, y = _model(TP_MODEL, batch)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    engine = autopar.parallelize(copy.deepcopy(model), world, example_inputs=(x[:2],),
+                                 loss_fn=lm_loss, optimizer=adamw,
+                                 plan={"tensor": {"size": world, "mode": "1d"}})
+    mesh = init_device_mesh("cpu", (world,))
+    dt = copy.deepcopy(model)
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()}
+    for block in dt.blocks:
+        parallelize_module(block, mesh, plan)
+        block.attention.n_head //= world  # the heads this rank computes
+        block.attention.n_kv_head //= world
+    dt_opt = adamw(dt.parameters())
+
+    def dtensor_step():
+        loss = lm_loss(dt(x), y)
+        loss.backward()
+        dt_opt.step()
+        dt_opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return {"autopar tensor 1d": functools.partial(engine.train_step, x, y),
+            "DTensor TP": dtensor_step}
+
+
+class _Stage(torch.nn.Module):
+    """Blocks [a, b) of a GPT, with its embeddings first (stage 0) or its head last."""
+
+    def __init__(self, gpt, a: int, b: int, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        self.blocks = torch.nn.ModuleList(gpt.blocks[a:b])
+        if last:
+            self.ln_f = gpt.ln_f
+            self.lm_head = torch.nn.Linear(gpt.ln_f.normalized_shape[0],
+                                           gpt.wte.num_embeddings, bias=False)
+            with torch.no_grad():  # a copy of the tied embedding: stages hold their own
+                self.lm_head.weight.copy_(gpt.wte.weight)
+
+    def forward(self, x):
+        if self.first:
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(x.size(1))))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def _pipeline_engines(spec: str, world: int, batch: int) -> dict:
+    """autopar's pipeline (its planner's stages, 1F1B) beside a hand-split one on
+    torch.distributed.pipelining: the GPT's blocks cut evenly, embeddings on the first
+    stage, the head (with its own copy of the tied weight) on the last, Schedule1F1B."""
+    import autopar
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    model, x, y = _model(spec, batch)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    engine = autopar.parallelize(
+        copy.deepcopy(model), world, example_inputs=(x[:2],), loss_fn=lm_loss,
+        optimizer=adamw, plan={"pipeline": {"size": world, "schedule": "1f1b",
+                                            "microbatches": MICROBATCHES}})
+    rank, n = dist.get_rank(), len(model.blocks)
+    per = n // world
+    mine = _Stage(copy.deepcopy(model), rank * per, (rank + 1) * per, rank == 0,
+                  rank == world - 1)
+    micro = batch // MICROBATCHES
+    hidden = model.ln_f.normalized_shape[0]
+    # examples that say which values carry gradients (torch's stages read it from them)
+    example_in = x[:micro] if rank == 0 else \
+        torch.zeros(micro, x.size(1), hidden).requires_grad_()
+    example_out = mine(example_in)
+    stage = PipelineStage(mine, rank, world, torch.device("cpu"), input_args=(example_in,),
+                          output_args=(example_out.detach().requires_grad_(),))
+    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
+    opt = adamw(mine.parameters())
+
+    def torch_step():
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = torch.zeros(1)
+        if losses:
+            value[0] = torch.stack([v.detach() for v in losses]).mean()
+        dist.broadcast(value, src=world - 1)
+        return float(value)
+
+    return {"autopar pipeline 1f1b": functools.partial(engine.train_step, x, y),
+            "pipelining 1f1b": torch_step}
+
+
+def worker(rank, world, spec, batch, steps, warmup, groups, out_path):
     warnings.filterwarnings("ignore")
-    engines = _engines(spec, world, batch)
-    times = {row: [] for row in engines}
-    losses = {}
-    for step in range(warmup + steps):
-        for row, run in engines.items():
-            dist.barrier()
-            start = time.perf_counter()
-            losses[row] = run()
-            dist.barrier()
-            if step >= warmup:
-                times[row].append(time.perf_counter() - start)
-    if rank == 0:
+    rows = []
+    for group in groups:
+        engines = {"data": lambda: _engines(spec, world, batch),
+                   "tensor": lambda: _tensor_engines(world, batch),
+                   "pipeline": lambda: _pipeline_engines(spec, world, batch)}[group]()
+        times = {row: [] for row in engines}
+        losses = {}
+        for step in range(warmup + steps):
+            for row, run in engines.items():
+                dist.barrier()
+                start = time.perf_counter()
+                losses[row] = run()
+                dist.barrier()
+                if step >= warmup:
+                    times[row].append(time.perf_counter() - start)
         medians = {row: statistics.median(t) for row, t in times.items()}
-        rows = []
-        for row, peer in ROWS.items():
-            rows.append({"engine": row, "peer": peer, "median_s": medians[row],
-                         "times_s": times[row], "loss": losses[row],
+        for row, peer in ROWS[group].items():
+            rows.append({"group": group, "engine": row, "peer": peer,
+                         "median_s": medians[row], "times_s": times[row],
+                         "loss": losses[row],
                          "ratio": medians[row] / medians[peer] if peer else None})
+        del engines
+    if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"world": world, "model": spec, "batch": batch, "steps": steps,
-                       "warmup": warmup, "device": "cpu (gloo)",
-                       "threads_per_rank": torch.get_num_threads(), "rows": rows}, f, indent=2)
+            json.dump({"world": world, "model": spec, "tp_model": TP_MODEL, "batch": batch,
+                       "steps": steps, "warmup": warmup, "microbatches": MICROBATCHES,
+                       "device": "cpu (gloo)", "threads_per_rank": torch.get_num_threads(),
+                       "rows": rows}, f, indent=2)
 
 
 def main():
@@ -141,18 +269,21 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--groups", nargs="+", default=list(ROWS), choices=list(ROWS),
+                        help="which pairs to time (default all)")
     args = parser.parse_args()
     out_path = results_path(f"peers_world{args.world}.json")
-    run_world(worker, (args.world, args.model, args.batch, args.steps, args.warmup, out_path),
-              args.world)
+    run_world(worker, (args.world, args.model, args.batch, args.steps, args.warmup,
+                       args.groups, out_path), args.world)
     with open(out_path) as f:
         result = json.load(f)
     print(f"{args.model}, world {args.world} (gloo, CPU), global batch {args.batch}, AdamW; "
           f"median of {args.steps} steps after {args.warmup}, engines taking turns")
-    print(f"{'engine':<16} {'step s':>9} {'peer':>7} {'ratio':>7} {'last loss':>11}")
+    print(f"(tensor pair: {TP_MODEL}; pipeline pair: {MICROBATCHES} micro-batches)")
+    print(f"{'engine':<22} {'step s':>9} {'peer':>16} {'ratio':>7} {'last loss':>11}")
     for row in result["rows"]:
         ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
-        print(f"{row['engine']:<16} {row['median_s']:>9.4f} {row['peer'] or '-':>7} "
+        print(f"{row['engine']:<22} {row['median_s']:>9.4f} {row['peer'] or '-':>16} "
               f"{ratio:>7} {row['loss']:>11.6f}")
     print(f"written to {out_path}")
 

@@ -79,10 +79,15 @@ def balance_within(costs, weights, capacity, k: int) -> list[int] | None:
     times the micro-batches stage s keeps in flight). None when no split fits.
 
     The same parametric search as ``balance`` on the bottleneck B, with memory as a second
-    per-stage limit: cutting greedily (a stage takes layers while both its time stays
-    within B and its bytes within its capacity) fits whenever any split does, because both
-    limits only tighten as a stage grows. Stages later in a 1F1B pipeline hold fewer
-    micro-batches, so pushing layers towards them, as the greedy cut does, never hurts.
+    per-stage limit, each B checked by cutting greedily from the last stage: a stage takes
+    layers off the end while its time stays within B and its bytes within its capacity,
+    leaving one layer for each earlier stage. That fits whenever any split does when, as in
+    a 1F1B pipeline, a layer costs no more bytes on a later stage (later stages keep fewer
+    micro-batches in flight) and the stages have the same capacity: a feasible split's
+    last stage is a suffix of the greedy one's, and what the greedy leaves is a prefix of
+    what that split leaves, which its earlier stages can hold (a layer moved to a later
+    stage costs no more). Cutting greedily from the first stage instead is wrong: it fills
+    stage 0 and pushes a layer with many activations onto a stage that holds more of them.
     """
     costs = np.asarray(costs, dtype=float)
     weights = np.asarray(weights, dtype=float)  # [k, n]
@@ -91,53 +96,38 @@ def balance_within(costs, weights, capacity, k: int) -> list[int] | None:
         return [0] * n if k <= 1 and weights[0].sum() <= capacity[0] else None
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
 
-    def ends_within(limit: float):
-        out, start, s = [], 0, 0
-        while start < n:
-            if s >= k:
+    def starts_within(limit: float):
+        """Where each stage starts (stage 0 at 0), or None when no split fits B=limit."""
+        out, end = [], n
+        for s in range(k - 1, -1, -1):
+            start, w = end, 0.0
+            while start > s and prefix[end] - prefix[start - 1] <= limit * (1 + 1e-12) and \
+                    w + weights[s, start - 1] <= capacity[s] * (1 + 1e-12):
+                w += weights[s, start - 1]
+                start -= 1
+            if start == end or (s == 0 and start != 0):
                 return None
-            t0, w = prefix[start], 0.0
+            out.append(start)
             end = start
-            while end < n and prefix[end + 1] - t0 <= limit * (1 + 1e-12) and \
-                    w + weights[s, end] <= capacity[s]:
-                w += weights[s, end]
-                end += 1
-            if end == start:  # not even one layer fits on this stage
-                return None
-            out.append(end)
-            start, s = end, s + 1
-        return out
+        return out[::-1]
 
     candidates = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(n + 1, 1)])
     candidates = candidates[candidates >= costs.max()]
     lo, hi = 0, len(candidates) - 1
-    if ends_within(candidates[hi]) is None:
+    if starts_within(candidates[hi]) is None:
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        if ends_within(candidates[mid]) is None:
+        if starts_within(candidates[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
-    ends = ends_within(candidates[hi])
-    # fewer stages than k: split off the last layer of the last stage that has two or more;
-    # the stages after it move one place later, where they hold fewer micro-batches
-    while len(ends) < k:
-        for s in range(len(ends) - 1, -1, -1):
-            start = ends[s - 1] if s else 0
-            if ends[s] - start >= 2:
-                ends.insert(s, ends[s] - 1)
-                break
-        else:
-            return None
+    starts = starts_within(candidates[hi])
     stages, s = [0] * n, 0
     for layer in range(n):
-        while layer >= ends[s]:
+        while s + 1 < k and layer >= starts[s + 1]:
             s += 1
         stages[layer] = s
-    for s in range(k):  # the split moved stages: check every stage's bytes again
-        if sum(weights[s, i] for i in range(n) if stages[i] == s) > capacity[s] * (1 + 1e-12):
-            return None
     return stages
 
 
