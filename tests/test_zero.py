@@ -117,18 +117,16 @@ def test_zero2_with_pipeline_parallelism(pool4):
     (bucketed by stage); under ZB-V rank 0 runs the first and the last stage, whose tied
     embedding is a bucket sent once both stages have added to it (the weight-gradient
     pass writes .grad itself, so the stage says when it is done)."""
-    for schedule in ("1f1b", "zero_bubble"):
-        assert_equal(pool4.run(compare, GPT8, {"data": 2, "zero": {"stage": 2}, "pipeline": {
-            "size": 2, "microbatches": 4, "schedule": schedule}}))
+    assert_equal(pool4.run(compare, GPT8, {"data": 2, "zero": {"stage": 2}, "pipeline": {
+        "size": 2, "microbatches": 4, "schedule": "zero_bubble"}}))
 
 
 def test_zero3_with_pipeline_parallelism(pool4):
     """Each stage gathers its layers for every micro-batch's forward and again where its
     backward needs them, and reduce-scatters each micro-batch's gradients into the pieces;
     the tied embedding's pieces are summed between the first and last stage's members."""
-    for schedule in ("1f1b", "zero_bubble"):
-        assert_equal(pool4.run(compare, GPT8, {"data": 2, "zero": {"stage": 3}, "pipeline": {
-            "size": 2, "microbatches": 4, "schedule": schedule}}))
+    assert_equal(pool4.run(compare, GPT8, {"data": 2, "zero": {"stage": 3}, "pipeline": {
+        "size": 2, "microbatches": 4, "schedule": "zero_bubble"}}))
 
 
 def test_zero2_with_tensor_parallelism(pool4):
@@ -283,13 +281,12 @@ def _where_the_optimizer_lives(engine, inputs, target) -> dict:
             "views": sum(s.untyped_storage().data_ptr() in params for s in engine._zero.shards)}
 
 
-def test_offload_equals_single_device_for_every_stage(pool4):
+def test_offload_equals_single_device_for_every_stage(pool2):
     """ZeRO-Offload: the optimizer steps on host copies of the pieces; the results are
     those of one device, with the same bytes over dp (the host copies add none)."""
     for stage in (1, 2, 3):
-        plan = {"data": 2, "tensor": {"size": 2, "mode": "1d"},
-                "zero": {"stage": stage, "offload": True}}
-        results = pool4.run(compare, LLAMA, plan, 3, 8, _where_the_optimizer_lives)
+        plan = {"data": 2, "zero": {"stage": stage, "offload": True}}
+        results = pool2.run(compare, GPT, plan, 3, 8, _where_the_optimizer_lives)
         assert_equal(results)
         for r in results:
             probe = r["probe"]
