@@ -89,30 +89,24 @@ def _engines(spec: str, world: int, batch: int) -> dict:
         steps[row] = functools.partial(engine.train_step, x, y)
 
     ddp = DistributedDataParallel(copy.deepcopy(model))
-    ddp_opt = adamw(ddp.parameters())
-
-    def ddp_step():
-        loss = lm_loss(ddp(mine[0]), mine[1])
-        loss.backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad(set_to_none=True)
-        return _mean(loss)
-
     fsdp = copy.deepcopy(model)
     for block in fsdp.blocks:
         fully_shard(block)
     fully_shard(fsdp)
-    fsdp_opt = adamw(fsdp.parameters())
-
-    def fsdp_step():
-        loss = lm_loss(fsdp(mine[0]), mine[1])
-        loss.backward()
-        fsdp_opt.step()
-        fsdp_opt.zero_grad(set_to_none=True)
-        return _mean(loss)
-
-    steps["DDP"], steps["FSDP2"] = ddp_step, fsdp_step
+    steps["DDP"] = _eager_step(ddp, adamw(ddp.parameters()), *mine, _mean)
+    steps["FSDP2"] = _eager_step(fsdp, adamw(fsdp.parameters()), *mine, _mean)
     return steps
+
+
+def _eager_step(module, optimizer, x, y, report):
+    """One plain torch training step of `module` on (x, y); returns report(loss)."""
+    def step():
+        loss = lm_loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return report(loss)
+    return step
 
 
 def _mean(loss: torch.Tensor) -> float:
@@ -145,17 +139,8 @@ def _tensor_engines(world: int, batch: int) -> dict:
         parallelize_module(block, mesh, plan)
         block.attention.n_head //= world  # the heads this rank computes
         block.attention.n_kv_head //= world
-    dt_opt = adamw(dt.parameters())
-
-    def dtensor_step():
-        loss = lm_loss(dt(x), y)
-        loss.backward()
-        dt_opt.step()
-        dt_opt.zero_grad(set_to_none=True)
-        return float(loss)
-
     return {"autopar tensor 1d": functools.partial(engine.train_step, x, y),
-            "DTensor TP": dtensor_step}
+            "DTensor TP": _eager_step(dt, adamw(dt.parameters()), x, y, float)}
 
 
 class _Stage(torch.nn.Module):
