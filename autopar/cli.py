@@ -119,7 +119,8 @@ def _plan(args, world_size: int | None = None):
     try:
         result = planner.search(chain, world, global_batch=args.batch, constraints=constraints,
                                 dtype=args.dtype, attention_kernel=args.attention,
-                                top=args.top_alternatives, progress=progress)
+                                executable=args.executable, top=args.top_alternatives,
+                                progress=progress)
     finally:
         progress.close()
     plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
@@ -192,16 +193,41 @@ def min_devices(args) -> int:
                        + f" (largest tried: {last}); raise --world or relax the request.")
 
 
+DEFAULTS = {"world": 8, "per_node": 8, "device": "a100-80gb", "batch": 8, "dtype": "bf16"}
+
+
+def fill_defaults(args) -> None:
+    """Fill the world, device, batch and dtype the command line left out: from the --plan
+    file where it records them (so `autopar explain MODEL --plan plan.json` prices the plan
+    on what it was searched for), else from DEFAULTS."""
+    recorded = {}
+    if args.plan:
+        from autopar.plan import Plan
+
+        fixed = Plan.load(args.plan)
+        if fixed.world is not None:
+            recorded.update(world=fixed.world.devices, per_node=fixed.world.per_node,
+                            device=fixed.world.device)
+        for name, key in (("batch", "global_batch"), ("dtype", "dtype")):
+            if fixed.search.get(key) is not None:
+                recorded[name] = fixed.search[key]
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, recorded.get(name, default))
+
+
 def _add_plan_arguments(p) -> None:
     p.add_argument("model", help="zoo name (gpt3-175b, llama2-7b, ...), zoo spec "
                                  "(gpt:layers=..,hidden=..,heads=..) or package.module:factory")
-    p.add_argument("--world", type=int, default=8, help="devices (the most, with --min-devices)")
-    p.add_argument("--per-node", type=int, default=8)
-    p.add_argument("--device", default="a100-80gb", help="a device profile name or a profile "
-                                                          "JSON written by `autopar calibrate`")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences or samples)")
+    p.add_argument("--world", type=int, help="devices (the most, with --min-devices); "
+                                               "default 8, or the --plan file's")
+    p.add_argument("--per-node", type=int, help="devices per node; default 8, or the --plan file's")
+    p.add_argument("--device", help="a device profile name or a profile JSON written by `autopar "
+                                    "calibrate`; default a100-80gb, or the --plan file's")
+    p.add_argument("--batch", type=int, help="global batch (sequences or samples); default 8, or "
+                                             "the --plan file's")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16, or the --plan file's")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
@@ -220,6 +246,8 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--min-throughput", type=float, default=None,
                    help="with --min-devices: tokens per second the plan must reach")
     p.add_argument("--plan", default=None, help="explain this plan file (its choices are fixed)")
+    p.add_argument("--executable", action="store_true",
+                   help="consider only what autopar.parallelize runs today (a plan to deploy)")
     p.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="html: one self-contained page with charts (open it in a browser)")
     p.add_argument("-o", "--output", default=None,
@@ -242,6 +270,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "calibrate":
             return calibrate.run(args)
+        fill_defaults(args)
         return {"explain": explain, "search": search}[args.command](args)
     except AutoparError as e:
         print(f"autopar: {e}", file=sys.stderr)

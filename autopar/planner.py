@@ -29,7 +29,10 @@ EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("pp", "dp", "tp",
               "cp_with_tp": "1d",  # cp beside 1D tensor parallelism without Megatron-SP
               "recompute": ("none",), "zero": (0, 1, 2, 3), "zero_with_pp": (0, 1, 2, 3),
               "sp": ("megatron",),
-              "schedules": ("gpipe", "1f1b", "interleaved", "zero_bubble"), "offload": True}
+              "schedules": ("gpipe", "1f1b", "interleaved", "zero_bubble"), "offload": True,
+              # without a pipeline a replica's batch runs in one pass: micro-batches (and
+              # ZeRO-2/3's per-micro-batch collectives) come with pp > 1 only
+              "accumulation": False}
 
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
@@ -189,6 +192,48 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
     return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
                         time.perf_counter() - start, results[0].left_out,
                         options.attention_kernel)
+
+
+def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
+                          dtype: str = "fp32", attention_kernel: str = "flash",
+                          constraints=None) -> list[Candidate]:
+    """Every plan `parallelize` can execute that the executable search prices, fastest
+    predicted first: the union over the grids the runtime runs (1D alone, and 1D with each
+    grid, as `search(executable=True)` searches them, and each grid again with every block
+    in it, so a grid the dynamic program would never pick is there too) and over
+    Megatron-SP off and on, of every mesh, cp mode, micro-batch size, pipeline schedule,
+    ZeRO stage and offload (`Search.every`, no bound). Each layer's tensor mode otherwise
+    comes from the search's dynamic program. Candidates alike in `describe()` are one;
+    those that do not fit memory are kept (`fits` says which), so a caller sees the whole
+    space."""
+    base = Constraints.of(constraints)
+    options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
+                      executable=EXECUTABLE, top=1)
+    sp_seq = _sequence_parallel_length(chain, world.devices)
+    sps = [base.sp] if base.sp is not None else ["none", "megatron"]
+    spaces = [(None, base.tp_mode)]
+    for grid in _grids(world.devices):
+        spaces += [(grid, base.tp_mode)] + ([(grid, grid[0])] if base.tp_mode is None else [])
+    seen: dict[str, Candidate] = {}
+    for grid, tp_mode in spaces:
+        opt = dataclasses.replace(options, executable={**EXECUTABLE, "grid": grid,
+                                                       "sp_seq": sp_seq})
+        for sp in sps:
+            fixed = dataclasses.replace(base, sp=sp, tp_mode=tp_mode)
+            try:
+                found = Search(chain, world, opt, fixed).every()
+            except PlanError:  # nothing under this grid, tensor mode and sp
+                continue
+            for cand in found:
+                seen.setdefault(cand.describe(), cand)
+    return sorted(seen.values(), key=lambda c: (not c.fits, c.step_time))
+
+
+def candidate_plan(cand: Candidate, chain: LayerChain, world: World, global_batch: int,
+                   dtype: str = "fp32") -> Plan:
+    """The Plan of one candidate, made as the planner makes its winner's (`to_plan`)."""
+    result = SearchResult(cand, [], 1, 0.0)
+    return _plan_of(cand, chain, world, result, global_batch, dtype, 0.0)
 
 
 def plan(model, example_inputs, world, *, global_batch: int | None = None, constraints=None,

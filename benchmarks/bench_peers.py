@@ -1,25 +1,28 @@
 """Step time beside torch's own engines: DDP, FSDP2, DTensor tensor parallelism, pipelining.
 
     python benchmarks/bench_peers.py [--world 2] [--model gpt:layers=4,hidden=256,...]
-                                     [--batch 16] [--steps 12] [--warmup 3]
+                                     [--batch 16] [--steps 16] [--warmup 3]
                                      [--groups data tensor pipeline]
 
-One gloo world on this machine. Every rank builds the same model from one seed and
-trains it, on the same global batch with AdamW, under each engine of a pair:
+One gloo world on this machine; one invocation times every pair at that world. Every rank
+builds the same model from one seed and trains it, on the same global batch with AdamW,
+under each engine of a pair:
 
-    autopar data 2          vs  DistributedDataParallel
-    autopar ZeRO-1 / ZeRO-2 (for reference, beside DDP: their bytes equal an all-reduce)
-    autopar ZeRO-3          vs  FSDP2 (fully_shard on every block, then on the model)
-    autopar tensor 1D       vs  DTensor parallelize_module (Colwise/RowwiseParallel), LLaMA
-    autopar pipeline 1F1B   vs  a hand-split torch.distributed.pipelining Schedule1F1B
+    autopar data N            vs  DistributedDataParallel
+    autopar ZeRO-1 / ZeRO-2   (for reference, beside DDP: their bytes equal an all-reduce)
+    autopar ZeRO-3            vs  FSDP2 (fully_shard on every block, then on the model)
+    autopar tensor 1D, tp N   vs  DTensor parallelize_module (Colwise/RowwiseParallel), LLaMA
+    autopar pipeline 1F1B     vs  a hand-split torch.distributed.pipelining Schedule1F1B:
+                                  pp2 at world 2, pp2 x dp2 at world 4 (stages in DDP)
 
-The engines take turns step by step (A B C ... A B C ...), so a burst of load from
-elsewhere on the shared machine hits them alike; each row reports the median of the
-measured steps and the ratio to its peer's median from the same run. The last step's
-losses are printed too: the engines of the data pair and the tensor pair train the same
-model on the same data and agree to float rounding; the hand-split pipeline gives its
-last stage a copy of the tied embedding (torch's stages cannot share one), so its model
-drifts from the tied one as they train. Prints a table; writes
+The engines take turns step by step (A B C, then C B A, ...), so a burst of load from
+elsewhere on the shared machine hits them alike; each row reports the median of its
+measured steps and, from the same run, its ratio to its peer: the median over the rounds
+of its step time over the peer's in that round (each pair of steps ran under the same
+load; "med/med", the ratio of the two medians, is printed beside it). The last step's
+losses are printed too: the engines of each pair train the same model on the same data and
+agree to float rounding (the hand-split pipeline keeps the GPT's tied embedding tied by
+summing its two copies' gradients). Prints a table; writes
 benchmarks/results/peers_world<N>.json.
 """
 
@@ -52,6 +55,7 @@ ROWS = {"data": {"autopar data": "DDP", "autopar zero 1": "DDP", "autopar zero 2
         "tensor": {"autopar tensor 1d": "DTensor TP", "DTensor TP": None},
         "pipeline": {"autopar pipeline 1f1b": "pipelining 1f1b", "pipelining 1f1b": None}}
 MICROBATCHES = 4
+PIPE_STAGES = 2  # the pipeline pair: pp2, times dp over the rest of the world
 
 
 def lm_loss(logits, target):
@@ -156,7 +160,7 @@ class _Stage(torch.nn.Module):
             self.ln_f = gpt.ln_f
             self.lm_head = torch.nn.Linear(gpt.ln_f.normalized_shape[0],
                                            gpt.wte.num_embeddings, bias=False)
-            with torch.no_grad():  # a copy of the tied embedding: stages hold their own
+            with torch.no_grad():  # the tied embedding's copy (stages hold their own)
                 self.lm_head.weight.copy_(gpt.wte.weight)
 
     def forward(self, x):
@@ -169,49 +173,81 @@ class _Stage(torch.nn.Module):
 
 def _pipeline_engines(spec: str, world: int, batch: int) -> dict:
     """autopar's pipeline (its planner's stages, 1F1B) beside a hand-split one on
-    torch.distributed.pipelining: the GPT's blocks cut evenly, embeddings on the first
-    stage, the head (with its own copy of the tied weight) on the last, Schedule1F1B."""
-    import autopar
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    torch.distributed.pipelining, both on PIPE_STAGES stages, the world's other factor
+    data parallel: at world 2 a plain pp2, at world 4 pp2 x dp2.
 
+    pp2 x dp2 rather than pp4 at world 4: a few stages with data parallelism around them
+    is how pipelines run (pp over the slow links, dp over the rest), and it keeps the
+    per-stage work of the world-2 pair; pp4 of a 4-block GPT would be one block per
+    stage with the head and embeddings on the ends. Both sides use the ("pp", "dp")
+    rank layout autopar's mesh has (pipeline outermost).
+
+    The hand-split is the idiomatic run: the GPT's blocks cut evenly, embeddings on the
+    first stage, the head on the last, a PipelineStage per rank under Schedule1F1B, each
+    stage module wrapped in DDP over its dp group when dp > 1 (PipelineStage runs the
+    micro-batches but the last under no_sync, so DDP's bucketed all-reduce overlaps the
+    last backward). The head holds a copy of the tied embedding (torch's stages cannot
+    share a parameter) whose gradient is summed with the embedding's after the schedule,
+    as Megatron-LM does, so both sides train the same tied model and their losses agree."""
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    pp = PIPE_STAGES
+    dp = world // pp
     model, x, y = _model(spec, batch)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
-    engine = autopar.parallelize(
-        copy.deepcopy(model), world, example_inputs=(x[:2],), loss_fn=lm_loss,
-        optimizer=adamw, plan={"pipeline": {"size": world, "schedule": "1f1b",
-                                            "microbatches": MICROBATCHES}})
-    rank, n = dist.get_rank(), len(model.blocks)
-    per = n // world
-    mine = _Stage(copy.deepcopy(model), rank * per, (rank + 1) * per, rank == 0,
-                  rank == world - 1)
-    micro = batch // MICROBATCHES
+    plan = {"pipeline": {"size": pp, "schedule": "1f1b", "microbatches": MICROBATCHES}}
+    if dp > 1:
+        plan["data"] = dp
+    engine = autopar.parallelize(copy.deepcopy(model), world, example_inputs=(x[:2],),
+                                 loss_fn=lm_loss, optimizer=adamw, plan=plan)
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    stage_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_group = mesh["pp"].get_group()
+    first, last = stage_rank == 0, stage_rank == pp - 1
+    n, per = batch // dp, len(model.blocks) // pp
+    x_all, y_all = x, y  # autopar takes the global batch, the hand-split its replica's
+    x, y = x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+    mine = _Stage(copy.deepcopy(model), stage_rank * per, (stage_rank + 1) * per, first, last)
+    tied = mine.wte.weight if first else mine.lm_head.weight if last else None
+    micro = n // MICROBATCHES
     hidden = model.ln_f.normalized_shape[0]
     # examples that say which values carry gradients (torch's stages read it from them)
-    example_in = x[:micro] if rank == 0 else \
+    example_in = x[:micro] if first else \
         torch.zeros(micro, x.size(1), hidden).requires_grad_()
     example_out = mine(example_in)
-    stage = PipelineStage(mine, rank, world, torch.device("cpu"), input_args=(example_in,),
-                          output_args=(example_out.detach().requires_grad_(),))
+    module = DistributedDataParallel(mine, process_group=mesh["dp"].get_group()) \
+        if dp > 1 else mine
+    stage = PipelineStage(module, stage_rank, pp, torch.device("cpu"),
+                          input_args=(example_in,),
+                          output_args=(example_out.detach().requires_grad_(),),
+                          group=pp_group)
     schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
     opt = adamw(mine.parameters())
+    # the tied pair lies on the first and the last stage: with two stages, the pipeline
+    tie_group = pp_group
 
     def torch_step():
         losses = []
-        if rank == 0:
+        if first:
             schedule.step(x)
-        elif rank == world - 1:
+        elif last:
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
+        if tied is not None:
+            dist.all_reduce(tied.grad, group=tie_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         value = torch.zeros(1)
         if losses:
             value[0] = torch.stack([v.detach() for v in losses]).mean()
-        dist.broadcast(value, src=world - 1)
-        return float(value)
+        dist.all_reduce(value)  # the last stages' means, summed over the dp replicas
+        return float(value) / dp
 
-    return {"autopar pipeline 1f1b": functools.partial(engine.train_step, x, y),
+    return {"autopar pipeline 1f1b": functools.partial(engine.train_step, x_all, y_all),
             "pipelining 1f1b": torch_step}
 
 
@@ -225,7 +261,8 @@ def worker(rank, world, spec, batch, steps, warmup, groups, out_path):
         times = {row: [] for row in engines}
         losses = {}
         for step in range(warmup + steps):
-            for row, run in engines.items():
+            # every other round in reverse, so no engine always runs after the same one
+            for row, run in list(engines.items())[::1 if step % 2 == 0 else -1]:
                 dist.barrier()
                 start = time.perf_counter()
                 losses[row] = run()
@@ -234,15 +271,18 @@ def worker(rank, world, spec, batch, steps, warmup, groups, out_path):
                     times[row].append(time.perf_counter() - start)
         medians = {row: statistics.median(t) for row, t in times.items()}
         for row, peer in ROWS[group].items():
+            paired = statistics.median(a / b for a, b in zip(times[row], times[peer])) \
+                if peer else None
             rows.append({"group": group, "engine": row, "peer": peer,
                          "median_s": medians[row], "times_s": times[row],
-                         "loss": losses[row],
-                         "ratio": medians[row] / medians[peer] if peer else None})
+                         "loss": losses[row], "ratio": paired,
+                         "ratio_of_medians": medians[row] / medians[peer] if peer else None})
         del engines
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world": world, "model": spec, "tp_model": TP_MODEL, "batch": batch,
                        "steps": steps, "warmup": warmup, "microbatches": MICROBATCHES,
+                       "pipeline": {"pp": PIPE_STAGES, "dp": world // PIPE_STAGES},
                        "device": "cpu (gloo)", "threads_per_rank": torch.get_num_threads(),
                        "rows": rows}, f, indent=2)
 
@@ -252,11 +292,13 @@ def main():
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--groups", nargs="+", default=list(ROWS), choices=list(ROWS),
                         help="which pairs to time (default all)")
     args = parser.parse_args()
+    if "pipeline" in args.groups and args.world % PIPE_STAGES:
+        parser.error(f"the pipeline pair runs pp{PIPE_STAGES} x dp: use an even --world")
     out_path = results_path(f"peers_world{args.world}.json")
     run_world(worker, (args.world, args.model, args.batch, args.steps, args.warmup,
                        args.groups, out_path), args.world)
@@ -264,12 +306,17 @@ def main():
         result = json.load(f)
     print(f"{args.model}, world {args.world} (gloo, CPU), global batch {args.batch}, AdamW; "
           f"median of {args.steps} steps after {args.warmup}, engines taking turns")
-    print(f"(tensor pair: {TP_MODEL}; pipeline pair: {MICROBATCHES} micro-batches)")
-    print(f"{'engine':<22} {'step s':>9} {'peer':>16} {'ratio':>7} {'last loss':>11}")
+    pipe = f"pp{PIPE_STAGES}" + (f" x dp{args.world // PIPE_STAGES}"
+                                 if args.world > PIPE_STAGES else "")
+    print(f"(tensor pair: {TP_MODEL}, tp{args.world}; pipeline pair: {pipe}, "
+          f"{MICROBATCHES} micro-batches per replica)")
+    print(f"{'engine':<22} {'step s':>9} {'peer':>16} {'ratio':>7} {'med/med':>8} "
+          f"{'last loss':>11}")
     for row in result["rows"]:
-        ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
+        ratio, of_medians = (f"{row[k]:.3f}" if row[k] is not None else "-"
+                             for k in ("ratio", "ratio_of_medians"))
         print(f"{row['engine']:<22} {row['median_s']:>9.4f} {row['peer'] or '-':>16} "
-              f"{ratio:>7} {row['loss']:>11.6f}")
+              f"{ratio:>7} {of_medians:>8} {row['loss']:>11.6f}")
     print(f"written to {out_path}")
 
 

@@ -1,8 +1,11 @@
 """Persistent multi-process gloo worlds for distributed tests.
 
-A :class:`DistPool` spawns ``world_size`` worker processes once, initialises
+A :class:`DistPool` starts ``world_size`` worker processes once, initialises
 ``torch.distributed`` (gloo backend, loopback TCP rendezvous) in each of them
-once, and then runs functions sent to it on every rank at the same time::
+once, and then runs functions sent to it on every rank at the same time.
+Workers are forked from multiprocessing's fork server, which imported torch,
+autopar and the rest of ``tests/pool_preload.py`` once for the whole session
+(spawned, where there is no fork server)::
 
     from distributed import DistPool
 
@@ -29,7 +32,7 @@ Rules of the road
   module is fine: the workers have the repository root and ``tests/`` on
   ``sys.path``).  Arguments and results travel with :mod:`pickle`; keep them
   to plain data and CPU tensors.
-* Spawned workers import the test module again, so nothing at import time of
+* Workers import the test module again, so nothing at import time of
   a test module may start a pool: create pools in fixtures or in tests only.
 * Any failure on any rank (an exception, a dead worker, a timeout) tears the
   whole pool down, because the other ranks may be blocked in a collective.
@@ -80,6 +83,11 @@ _JOIN_S = 3.0
 # Set in pool workers: a DistPool created there means a test module starts a
 # pool at import time (the workers import test modules to find ``fn``).
 _IN_WORKER = False
+# Workers are forked from multiprocessing's fork server, which imports this
+# module (tests/pool_preload.py: torch, torch.export's tracer, autopar,
+# transformers' GPT-2 and BERT) once: a spawned worker imported them itself,
+# several seconds of CPU each, for some 130 workers a suite run on two cores.
+_PRELOAD = ["pool_preload"]
 
 
 # --------------------------------------------------------------------------
@@ -215,11 +223,19 @@ def _shutdown(processes: list, conns: list) -> None:
 
 def _watch_parent(parent_pid: int) -> None:
     # Never outlive the test process (e.g. when it is SIGKILLed while this
-    # worker is blocked in a collective and nobody can terminate us).
+    # worker is blocked in a collective and nobody can terminate us). A forked
+    # worker's parent is the fork server, which exits with the test process.
+    first_ppid = os.getppid()
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        if os.getppid() != first_ppid:
             os._exit(70)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(70)
+        except OSError:
+            pass
 
 
 def _error_payload(exc: BaseException, tb_text: str) -> bytes:
@@ -233,9 +249,20 @@ def _error_payload(exc: BaseException, tb_text: str) -> bytes:
 
 
 def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
-                 conn, parent_pid: int, pg_timeout_s: float) -> None:
+                 conn, parent_pid: int, pg_timeout_s: float,
+                 environ: dict | None = None, cwd: str | None = None) -> None:
     global _IN_WORKER
     _IN_WORKER = True
+    # A forked worker starts with the fork server's environment and directory:
+    # take the test process's, as a spawned worker would.
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    if cwd is not None:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
     # Ctrl-C goes to the whole process group; the parent tears us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
@@ -345,8 +372,36 @@ def _fast_exit(code: int) -> None:
 # --------------------------------------------------------------------------
 
 
+def _context():
+    """The fork server's context, its server started with ``_PRELOAD`` imported
+    (spawn where there is no fork server)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    # The server is a fresh interpreter that finds modules on PYTHONPATH (before
+    # Python 3.12 it ignores the sys.path it is handed), and loads torch's thread
+    # pools under the thread counts a worker sets. A running server is kept.
+    path = os.environ.get("PYTHONPATH")
+    env = {"PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT] + ([path] if path else [])),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
 class DistPool:
-    """World of `world_size` spawned processes, each with gloo initialised once, running functions sent to it.
+    """World of `world_size` worker processes, each with gloo initialised once, running functions sent to it.
 
     ``timeout_s`` bounds every :meth:`run` call; ``start_timeout_s`` bounds
     start-up (spawning, importing torch, rendezvous; default
@@ -393,7 +448,7 @@ class DistPool:
     # -- lifecycle --------------------------------------------------------
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._broken = None
         self.port = find_free_port()
         paths = [REPO_ROOT, TESTS_DIR]
@@ -405,7 +460,7 @@ class DistPool:
                 p = ctx.Process(
                     target=_worker_main,
                     args=(rank, self.world_size, self.port, paths, child_conn,
-                          os.getpid(), pg_timeout_s),
+                          os.getpid(), pg_timeout_s, dict(os.environ), os.getcwd()),
                     name=f"DistPool-w{self.world_size}-rank{rank}",
                     daemon=False,  # workers may start processes of their own
                 )

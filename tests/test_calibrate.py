@@ -80,6 +80,14 @@ def test_fit_alpha_beta_never_returns_zero():
     assert alpha + 1e6 * beta >= 1e-4
 
 
+def test_compute_share_is_the_cores_each_rank_gets_when_all_compute():
+    assert cal.compute_share(4, threads=1, cores=2) == 0.5
+    assert cal.compute_share(2, threads=2, cores=2) == 0.5
+    assert cal.compute_share(2, threads=1, cores=2) == 1.0
+    assert cal.compute_share(4, threads=2, cores=16) == 1.0  # enough cores: no sharing
+    assert 0 < cal.compute_share(64) <= 1  # this machine's cores and threads
+
+
 # ----------------------------------------------------------------------------- world 1
 
 
@@ -94,6 +102,10 @@ def test_world1_cli_writes_a_profile_that_loads(tmp_path, capsys):
     assert hw.intra_node_bandwidth == base.intra_node_bandwidth  # not measured at world 1
     assert hw.memory_bytes == base.memory_bytes
     assert "one rank" in hw.extra["links"] and "collectives" not in hw.extra
+    assert hw.collectives == {}  # not measured: every collective sees the link's figures
+    # a CPU's host is its own memory: offloading copies at the measured copy rate
+    assert hw.host_bandwidth == pytest.approx(hw.memory_bandwidth / 2)
+    assert 0 < hw.compute_share <= 1
     assert autopar.World(4, device=path).profile == hw
 
 
@@ -130,6 +142,12 @@ def test_world2_spawned_by_the_cli_measures_every_collective(tmp_path):
                   "inter_node_bandwidth"):
         assert positive(getattr(hw, field)), field
     assert hw.inter_node_bandwidth == hw.intra_node_bandwidth
+    # each collective's own fit goes into the profile, for the planner to price it by
+    assert set(hw.collectives) == set(OPS)
+    for op, fit in hw.collectives.items():
+        record = hw.extra["collectives"][op]
+        assert fit == {"algorithm": cal.FIT_ALGORITHM[op], "alpha": record["alpha"],
+                       "beta": record["beta"]}, op
     assert autopar.World(4, device=path).profile.intra_node_latency == hw.intra_node_latency
 
 

@@ -92,3 +92,41 @@ def test_min_devices_finds_the_fewest(capsys):
     assert data["world"]["devices"] == n and 1 < n <= 64
     # one device fewer (the next smaller size tried) did not fit
     assert data["min_devices"]["tried"], "smaller worlds were tried first"
+
+
+def test_executable_search_keeps_to_what_parallelize_runs(tmp_path, capsys):
+    """--executable searches only what parallelize runs and says what it left out; without
+    it nothing is left out (with cp and tp fixed the winner was, when written, Megatron-SP
+    beside the cp axis, which the runtime refuses)."""
+    fixed = [SMALL, "--world", "8", "--batch", "16", "--cp", "2", "--tp", "2"]
+    free, runnable = tmp_path / "free.json", tmp_path / "runnable.json"
+    assert main(["search", *fixed, "-o", str(free)]) == 0
+    assert main(["search", *fixed, "--executable", "-o", str(runnable)]) == 0
+    capsys.readouterr()
+    assert Plan.load(free).search["left_out"] == []
+    plan = Plan.load(runnable)
+    assert plan.unsupported() == []
+    assert plan.mesh == {"pp": 1, "dp": 2, "cp": 2, "tp": 2}
+    assert any("recomputation" in note for note in plan.search["left_out"])
+
+
+def test_explain_with_a_plan_file_takes_its_world_batch_and_dtype(tmp_path, capsys):
+    """`explain MODEL --plan FILE` with nothing else prices the plan on the world, device,
+    batch and dtype it was searched for; what the command line gives still wins."""
+    out = tmp_path / "plan.json"
+    assert main(["search", SMALL, "--world", "4", "--device", "a100-40gb", "--per-node", "4",
+                 "--batch", "12", "--dtype", "fp32", "-o", str(out)]) == 0
+    capsys.readouterr()
+    data = _json(capsys, ["explain", SMALL, "--plan", str(out), "--format", "json"])
+    assert data["world"] == {"devices": 4, "per_node": 4, "device": "a100-40gb"}
+    assert data["search"]["global_batch"] == 12 and data["search"]["dtype"] == "fp32"
+    assert data["mesh"] == Plan.load(out).mesh
+    data = _json(capsys, ["explain", SMALL, "--plan", str(out), "--batch", "24", "--format",
+                          "json"])
+    assert data["search"]["global_batch"] == 24
+
+
+def test_defaults_without_a_plan_file(capsys):
+    data = _json(capsys, ["explain", SMALL, "--format", "json"])
+    assert data["world"] == {"devices": 8, "per_node": 8, "device": "a100-80gb"}
+    assert data["search"]["global_batch"] == 8 and data["search"]["dtype"] == "bf16"

@@ -215,6 +215,36 @@ def test_placements_of_a_huge_regular_world_are_arithmetic(monkeypatch):
     comm._axis_placement.cache_clear()
 
 
+# ----------------------------------------------------------------------------- calibrated
+
+
+def test_a_calibrated_collective_inside_a_node_is_priced_by_its_own_figures():
+    """A profile from `autopar calibrate` carries each collective's fitted alpha and beta:
+    inside a node that op is priced by the formula it was fitted to with its own figures;
+    other ops, groups across nodes and an explicit algorithm keep the link model."""
+    import dataclasses
+
+    plain = machine(per_node=4)
+    fitted = {"all_gather": {"algorithm": "ring", "alpha": 1e-3, "beta": 2e-9},
+              "all_to_all": {"algorithm": "ring", "alpha": 5e-4, "beta": 1e-9}}
+    hw = dataclasses.replace(plain, collectives=fitted)
+    n, inside = 8e6, Placement(4, 4)
+    assert collective_time("all_gather", n, inside, hw) == pytest.approx(3 * 1e-3 + 0.75 * n * 2e-9)
+    # pairwise exchange on one link class: p - 1 steps of n / p bytes
+    assert collective_time("all_to_all", n, inside, hw) == pytest.approx(3 * (5e-4 + n / 4 * 1e-9))
+    assert collective_time("all_gather", n, Placement(2, 2), hw) == pytest.approx(1e-3 + n * 1e-9)
+    assert best_algorithm("all_gather", 1e3, inside, hw) == "ring"  # not the tree it fits
+    for op in ("all_reduce", "p2p"):  # not calibrated: the link's figures
+        assert collective_time(op, n, inside, hw) == collective_time(op, n, inside, plain)
+    across = Placement(8, 4, 1, 4)
+    assert collective_time("all_gather", n, across, hw) == collective_time("all_gather", n,
+                                                                           across, plain)
+    assert collective_time("all_gather", n, inside, hw, "tree") == collective_time(
+        "all_gather", n, inside, plain, "tree")
+    assert comm.fitted_time("all_gather", fitted["all_gather"], n, 4) == collective_time(
+        "all_gather", n, inside, hw)
+
+
 # ----------------------------------------------------------------------------- edges
 
 

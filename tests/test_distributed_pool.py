@@ -158,6 +158,21 @@ def test_device_mesh_uses_the_pool_world(pool4):
     assert [s for _, s in results] == [1.0, 1.0, 5.0, 5.0]
 
 
+def _environ_and_cwd(key):
+    return os.environ.get(key), os.getcwd()
+
+
+def test_workers_start_with_the_test_process_environment_and_directory(tmp_path,
+                                                                       monkeypatch):
+    """Workers are forked from a fork server started earlier, in another environment: they
+    take the variables and working directory the test process has when the pool starts."""
+    monkeypatch.setenv("AUTOPAR_POOL_PROBE", "set after the fork server started")
+    monkeypatch.chdir(tmp_path)
+    with DistPool(2, timeout_s=60) as pool:
+        got = pool.run(_environ_and_cwd, "AUTOPAR_POOL_PROBE")
+    assert got == [("set after the fork server started", os.getcwd())] * 2
+
+
 def test_unpicklable_fn_fails_in_parent_and_pool_survives(pool2):
     with pytest.raises(TypeError, match="module-level function"):
         pool2.run(lambda: 1)

@@ -28,6 +28,20 @@ AXES = {"2d": {"tp_i", "tp_j"}, "2.5d": {"tp_k", "tp_i", "tp_j", "tp_ki"},
         "3d": {"tp_a", "tp_b", "tp_c", "tp_ba", "tp_bc"}, "2d x dp2": {"tp_i", "tp_j", "dp"}}
 
 
+# One run per (model, plan): the memory tests read the gpt-tiny 2D and 3D runs that the
+# equivalence tests made (with the `_shares` probe, which reads the engine after the first
+# step), instead of training the same plan again. A test run alone makes its own.
+_RUNS: dict = {}
+
+
+def _run(pool, model: str, plan: str) -> list[dict]:
+    if (model, plan) not in _RUNS:
+        probe = _shares if (model, plan) in (("gpt-tiny", "2d"), ("gpt-tiny", "3d")) else None
+        _RUNS[model, plan] = pool.run(compare, model, TWO_D if plan == "2d" else PLANS8[plan],
+                                      probe=probe)
+    return _RUNS[model, plan]
+
+
 def _check_equal(results, mode: str) -> None:
     assert_equal(results)
     axes = {axis for (_, axis) in results[0]["measured"]}
@@ -41,7 +55,7 @@ def _check_equal(results, mode: str) -> None:
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny", "vit-tiny", "hf-gpt2"])
 def test_2d_equals_single_device(pool4, model):
-    _check_equal(pool4.run(compare, model, TWO_D), "2d")
+    _check_equal(_run(pool4, model, "2d"), "2d")
 
 
 def _layer_strategies(engine, inputs, target) -> dict[str, list[str]]:
@@ -115,7 +129,7 @@ def _check_shares(result: dict, q: int, weight_parts: int) -> None:
 
 
 def test_2d_memory_parameters_and_activations_are_split(pool4):
-    results = pool4.run(compare, "gpt-tiny", TWO_D, 1, probe=_shares)
+    results = _run(pool4, "gpt-tiny", "2d")
     for r in results:
         _check_shares(r["probe"], 2, 4)
         assert r["probe"]["forward"] <= 1e-5
@@ -147,7 +161,7 @@ def test_a_batch_the_grid_does_not_split_is_refused(pool4):
 @pytest.mark.parametrize("mode", ["2.5d", "3d"])
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny", "vit-tiny", "hf-gpt2"])
 def test_25d_and_3d_equal_single_device(pool8, model, mode):
-    _check_equal(pool8.run(compare, model, PLANS8[mode]), mode)
+    _check_equal(_run(pool8, model, mode), mode)
 
 
 def test_2d_with_data_parallelism_equals_single_device(pool8):
@@ -182,7 +196,7 @@ def test_searched_3d_plan_runs_and_equals_single_device(pool8, model):
 
 
 def test_3d_memory_parameters_and_activations_are_split(pool8):
-    results = pool8.run(compare, "gpt-tiny", PLANS8["3d"], 1, probe=_shares)
+    results = _run(pool8, "gpt-tiny", "3d")
     for r in results:
         _check_shares(r["probe"], 2, 8)
         assert r["probe"]["forward"] <= 1e-5

@@ -324,6 +324,133 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
     assert plan.search["left_out"] == res.left_out
 
 
+def test_executable_search_runs_a_replica_batch_in_one_pass_without_a_pipeline(small):
+    """Without a pipeline the runtime runs each replica's batch in one pass (no gradient
+    accumulation), so the executable search prices exactly that; pipelines keep their
+    micro-batches."""
+    world = World(8, per_node=4)
+    cands = planner.executable_candidates(small, world, global_batch=16)
+    flat = [c for c in cands if c.mesh["pp"] == 1]
+    assert flat and all(c.microbatches == 1 for c in flat)
+    assert all(c.micro_batch == 16 // c.mesh["dp"] for c in flat)
+    assert any(c.microbatches > 1 for c in cands if c.mesh["pp"] > 1)
+    res = planner.search(small, world, global_batch=16, executable=True)
+    assert any("gradient accumulation" in n for n in res.left_out)
+    with pytest.raises(PlanError, match="micro-batch"):  # asked for, at pp 1: nothing runs it
+        planner.search(small, world, global_batch=16, executable=True,
+                       constraints={"pp": 1, "microbatches": 2})
+
+
+def test_executable_candidates_are_the_whole_executable_space(small, tmp_path):
+    """Every executable plan, priced: the executable search's winner among them and the
+    fastest of them, each description once, Megatron-SP on and off, and each one a Plan
+    the runtime executes, predicted as its candidate was."""
+    world = World(4, per_node=4)
+    cands = planner.executable_candidates(small, world, global_batch=16, dtype="fp32")
+    names = [c.describe() for c in cands]
+    assert len(names) == len(set(names))
+    fits = [c for c in cands if c.fits]
+    assert [c.step_time for c in fits] == sorted(c.step_time for c in fits)
+    best = planner.search(small, world, global_batch=16, dtype="fp32", executable=True).best
+    assert best.describe() in names and best.step_time == pytest.approx(fits[0].step_time)
+    tp2 = [c for c in cands if c.mesh == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and c.zero == 0]
+    assert {"megatron" in c.describe() for c in tp2} == {True, False}
+    assert {c.mesh["pp"] for c in cands} == {1, 2}  # two blocks: two stages at most
+    # the 2x2 grid's blocks are there even where 1D beats them (a hopeless profile for 2D)
+    hw = dataclasses.replace(load_hardware("cpu"), collectives={
+        "all_gather": {"algorithm": "ring", "alpha": 1.0, "beta": 1e-3}})
+    path = str(tmp_path / "slow-gather.json")
+    hw.save(path)
+    slow = planner.executable_candidates(small, World(4, per_node=4, device=path),
+                                         global_batch=16, dtype="fp32")
+    for space in (cands, slow):
+        assert any(all(s.mode.name == "2d" for s, name in zip(c.states, small.names)
+                       if name.startswith("blocks.")) for c in space)
+    assert {c.schedule for c in cands if c.mesh["pp"] > 1} == {"gpipe", "1f1b"}
+    assert {(c.zero, c.offload) for c in cands if c.mesh["dp"] > 1} == {
+        (0, False), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)}
+    for cand in cands[:: max(1, len(cands) // 12)]:
+        plan = planner.candidate_plan(cand, small, world, 16, "fp32")
+        assert plan.unsupported() == [] and plan.mesh == cand.mesh
+        assert plan.predicted["step_time_s"] == cand.step_time
+        assert plan.search["winner"] == cand.describe()
+        plan.check_grid()
+        plan.check_sequence_parallel()
+
+
+def test_every_candidate_prices_the_space_run_searches(small):
+    """`Search.every` prices every leaf with no bound: `run`'s top plans are among its
+    candidates, and its fastest is `run`'s winner."""
+    from autopar.search.search import Constraints, Options, Search
+
+    world = World(8, per_node=4)
+    options = Options(global_batch=16, dtype="bf16", top=3)
+    every = Search(small, world, options, Constraints(tp=2)).every()
+    run = Search(small, world, options, Constraints(tp=2)).run()
+    fastest = min((c for c in every if c.fits), key=lambda c: c.step_time)
+    assert fastest.step_time == pytest.approx(run.best.step_time)
+    assert len(every) > run.candidates
+    assert {c.describe() for c in every} >= {c.describe() for c, _ in run.alternatives
+                                             if c.stages}
+
+
+def test_ranks_sharing_cores_absorb_the_pipeline_bubble(small, tmp_path):
+    """CPU ranks that outnumber their cores (compute_share < 1): a rank busy while others
+    wait in the bubble gets their cores, so a pipeline's step shrinks towards its busy
+    time; nothing changes without a pipeline, and the search stays exact (its bounds
+    shrink alike)."""
+    from autopar.search.search import Constraints, Options, Search
+
+    plain = World(4, per_node=4, device="cpu")
+    path = str(tmp_path / "cpu-shared.json")
+    dataclasses.replace(load_hardware("cpu"), name="cpu-shared", compute_share=0.5).save(path)
+    shared = World(4, per_node=4, device=path)
+    options = Options(global_batch=16, dtype="fp32", top=3)
+
+    def every(world, **fixed):
+        return {c.describe(): c for c in Search(small, world, options,
+                                                Constraints(**fixed)).every()}
+
+    alone, together = every(plain, pp=2), every(shared, pp=2)
+    assert alone.keys() == together.keys()
+    for name, c in together.items():
+        before = alone[name]
+        pipe_before = before.step_time - before.dp_comm_s - before.optimizer_s
+        busy = pipe_before - before.bubble_s  # m x the slowest rank's time per micro-batch
+        assert c.step_time - c.dp_comm_s - c.optimizer_s == pytest.approx(
+            max(busy, 0.5 * pipe_before))
+        assert 0 <= c.bubble_s <= before.bubble_s
+    assert any(c.step_time < alone[n].step_time for n, c in together.items())
+    flat_alone, flat_together = every(plain, pp=1), every(shared, pp=1)
+    assert {n: c.step_time for n, c in flat_alone.items()} == \
+        {n: c.step_time for n, c in flat_together.items()}
+    best = Search(small, shared, options, Constraints(pp=2)).run().best
+    assert best.step_time == pytest.approx(min(c.step_time for c in together.values()
+                                               if c.fits))
+
+
+def test_zero3_pays_collective_latency_once_per_layer(small):
+    """ZeRO-3 gathers and reduce-scatters layer by layer: the data-parallel sync of a
+    device with k layers of parameters is k collectives of each kind on 1/k of the bytes."""
+    from autopar.cost.comm import placements
+    from autopar.search.search import Constraints, Options, Search
+
+    search = Search(small, World(8, per_node=8, device="cpu"), Options(global_batch=16),
+                    Constraints())
+    pl = placements({"dp": 8}, ("dp",), 8)["dp"]
+    one = search._dp_time(8e6, 3, 2, pl)
+    four = search._dp_time(8e6, 3, 2, pl, units=4)
+    assert four == pytest.approx(4 * search._dp_time(2e6, 3, 2, pl))
+    assert four > one  # more latency, the same bytes
+    assert search._dp_time(8e6, 1, 2, pl, units=4) == search._dp_time(8e6, 1, 2, pl)
+    cands = Search(small, World(8, per_node=8, device="cpu"), Options(global_batch=16),
+                   Constraints(tp=1, pp=1, zero=3)).every()
+    layers = sum(1 for lt in small.layers() if lt.param_bytes > 0)
+    c = cands[0]
+    assert c.dp_comm_s == pytest.approx(search._dp_time(
+        c.memory["parameters"] * 8, 3, c.microbatches, pl, units=layers))
+
+
 def test_identical_blocks_split_differently_by_1d_are_different_kinds():
     # mlp-tiny: three Linear+GELU blocks of one structure; 1D splits the first by columns
     # (its input needs no gradient), the second by rows (an all-reduce forward), the third

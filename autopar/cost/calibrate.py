@@ -5,10 +5,15 @@ curve ``efficiency = gemm_efficiency * F / (F + gemm_half_flops)``, and one larg
 for the memory bandwidth. Communication, when ``torch.distributed`` runs more than one
 rank: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and point-to-point at
 several message sizes, each fitted by least squares to its formula in
-:mod:`autopar.cost.comm` for a per-collective alpha and beta, and all of them together
-for the link's alpha and beta. Facts that are not measured (memory size, host links, the
-peak of a dtype it cannot time) are kept from a built-in ``base`` profile, and the raw
-measurements go into the profile's ``extra``.
+:mod:`autopar.cost.comm` for a per-collective alpha and beta (the profile's
+``collectives``: the planner prices each collective inside a node with its own), and all
+of them together for the link's alpha and beta. On a CPU the host an optimizer is
+offloaded to is the same memory, so the host bandwidth is the measured copy rate, and
+``compute_share`` records how the ranks share the cores (cores / (ranks x threads), at
+most 1), since the rates measured with every rank busy are what each gets when all
+compute. Facts that are not measured (memory size, the peak of a dtype it cannot time)
+are kept from a built-in ``base`` profile, and the raw measurements go into the
+profile's ``extra``.
 
 Every rank measures and takes part in the collectives; all ranks agree on the numbers
 and return the same profile, and rank 0 writes the file.
@@ -341,6 +346,11 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
                   memory_bandwidth=moved / copy_s, memory_efficiency=1.0)
     if device.type == "cuda":
         fields["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    else:
+        # the host of a CPU rank is its own memory: an offload copy is a memory copy
+        # (``moved`` counts the read and the write of each byte copied)
+        fields["host_bandwidth"] = moved / copy_s / 2
+        fields["compute_share"] = compute_share(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     extra = {"matmul": {"dtype": curve_dtype, "dims": list(dims), "flops": flops,
                         "seconds": seconds},
              "matmul_other_dtypes": {dt: {"dim": dims[-1], "seconds": s}
@@ -350,6 +360,18 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
     if skipped:
         extra["matmul_skipped"] = skipped
     return fields, extra
+
+
+def compute_share(ranks: int, threads: int | None = None, cores: int | None = None) -> float:
+    """The share of its own full speed a CPU rank computes at while all ``ranks`` of this
+    machine compute (each with ``threads`` threads) on ``cores`` cores: 1 when the cores
+    suffice, else cores / (ranks x threads). Defaults: this process's threads and the
+    cores it may run on."""
+    threads = threads or torch.get_num_threads()
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1)
+    return min(1.0, cores / (max(1, ranks) * max(1, threads)))
 
 
 def _calibrate_links(sizes: Sequence[int], device: torch.device, effort: Effort,
@@ -364,7 +386,10 @@ def _calibrate_links(sizes: Sequence[int], device: torch.device, effort: Effort,
             samples += mine
     alpha, beta = fit_alpha_beta(samples, world)
     fields = dict(intra_node_latency=alpha, intra_node_bandwidth=1.0 / beta,
-                  inter_node_latency=alpha, inter_node_bandwidth=1.0 / beta)
+                  inter_node_latency=alpha, inter_node_bandwidth=1.0 / beta,
+                  collectives={op: {"algorithm": r["algorithm"], "alpha": r["alpha"],
+                                    "beta": r["beta"]}
+                               for op, r in measured.items() if "skipped" not in r})
     return fields, {"collectives": measured,
                     "links": "alpha and beta fitted over every collective measured; inter-node "
                              "copies intra-node, since the ranks measured share one node"}

@@ -325,7 +325,10 @@ def collective_time(op: str, nbytes: float, placement: Placement, hw: Hardware,
                     algorithm: str = "auto") -> float:
     """Seconds for one ``op`` on ``nbytes`` over each group of ``placement``.
 
-    ``algorithm="auto"`` takes the fastest of the op's algorithms. A group of one rank,
+    ``algorithm="auto"`` takes the fastest of the op's algorithms, or, for a group inside
+    one node on a profile that carries the op's own fitted figures (``hw.collectives``,
+    written by ``autopar calibrate``), the formula it was fitted to with those figures
+    (see :func:`fitted_time`). A group of one rank,
     or nothing to send, costs nothing. A group inside one node runs on intra-node links;
     a flat algorithm over a group that spans nodes pays the inter-node latency on every
     step and the node boundary's bandwidth (see :class:`Placement`).
@@ -336,10 +339,38 @@ def collective_time(op: str, nbytes: float, placement: Placement, hw: Hardware,
         raise ValueError(f"{op} of {nbytes} bytes: a message size cannot be negative.")
     if placement.size == 1 or nbytes == 0:
         return 0.0
+    fitted = _fitted(op, placement, hw) if algorithm == "auto" else None
+    if fitted is not None:
+        return fitted_time(op, fitted, nbytes, placement.size)
     link = links(placement, hw)
     return min(_time(alg, nbytes, placement, link) for alg in candidates)
 
 
+def _fitted(op: str, placement: Placement, hw: Hardware) -> dict | None:
+    """The profile's own figures for ``op`` (``Hardware.collectives``), which describe a
+    group inside one node: calibration measures the ranks of one machine."""
+    entry = hw.collectives.get(op) if hw.collectives else None
+    return entry if entry is not None and not placement.spans_nodes else None
+
+
+def fitted_time(op: str, fitted: dict, nbytes: float, p: int) -> float:
+    """Seconds of ``op`` on ``nbytes`` over ``p`` ranks of one node by the formula it was
+    fitted to (``fitted["algorithm"]``, one link class) with its own alpha and beta.
+
+    ``autopar calibrate`` fits each collective separately, so the backend's algorithm
+    choice and its overheads (gloo's all-gather and reduce-scatter move data about half as
+    fast as its all-reduce; a point-to-point exchange costs more latency than a broadcast)
+    are in the figures; the group size enters through the formula."""
+    alg = _lookup(op, fitted["algorithm"])
+    a, b = float(fitted["alpha"]), float(fitted["beta"])
+    if alg.two_level:
+        return alg.formula(nbytes, p, p, a, b, a, b)
+    return alg.formula(nbytes, p, a, b)
+
+
 def best_algorithm(op: str, nbytes: float, placement: Placement, hw: Hardware) -> str:
     """The algorithm ``collective_time(..., "auto")`` prices ``op`` with."""
+    fitted = _fitted(op, placement, hw)
+    if fitted is not None:
+        return fitted["algorithm"]
     return min(_algorithms(op), key=lambda name: collective_time(op, nbytes, placement, hw, name))

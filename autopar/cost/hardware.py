@@ -26,7 +26,10 @@ class Hardware:
     per message (the alpha of an alpha-beta model). Matrix multiplications reach
     ``gemm_efficiency`` of peak for large problems and half of that at
     ``gemm_half_flops`` FLOPs (efficiency = max * F / (F + half)); memory-bound ops reach
-    ``memory_efficiency`` of ``memory_bandwidth``.
+    ``memory_efficiency`` of ``memory_bandwidth``. A calibrated profile may carry each
+    collective's own fitted alpha and beta (``collectives``, see
+    :func:`autopar.cost.comm.collective_time`) and, for CPU ranks sharing fewer cores,
+    ``compute_share`` (see ``Search._pipeline_time``).
     """
 
     name: str
@@ -43,6 +46,14 @@ class Hardware:
     memory_efficiency: float = 0.8
     host_bandwidth: float = 25e9  # device <-> host (offload), bytes/s per device
     host_memory_bytes: int = 1024 * GiB  # per node
+    # op -> {"algorithm", "alpha", "beta"}: a collective's own latency and seconds per
+    # byte inside a node, fitted by `autopar calibrate` to its formula (backends run
+    # collectives unequally well); empty: every collective sees the link's alpha and beta
+    collectives: dict = field(default_factory=dict)
+    # the share of one device's full speed it computes at while every device of its node
+    # computes: 1 for accelerators; cores / (ranks x threads) for CPU ranks that outnumber
+    # the cores they share. Peak FLOP/s and bandwidths are the rates with all busy.
+    compute_share: float = 1.0
     source: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -6,12 +6,14 @@ counts each parameter of a bucket as done; the last one copies the bucket's grad
 into one flat buffer and starts its all-reduce asynchronously, so the sums travel while
 autograd computes the earlier layers' gradients (Li et al. 2020, PyTorch Distributed,
 §3.2.3 "bucketing gradients" and "overlapping computation with communication").
-`finish` (after the backward) sends the buckets some of whose parameters got no gradient,
-waits for every bucket and writes the means back into .grad. The bytes are those of one
-all-reduce of every gradient, as the plan predicts.
+`finish` (after the backward) sends the buckets not sent yet (some of whose parameters
+got no gradient, or the backward ran unarmed), waits for every bucket and writes the means
+back into .grad. The bytes are those of one all-reduce of every gradient, as the plan
+predicts.
 
-Not used under a pipeline, whose micro-batches accumulate every gradient several times
-before the data-parallel reduction.
+Under a pipeline (`autopar.runtime.pipeline`) each stage's buckets are armed for its last
+micro-batch's backward only: the earlier ones accumulate into .grad, the last completes
+each gradient and sends its bucket, as DDP's no_sync does.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class GradientBuckets:
             size += nbytes
         bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self._done = [0] * len(self.buckets)
+        self._sent: set[int] = set()  # buckets sent since the last finish
         self._flying: list[tuple] = []  # (bucket, work, flat buffer)
         self.armed = False  # the engine's train_step backward only, not a user's own
         self._hooks = [p.register_post_accumulate_grad_hook(
@@ -56,6 +59,7 @@ class GradientBuckets:
 
     def _send(self, b: int) -> None:
         self._done[b] = 0
+        self._sent.add(b)
         grads = [self.params[i].grad for i in self.buckets[b] if self.params[i].grad is not None]
         if not grads:
             return
@@ -65,20 +69,22 @@ class GradientBuckets:
         work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
         self._flying.append((b, work, flat))
 
-    def finish(self) -> None:
-        """After the backward: every gradient this rank holds becomes its mean over dp."""
-        for b, done in enumerate(self._done):
-            if done:  # some of its parameters got no gradient this time
+    def finish(self, divisor: int = 1) -> None:
+        """After the backward: every gradient this rank holds becomes its mean over dp (and
+        is divided by `divisor` too: a pipeline's micro-batch count)."""
+        for b in range(len(self.buckets)):
+            if b not in self._sent:  # some of its parameters got no gradient this time
                 self._send(b)
+        self._sent.clear()
         self.armed = False
         for b, work, flat in self._flying:
             work.wait()
-            flat /= self.dp.size
             offset = 0
             for i in self.buckets[b]:
                 grad = self.params[i].grad
-                if grad is not None:
-                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                if grad is not None:  # the sum's mean, written back in one pass
+                    torch.div(flat[offset:offset + grad.numel()].view_as(grad),
+                              self.dp.size * divisor, out=grad)
                     offset += grad.numel()
         self._flying.clear()
 

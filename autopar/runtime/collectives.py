@@ -9,6 +9,7 @@ runs the all-to-all and the ring shifts (logged as "p2p") of the sequence-parall
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,21 +27,35 @@ class CommRecord:
     axis: str
     bytes: int
     phase: str
+    layer: str | None = None  # the layer running when it was sent (see runtime.measure)
 
 
 @dataclass
 class CommLog:
-    """Every collective run, in order: op, mesh axis, payload bytes, phase."""
+    """Every collective run, in order: op, mesh axis, payload bytes, phase, the layer that
+    ran it and (`seconds`, one per record) how long the call blocked this rank: the whole
+    collective for the blocking ones of `AxisGroup`, 0 for those started asynchronously
+    (ZeRO buckets, ring shifts, pipeline sends), whose wait overlaps compute."""
 
     records: list[CommRecord] = field(default_factory=list)
     enabled: bool = True
+    seconds: list[float] = field(default_factory=list)
+    recorder: object | None = None  # a runtime.measure.Recorder naming the running layer
 
     def add(self, op: str, axis: str, nbytes: int, phase: str) -> None:
         if self.enabled:
-            self.records.append(CommRecord(op, axis, int(nbytes), phase))
+            layer = self.recorder.layer if self.recorder is not None else None
+            self.records.append(CommRecord(op, axis, int(nbytes), phase, layer))
+            self.seconds.append(0.0)
+
+    def took(self, start: float) -> None:
+        """The last record's call began at `start` (perf_counter) and has just returned."""
+        if self.enabled and self.seconds:
+            self.seconds[-1] = time.perf_counter() - start
 
     def clear(self) -> None:
         self.records.clear()
+        self.seconds.clear()
 
     def totals(self, phases=None) -> dict[tuple[str, str], int]:
         """Bytes per (op, axis), over the given phases (all by default)."""
@@ -68,32 +83,39 @@ class AxisGroup:
     log: CommLog
 
     def all_reduce(self, x: torch.Tensor, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        start = time.perf_counter()
         x = x.contiguous()
         self.log.add("all_reduce", self.axis, x.numel() * x.element_size(), phase)
         if self.size > 1:
             dist.all_reduce(x, op=op, group=self.group)
+            self.log.took(start)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int, groups: int, phase: str,
                    zigzag: bool = False) -> torch.Tensor:
         """The whole of a dim split over this axis (in `groups` blocks; `zigzag`: each block
         halved, member r holding chunks r and 2c-1-r of its 2c)."""
+        start = time.perf_counter()
         x = x.contiguous()
         self.log.add("all_gather", self.axis, x.numel() * x.element_size() * self.size, phase)
         if self.size == 1:
             return x
         out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
         dist.all_gather_single(out, x.reshape(-1), group=self.group)
-        return _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups, zigzag)
+        out = _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups, zigzag)
+        self.log.took(start)
+        return out
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, groups: int, phase: str,
                        zigzag: bool = False) -> torch.Tensor:
+        start = time.perf_counter()
         self.log.add("reduce_scatter", self.axis, x.numel() * x.element_size(), phase)
         if self.size == 1:
             return x
         stacked = _deinterleave(x, dim, groups, self.size, zigzag).contiguous()
         out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
+        self.log.took(start)
         return out.view(stacked.shape[1:])
 
     def broadcast(self, x: torch.Tensor, src: int, phase: str) -> torch.Tensor:
@@ -103,10 +125,12 @@ class AxisGroup:
         that is overwritten in place (after `.contiguous()`) and returned. Logs the tensor's
         bytes on every member, the sender included, as the other methods log even at size 1.
         """
+        start = time.perf_counter()
         x = x.contiguous()
         self.log.add("broadcast", self.axis, x.numel() * x.element_size(), phase)
         if self.size > 1:
             dist.broadcast(x, src=dist.get_global_rank(self.group, src), group=self.group)
+            self.log.took(start)
         return x
 
     def reduce(self, x: torch.Tensor, dst: int, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -115,10 +139,12 @@ class AxisGroup:
         Works in place on `x.contiguous()` and returns it; only member `dst` may read the
         result (the others hold unspecified values). Logs the tensor's bytes on every member.
         """
+        start = time.perf_counter()
         x = x.contiguous()
         self.log.add("reduce", self.axis, x.numel() * x.element_size(), phase)
         if self.size > 1:
             dist.reduce(x, dst=dist.get_global_rank(self.group, dst), op=op, group=self.group)
+            self.log.took(start)
         return x
 
     def all_to_all(self, x: torch.Tensor, scatter_dim: int, gather_dim: int,
@@ -128,6 +154,7 @@ class AxisGroup:
         member order. Logs the bytes of `x` (this rank's whole buffer, which equals what it
         receives), at size 1 too.
         """
+        start = time.perf_counter()
         self.log.add("all_to_all", self.axis, x.numel() * x.element_size(), phase)
         if self.size == 1:
             return x
@@ -138,7 +165,9 @@ class AxisGroup:
         send = _deinterleave(x, scatter_dim, 1, self.size).contiguous()  # [P, ..., m, ...]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        return _interleave(recv, gather_dim, 1)
+        out = _interleave(recv, gather_dim, 1)
+        self.log.took(start)
+        return out
 
     def shift(self, x: torch.Tensor, offset: int, phase: str, tag: int = 0) -> torch.Tensor:
         """Ring shift: send `x` to member (rank + offset) % size and return what member

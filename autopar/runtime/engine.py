@@ -13,6 +13,7 @@ stay the optimizer's masters; fp16 adds dynamic loss scaling (`autopar.runtime.s
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import sympy
@@ -29,6 +30,7 @@ from autopar.passes.tensor_parallel import (apply_solution, local_slice, shard_p
 from autopar.plan import Plan
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
 from autopar.runtime.kernels import RandomStreams, bind_streams
+from autopar.runtime.measure import Recorder, instrument
 from autopar.runtime.scaler import LossScaler
 from autopar.runtime.sequence import cut_sequence
 from autopar.sharding.axes import MULTI_D, TensorMesh
@@ -54,6 +56,9 @@ class Engine(nn.Module):
         self.scaler = LossScaler() if precision == "fp16" else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups["tp"].log
+        # per-layer time, saved bytes and the layer of each collective (runtime.measure)
+        self.recorder = Recorder()
+        self.comm_log.recorder = self.recorder
         self.loss_fn = loss_fn
         self._model = model  # kept until the training graph is traced, then released
         self._tp, self._dp = groups["tp"], groups["dp"]
@@ -183,6 +188,9 @@ class Engine(nn.Module):
         fixed = {t: fixed[t] for t in fixed if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
         self.train_gm = self._build(self.train_graph, self.train_solution)
+        self._global_batch = int(target.shape[0]) * self._dp.size
+        if self._pp.size == 1:  # (a pipeline's stages are instrumented once cut)
+            instrument(self.train_gm, self.recorder, 0)
         self._train_units = self._zero.rewrite(self.train_gm) if self._zero_three() else []
         self._model = None
         if self._dp.size > 1 and self._pp.size == 1 and self._zero is None:
@@ -191,6 +199,12 @@ class Engine(nn.Module):
             self._buckets = GradientBuckets(self._unique_params(), self._dp)
         if self._pp.size > 1:
             self._pipeline = self._build_pipeline(int(target.shape[0]) * self._dp.size)
+            runner = self._pipeline
+            for k in runner.mine:
+                instrument(runner.stages.modules[k], self.recorder, k, parameter_probes=False)
+            if runner.last_owner == self._pp.rank:
+                instrument(runner.stages.loss, self.recorder, len(runner.stages.modules),
+                           parameter_probes=False)
             if self._zero_sharded():
                 self._make_zero(self._pipeline.parameters(),
                                 self._pipeline.stage_parameters())
@@ -204,6 +218,7 @@ class Engine(nn.Module):
                         self._train_units += self._zero.rewrite(module)
                     runner.saving = self._zero.saving
                     self._zero.overlap = False
+            runner.saving = _stacked(self.recorder.saving, runner.saving)
             if getattr(self, "_held_optimizer", None):  # load() before the stages existed
                 from autopar.runtime.checkpoint import adopt_held_optimizer
 
@@ -312,8 +327,10 @@ class Engine(nn.Module):
         self._stage_of_layer = self._planned_stages(layers, n) or \
             self._balanced_stages(layers, n, global_batch, microbatches)
         stages = split_stages(self.train_gm, self._stage_of_layer, n, targets=1)
+        # without ZeRO the runner averages over dp too, overlapped with the last backward
         return PipelineRunner(stages, self._pp, pipe.schedule, microbatches, self._device,
-                              every_weight=self._sync_pipeline_params)
+                              every_weight=self._sync_pipeline_params,
+                              data=None if self._zero_sharded() else self._dp)
 
     def _planned_stages(self, layers: list[str], n: int) -> dict[str, int] | None:
         """The plan's own stage per layer, when it gives one for every layer of this
@@ -417,6 +434,7 @@ class Engine(nn.Module):
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on a global batch; the loss equals the single-device loss."""
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.recorder.begin_step(self.comm_log)
         *local_inputs, local_target = self._local_batch(inputs + (targets,))
         self._ensure_train_graph(tuple(local_inputs), local_target)
         *local_inputs, local_target = self._cut_sequence(tuple(local_inputs) + (local_target,),
@@ -434,15 +452,18 @@ class Engine(nn.Module):
                 self._zero.end_backward()
             self._release_pipeline_params()
         elif self._zero_three():  # saved parameters are gathered again in the backward
-            with self._zero.saving():
+            with self.recorder.saving(), self._zero.saving():
                 loss = self.train_gm(*local_inputs, local_target)
             self._backward(loss)
+            self.recorder.backward_done()
             self._zero.end_backward()
         else:
-            loss = self.train_gm(*local_inputs, local_target)
+            with self.recorder.saving():
+                loss = self.train_gm(*local_inputs, local_target)
             if self._buckets is not None:  # the all-reduce overlaps the backward
                 self._buckets.armed = True
             self._backward(loss)
+            self.recorder.backward_done()
         self._average_gradients()
         if self._overflowed():  # fp16: every rank skips this step alike
             self._drop_gradients()
@@ -460,6 +481,7 @@ class Engine(nn.Module):
         value = loss.detach().float().reshape(1)
         if self._dp.size > 1:
             value = self._dp.all_reduce(value, "step") / self._dp.size
+        self.recorder.finish_step(self.comm_log)
         return float(value)
 
     @property
@@ -545,8 +567,8 @@ class Engine(nn.Module):
         if self._zero is not None:  # each rank receives the mean of its pieces only
             self._zero.reduce_gradients()  # (one rank, offloaded: the host copies)
             return
-        if self._dp.size == 1:
-            return
+        if self._dp.size == 1 or (self._pipeline is not None and self._pipeline.data is not None):
+            return  # (a pipeline without ZeRO averaged over dp in its step)
         if self._buckets is not None:
             self._buckets.finish()
             return
@@ -579,10 +601,20 @@ class Engine(nn.Module):
     # ------------------------------------------------------------------ accounting
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
         """Bytes per (collective, axis) of one train_step at this global batch, from the plan."""
+        out: dict[tuple[str, str], int] = {}
+        for (op, axis, _), nbytes in self.predicted_comm_by_layer(global_batch).items():
+            out[(op, axis)] = out.get((op, axis), 0) + nbytes
+        return out
+
+    def predicted_comm_by_layer(self, global_batch: int) -> dict[tuple[str, str, str], int]:
+        """Bytes per (collective, axis, layer) of one train_step at this global batch, from
+        the plan; what the step sends outside the graph (the data-parallel gradient sync,
+        ZeRO, the world's norms) is under layer "(step)", ZeRO-3's gathers included."""
         if self.train_solution is None:
             raise PlanError("the training graph is traced at the first train_step; call it first.")
         local = global_batch // self._dp.size
-        out: dict[tuple[str, str], int] = {}
+        by_layer: dict[tuple[str, str, str], int] = {}
+        out: dict[tuple[str, str], int] = {}  # what the step sends outside the graph
         mine = self._pipeline_layers() if self._pipeline is not None else None
         # a pipeline runs every collective once per micro-batch, at the micro-batch's size
         runs = self._pipeline.microbatches if self._pipeline is not None else 1
@@ -591,9 +623,9 @@ class Engine(nn.Module):
         for c, factor in comm_factors(self.train_solution, self._compute_dtype):
             if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
                 continue
-            key = (c.op, c.axis)
+            key = (c.op, c.axis, layer_of.get(c.where) or "(step)")
             nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
-            out[key] = out.get(key, 0) + nbytes
+            by_layer[key] = by_layer.get(key, 0) + nbytes
         if self._dp.size > 1:
             grad_bytes = sum(p.numel() * p.element_size() for p in self._trained_params()
                              if p.requires_grad)
@@ -625,7 +657,32 @@ class Engine(nn.Module):
             world += 4
         if world:
             out[("all_reduce", "world")] = world
-        return out
+        for (op, axis), nbytes in out.items():
+            key = (op, axis, "(step)")
+            by_layer[key] = by_layer.get(key, 0) + nbytes
+        return by_layer
+
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def explain(self, format: str = "text", world=None):
+        """The plan's prediction beside what this rank measured over the steps run so far
+        (the first is a warm-up and not counted; `engine.recorder.reset()` starts afresh):
+        per layer the forward and backward time, the bytes its collectives moved and the
+        activations autograd saved, with the parameters it holds; per mesh axis the bytes
+        and the time blocked in collectives; the step time. `format="json"` returns the
+        numbers as a dict (autopar.measured). `world`: an autopar.World whose hardware
+        profile prices the plan (default: this machine's, `World(devices=..., device=
+        "profile.json")` for one from `autopar calibrate`)."""
+        from autopar.measured import measured_report, measured_text
+
+        data = measured_report(self, world)
+        if format == "json":
+            return data
+        if format != "text":
+            raise PlanError(f"explain format must be 'text' or 'json', not {format!r}.")
+        return measured_text(data)
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:
         """Per parameter name: (bytes held by this rank, bytes of the whole parameter)."""
@@ -802,6 +859,16 @@ def check_grid_dims(traced, plan: Plan, mesh) -> None:
 
 def _key(pinfo) -> int:
     return hash(pinfo.names)
+
+
+def _stacked(outer, inner):
+    """A context factory entering `outer()` then `inner()`."""
+    @contextlib.contextmanager
+    def both():
+        with outer(), inner():
+            yield
+
+    return both
 
 
 def _blank(tensors: tuple, device: torch.device) -> tuple:

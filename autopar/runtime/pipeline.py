@@ -13,6 +13,13 @@ averaged over micro-batches (each parameter's once, after the schedule), so they
 the whole batch's mean loss gradient. `step` returns that mean loss on every member.
 A parameter read by stages on different members (a tied embedding) has its gradient
 summed over them after the schedule's backward.
+
+With `data` (the data-parallel axis, when no ZeRO state takes the gradients) the runner
+also averages the gradients over it, as DDP under torch's PipelineStage does: each stage's
+parameters are bucketed in the order its backward finishes them
+(`autopar.runtime.buckets`), and the buckets are armed for the stage's last micro-batch's
+backward, so their all-reduces overlap it (and the pipeline's drain on the later stages)
+rather than following the schedule; the micro-batch mean is taken in the same pass.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 class PipelineRunner:
     def __init__(self, stages: Stages, group: AxisGroup, schedule: str, microbatches: int,
-                 device: torch.device | str = "cpu", every_weight=None):
+                 device: torch.device | str = "cpu", every_weight=None,
+                 data: AxisGroup | None = None):
         p, rank = group.size, group.rank
         n = len(stages.modules)
         if n != stage_count(schedule, p, max(1, n // p)):
@@ -95,6 +103,35 @@ class PipelineRunner:
             if rank in owners:
                 self._tied.append((self._by_name[name], tie))
                 self._copies[id(self._by_name[name])] = len(owners)
+        # parameter attribute -> the member that trains it (fixed by the cut)
+        self._owners: dict[str, int] = {}
+        for k, names in enumerate(stages.params):
+            owner = stage_owner(schedule, k, p)
+            for name in names:
+                self._owners[name] = min(self._owners.get(name, owner), owner)
+        self.data = data if data is not None and data.size > 1 else None
+        self._buckets = self._data_buckets() if self.data is not None else None
+
+    def _data_buckets(self) -> list | None:
+        """Per stage of this member, its parameters' data-parallel buckets (None: reduce
+        after the schedule instead: under zero-bubble, whose weight pass writes .grad
+        without autograd's accumulation hooks, or when two of this member's stages share a
+        parameter)."""
+        from autopar.runtime.buckets import GradientBuckets
+
+        if self.schedule_name == "zero_bubble":
+            return None
+        per_stage = []
+        for j, k in enumerate(self.mine):
+            graphs = [self.stages.modules[k]] + \
+                ([self.stages.loss] if k == len(self.stages.modules) - 1 else [])
+            names = [node.target for m in graphs for node in m.graph.nodes
+                     if node.op == "get_attr" and node.target in self.stages.params[k]]
+            per_stage.append(_unique([self._by_name[name] for name in names]))
+        ids = [id(q) for params in per_stage for q in params]
+        if len(ids) != len(set(ids)):
+            return None
+        return [GradientBuckets(params, self.data) for params in per_stage]
 
     def _prepare(self, inputs: tuple) -> None:
         """Build the schedule for this micro-batch shape. The stages get example inputs and
@@ -129,6 +166,8 @@ class PipelineRunner:
         for j, stage in enumerate(stages):
             stage.weights_done = functools.partial(self._weights_done, j)
             stage.saving = lambda: self.saving()
+            if self._buckets is not None:
+                stage.last_backward_starts = functools.partial(self._arm, j)
         loss = self.stages.loss
 
         def loss_fn(output, target):
@@ -146,6 +185,9 @@ class PipelineRunner:
                              scale_grads=False)
         self._shapes = shapes
 
+    def _arm(self, j: int) -> None:
+        self._buckets[j].armed = True
+
     def _weights_done(self, j: int) -> None:
         if self.weights_done is not None:
             self.weights_done(j)
@@ -153,12 +195,7 @@ class PipelineRunner:
     def param_owners(self) -> dict[str, int]:
         """Parameter attribute -> the member whose stages train it (the lowest, for a tied
         parameter: every owner holds the same value)."""
-        out: dict[str, int] = {}
-        for k, names in enumerate(self.stages.params):
-            owner = stage_owner(self.schedule_name, k, self.group.size)
-            for name in names:
-                out[name] = min(out.get(name, owner), owner)
-        return out
+        return dict(self._owners)
 
     def copies(self, param: torch.nn.Parameter) -> int:
         """On how many pipeline members `param` lives (2 or more for a tied parameter)."""
@@ -196,9 +233,15 @@ class PipelineRunner:
         # with it (under zero-bubble, whose input-gradient pass retains the graph) the
         # saved activations the weight-gradient pass does not free, to the end of the step
         self._schedule.step(*args, return_outputs=False, **kwargs)
-        for param in self._params:  # the sum over micro-batches of their mean losses' grads
-            if param.grad is not None:
-                param.grad.div_(self.microbatches)
+        if self._buckets is not None:  # the mean over dp and over the micro-batches
+            for buckets in self._buckets:
+                buckets.finish(self.microbatches)
+        elif self.data is not None:
+            self._average_over_data()
+        else:
+            for param in self._params:  # the sum over micro-batches of their mean losses' grads
+                if param.grad is not None:
+                    param.grad.div_(self.microbatches)
         for param, tie in self._tied:
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=tie)
@@ -210,6 +253,19 @@ class PipelineRunner:
                            group=self.group.group)
         return float(value[0])
 
+    def _average_over_data(self) -> None:
+        """The gradients' mean over dp and the micro-batches, in one all-reduce."""
+        params = [q for q in self._params if q.grad is not None]
+        if not params:
+            return
+        flat = torch.cat([q.grad.reshape(-1) for q in params])
+        self.data.all_reduce(flat, "backward")
+        flat /= self.data.size * self.microbatches
+        offset = 0
+        for q in params:
+            q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
+            offset += q.grad.numel()
+
 
 class _Stage(PipelineStage):
     """A stage that says when one micro-batch's weight gradients are made: after a full
@@ -218,6 +274,7 @@ class _Stage(PipelineStage):
 
     weights_done = None
     saving = contextlib.nullcontext
+    last_backward_starts = None  # called before the last micro-batch's full backward
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self.saving():
@@ -225,6 +282,8 @@ class _Stage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
+        if last_backward and full_backward and self.last_backward_starts is not None:
+            self.last_backward_starts()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
         if full_backward and self.weights_done is not None:

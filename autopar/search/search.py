@@ -247,35 +247,7 @@ class Search:
         """Price every leaf's lower bound, then evaluate leaves best bound first until the
         bound passes the k-th best plan found (branch and bound: exact for the top k)."""
         start = time.perf_counter()
-        world = self.world.devices
-        seq = self.chain.tokens_per_sample
-        has_attention = any(lt.attention for lt in self.chain.types)
-        heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
-
-        def seq_ok(cp: int) -> bool:
-            if cp == 1:
-                return True
-            if self.opt.executable is not None and "cp" not in self.opt.executable.get("axes", ()):
-                return False
-            # a chosen cp leaves each rank 256 tokens or more; a fixed one only has to divide
-            return has_attention and seq % cp == 0 and (seq // cp >= 256 or self.c.cp == cp)
-
-        meshes = factorisations(world, self.c, len(self.blocks) or 1, seq_ok)
-        if self.opt.executable is not None:
-            axes = self.opt.executable.get("axes", ("dp", "tp"))
-            meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)
-                      and (self.opt.executable.get("cp_with_tp", True) or m["cp"] == 1
-                           or m["tp"] == 1)]
-            self.left_out.extend(_not_executable(self.opt.executable))
-        if not meshes:
-            raise PlanError(self._no_mesh_reason(world))
-        leaves = []
-        for i, mesh in enumerate(meshes):
-            if progress:
-                progress(i, 2 * len(meshes))
-            leaves.extend(self._leaves(mesh, heads))
-        if not leaves:
-            raise PlanError(self._no_leaf_reason(meshes))
+        meshes, leaves = self._all_leaves(progress)
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
         top: list = []  # max-heap by time of the k best fitting candidates
         per_mesh: dict = {}
@@ -310,6 +282,54 @@ class Search:
         alternatives = alternatives[: self.opt.top]
         return SearchResult(winner, alternatives, self.candidates, time.perf_counter() - start,
                             self.left_out, self.opt.attention_kernel)
+
+    def _all_leaves(self, progress=None) -> tuple[list[dict], list]:
+        """The meshes this search allows and every leaf under them (mesh x cp mode x
+        micro-batch x schedule), each with its lower bound, in a fixed order."""
+        world = self.world.devices
+        seq = self.chain.tokens_per_sample
+        has_attention = any(lt.attention for lt in self.chain.types)
+        heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
+
+        def seq_ok(cp: int) -> bool:
+            if cp == 1:
+                return True
+            if self.opt.executable is not None and "cp" not in self.opt.executable.get("axes", ()):
+                return False
+            # a chosen cp leaves each rank 256 tokens or more; a fixed one only has to divide
+            return has_attention and seq % cp == 0 and (seq // cp >= 256 or self.c.cp == cp)
+
+        meshes = factorisations(world, self.c, len(self.blocks) or 1, seq_ok)
+        if self.opt.executable is not None:
+            axes = self.opt.executable.get("axes", ("dp", "tp"))
+            meshes = [m for m in meshes if all(m[a] == 1 for a in ("pp", "cp") if a not in axes)
+                      and (self.opt.executable.get("cp_with_tp", True) or m["cp"] == 1
+                           or m["tp"] == 1)]
+            self.left_out.extend(_not_executable(self.opt.executable))
+        if not meshes:
+            raise PlanError(self._no_mesh_reason(world))
+        leaves = []
+        for i, mesh in enumerate(meshes):
+            if progress:
+                progress(i, 2 * len(meshes))
+            leaves.extend(self._leaves(mesh, heads))
+        if not leaves:
+            raise PlanError(self._no_leaf_reason(meshes))
+        return meshes, leaves
+
+    def every(self, progress=None) -> list[Candidate]:
+        """Every candidate this search can price, not only the top k: each leaf (mesh, cp
+        mode, micro-batch, schedule) with each ZeRO stage and offload it allows, in leaf
+        order, each layer's state chosen by the dynamic program as in `run`. Nothing is
+        skipped by a bound, so this prices the whole space (for benchmarks that run every
+        plan and for checking the search; `run` answers the planner's question)."""
+        _, leaves = self._all_leaves(progress)
+        out = []
+        for leaf in leaves:
+            for cand in self._evaluate(leaf):
+                self.candidates += 1
+                out.append(cand)
+        return out
 
     def _no_mesh_reason(self, world: int) -> str:
         fixed = {k: v for k, v in vars(self.c).items()
@@ -417,6 +437,10 @@ class Search:
             micro = [b for b in divisors(per_replica) if b == c.micro_batch_size]
         if c.microbatches is not None:
             micro = [b for b in micro if per_replica // b == c.microbatches]
+        if mesh["pp"] == 1 and not (self.opt.executable or {}).get("accumulation", True):
+            # without a pipeline the runtime runs a replica's whole batch in one pass
+            micro = [per_replica] if c.micro_batch_size in (None, per_replica) and \
+                c.microbatches in (None, 1) else []
         grad_pl = None
         out = []
         for cp_mode in cp_modes:
@@ -451,6 +475,8 @@ class Search:
                         pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
                     else:
                         pipe = (m - 1) * slowest + pp * avg
+                    if pp > 1 and self.hw.compute_share < 1:  # as _pipeline_time absorbs it
+                        pipe = max(m * slowest, self.hw.compute_share * pipe)
                     out.append(_Leaf(pipe + dp_lb, next(self._leaf_numbers), dict(mesh), pl,
                                      grad_pl, cp_mode, b, m, schedule, v, prep, None, None,
                                      zeros))
@@ -502,16 +528,22 @@ class Search:
                 if offload and (zero == 0 or (self.opt.executable is not None and not
                                               self.opt.executable.get("offload", False))):
                     continue
+                if offload and zero == 3 and mesh["dp"] == 1 and self.opt.executable is not None:
+                    continue  # the runtime cuts ZeRO-3 pieces over dp alone (Plan.unsupported)
                 out.append((zero, offload))
         return out
 
-    def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl) -> float:
+    def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl, units: int = 1) -> float:
         """Data-parallel gradient sync of one device's parameters. ZeRO-1 reduce-scatters
         gradients and all-gathers parameters once; ZeRO-2 reduce-scatters every micro-batch;
         ZeRO-3 also all-gathers parameters for each micro-batch's forward and backward
-        (Rajbhandari et al. 2019)."""
+        (Rajbhandari et al. 2019), layer by layer (`autopar.runtime.zero3`): `units`, the
+        layers holding parameters, each gather and reduce-scatter its own share, so the
+        latency is paid once per layer (equal shares: the bandwidth term is unchanged)."""
         if grad_pl.size <= 1:
             return 0.0
+        if zero == 3 and units > 1:
+            return units * self._dp_time(param_bytes / units, zero, m, grad_pl)
         key = ("dp", param_bytes, grad_pl)
         hit = self._cost_cache.get(key)
         if hit is None:
@@ -533,6 +565,13 @@ class Search:
             total = m * slowest
         else:  # closed forms of autopar.cost.schedule (checked against its simulation)
             total = step_time(schedule, pp, m, [float(x) for x in dev], v)
+            share = self.hw.compute_share
+            if share < 1:
+                # ranks time-sharing fewer cores (CPU): while some wait in the bubble the
+                # busy ones get their cores, up to 1/share faster than the all-busy rates
+                # the profile holds, so the schedule's critical path shrinks by up to
+                # `share`; the bubble is absorbed, down to the busy time itself
+                total = max(m * slowest, share * total)
         return total, total - m * slowest, dev
 
     def _in_flight(self, schedule, pp, v, m) -> np.ndarray:
@@ -609,7 +648,10 @@ class Search:
                                                 leaf.v, leaf.m, leaf.schedule, leaf.pl, leaf.b)
         worst = float(params_dev.max())
         replicas = mesh["dp"] * mesh["cp"]
-        dp_s = self._dp_time(worst, zero, leaf.m, leaf.grad_pl)
+        heaviest = int(np.argmax(params_dev))
+        units = sum(1 for i, s in enumerate(chosen)  # its layers holding parameters
+                    if leaf.device_of[i] == heaviest and prep.cost(i, s).params > 0)
+        dp_s = self._dp_time(worst, zero, leaf.m, leaf.grad_pl, units=max(1, units))
         hw, e = self.hw, self.chain.dtype_bytes
         local = worst / (replicas if zero else 1)
         elements = local / e
@@ -903,6 +945,9 @@ def _not_executable(executable: dict) -> list[str]:
         out.append("ZeRO stage " + "/".join(map(str, with_pp)) + " together with a pipeline")
     if not executable.get("offload", False):
         out.append("optimizer offload")
+    if not executable.get("accumulation", True):
+        out.append("gradient accumulation over micro-batches when pp is 1 (a replica's batch "
+                   "runs in one pass)")
     out = [w + ": the runtime cannot execute it yet" for w in out]
     if "pp" not in axes:
         out.insert(0, "pipeline parallelism (pp > 1): runs from a plan that names it "
