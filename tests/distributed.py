@@ -80,6 +80,10 @@ _FAILURE_GRACE_S = 0.5
 # While waiting for answers, wake up at least this often to check liveness.
 _POLL_S = 0.2
 _JOIN_S = 3.0
+# A pool asked to stop waits this long for its workers to exit before
+# terminating them: they stop at once, but a forked worker's exit reaches the
+# test process through the fork server, late on a heavily loaded machine.
+_STOP_S = 15.0
 # Set in pool workers: a DistPool created there means a test module starts a
 # pool at import time (the workers import test modules to find ``fn``).
 _IN_WORKER = False
@@ -210,7 +214,7 @@ def _shutdown(processes: list, conns: list) -> None:
                 c.send_bytes(stop)
             except Exception:
                 pass
-    deadline = time.monotonic() + _JOIN_S
+    deadline = time.monotonic() + _STOP_S
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
     _terminate(processes, conns)
