@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,16 +200,20 @@ def test_long_scripts_exist_and_answer_help():
     takes every option the README gives it."""
     long = [argv for _, argv in ALL_COMMANDS if _kind(argv) == "long"]
     assert long
-    env = _env()
-    procs = [(argv, subprocess.Popen([sys.executable, argv[1], "--help"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-             for argv in long]
-    for argv, proc in procs:
+    for argv in long:
         assert (ROOT / argv[1]).is_file(), argv[1]
-        out, err = proc.communicate(timeout=TIMEOUT)
-        assert proc.returncode == 0 and out.startswith("usage:"), f"{argv[1]} --help: {err}"
+
+    def helps(argv):
+        return subprocess.run([sys.executable, argv[1], "--help"], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each imports torch: two cores
+        done = list(pool.map(helps, long))
+    for argv, help_ in zip(long, done):
+        assert help_.returncode == 0 and help_.stdout.startswith("usage:"), \
+            f"{argv[1]} --help: {help_.stderr}"
         for option in (a for a in argv[2:] if a.startswith("--")):
-            assert option in out, f"{argv[1]} has no option {option}"
+            assert option in help_.stdout, f"{argv[1]} has no option {option}"
 
 
 def _declared_options(path: Path) -> set[str]:
