@@ -281,6 +281,8 @@ def _crash_mid_save(root: str) -> dict:
     out["after_crash"] = sorted(os.listdir(root))
     out["tmp_files"] = sorted(os.listdir(os.path.join(root, ".tmp-step-00000002")))
     out["latest"] = open(os.path.join(root, "latest")).read().strip()
+    # rank 0's next save clears leftovers of crashed saves: every rank reads them first
+    dist.barrier()
 
     def pointer_lost(path, text):
         raise OSError("killed before the pointer moved")
@@ -293,6 +295,7 @@ def _crash_mid_save(root: str) -> dict:
             out["raised_pointer"] = str(e)
     out["after_pointer"] = sorted(os.listdir(root))
     out["latest_pointer"] = open(os.path.join(root, "latest")).read().strip()
+    dist.barrier()
 
     fresh = _engine(GPT, {"data": 2}, seed=1)
     out["loaded"] = fresh.load(root)

@@ -100,6 +100,10 @@ def test_balance_reaches_the_dp_bottleneck(costs, k):
 # cut from the first stage, the two light layers filled stage 0 and the last one, with
 # activations, landed on stage 1, which keeps one micro-batch more than stage 2
 @example(layers=[(1.0, 1.0, 0.0), (1.0, 1.0, 0.0), (1.0, 1.0, 1.0)], k=3, cap=2.0)
+# the last layer alone is the bottleneck, and its time read off the prefix sums rounds
+# below its own cost
+@example(layers=[(1.012282850841164, 1.0, 0.0), (1.8, 1.0, 0.0), (0.8, 1.0, 0.0),
+                 (4.592776171893837, 1.0, 0.0)], k=2, cap=3.0)
 def test_balance_within_memory_is_the_best_contiguous_split_that_fits(layers, k, cap):
     """Against every contiguous split: stage s holds parameters and (k - s) micro-batches
     of activations, as a 1F1B pipeline does."""

@@ -111,8 +111,11 @@ def balance_within(costs, weights, capacity, k: int) -> list[int] | None:
             end = start
         return out[::-1]
 
+    # every bottleneck is some run's time; a one-layer run read off the prefix sums can
+    # round a hair below that layer's own cost, so the floor keeps a relative slack (the
+    # greedy check allows the same slack above the limit)
     candidates = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(n + 1, 1)])
-    candidates = candidates[candidates >= costs.max()]
+    candidates = candidates[candidates >= costs.max() * (1 - 1e-12)]
     lo, hi = 0, len(candidates) - 1
     if starts_within(candidates[hi]) is None:
         return None
