@@ -54,6 +54,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
             check_sequence_dims(traced, chosen)
     _init_process_group(size)
     _check_process_group(size)
+    example_inputs = _place_on_rank_device(model, tuple(example_inputs))
     if chosen is None:
         chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
         _check_executable(chosen)
@@ -109,6 +110,44 @@ def _init_process_group(size: int) -> None:
                               is_master=rank == 0 and not agent)
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
                                 rank=rank, world_size=size)
+
+
+def rank_device(backend: str, environ=os.environ, device_count: int | None = None):
+    """The device this rank computes on: under NCCL, its own GPU (LOCAL_RANK, which torchrun
+    sets, else the global rank modulo the GPUs of this node); None under gloo, where the
+    model stays where the user put it."""
+    if backend != "nccl":
+        return None
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if count < 1:
+        raise WorldError("the process group runs NCCL but this process sees no GPU; "
+                         "initialise it with the gloo backend to train on the CPU.")
+    if "LOCAL_RANK" in environ:
+        local = int(environ["LOCAL_RANK"])
+    else:
+        local = int(environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0)) % count
+    if local >= count:
+        raise WorldError(f"LOCAL_RANK {local} but this process sees {count} GPU"
+                         f"{'s' if count > 1 else ''}; start at most {count} processes per node "
+                         "or widen CUDA_VISIBLE_DEVICES.")
+    return torch.device("cuda", local)
+
+
+def _place_on_rank_device(model: nn.Module, example_inputs: tuple) -> tuple:
+    """Under NCCL, make this rank's GPU the current device, move a model left on the CPU
+    onto it (in place, as nn.Module.to does) and return the example inputs there too; the
+    engine moves each batch to its model's device. Nothing changes under gloo or on one
+    process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return example_inputs
+    device = rank_device(dist.get_backend())
+    if device is None:
+        return example_inputs
+    torch.cuda.set_device(device)
+    if any(p.device.type == "cpu" for p in model.parameters()) or \
+            any(b.device.type == "cpu" for b in model.buffers()):
+        model.to(device)
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs)
 
 
 def _check_process_group(size: int) -> None:

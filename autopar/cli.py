@@ -12,10 +12,13 @@ import importlib
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
 from autopar.planner import DTYPES
 
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 
 class Progress:

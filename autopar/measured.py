@@ -14,7 +14,6 @@ the comm log, all on this rank, averaged over the counted steps.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 from autopar.errors import PlanError
@@ -35,7 +34,6 @@ def measured_report(engine, world: World | None = None) -> dict:
     steps = rec.steps
     runner = engine._pipeline
     m = runner.microbatches if runner is not None else 1
-    dp = engine._dp.size
     global_batch = engine._global_batch
     mine = engine._pipeline_layers() if runner is not None else None
     names = [layer.name for layer in engine.train_graph.layers]

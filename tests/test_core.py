@@ -349,6 +349,22 @@ def test_parallelize_world1_matches_eager_and_rejects_bad_input():
         autopar.parallelize(model, 2, example_inputs=(x,))
 
 
+def test_each_nccl_rank_computes_on_its_own_gpu():
+    """Which device a rank trains on: its LOCAL_RANK's GPU under NCCL (the global rank
+    modulo the node's GPUs without LOCAL_RANK), nothing moved under gloo, and clear errors
+    when the GPUs do not match the processes."""
+    from autopar.api import rank_device
+
+    assert rank_device("gloo", {"LOCAL_RANK": "3"}, device_count=0) is None
+    assert rank_device("nccl", {"LOCAL_RANK": "3", "RANK": "11"}, device_count=8) == \
+        torch.device("cuda", 3)
+    assert rank_device("nccl", {"RANK": "11"}, device_count=8) == torch.device("cuda", 3)
+    with pytest.raises(autopar.WorldError, match="sees no GPU"):
+        rank_device("nccl", {"LOCAL_RANK": "0"}, device_count=0)
+    with pytest.raises(autopar.WorldError, match="LOCAL_RANK 4 but this process sees 4 GPUs"):
+        rank_device("nccl", {"LOCAL_RANK": "4"}, device_count=4)
+
+
 def test_cli_explain_json(capsys):
     from autopar.cli import main
 

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from distributed import dist_pool_fixture
 from equivalence import build

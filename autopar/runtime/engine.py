@@ -428,7 +428,8 @@ class Engine(nn.Module):
                 raise PlanError(f"the global batch {t.shape[0]} does not split over {dp} "
                                 f"data-parallel ranks; use a multiple of {dp}.")
             n = t.shape[0] // dp
-            out.append(t[self._dp.rank * n:(self._dp.rank + 1) * n])
+            # a batch from a CPU data loader goes to the model's device (NCCL: this rank's GPU)
+            out.append(t[self._dp.rank * n:(self._dp.rank + 1) * n].to(self._device))
         return tuple(out)
 
     def train_step(self, inputs, targets) -> float:
@@ -593,6 +594,8 @@ class Engine(nn.Module):
                                 f"{self.mesh.mode} batch split of {split}; use a multiple of "
                                 f"{split}.")
         self._sync_pipeline_params()
+        inputs = tuple(t.to(self._device) if isinstance(t, torch.Tensor) else t
+                       for t in inputs)
         out = self.forward_gm(*self._cut_sequence(inputs, self.forward_graph))
         if self._zero_three():
             self._zero.drain()
