@@ -201,13 +201,8 @@ def _round_robin(spec, batch, jobs, profile, warmup, steps) -> list[dict]:
     out = [{"median_s": statistics.median(ts), "steps_s": ts,
             "winner": e.plan.search.get("winner") if e.plan.search else None}
            for ts, (e, _, _) in zip(times, engines)]
-    groups = {id(g.group): g.group for e, _, _ in engines for g in e.groups.values()
-              if g.group is not None and g.group is not dist.group.WORLD}
-    del engines
+    del engines  # (engines with the same mesh share their process groups: runtime.mesh)
     gc.collect()
-    dist.barrier()
-    for group in groups.values():  # each engine made its own; a hundred plans would pile up
-        dist.destroy_process_group(group)
     return out
 
 

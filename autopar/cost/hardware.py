@@ -29,7 +29,7 @@ class Hardware:
     ``memory_efficiency`` of ``memory_bandwidth``. A calibrated profile may carry each
     collective's own fitted alpha and beta (``collectives``, see
     :func:`autopar.cost.comm.collective_time`) and, for CPU ranks sharing fewer cores,
-    ``compute_share`` (see ``Search._pipeline_time``).
+    ``compute_share`` (see :func:`autopar.cost.schedule.time_shared`).
     """
 
     name: str

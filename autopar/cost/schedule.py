@@ -276,3 +276,63 @@ def step_time(schedule: str, members: int, microbatches: int, device_s, chunks: 
     if schedule == "zero_bubble":
         return m * slowest + (p - 1) * slowest / (6 if m >= 2 * p else 3)
     return (m - 1) * slowest + total
+
+
+
+def time_shared(schedule: str, members: int, microbatches: int, stage_s, share: float,
+                chunks: int = 1, weight_share: float = 0.5) -> float:
+    """Step time of the pipeline when its ranks time-share fewer cores than they are (a
+    CPU: ``share`` = cores / (ranks x threads) < 1), from each stage's seconds per
+    micro-batch (forward + backward, transfers included, the backward twice the forward)
+    at the rates measured with every rank busy.
+
+    A rank that waits, in the bubble or because its stages are lighter, hands its cores to
+    the busy ones. The schedule is played as a fluid: every replica of the pipeline runs
+    alike, so one pipeline owns ``share x members`` cores; while k of its ranks can run,
+    each gets min(1, cores / k) of a core, 1/share times the all-busy rate at a whole
+    core. Without sharing (share >= 1) this is the schedule's own step."""
+    p, m = members, microbatches
+    n = stage_count(schedule, p, chunks)
+    stage_s = [float(x) for x in stage_s]
+    if len(stage_s) != n:
+        raise ValueError(f"per-stage costs must have {n} entries (one per stage)")
+    fwd = [x / 3 for x in stage_s]
+    bwd = [2 * x / 3 for x in stage_s]
+    work = {"F": fwd, "B": bwd, "I": [b * (1 - weight_share) for b in bwd],
+            "W": [b * weight_share for b in bwd]}
+    orders = order(schedule, p, m, chunks)
+    grad_kind = {s: kind for ops in orders for kind, s, _ in ops if kind in ("B", "I")}
+
+    def deps(kind, s, i):
+        if kind == "F":
+            return [("F", s - 1, i)] if s > 0 else []
+        if kind in ("B", "I"):
+            return [("F", s, i)] + ([(grad_kind[s + 1], s + 1, i)] if s < n - 1 else [])
+        return [("I", s, i)]
+
+    cores = min(1.0, share) * p
+    tiny = 1e-12 * (max(stage_s) or 1.0)
+    done: set = set()
+    pos, left = [0] * p, [None] * p  # per rank: next action, all-busy seconds it still needs
+    now, remaining = 0.0, sum(len(ops) for ops in orders)
+    while remaining:
+        running = []
+        for r in range(p):
+            if pos[r] < len(orders[r]) and all(d in done for d in deps(*orders[r][pos[r]])):
+                if left[r] is None:
+                    kind, s, _ = orders[r][pos[r]]
+                    left[r] = work[kind][s]
+                running.append(r)
+        if not running:
+            raise RuntimeError(f"the {schedule} order deadlocks at {pos}")
+        rate = min(1.0, cores / len(running)) / min(1.0, share)  # all-busy seconds per second
+        dt = min(left[r] for r in running) / rate
+        now += dt
+        for r in running:
+            left[r] -= dt * rate
+            if left[r] <= tiny:
+                done.add(orders[r][pos[r]])
+                pos[r] += 1
+                left[r] = None
+                remaining -= 1
+    return now

@@ -6,6 +6,11 @@ physical tensor dims of `autopar.sharding.axes`), one group per dim, and one per
 axis whose components come in mesh order (the 2.5D and 3D batch splits and `tp`, the whole
 tensor group), built with `new_group` on the ranks that share every other index. Each
 composite group's rank is checked against the composite index the kernels assume.
+
+Groups are made once per default process group and shared by every engine that asks for
+the same ranks (`shared_group`): a gloo group keeps its threads and sockets until torch
+frees it, so a job that builds engine after engine (a sweep over plans, a test suite)
+would otherwise pile up a few threads per engine and slow every later step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,29 @@ import torch.distributed as dist
 from autopar.errors import WorldError
 from autopar.runtime.collectives import AxisGroup, CommLog
 from autopar.sharding.axes import TensorMesh
+
+
+_SHARED: dict = {}  # key -> device mesh or group, for the default group under "world"
+
+
+def shared_group(key: tuple, make):
+    """`make()` once per default process group and `key`; later calls with the same key
+    get the same object. Every rank asks for the same keys in the same order (they all run
+    the same plan), so the group creation inside `make` stays collective. A new default
+    group (after destroy_process_group and init_process_group) starts afresh."""
+    world = dist.group.WORLD
+    if _SHARED.get("world") is not world:
+        _SHARED.clear()
+        _SHARED["world"] = world
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
+
+
+def _device_mesh(device: str, sizes: tuple, names: tuple):
+    return shared_group(("mesh", device, sizes, names),
+                        lambda: torch.distributed.device_mesh.init_device_mesh(
+                            device, sizes, mesh_dim_names=names))
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
@@ -39,8 +67,7 @@ def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, A
                          f"pass world={dist.get_world_size()}.")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     names = tuple(mesh)
-    device_mesh = torch.distributed.device_mesh.init_device_mesh(
-        device, tuple(mesh[a] for a in names), mesh_dim_names=names)
+    device_mesh = _device_mesh(device, tuple(mesh[a] for a in names), names)
     out = {}
     for axis in names:
         out[axis] = AxisGroup(axis, mesh[axis], device_mesh.get_local_rank(axis),
@@ -66,8 +93,7 @@ def tensor_groups(dp: int, mesh: TensorMesh, log: CommLog | None = None,
                          f"{dist.get_world_size()}; launch with --nproc-per-node {world} or "
                          f"pass world={dist.get_world_size()}.")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = torch.distributed.device_mesh.init_device_mesh(device, sizes,
-                                                                 mesh_dim_names=names)
+    device_mesh = _device_mesh(device, sizes, names)
     out = {}
     for name, size in dims:
         out[name] = AxisGroup(name, size, device_mesh.get_local_rank(name),
@@ -89,11 +115,9 @@ def _composite_group(axis: str, comps: tuple, names: tuple, ranks: torch.Tensor,
     keep = [names.index(c) for c in comps]
     others = [d for d in range(len(names)) if d not in keep]
     moved = ranks.permute(others + keep).reshape(-1, mesh.size(axis))
-    mine = None
-    for row in moved.tolist():
-        group = dist.new_group(sorted(row))
-        if dist.get_rank() in row:
-            mine = group
+    rows = tuple(tuple(sorted(row)) for row in moved.tolist())
+    groups = shared_group(("rows", rows), lambda: [dist.new_group(list(row)) for row in rows])
+    mine = next(g for row, g in zip(rows, groups) if dist.get_rank() in row)
     rank = dist.get_rank(mine)
     index = mesh.index(axis, coords)
     if rank != index:

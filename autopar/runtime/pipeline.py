@@ -36,6 +36,7 @@ from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
 from autopar.passes.pipeline import Stages
 from autopar.runtime.collectives import AxisGroup
+from autopar.runtime.mesh import shared_group
 
 __all__ = ["PipelineRunner", "stage_count", "stage_owner"]
 
@@ -99,7 +100,9 @@ class PipelineRunner:
                 if process_group is not None else owners
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, ranks)
-            tie, _ = dist.new_subgroups_by_enumeration(sorted({tuple(r) for r in every}))
+            sets = tuple(sorted({tuple(r) for r in every}))
+            tie = shared_group(("tie", sets),
+                               lambda sets=sets: dist.new_subgroups_by_enumeration(sets)[0])
             if rank in owners:
                 self._tied.append((self._by_name[name], tie))
                 self._copies[id(self._by_name[name])] = len(owners)

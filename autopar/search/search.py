@@ -26,7 +26,8 @@ import numpy as np
 from autopar.cost.comm import collective_time, placements
 from autopar.cost.hardware import GiB, Hardware
 from autopar.cost.layer import LayerChain
-from autopar.cost.schedule import SCHEDULES, check_microbatches, in_flight, stage_owner, step_time
+from autopar.cost.schedule import SCHEDULES, check_microbatches, in_flight, stage_count, \
+    stage_owner, step_time, time_shared
 from autopar.cost.model import (
     OPTIMIZER_BYTES,
     RECOMPUTE,
@@ -475,8 +476,10 @@ class Search:
                         pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
                     else:
                         pipe = (m - 1) * slowest + pp * avg
-                    if pp > 1 and self.hw.compute_share < 1:  # as _pipeline_time absorbs it
-                        pipe = max(m * slowest, self.hw.compute_share * pipe)
+                    if pp > 1 and self.hw.compute_share < 1:  # cores shared (time_shared):
+                        # no less than the pipeline's work spread over its cores, nor the
+                        # schedule at a whole core per rank
+                        pipe = max(m * avg, self.hw.compute_share * pipe)
                     out.append(_Leaf(pipe + dp_lb, next(self._leaf_numbers), dict(mesh), pl,
                                      grad_pl, cp_mode, b, m, schedule, v, prep, None, None,
                                      zeros))
@@ -556,23 +559,24 @@ class Search:
     def _pipeline_time(self, layer_time, device_of, stage_of, pp, v, m, schedule, pl, b):
         """(step seconds of the pipeline, bubble seconds, per-device seconds per micro-batch)."""
         dev = np.bincount(device_of, weights=layer_time, minlength=pp)
+        transfer = 0.0
         if pp > 1:
             # activations cross each stage boundary forward and their gradients backward,
             # and interleaving crosses v times as many boundaries
-            dev = dev + 2 * v * stage_transfer(self.layers, stage_of, b, pl, self.hw)[0]
+            transfer = stage_transfer(self.layers, stage_of, b, pl, self.hw)[0]
+            dev = dev + 2 * v * transfer
         slowest = float(dev.max())
         if pp == 1 or schedule == "none":
             total = m * slowest
+        elif self.hw.compute_share < 1:
+            # ranks time-sharing fewer cores (CPU): a waiting rank's cores go to the busy
+            # ones, so the schedule is played with the cores shared out as ranks wait
+            stage_s = np.bincount(stage_of, weights=layer_time,
+                                  minlength=stage_count(schedule, pp, v)) + 2 * transfer
+            total = time_shared(schedule, pp, m, stage_s, self.hw.compute_share, v)
         else:  # closed forms of autopar.cost.schedule (checked against its simulation)
             total = step_time(schedule, pp, m, [float(x) for x in dev], v)
-            share = self.hw.compute_share
-            if share < 1:
-                # ranks time-sharing fewer cores (CPU): while some wait in the bubble the
-                # busy ones get their cores, up to 1/share faster than the all-busy rates
-                # the profile holds, so the schedule's critical path shrinks by up to
-                # `share`; the bubble is absorbed, down to the busy time itself
-                total = max(m * slowest, share * total)
-        return total, total - m * slowest, dev
+        return total, max(0.0, total - m * slowest), dev
 
     def _in_flight(self, schedule, pp, v, m) -> np.ndarray:
         """Micro-batches whose activations each device holds at its peak."""
