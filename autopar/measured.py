@@ -18,9 +18,9 @@ import os
 
 from autopar.errors import PlanError
 from autopar.plan import PipelinePlan, Plan, LayerPlan
+from autopar.report import size_text
+from autopar.runtime.measure import STEP
 from autopar.world import World, local_device
-
-STEP = "(step)"
 
 
 def measured_report(engine, world: World | None = None) -> dict:
@@ -132,7 +132,7 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
         world = plan.world if isinstance(plan.world, World) else World(
             devices=size, per_node=min(size, int(os.environ.get("LOCAL_WORLD_SIZE", size))),
             device=local_device())
-    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[engine.precision]
+    dtype = engine.precision  # the planner's dtype names are the precision's
     tp = plan.mesh["tp"]
     traced = engine.train_graph
     chain = chain_of(traced, tokens_per_sample(traced) or 1, (tp,))
@@ -193,12 +193,7 @@ def _t(seconds) -> str:
 
 
 def _b(nbytes) -> str:
-    if nbytes is None:
-        return "-"
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.1f}{unit}"
-    return f"{int(nbytes)}B"
+    return "-" if nbytes is None else size_text(nbytes)
 
 
 def _ratio(measured, predicted) -> str:

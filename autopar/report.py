@@ -313,9 +313,11 @@ def seconds_text(s: float) -> str:
 
 
 def size_text(nbytes: float) -> str:
-    """Bytes in GiB, MiB or KiB, whichever reads best."""
+    """Bytes in GiB, MiB, KiB or bytes, whichever reads best."""
     if nbytes >= GiB:
         return f"{nbytes / GiB:.2f} GiB"
     if nbytes >= 1024 ** 2:
         return f"{nbytes / 1024 ** 2:.1f} MiB"
-    return f"{nbytes / 1024:.1f} KiB"
+    if nbytes >= 1024:
+        return f"{nbytes / 1024:.1f} KiB"
+    return f"{int(nbytes)} B"

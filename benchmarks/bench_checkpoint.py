@@ -28,11 +28,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=64"
 PLANS = {"data 4": {"data": 4},
@@ -41,10 +40,6 @@ PLANS = {"data 4": {"data": 4},
          "data 2 x tensor 2 zero 1": {"data": 2, "tensor": {"size": 2, "mode": "1d"},
                                       "zero": {"stage": 1}},
          "data 4 zero 2": {"data": 4, "zero": {"stage": 2}}}
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def engine_for(spec: str, plan: dict, batch: int, seed: int):

@@ -27,11 +27,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=64"
 
@@ -41,10 +40,6 @@ def plans(world: int) -> dict:
             f"tensor 2 x data {world // 2}": {"tensor": {"size": 2, "mode": "1d"}},
             f"pipeline 2 x data {world // 2}": {"pipeline": {"size": 2, "schedule": "1f1b",
                                                              "microbatches": 4}}}
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def worker(rank, world, model_name, batch, steps, profile, out_path):

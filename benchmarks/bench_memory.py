@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 # name -> (world, plan); 1D rows at world 8 are the contrast: their activations stay whole.
 PLANS = {"data 4": (4, {"data": 4}),
@@ -44,10 +44,6 @@ PLANS = {"data 4": (4, {"data": 4}),
 MODELS = ("gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny")
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 WORLDS = (4, 8)
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def example(name: str, batch: int):

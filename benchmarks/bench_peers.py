@@ -38,11 +38,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=64"
 # row -> (what runs, its peer's row)
@@ -56,10 +55,6 @@ ROWS = {"data": {"autopar data": "DDP", "autopar zero 1": "DDP", "autopar zero 2
         "pipeline": {"autopar pipeline 1f1b": "pipelining 1f1b", "pipelining 1f1b": None}}
 MICROBATCHES = 4
 PIPE_STAGES = 2  # the pipeline pair: pp2, times dp over the rest of the world
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def _model(spec: str, batch: int):

@@ -18,20 +18,15 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 PLANS = {"data 4": {"data": 4},
          "tensor 4": {"tensor": {"size": 4, "mode": "1d"}},
          "tensor 2 x data 2": {"tensor": {"size": 2, "mode": "1d"}}}
 WORLD = 4
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def worker(rank, model_name, batch, steps, out_path):

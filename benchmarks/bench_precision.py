@@ -36,20 +36,15 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 SPEC = "gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=128"
 PLANS = {"dp2": {"data": 2}, "tp2": {"tensor": {"size": 2, "mode": "1d"}}}
 PRECISIONS = ("fp32", "bf16", "fp16")
 WORLD = 2
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def worker(rank: int, batch: int, steps: int, out_path: str) -> None:

@@ -55,11 +55,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 WORLD = 4
 SPEC = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=64"
@@ -68,10 +67,6 @@ GOAL = 1.10
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def ranks(values) -> list[float]:

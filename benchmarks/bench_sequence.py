@@ -69,21 +69,16 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gloo_world import results_path, run_world  # noqa: E402
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
 
 CP = 4
 MEMORY_SPEC = "gpt:layers=2,hidden=64,heads=4,vocab=256"
 REACH_SPEC = "gpt:layers=2,hidden=256,heads=2,vocab=256"
 MODES = ("single", "ring", "ulysses")
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def _plan(mode: str):

@@ -7,9 +7,15 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lm_loss(logits, target):
+    """Next-token cross-entropy of a language model's logits, the benchmarks' loss."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def results_path(name: str) -> str:

@@ -27,6 +27,22 @@ from autopar.runtime.collectives import AxisGroup
 BUCKET_BYTES = 4 << 20
 
 
+def average_gradients(params, dp: AxisGroup, divisor: int = 1) -> None:
+    """After the backward, in one all-reduce over `dp`: each parameter's .grad becomes its
+    mean over dp, also divided by `divisor` (a pipeline's micro-batch count). Parameters
+    without a gradient are skipped."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dp.all_reduce(flat, "backward")
+    flat /= dp.size * divisor
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+        offset += p.grad.numel()
+
+
 class GradientBuckets:
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup,
                  bucket_bytes: int | None = None):

@@ -28,9 +28,10 @@ from autopar.passes.precision import cast_precision, comm_factors, compute_dtype
 from autopar.passes.tensor_parallel import (apply_solution, local_slice, shard_parameters,
                                             shard_steps)
 from autopar.plan import Plan
+from autopar.runtime.buckets import GradientBuckets, average_gradients
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
 from autopar.runtime.kernels import RandomStreams, bind_streams
-from autopar.runtime.measure import Recorder, instrument
+from autopar.runtime.measure import STEP, Recorder, instrument
 from autopar.runtime.scaler import LossScaler
 from autopar.runtime.sequence import cut_sequence
 from autopar.sharding.axes import MULTI_D, TensorMesh
@@ -194,8 +195,6 @@ class Engine(nn.Module):
         self._train_units = self._zero.rewrite(self.train_gm) if self._zero_three() else []
         self._model = None
         if self._dp.size > 1 and self._pp.size == 1 and self._zero is None:
-            from autopar.runtime.buckets import GradientBuckets
-
             self._buckets = GradientBuckets(self._unique_params(), self._dp)
         if self._pp.size > 1:
             self._pipeline = self._build_pipeline(int(target.shape[0]) * self._dp.size)
@@ -573,17 +572,7 @@ class Engine(nn.Module):
         if self._buckets is not None:
             self._buckets.finish()
             return
-        params = [p for p in self._unique_params() if p.grad is not None]
-        if not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self._dp.all_reduce(flat, "backward")
-        flat /= self._dp.size
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        average_gradients(self._unique_params(), self._dp)
 
     def forward(self, *inputs):
         """Inference on the whole batch on every rank; outputs are whole on every rank."""
@@ -626,7 +615,7 @@ class Engine(nn.Module):
         for c, factor in comm_factors(self.train_solution, self._compute_dtype):
             if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
                 continue
-            key = (c.op, c.axis, layer_of.get(c.where) or "(step)")
+            key = (c.op, c.axis, layer_of.get(c.where) or STEP)
             nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
             by_layer[key] = by_layer.get(key, 0) + nbytes
         if self._dp.size > 1:
@@ -661,7 +650,7 @@ class Engine(nn.Module):
         if world:
             out[("all_reduce", "world")] = world
         for (op, axis), nbytes in out.items():
-            key = (op, axis, "(step)")
+            key = (op, axis, STEP)
             by_layer[key] = by_layer.get(key, 0) + nbytes
         return by_layer
 

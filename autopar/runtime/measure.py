@@ -16,8 +16,9 @@ earlier segment (the residual stream into a block), or, for a segment whose inpu
 gradient (an embedding reading token ids), the first parameter it reads (not in a
 pipeline stage, whose micro-batches would all fire one parameter's hook); a segment with
 neither has no backward tick of its own: its backward is counted with the segment before
-it in the backward, or, when the whole step is one graph, runs to the backward's end. Under the zero-bubble schedule the ticks time the input
-gradients; the weight-gradient pass that comes later is not split per layer.
+it in the backward, or, when the whole step is one graph, runs to the backward's end.
+Under the zero-bubble schedule the ticks time the input gradients; the weight-gradient
+pass that comes later is not split per layer.
 
 The recorder also names the layer running now, so the comm log attributes each
 collective to a layer (`CommRecord.layer`), and counts the bytes of the tensors autograd
@@ -29,6 +30,7 @@ of a step into per-layer totals. `Engine.explain()` puts them beside the plan's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +38,7 @@ import torch
 from torch import fx, nn
 
 _COMPUTE = ("call_function", "call_module", "call_method")
+STEP = "(step)"  # the layer of what a step sends outside the graph (gradient sync, ZeRO)
 
 
 @dataclass
@@ -165,13 +168,11 @@ class Recorder:
         if counted:
             for name, nbytes in self._saved_step.items():
                 self.layers.setdefault(name, LayerFigures()).saved_bytes += nbytes
-        records = log.records[self._log_mark:] if self._log_mark <= len(log.records) else []
-        seconds = log.seconds[self._log_mark:] if self._log_mark <= len(log.seconds) else []
         if counted:
-            for r, sec in zip(records, seconds):
+            for r, sec in zip(log.records[self._log_mark:], log.seconds[self._log_mark:]):
                 # the gradient sync, ZeRO and the world's norms belong to the step, even
                 # when a hook sends them while some layer's backward runs
-                layer = "(step)" if r.layer is None or r.axis in ("dp", "world") else r.layer
+                layer = STEP if r.layer is None or r.axis in ("dp", "world") else r.layer
                 fig = self.layers.setdefault(layer, LayerFigures())
                 fig.comm_bytes += r.bytes
                 fig.comm_s += sec
@@ -249,7 +250,7 @@ def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op != "get_attr":
         return False
     try:
-        value = gm.get_submodule("").get_parameter(node.target)
+        value = gm.get_parameter(node.target)
     except AttributeError:
         return False
     return isinstance(value, nn.Parameter) and value.requires_grad
@@ -292,8 +293,6 @@ def instrument(gm: fx.GraphModule, recorder: Recorder, key: int,
             mark = graph.call_module(name, (probe,) if probe is not None else ())
         mark.meta.update(first.meta if probe is None else probe.meta)
         if "autopar" in first.meta and "autopar" in mark.meta:
-            import dataclasses
-
             mark.meta["autopar"] = dataclasses.replace(mark.meta["autopar"],
                                                        layer=first.meta["autopar"].layer)
     output = next(n for n in graph.nodes if n.op == "output")

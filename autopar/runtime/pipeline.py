@@ -35,6 +35,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
 from autopar.passes.pipeline import Stages
+from autopar.runtime.buckets import GradientBuckets, average_gradients
 from autopar.runtime.collectives import AxisGroup
 from autopar.runtime.mesh import shared_group
 
@@ -120,8 +121,6 @@ class PipelineRunner:
         after the schedule instead: under zero-bubble, whose weight pass writes .grad
         without autograd's accumulation hooks, or when two of this member's stages share a
         parameter)."""
-        from autopar.runtime.buckets import GradientBuckets
-
         if self.schedule_name == "zero_bubble":
             return None
         per_stage = []
@@ -239,8 +238,8 @@ class PipelineRunner:
         if self._buckets is not None:  # the mean over dp and over the micro-batches
             for buckets in self._buckets:
                 buckets.finish(self.microbatches)
-        elif self.data is not None:
-            self._average_over_data()
+        elif self.data is not None:  # the mean over dp and the micro-batches at once
+            average_gradients(self._params, self.data, self.microbatches)
         else:
             for param in self._params:  # the sum over micro-batches of their mean losses' grads
                 if param.grad is not None:
@@ -255,19 +254,6 @@ class PipelineRunner:
             dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
                            group=self.group.group)
         return float(value[0])
-
-    def _average_over_data(self) -> None:
-        """The gradients' mean over dp and the micro-batches, in one all-reduce."""
-        params = [q for q in self._params if q.grad is not None]
-        if not params:
-            return
-        flat = torch.cat([q.grad.reshape(-1) for q in params])
-        self.data.all_reduce(flat, "backward")
-        flat /= self.data.size * self.microbatches
-        offset = 0
-        for q in params:
-            q.grad.copy_(flat[offset:offset + q.grad.numel()].view_as(q.grad))
-            offset += q.grad.numel()
 
 
 class _Stage(PipelineStage):
