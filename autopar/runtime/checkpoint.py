@@ -46,6 +46,12 @@ Pipelines. A pipeline rank fetches the weights it released before saving (as
 its first train_step, so a load before then holds every parameter's slice state and
 hands it over (cut to ZeRO pieces) when the optimizer exists.
 
+Loading runs no code from the files: DCP's `.metadata` pickle is read by
+`safe_metadata.read_metadata` (inert records checked against DCP's schema) and handed to DCP
+through `SafeReader`, so DCP never unpickles it; every load goes through `_LoadPlanner`,
+which reads tensors only; `autopar.json` and `latest` are bounded data. Checkpoints saved
+before this reader have the same files and load unchanged.
+
 Not stored: the dropout streams (`autopar.runtime.kernels.RandomStreams`), which are seeded
 per rank of a plan and so cannot carry over to another plan; models with dropout p > 0
 resume with fresh masks.
@@ -76,7 +82,9 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from autopar.errors import CheckpointError, PlanError
+from autopar.json_file import read_json
 from autopar.passes.tensor_parallel import shard_steps
+from autopar.runtime.safe_metadata import METADATA, SafeReader, read_metadata
 
 FORMAT = "autopar-dcp"
 VERSION = 1
@@ -281,6 +289,13 @@ class _LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn].find(index)
 
+    def load_bytes(self, read_item, value) -> None:
+        """Never reached (the metadata reader admits only tensors); DCP's default would
+        unpickle the bytes with code execution allowed."""
+        raise CheckpointError(f"the checkpoint holds {read_item.dest_index.fqn} as pickled "
+                              "bytes, which autopar never writes; load a checkpoint that "
+                              "engine.save wrote.")
+
 
 # ---------------------------------------------------------------------- the engine's tensors
 def _geometry(engine, local: torch.Tensor):
@@ -393,7 +408,7 @@ def _state_entries(engine, q, local, state: dict, pieces, out: dict) -> None:
 
 # ---------------------------------------------------------------------- directories
 def _is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".metadata")) and \
+    return os.path.isfile(os.path.join(path, METADATA)) and \
         os.path.isfile(os.path.join(path, META))
 
 
@@ -406,10 +421,11 @@ def _published(root: str) -> list[str]:
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = _STEP_DIR.match(name)
         if m and _is_complete(os.path.join(root, name)):
-            try:
-                with open(os.path.join(root, name, META)) as f:
-                    saved_at = float(json.load(f).get("saved_at", 0.0))
-            except (OSError, ValueError, AttributeError):
+            try:  # an unreadable record orders first: it is never chosen over a good one
+                meta = read_json(os.path.join(root, name, META), "checkpoint record",
+                                 CheckpointError, "save the checkpoint again")
+                saved_at = float(meta.get("saved_at", 0.0))
+            except (CheckpointError, ValueError, TypeError, AttributeError):
                 saved_at = 0.0
             found.append(((saved_at, int(m.group(1)), int(m.group(2) or 0)), name))
     return [name for _, name in sorted(found)]
@@ -426,9 +442,13 @@ def resolve(path) -> str:
         return path
     pointer = os.path.join(path, LATEST)
     if os.path.isfile(pointer):
-        with open(pointer) as f:
-            name = f.read().strip()
-        if _is_complete(os.path.join(path, name)):
+        try:
+            with open(pointer, "rb") as f:
+                name = f.read(256).decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"the checkpoint pointer {pointer} could not be read ({e}); "
+                                  "remove it to load the newest complete checkpoint.") from e
+        if _STEP_DIR.match(name) and _is_complete(os.path.join(path, name)):
             return os.path.join(path, name)
     published = _published(path)
     if not published:
@@ -500,8 +520,10 @@ def _dcp(call, state: dict, what: str, no_dist: bool = False, tail: str = "",
         except CheckpointException as e:
             ranks = sorted(e.failures)
             cause = e.failures[ranks[0]][0] if ranks else e
-            raise CheckpointError(f"{what} failed on rank{'s' if len(ranks) > 1 else ''} "
-                                  f"{', '.join(map(str, ranks))} ({type(cause).__name__}: "
+            on = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            if isinstance(cause, CheckpointError):  # already names the file and the fix
+                raise CheckpointError(f"{str(cause).rstrip('.')} (on {on}).") from e
+            raise CheckpointError(f"{what} failed on {on} ({type(cause).__name__}: "
                                   f"{cause}){tail}.") from e
 
 
@@ -580,15 +602,48 @@ def _scaler_state(engine) -> dict | None:
             "skipped_steps": scaler.skipped_steps}
 
 
-def _read(path) -> tuple[str, dict, dict]:
+def _read(path) -> tuple[str, dict, SafeReader]:
+    """(checkpoint directory, its autopar.json, a DCP reader of its checked metadata):
+    every file read as data (JSON, and DCP's pickle through `safe_metadata`)."""
     ckpt = resolve(path)
-    with open(os.path.join(ckpt, META)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise PlanError(f"{ckpt} is not an autopar checkpoint ({META} has format "
-                        f"{meta.get('format')!r}); write it with engine.save.")
-    stored = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
-    return ckpt, meta, stored
+    meta_path = os.path.join(ckpt, META)
+    meta = read_json(meta_path, "checkpoint record", CheckpointError,
+                     "save the checkpoint again or load an earlier one")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{ckpt} is not an autopar checkpoint ({meta_path} has format "
+                              f"{got!r}); write it with engine.save.")
+    _check_record(meta, meta_path)
+    return ckpt, meta, SafeReader(ckpt, read_metadata(ckpt))
+
+
+def _check_record(meta: dict, path: str) -> None:
+    """The fields of autopar.json that loading uses have the types engine.save writes."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    groups = meta.get("param_groups") or []
+    scaler = meta.get("loss_scaler")
+    checks = {
+        "step": isinstance(meta.get("step"), int) and not isinstance(meta["step"], bool)
+        and meta["step"] >= 0,
+        "names": isinstance(meta.get("names", {}), dict) and all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v)
+            for v in meta.get("names", {}).values()),
+        "state_keys": isinstance(meta.get("state_keys", []), list)
+        and all(isinstance(k, str) for k in meta.get("state_keys", [])),
+        "param_groups": isinstance(groups, list) and all(
+            isinstance(g, dict) and all(
+                v is None or isinstance(v, (bool, int, float, str))
+                or (isinstance(v, list) and all(number(x) for x in v)) for v in g.values())
+            for g in groups),
+        "loss_scaler": scaler is None or (isinstance(scaler, dict) and all(
+            number(scaler.get(k)) for k in ("scale", "good_steps", "skipped_steps")))}
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise CheckpointError(f"the checkpoint record {path} has a malformed {bad[0]!r} "
+                              "(not what engine.save writes); save the checkpoint again or "
+                              "load an earlier one.")
 
 
 def load(engine, path) -> str:
@@ -599,15 +654,16 @@ def load(engine, path) -> str:
     A pipeline builds its optimizer (for the rank's stages, and its ZeRO pieces) at the
     first train_step; loaded before then, the state of every parameter's slice is held
     and handed over there (`adopt_held_optimizer`), and a save in between writes it."""
-    ckpt, meta, stored = _read(path)
+    ckpt, meta, reader = _read(path)
+    stored = reader.read_metadata().state_dict_metadata
     engine._sync_pipeline_params()  # every slice held again, to be overwritten
     targets = _weight_targets(engine, stored)
     hold = engine._pp.size > 1 and engine._pipeline is None
     pairs = [(p, p) for p in engine._unique_params() if p.requires_grad] if hold else \
         _optimizer_params(engine)
     fill = _optimizer_targets(engine, stored, targets, pairs)
-    _dcp(dcp.load, targets, f"reading the checkpoint {ckpt}",
-         storage_reader=dcp.FileSystemReader(ckpt), planner=_LoadPlanner())
+    _dcp(dcp.load, targets, f"reading the checkpoint {ckpt}", storage_reader=reader,
+         planner=_LoadPlanner())
     groups = meta.get("param_groups") or []
     if hold:
         engine._held_optimizer = ({id(local): (local, _values(state)) for local, state in fill},
@@ -756,11 +812,8 @@ def _values(state: dict) -> dict:
 def load_full_state_dict(path) -> dict[str, torch.Tensor]:
     """The weights of a checkpoint as the original model's state_dict (every name of a tied
     weight, in the model's order), read in this one process: no process group needed."""
-    ckpt, meta, stored = _read(path)
-    whole = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for fqn, md in stored.items() if fqn.startswith(WEIGHT)}
-    _dcp(dcp.load, whole, f"reading the checkpoint {ckpt}", no_dist=True,
-         storage_reader=dcp.FileSystemReader(ckpt))
+    ckpt, meta, reader = _read(path)
+    whole = _read_whole(ckpt, reader, (WEIGHT,))
     out = {}
     for fqn, value in whole.items():
         name = fqn[len(WEIGHT):]
@@ -774,14 +827,24 @@ def load_full_optimizer_state(path) -> dict[str, dict]:
     """The optimizer state of a checkpoint as whole tensors, per parameter name (the first
     of a tied weight's names) and state key, read in this one process: what one device's
     optimizer would hold for the whole model, to inspect or compare."""
-    ckpt, _, stored = _read(path)
-    whole = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for fqn, md in stored.items() if fqn.startswith((STATE, SCALAR, VALUE))}
-    _dcp(dcp.load, whole, f"reading the checkpoint {ckpt}", no_dist=True,
-         storage_reader=dcp.FileSystemReader(ckpt))
+    ckpt, _, reader = _read(path)
+    whole = _read_whole(ckpt, reader, (STATE, SCALAR, VALUE))
     out: dict[str, dict] = {}
     for fqn, value in sorted(whole.items()):
         kind = next(k for k in (STATE, SCALAR, VALUE) if fqn.startswith(k))
         name, key = fqn[len(kind):].split("/", 1)
         out.setdefault(name, {})[key] = value.item() if kind == VALUE else value
     return out
+
+
+def _read_whole(ckpt: str, reader: SafeReader, kinds: tuple[str, ...]) -> dict:
+    """fqn -> the whole stored tensor, for the entries whose names start with `kinds`,
+    read in this one process through autopar's planner (tensors only)."""
+    stored = reader.read_metadata().state_dict_metadata
+    whole = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for fqn, md in stored.items() if fqn.startswith(kinds)}
+    regions = {fqn: _slice_region(t, [[(0, n)] for n in t.shape], tuple(t.shape))
+               for fqn, t in whole.items()}
+    _dcp(dcp.load, regions, f"reading the checkpoint {ckpt}", no_dist=True,
+         storage_reader=reader, planner=_LoadPlanner())
+    return whole
