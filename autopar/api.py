@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch import nn
 from autopar.errors import PlanError, WorldError
 from autopar.passes.precision import compute_dtype
 from autopar.plan import Plan
+from autopar.runtime.agree import check_ranks_agree
 from autopar.runtime.engine import Engine, check_context_dims, check_grid_dims, \
     check_sequence_dims
 from autopar.runtime.mesh import axis_groups, tensor_groups
@@ -19,7 +21,7 @@ from autopar.world import World, local_device
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
                 plan=None, seed: int = 0, max_grad_norm: float | None = None,
-                precision: str = "fp32") -> Engine:
+                precision: str = "fp32", check_batches: bool = False) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (choose one), a Plan, a path to a plan file, or a Colossal-AI style dict
@@ -31,33 +33,37 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     norm of the step is `engine.last_grad_norm`). `precision`: "fp32" (default), or "bf16" /
     "fp16" to run forward and backward in 16 bits on fp32 master weights, the loss in fp32
     (autopar.passes.precision); fp16 scales the loss dynamically (`engine.loss_scale`,
-    `engine.skipped_steps`, autopar.runtime.scaler).
+    `engine.skipped_steps`, autopar.runtime.scaler). Every rank must pass the same global
+    batch to train_step: the first step checks it across ranks, and every step does with
+    `check_batches=True`.
     """
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise PlanError(f"max_grad_norm must be a positive number, not {max_grad_norm!r}.")
+    _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    chosen, traced = None, None
-    if plan is not None:  # a bad plan is refused before any process work
-        chosen = _resolve_plan(plan, size, world)
-        _check_executable(chosen)
-        if chosen.tensor_mesh().mode != "1d":  # dims the grid splits, checked on the graph
-            traced = Engine.trace_for(model, tuple(example_inputs))
-            check_grid_dims(traced, chosen, chosen.tensor_mesh())
-        if chosen.mesh["cp"] > 1:  # the sequence must split over cp
+    _check_example_inputs(example_inputs)
+    chosen, traced, failure = None, None, None
+    try:
+        chosen, traced = _checked_plan(plan, size, world, model, tuple(example_inputs))
+    except Exception as e:  # noqa: BLE001 - shared below, so no other rank waits for this one
+        if not (dist.is_available() and dist.is_initialized()):
+            raise
+        failure = e
+    if failure is None:
+        _init_process_group(size)
+        _check_process_group(size)
+        example_inputs = _place_on_rank_device(model, tuple(example_inputs))
+        try:
+            if chosen is None:
+                chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
+                _check_executable(chosen)
             traced = traced or Engine.trace_for(model, tuple(example_inputs))
-            check_context_dims(traced, chosen)
-        if chosen.sequence_parallel_layers():  # the sequence must split over tp
-            traced = traced or Engine.trace_for(model, tuple(example_inputs))
-            check_sequence_dims(traced, chosen)
-    _init_process_group(size)
-    _check_process_group(size)
-    example_inputs = _place_on_rank_device(model, tuple(example_inputs))
-    if chosen is None:
-        chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
-        _check_executable(chosen)
+        except Exception as e:  # noqa: BLE001
+            failure = e
+    # one small all-gather: every rank stops here together when any rank failed above, or
+    # when ranks differ in plan, model, weights or example inputs (before any group forms)
+    check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
     tensor = chosen.tensor_mesh()
     if tensor.mode == "1d":
         axes = {"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]}
@@ -70,7 +76,59 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         groups = tensor_groups(chosen.mesh["dp"], tensor, pp=chosen.mesh["pp"])
     return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,
                   max_grad_norm=max_grad_norm, precision=precision,
-                  forward_graph=traced)
+                  forward_graph=traced, check_batches=check_batches)
+
+
+def _checked_plan(plan, size: int, world, model, example_inputs: tuple):
+    """(plan, traced graph or None) for an explicit plan, refused before any process work
+    when it cannot run on this model; (None, None) for plan=None."""
+    if plan is None:
+        return None, None
+    chosen, traced = _resolve_plan(plan, size, world), None
+    _check_executable(chosen)
+    if chosen.tensor_mesh().mode != "1d":  # dims the grid splits, checked on the graph
+        traced = Engine.trace_for(model, example_inputs)
+        check_grid_dims(traced, chosen, chosen.tensor_mesh())
+    if chosen.mesh["cp"] > 1:  # the sequence must split over cp
+        traced = traced or Engine.trace_for(model, example_inputs)
+        check_context_dims(traced, chosen)
+    if chosen.sequence_parallel_layers():  # the sequence must split over tp
+        traced = traced or Engine.trace_for(model, example_inputs)
+        check_sequence_dims(traced, chosen)
+    return chosen, traced
+
+
+def _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches) -> None:
+    """Types and ranges of parallelize's arguments, each refused in one sentence naming it."""
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"model must be a torch.nn.Module, not {type(model).__name__}.")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
+            max_grad_norm, (int, float)) or not max_grad_norm > 0):
+        raise PlanError(f"max_grad_norm must be a positive number, not {max_grad_norm!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlanError(f"seed must be an int, not {seed!r}.")
+    if not isinstance(check_batches, bool):
+        raise PlanError(f"check_batches must be True or False, not {check_batches!r}.")
+    if isinstance(loss_fn, type):
+        raise PlanError(f"loss_fn is the class {loss_fn.__name__}, not a loss; pass an instance "
+                        f"such as {loss_fn.__name__}() or a function (output, target) -> loss.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise PlanError(f"loss_fn must be a function (output, target) -> loss, not "
+                        f"{type(loss_fn).__name__}.")
+    if isinstance(optimizer, torch.optim.Optimizer) or (optimizer is not None and
+                                                        not callable(optimizer)):
+        what = f"an {type(optimizer).__name__} instance" if isinstance(
+            optimizer, torch.optim.Optimizer) else repr(optimizer)
+        raise PlanError(f"optimizer must be a factory taking the parameters, such as "
+                        f"functools.partial(torch.optim.AdamW, lr=3e-4), not {what}: the engine "
+                        "builds the optimizer over this rank's shards.")
+
+
+def _check_example_inputs(example_inputs) -> None:
+    if not example_inputs or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+        kinds = ", ".join(type(t).__name__ for t in example_inputs) or "nothing"
+        raise PlanError(f"example_inputs must be tensors (or a tuple of them) with the batch on "
+                        f"dimension 0, not {kinds}; pass e.g. example_inputs=(x,).")
 
 
 def _check_executable(chosen: Plan) -> None:
@@ -186,16 +244,35 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
 def _example_target(out, loss_fn):
     """A target the loss accepts, for tracing: class indices over the output's last dim
     (cross-entropy), else a tensor shaped like the output (regression losses)."""
-    logits = getattr(out, "logits", out)
+    logits = _main_output(out)
+    if logits is None or logits.dim() == 0:
+        raise PlanError(f"plan=None guesses a target from the model's output, but the output "
+                        f"is {type(out).__name__} with no batched tensor in it; pass a plan.")
     for target in (torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device),
                    torch.zeros_like(logits)):
         try:
-            loss_fn(out, target)
+            with warnings.catch_warnings():  # a loss that broadcasts a wrong guess warns
+                warnings.simplefilter("error")
+                loss_fn(out, target)
             return target
-        except (RuntimeError, ValueError, IndexError):
+        except Exception:  # noqa: BLE001 - any failure: try the next guess
             continue
     raise PlanError("cannot make an example target for loss_fn (tried class indices and a "
                     "tensor shaped like the output); pass a plan instead of plan=None.")
+
+
+def _main_output(out):
+    """The tensor a loss most likely reads: `logits` of a ModelOutput or dict, else the
+    first tensor of a dict, tuple or list, else the output itself."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        return out.logits
+    values = list(out.values()) if isinstance(out, dict) else \
+        list(out) if isinstance(out, (tuple, list)) else []
+    if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _resolve_plan(plan, size: int, world) -> Plan:

@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
+import os
 import sys
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
@@ -48,29 +50,114 @@ class Progress:
 
 
 def load_model(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
-    """(model, inputs, loss_fn, target, layers) for a zoo name, a zoo spec or an import path.
+    """(model, inputs, loss_fn, target, layers) for a zoo name or spec, a transformers config
+    directory or config.json, or a factory `package.module:factory` / `path/file.py:factory`.
 
-    `layers` is (traced, real) for zoo models (two blocks are traced and counted as many),
-    None for imported models (traced whole).
+    `layers` is (traced, real) where two blocks are traced and counted as many (the zoo, a
+    config, a factory's transformers model), None where the model is traced whole.
     """
-    head = spec.split(":", 1)[0]
-    if ":" in spec and "." in head and "=" not in spec:
-        module, factory = spec.split(":", 1)
-        try:
-            made = getattr(importlib.import_module(module), factory)()
-            model, inputs = made
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
-            raise AutoparError(f"cannot load {spec}: {e}; give package.module:factory where the "
-                               "factory returns (model, example_inputs).") from e
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        return model, inputs, None, None, None
-    from autopar.models import workload
+    from autopar.models import ZOO_NAMES, hf, workload
 
     try:
+        if spec not in ZOO_NAMES and hf.config_file(spec) is not None:
+            w = hf.workload(spec, batch=2, seq=seq, dtype=dtype)
+            return w.model, w.inputs, w.loss_fn, w.target, (w.traced_layers, w.layers)
+        if is_import_path(spec):
+            return _from_factory(spec, batch, seq, dtype)
         w = workload(spec, batch=2, seq=seq, dtype=dtype)
     except ValueError as e:
         raise AutoparError(str(e)) from e
     return w.model, w.inputs, w.loss_fn, w.target, (w.traced_layers, w.layers)
+
+
+def is_import_path(spec: str) -> bool:
+    """`module:factory` or `file.py:factory`; a zoo spec (`family:key=value,...`) has '='."""
+    where, colon, name = spec.rpartition(":")
+    return bool(colon and where and name) and "=" not in spec
+
+
+def _import_factory(spec: str):
+    """The callable `spec` names, from a file path or an importable module (the working
+    directory importable, as `python -m` makes it)."""
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise AutoparError(f"factory file {where} (in {spec}) does not exist; give "
+                               "path/to/file.py:factory with an existing file.")
+        module_name = os.path.splitext(os.path.basename(where))[0]
+        found = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(found)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))  # its sibling imports
+        try:
+            found.loader.exec_module(module)
+        finally:
+            sys.path.pop(0)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise AutoparError(f"cannot import module {where} for {spec} ({e}); give an "
+                               "importable package.module:factory, or path/to/file.py:factory."
+                               ) from e
+    factory = module
+    for part in name.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise AutoparError(f"{where} has no attribute {name} (in {spec}); name a function "
+                               "there that returns a model or (model, example_inputs).")
+    if not callable(factory):
+        raise AutoparError(f"{name} in {where} is a {type(factory).__name__}, not a callable; "
+                           "name a function that returns a model or (model, example_inputs).")
+    return factory
+
+
+def _from_factory(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
+    """Call the factory with `batch=` and `seq=` where its signature takes them; a
+    transformers model it returns keeps two blocks to trace (the planner counts the rest)
+    and, returned alone, gets example inputs from its config."""
+    import inspect
+
+    import torch
+    from torch import nn
+
+    from autopar.models import hf
+
+    factory = _import_factory(spec)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or extension callable: call it bare
+        params = {}
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {}
+    if anything or "batch" in params:
+        kwargs["batch"] = batch
+    if seq is not None:
+        if not (anything or "seq" in params):
+            raise AutoparError(f"--seq {seq} was given but the factory {spec} takes no seq "
+                               "argument; add a seq parameter to it or leave --seq out.")
+        kwargs["seq"] = seq
+    made = factory(**kwargs)
+    config = getattr(made, "config", None)
+    if isinstance(made, nn.Module) and hasattr(config, "model_type"):
+        device = next((p.device for p in made.parameters()), torch.device("meta"))
+        inputs, loss_fn, target, _ = hf.example_batch(config, 2, seq, dtype, device)
+        return made, inputs, loss_fn, target, hf.keep_blocks(made)
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and
+            isinstance(made[0], nn.Module)):
+        raise AutoparError(f"the factory {spec} returned {type(made).__name__}, not a model or "
+                           "(model, example_inputs); return one of those.")
+    model, inputs = made
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise AutoparError(f"the factory {spec} returned example inputs that are not tensors; "
+                           "return (model, tensor) or (model, (tensor, ...)).")
+    loss_fn, target, layers = None, None, None
+    if hasattr(getattr(model, "config", None), "model_type"):
+        loss_fn, target = hf.loss_for(inputs[0])
+        layers = hf.keep_blocks(model)
+    return model, inputs, loss_fn, target, layers
 
 
 def constraints_of(args) -> dict:
@@ -85,8 +172,8 @@ def constraints_of(args) -> dict:
         out["sp"] = args.sp
     if args.recompute:
         out["recompute"] = args.recompute
-    if args.offload:
-        out["offload"] = True
+    if args.offload is not None:
+        out["offload"] = args.offload
     if args.plan:
         from autopar.plan import Plan
 
@@ -171,13 +258,33 @@ def search(args) -> int:
 
 def min_devices(args) -> int:
     """The fewest devices (at most --world) on which a plan fits, optionally at a floor of
-    --min-throughput tokens (samples for non-sequence models) per second."""
+    --min-throughput tokens (samples for non-sequence models) per second. The model is
+    traced once; every world is searched with the same memory rules as `explain`, ZeRO-
+    Offload's host copies included (the profile's host_memory_bytes per node)."""
+    from autopar import planner
+    from autopar.search.search import divisors
+    from autopar.world import World
+
     sizes = sorted({n for n in (1, 2, 4) if n < args.per_node} |
                    set(range(args.per_node, args.world + 1, args.per_node)) | {args.world})
+    constraints = constraints_of(args)
+    tp_sizes = [constraints["tp"]] if "tp" in constraints else \
+        sorted({d for n in sizes for d in divisors(n)})
+    start = time.perf_counter()
+    model, inputs, loss_fn, target, layers = load_model(args.model, args.batch, args.seq,
+                                                        DTYPES[args.dtype])
+    chain = planner.prepare(model, inputs, loss_fn=loss_fn, example_target=target,
+                            tp_sizes=tp_sizes, layers=layers)
     tried = []
     for n in sizes:
+        world = World(devices=n, per_node=args.per_node, device=args.device)
         try:
-            plan, data = _plan(args, n)
+            result = planner.search(chain, world, global_batch=args.batch,
+                                    constraints=constraints, dtype=args.dtype,
+                                    attention_kernel=args.attention,
+                                    executable=args.executable, top=args.top_alternatives)
+            plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
+                                   time.perf_counter() - start)
         except AutoparError as e:
             tried.append(f"{n}: {e}")
             continue
@@ -185,6 +292,7 @@ def min_devices(args) -> int:
         if args.min_throughput and rate < args.min_throughput:
             tried.append(f"{n}: fits, {rate:.0f} tokens/s < {args.min_throughput:.0f}")
             continue
+        data = plan.detail
         data["min_devices"] = {"devices": n, "tried": tried}
         if args.output and args.command == "search":
             plan.save(args.output)
@@ -221,7 +329,10 @@ def fill_defaults(args) -> None:
 
 def _add_plan_arguments(p) -> None:
     p.add_argument("model", help="zoo name (gpt3-175b, llama2-7b, ...), zoo spec "
-                                 "(gpt:layers=..,hidden=..,heads=..) or package.module:factory")
+                                 "(gpt:layers=..,hidden=..,heads=..), a transformers config "
+                                 "directory or config.json, or package.module:factory / "
+                                 "path/to/file.py:factory (given batch= and seq= if it takes "
+                                 "them)")
     p.add_argument("--world", type=int, help="devices (the most, with --min-devices); "
                                                "default 8, or the --plan file's")
     p.add_argument("--per-node", type=int, help="devices per node; default 8, or the --plan file's")
@@ -238,12 +349,15 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--tp-mode", choices=("1d", "2d", "2.5d", "3d"))
     p.add_argument("--sp", choices=("none", "megatron", "ulysses", "ring"))
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    p.add_argument("--offload", action="store_true", help="offload optimizer states to the host")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="offload optimizer states to the host (--no-offload: never); default: "
+                        "the search decides")
     p.add_argument("--recompute", choices=("none", "selective", "full"))
     p.add_argument("--microbatches", type=int)
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
-    p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
-                   help="attention kernel to price: fused (FlashAttention) or scores in memory")
+    p.add_argument("--attention", choices=("flash", "flash1", "unfused"), default="flash",
+                   help="attention kernel to price: FlashAttention-2, FlashAttention v1, or "
+                        "scores in memory")
     p.add_argument("--min-devices", action="store_true",
                    help="find the fewest devices (up to --world) that fit the model")
     p.add_argument("--min-throughput", type=float, default=None,
@@ -260,6 +374,69 @@ def _add_plan_arguments(p) -> None:
                    help="how many runner-up plans to keep, with why each lost")
 
 
+_POSITIVE = ("world", "per_node", "batch", "seq", "tp", "pp", "dp", "cp", "microbatches", "top")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_args(args) -> None:
+    """Refuse a flag of the wrong range, or flags that contradict each other, before any
+    work (loading, searching, calibrating), naming the flag, its value and what works."""
+    for name in _POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise AutoparError(f"{_flag(name)} {value} is out of range; give a whole number "
+                               ">= 1.")
+    if getattr(args, "top_alternatives", 0) < 0:
+        raise AutoparError(f"--top-alternatives {args.top_alternatives} is out of range; give "
+                           "0 or more.")
+    rate = getattr(args, "min_throughput", None)
+    if rate is not None and not rate > 0:
+        raise AutoparError(f"--min-throughput {rate} is out of range; give a positive number "
+                           "of tokens per second.")
+    _validate_combinations(args)
+    output = getattr(args, "output", None)
+    if output:
+        folder = os.path.dirname(os.path.abspath(output))
+        if os.path.isdir(output):
+            raise AutoparError(f"-o {output} is a directory; give a file path, such as "
+                               f"{os.path.join(output, 'plan.json')}.")
+        if not os.path.isdir(folder):
+            raise AutoparError(f"-o {output}: the directory {folder} does not exist; create it "
+                               "first or write elsewhere.")
+        if not os.access(folder, os.W_OK):
+            raise AutoparError(f"-o {output}: the directory {folder} is not writable; write "
+                               "elsewhere.")
+
+
+def _validate_combinations(args) -> None:
+    tp, cp, sp = getattr(args, "tp", None), getattr(args, "cp", None), getattr(args, "sp", None)
+    if sp == "megatron" and tp == 1:
+        raise AutoparError("--sp megatron splits the sequence over the tensor axis, but --tp is "
+                           "1; give --tp 2 or more, or --sp none.")
+    if sp in ("ulysses", "ring") and cp == 1:
+        raise AutoparError(f"--sp {sp} splits the sequence over a cp axis, but --cp is 1; give "
+                           "--cp 2 or more, or leave --sp out.")
+    mode = getattr(args, "tp_mode", None)
+    if mode in ("2d", "2.5d", "3d") and tp is not None and tp > 1:
+        from autopar.sharding.axes import grid_size_error
+
+        depths = [d for d in range(1, tp + 1) if tp % d == 0] if mode == "2.5d" else [1]
+        errors = [grid_size_error(mode, tp, d) for d in depths]
+        if all(errors):
+            raise AutoparError(f"--tp {tp} cannot run --tp-mode {mode}: {errors[0]}")
+    batch, dp, m = getattr(args, "batch", None), getattr(args, "dp", None), \
+        getattr(args, "microbatches", None)
+    if batch is not None and dp is not None and m is not None and batch % dp == 0 and \
+            (batch // dp) % m:
+        per = batch // dp
+        raise AutoparError(f"--microbatches {m} does not divide the {per} sample(s) per "
+                           f"data-parallel replica (--batch {batch} over --dp {dp}); give a "
+                           f"number of micro-batches that divides {per}.")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,15 +446,29 @@ def main(argv=None) -> int:
     from autopar.cost import calibrate
 
     calibrate.add_parser(sub)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help="print the traceback of an error (for a bug report)")
     args = parser.parse_args(argv)
     try:
         if args.command == "calibrate":
+            validate_args(args)
             return calibrate.run(args)
         fill_defaults(args)
+        validate_args(args)
         return {"explain": explain, "search": search}[args.command](args)
-    except AutoparError as e:
+    except (AutoparError, OSError) as e:  # the user's input or file system: one sentence
+        if args.debug:
+            traceback.print_exc()
         print(f"autopar: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a bug, or an input nothing checks yet
+        if args.debug:
+            raise
+        print(f"autopar: unexpected {type(e).__name__}: {e}; this is a bug in autopar or an "
+              "input it does not check yet: rerun with --debug for the traceback.",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,3 +19,13 @@ class WorldError(AutoparError):
 
 class CheckpointError(AutoparError):
     """A checkpoint could not be written or read (the file system or a rank failed)."""
+
+
+class BatchError(AutoparError, ValueError):
+    """A batch given to train_step or forward is not what the engine was built for, or
+    differs across ranks that must all see the same global batch."""
+
+
+class TokenIdError(BatchError, IndexError):
+    """A token id (or a class target) lies outside the table it indexes; an IndexError, as
+    one device raises it."""

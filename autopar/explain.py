@@ -11,13 +11,11 @@ from dataclasses import dataclass
 import sympy
 import torch
 
+from autopar.cost.precision import runtime
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.plan import LayerPlan, Plan
 from autopar.sharding.solve import Solution
-
-# AdamW keeps two fp32 states per parameter (Kingma & Ba 2015).
-OPTIMIZER_STATES = 2
 
 
 @dataclass
@@ -88,10 +86,12 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
     tp_comm = sum(sum(lr.comm.values()) for lr in layers)
     dp_comm = param_local if dp > 1 else 0
     n_params = sum(_numel(p.shape) for p in traced.params.values() if p.is_parameter)
+    held = runtime(next((p.dtype for p in traced.params.values() if p.is_parameter),
+                        torch.float32))  # what the runtime's AdamW holds per weight byte
     plan.layers = [LayerPlan(lr.name, lr.tp_mode) for lr in layers]
     plan.pipeline.micro_batch_size = micro
     predicted = {
-        "memory_per_device_bytes": param_local * (2 + OPTIMIZER_STATES),
+        "memory_per_device_bytes": param_local * held.total // held.weights,
         "parameter_bytes_per_device": param_local,
         "parameter_bytes": param_whole,
         "comm_bytes_per_device": tp_comm + dp_comm,

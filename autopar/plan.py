@@ -7,10 +7,12 @@ planner; it is validated when made, and written back as the JSON of the public c
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 
 from autopar.errors import PlanError
+from autopar.json_file import read_json
 from autopar.sharding.axes import MULTI_D, TensorMesh, grid_size_error
 from autopar.world import World
 
@@ -79,6 +81,13 @@ class Plan:
     detail: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        if not isinstance(self.mesh, dict) or set(self.mesh) - set(AXES):
+            raise PlanError(f"a plan's mesh maps axis names ({', '.join(AXES)}) to sizes, such "
+                            f"as {{\"dp\": 2, \"tp\": 4}}, not {self.mesh!r}.")
+        for axis, v in self.mesh.items():
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise PlanError(f"mesh axis '{axis}' has size {v!r}; every axis needs a whole "
+                                "number >= 1.")
         self.mesh = {axis: int(self.mesh.get(axis, 1)) for axis in AXES}
         self.validate()
 
@@ -100,8 +109,22 @@ class Plan:
             _choice("sequence mode", self.sequence_mode, SEQUENCE_MODES)
         if self.sequence_layout is not None:
             _choice("sequence layout", self.sequence_layout, SEQUENCE_LAYOUTS)
-        if self.zero.stage not in (0, 1, 2, 3):
+        if isinstance(self.zero.stage, bool) or self.zero.stage not in (0, 1, 2, 3):
             raise PlanError(f"zero stage must be 0, 1, 2 or 3, not {self.zero.stage!r}.")
+        if not isinstance(self.zero.offload, bool):
+            raise PlanError(f"zero offload must be true or false, not {self.zero.offload!r}.")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"sequence_parallel must be true or false, not "
+                            f"{self.sequence_parallel!r}.")
+        _int(self.tp_depth, "tensor depth")
+        _int(self.pipeline.microbatches, "pipeline microbatches")
+        _int(self.pipeline.chunks, "pipeline chunks")
+        if self.pipeline.micro_batch_size is not None:
+            _int(self.pipeline.micro_batch_size, "pipeline micro_batch_size")
+        for lp in self.layers:
+            _choice(f"tensor mode of layer {lp.name}", lp.tp_mode, TP_MODES + ("replicate",))
+            _choice(f"recompute of layer {lp.name}", lp.recompute, RECOMPUTE)
+            _choice(f"sp of layer {lp.name}", lp.sp, ("none", "megatron"))
         if self.world is not None and self.world.devices != self.world_size:
             raise PlanError(f"the plan's mesh {self._mesh_text()} uses {self.world_size} devices "
                             f"but the world has {self.world.devices}.")
@@ -227,15 +250,17 @@ class Plan:
                        sequence_parallel=tensor.get("sequence_parallel", False),
                        sequence_mode=(data.get("sequence") or {}).get("mode"),
                        sequence_layout=(data.get("sequence") or {}).get("layout"),
-                       layers=[LayerPlan(**lp) for lp in data.get("layers", [])],
+                       layers=[LayerPlan(**lp) for lp in data.get("layers") or []],
                        pipeline=PipelinePlan(**data.get("pipeline", {})),
                        zero=ZeroPlan(**data.get("zero", {})),
                        recompute=data.get("recompute", "none"),
                        world=World(**data["world"]) if data.get("world") else None,
                        predicted=data.get("predicted", {}), search=data.get("search", {}),
                        notes=data.get("notes", []))
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"the plan file is malformed ({e}); write it with Plan.save.") from e
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else str(e)
+            raise PlanError(f"the plan file is malformed ({what}); write it with Plan.save or "
+                            "`autopar search -o`.") from e
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -245,11 +270,8 @@ class Plan:
     def load(cls, path) -> Plan:
         if not os.path.exists(path):
             raise PlanError(f"no plan file at {path}; write one with `autopar search -o {path}`.")
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise PlanError(f"{path} is not valid JSON ({e}).") from e
+        data = read_json(path, "plan file", PlanError,
+                         f"write it with Plan.save or `autopar search -o {path}`")
         return cls.from_json(data)
 
     # ------------------------------------------------------- Colossal-AI style
@@ -316,7 +338,8 @@ def _sub(spec: dict, key: str, allowed: set) -> dict:
 
 
 def _int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 and what != "zero stage":
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
+            value < 1 and what != "zero stage":
         raise PlanError(f"{what} must be a positive whole number, not {value!r}.")
     return value
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import time
 
@@ -15,10 +16,12 @@ import torch
 
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
 from autopar.cost.model import tensor_modes
+from autopar.cost.precision import precision_of
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.plan import LayerPlan, PipelinePlan, Plan, ZeroPlan
-from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
+from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, \
+    divisors, host_capacity
 from autopar.world import World, local_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,12 +99,20 @@ def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: in
 
 
 def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
-    """The last traced copy of the block repeated `traced_count` times stands for the rest."""
+    """The last traced copy of the block repeated `traced_count` times stands for the rest:
+    numbered copies (`layers.0`, `layers.1`) first, since other layers can repeat as often
+    (BERT's two LayerNorms outside its encoder)."""
     groups: dict[int, list[str]] = {}
     for layer in traced.layers:
         groups.setdefault(layer.group, []).append(layer.name)
-    for names in groups.values():
-        if len(names) == traced_count and traced_count >= 1 and real_count > traced_count:
+
+    def numbered(names: list[str]) -> bool:
+        found = [re.match(r"^(.*)\.(\d+)$", name) for name in names]
+        return all(found) and len({m.group(1) for m in found}) == 1
+
+    repeated = [names for names in groups.values() if len(names) == traced_count]
+    for names in sorted(repeated, key=numbered, reverse=True):
+        if traced_count >= 1 and real_count > traced_count:
             return {names[-1]: real_count - traced_count + 1}
     raise PlanError(f"cannot find the block repeated {traced_count} times to stand for "
                     f"{real_count}.")
@@ -191,7 +202,7 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
             alternatives.append((cand, first._reason(cand, best)))
     return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
                         time.perf_counter() - start, results[0].left_out,
-                        options.attention_kernel)
+                        options.attention_kernel, results[0].precision)
 
 
 def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
@@ -232,22 +243,38 @@ def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
 def candidate_plan(cand: Candidate, chain: LayerChain, world: World, global_batch: int,
                    dtype: str = "fp32") -> Plan:
     """The Plan of one candidate, made as the planner makes its winner's (`to_plan`)."""
-    result = SearchResult(cand, [], 1, 0.0)
+    result = SearchResult(cand, [], 1, 0.0,
+                          precision=precision_of(chain.param_dtype, executable=True))
     return _plan_of(cand, chain, world, result, global_batch, dtype, 0.0)
 
 
 def plan(model, example_inputs, world, *, global_batch: int | None = None, constraints=None,
          loss_fn=None, example_target=None, dtype: str | None = None,
          attention_kernel: str = "flash", executable: bool = False, top: int = 5,
-         repeat: dict[str, int] | None = None, progress=None) -> Plan:
+         repeat: dict[str, int] | None = None, progress=None, seq: int | None = None) -> Plan:
     """The fastest plan for `model` on `world` that fits memory.
 
+    `model`: a module, or a transformers config directory or config.json (built on meta, two
+    blocks traced; example_inputs None, `seq` tokens, default the config's context length).
     `world`: an int (devices of the default profile) or a World. `constraints`: any subset
     of {tp, pp, dp, cp, tp_mode, sp, zero, offload, recompute, microbatches,
     micro_batch_size, schedule} fixed. `global_batch` defaults to the example batch.
     `executable=True` restricts the search to what `parallelize` runs today.
     """
     world = world if isinstance(world, World) else World(devices=world)
+    layers = None
+    if isinstance(model, (str, os.PathLike)):
+        if example_inputs is not None:
+            raise PlanError("a config path builds its own example inputs; pass "
+                            "example_inputs=None (and seq= for the sequence length).")
+        from autopar.models import hf
+
+        try:
+            w = hf.workload(model, seq=seq, dtype=DTYPES[dtype or "bf16"])
+        except ValueError as e:
+            raise PlanError(str(e)) from e
+        model, example_inputs, loss_fn, example_target = w.model, w.inputs, w.loss_fn, w.target
+        layers = (w.traced_layers, w.layers)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     if global_batch is None:
@@ -259,7 +286,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
     c = Constraints.of(constraints)
     sizes = [c.tp] if c.tp else [t for t in divisors(world.devices)]
     chain = prepare(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                    repeat=repeat, tp_sizes=sizes)
+                    repeat=repeat, tp_sizes=sizes, layers=layers)
     result = search(chain, world, global_batch=global_batch, constraints=c, dtype=dtype,
                     attention_kernel=attention_kernel, executable=executable, top=top,
                     progress=progress)
@@ -284,6 +311,13 @@ def _nothing_fits(result: SearchResult, world: World) -> str:
     closest, _ = min(result.alternatives, key=lambda a: a[0].memory_per_device)
     need = closest.memory_per_device
     cap = world.profile.memory_bytes * 0.92
+    if need <= cap:  # fits the device, not the host its offloaded state goes to
+        host = host_capacity(world.profile, world.per_node, world.devices)
+        return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
+                f"{closest.describe()}, offloads {closest.host_per_device / 2 ** 30:.1f} GiB "
+                f"per device to the host, which has {host / 2 ** 30:.1f} GiB per device (the "
+                "profile's host_memory_bytes per node over its devices); use more devices "
+                "(--min-devices finds the fewest) or a profile with more host memory.")
     per_device_scale = need / cap
     return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
             f"{closest.describe()}, needs {need / 2 ** 30:.1f} GiB per device of "
@@ -317,6 +351,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
         "optimizer_s": best.optimizer_s,
         "memory_per_device_bytes": int(best.memory_per_device),
         "memory_breakdown_bytes": {k: int(v) for k, v in best.memory.items()},
+        "host_memory_per_device_bytes": int(best.host_per_device),
         "comm_bytes_per_device": int(best.comm_bytes_per_device),
         "model_flops_per_step": flops,
         "mfu": flops / (best.step_time * world.devices * peak) if best.step_time else 0.0,
@@ -329,7 +364,8 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
     search_info = {"time_s": result.time_s, "total_s": total_s, "candidates": result.candidates,
                    "alternatives": alternatives, "left_out": result.left_out,
                    "winner": best.describe(), "dtype": dtype, "global_batch": global_batch,
-                   "attention_kernel": result.attention_kernel}
+                   "attention_kernel": result.attention_kernel,
+                   "precision": result.precision.to_json() if result.precision else None}
     sequence_mode = best.cp_mode if mesh["cp"] > 1 else None
     # ring attention's zigzag layout needs 2 x cp chunks; else the contiguous one
     sequence_layout = "contiguous" if sequence_mode == "ring" and \

@@ -16,11 +16,13 @@ import numpy as np
 
 from autopar.cost.comm import placements
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import Context, LayerState, StateCost, TensorMode, formulas, state_cost
+from autopar.cost.model import EFFECTS, Context, LayerState, StateCost, TensorMode, formulas, \
+    state_cost
+from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import in_flight, stage_owner
 from autopar.plan import Plan, cp_layout
 from autopar.search.search import (ORDER, USABLE_MEMORY, conversion_s, dp_wire_bytes,
-                                   memory_by_kind, stage_transfer)
+                                   host_bytes, host_capacity, memory_by_kind, stage_transfer)
 
 GiB = 1024 ** 3
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -46,6 +48,7 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     if plan.mesh["tp"] > 1 and plan.tp_mode == "1d" and chain.traced is not None:
         _add_strategies(data, plan, chain)
     data["formulas"] = {k: str(v) for k, v in formulas().items()}
+    data["model"] = {"parameters": int(chain.params), "tokens_per_sample": chain.tokens_per_sample}
     return data
 
 
@@ -110,8 +113,9 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     held = np.array(in_flight(pipe.schedule, pp, m, v)) if pp > 1 else np.ones(1)
     replicas = mesh["dp"] * mesh["cp"]
     biggest = max((c.params for c in costs), default=0.0)
+    precision = plan_precision(plan, chain)
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
-                           held, chain.dtype_bytes)
+                           held, precision, max((c.workspace for c in costs), default=0.0))
     per_rank = np.bincount(device_of, weights=[c.time + t for c, t in zip(costs, conv)],
                            minlength=pp)
     ranks = [{"rank": r, "stages": [s["stage"] for s in stages if s["rank"] == r],
@@ -140,8 +144,26 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     for axis, entry in comm.items():
         entry["size"] = mesh[axis]
     capacity = {"device_bytes": int(hw.memory_bytes),
-                "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY)}
-    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity}
+                "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
+                "host_bytes_per_node": int(hw.host_memory_bytes),
+                "host_usable_bytes_per_device": int(host_capacity(hw, plan.world.per_node,
+                                                                  plan.world.devices)),
+                "host_offloaded_bytes_per_device": int(host_bytes(
+                    float(params_dev.max()), replicas, zero.stage, zero.offload, precision)),
+                "bytes_per_parameter": precision.to_json()}
+    effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
+                "priced_as": how} for name, how in EFFECTS.items()]
+    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
+            "effects": [e for e in effects if e["seconds"] > 0]}
+
+
+def plan_precision(plan: Plan, chain: LayerChain) -> Precision:
+    """The state bytes per parameter the search priced this plan with (a plan saved before
+    they were recorded: the offline rule on the chain's parameters)."""
+    recorded = plan.search.get("precision")
+    if recorded:
+        return Precision.from_json(recorded)
+    return precision_of(chain.param_dtype, executable=False)
 
 
 def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
@@ -214,12 +236,22 @@ def _mode(name: str, size: int, depth: int) -> TensorMode:
     return TensorMode("1d", size)
 
 
+def _effect_lines(effects: list[dict]) -> list[str]:
+    """One line per physical effect priced into the slowest rank's step."""
+    if not effects:
+        return []
+    return ["  physical effects in the slowest rank's step (seconds included above):"] + [
+        f"    {e['effect']:<34} {seconds_text(e['seconds']):>9}  {e['priced_as']}"
+        for e in effects]
+
+
 def plan_text(data: dict, top: int | None = None) -> str:
     """The report as text a person reads top to bottom."""
     world, mesh, pred, search = data["world"], data["mesh"], data["predicted"], data["search"]
     pipe, zero, seq = data["pipeline"], data["zero"], data["sequence"]
     lines = [
         f"autopar plan for {world['devices']} x {world['device']} ({world['per_node']} per node)",
+        *_model_line(data.get("model")),
         f"  mesh        pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} tp={mesh['tp']}"
         f"  (tp innermost: tensor groups sit inside a node first)",
         f"  tensor      {data['tensor']['mode']}"
@@ -242,8 +274,10 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"per step {pred['model_flops_per_step']:.3e}",
         f"  memory per device {pred['memory_per_device_bytes'] / GiB:.2f} GiB: "
         + ", ".join(f"{k} {v / GiB:.2f}" for k, v in pred["memory_breakdown_bytes"].items()),
+        *_state_lines(data),
         f"  communication per device per step {pred['comm_bytes_per_device'] / GiB:.2f} GiB"
         + _axes_text(data.get("comm_by_axis")),
+        *_effect_lines(data.get("effects", [])),
         "",
         f"  {'layers':<26} {'n':>4} {'strategy':<24} {'fwd+bwd ms':>10} {'comm ms':>8} "
         f"{'act/dev':>9} {'params/dev':>10}",
@@ -292,6 +326,38 @@ def plan_text(data: dict, top: int | None = None) -> str:
     if "min_devices" in data:
         lines.append(f"\n  fewest devices that fit: {data['min_devices']['devices']}")
     return "\n".join(lines)
+
+
+def _state_lines(data: dict) -> list[str]:
+    """How the training state is counted: bytes per parameter before sharding, and what
+    offload puts on the host against the profile's host memory."""
+    cap = data.get("memory_capacity")
+    if not cap or "bytes_per_parameter" not in cap:
+        return []
+    precision = Precision.from_json(cap["bytes_per_parameter"])
+    zero = data["zero"]["stage"]
+    shards = {0: "", 1: "; ZeRO-1 shards master and moments over dp x cp",
+              2: "; ZeRO-2 also gradients", 3: "; ZeRO-3 all of it"}[zero]
+    where = " (mixed precision as ZeRO and Megatron-LM)" if precision.master else \
+        " (as the runtime's optimizer holds them)" if precision.convention == "runtime" else ""
+    lines = [f"  state       {precision.text()}{where}{shards}"]
+    if data["zero"]["offload"]:
+        lines.append(f"  host        {size_text(cap['host_offloaded_bytes_per_device'])} "
+                     f"offloaded per device ({precision.offloaded} B/parameter of its shard) of "
+                     f"{size_text(cap['host_usable_bytes_per_device'])}: the profile's "
+                     f"host_memory_bytes {size_text(cap['host_bytes_per_node'])} per node "
+                     f"shared by its {min(data['world']['per_node'], data['world']['devices'])}"
+                     " devices")
+    return lines
+
+
+def _model_line(model: dict | None) -> list[str]:
+    """The model's size: its parameters (every repeated block counted) and tokens per sample."""
+    if not model:
+        return []
+    tokens = model["tokens_per_sample"]
+    return [f"  model       {model['parameters']:.3e} parameters"
+            + (f", {tokens} tokens per sample" if tokens > 1 else "")]
 
 
 def _axes_text(comm: dict | None) -> str:

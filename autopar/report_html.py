@@ -439,8 +439,9 @@ def _memory_chart(data: dict) -> str:
     tallest = max([sum(b.values()) for _, b in bars] + [1])
     # the capacity lines join the scale when the bars reach a third of it; a small model
     # would otherwise be drawn as a flat line at the bottom
-    shown = {k: v for k, v in capacity.items() if v <= 3 * tallest}
-    top = max([tallest * 1.08] + list(shown.values()))
+    shown = {k: capacity[k] for k in ("device_bytes", "usable_bytes")
+             if k in capacity and capacity[k] <= 3 * tallest}
+    top = max([tallest * 1.08, *shown.values()])
     width, height = (WIDTH - 34 - 14) / 2 - 34, 300
     left, bottom, head = 46, 40, 10
     plot_h = height - bottom - head

@@ -11,8 +11,11 @@ and per-layer modes), at the batch of one data-parallel replica (2D, 2.5D and 3D
 that batch further, as a layout on dim 0, which the prediction applies). Every rank then
 trains one warm-up step and measures a second one: parameters, gradients (just before the
 optimizer steps) and AdamW state from the tensors the engine holds, activations from the
-storages autograd saves during `train_step`. Prints a table, the largest error per kind
-and plan, and writes benchmarks/results/memory.json.
+storages autograd saves during `train_step`. A second table sets the search's own
+parameter, gradient and optimizer bytes (`autopar.cost.precision` through
+`memory_by_kind`, the plan's mesh and ZeRO stage fixed) beside the same measurement.
+Prints the tables, the largest error per kind and plan, and writes
+benchmarks/results/memory.json.
 """
 
 import argparse
@@ -43,6 +46,7 @@ PLANS = {"data 4": (4, {"data": 4}),
          "3d 2x2x2": (8, {"tensor": {"size": 8, "mode": "3d"}})}
 MODELS = ("gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "mlp-tiny")
 KINDS = ("parameters", "gradients", "optimizer", "activations")
+STATE = KINDS[:3]  # what the search prices from the precision policy
 WORLDS = (4, 8)
 
 
@@ -94,7 +98,26 @@ def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
                             dp=plan.mesh["dp"]).to_json()
     predicted["activations"] = sum(activation_bytes(traced, solution, replica_batch).values())
     layouts = {t: str(layout) for t, layout in solution.params.items()}
-    return {"predicted": predicted, "replica_batch": replica_batch, "layouts": layouts}
+    return {"predicted": predicted, "replica_batch": replica_batch, "layouts": layouts,
+            "planner": planner_state(model, sample, target[:2], loss_fn, plan, batch)}
+
+
+def planner_state(model, sample: tuple, target, loss_fn, plan, batch: int) -> dict:
+    """Parameter, gradient and optimizer bytes per rank as the search prices this plan
+    (`autopar.cost.precision` through `memory_by_kind`), for runtime plans."""
+    from autopar import planner
+    from autopar.search.search import Constraints, Options, Search
+    from autopar.world import World
+
+    tp = plan.mesh["tp"]
+    chain = planner.prepare(model, sample, loss_fn=loss_fn, example_target=target,
+                            tp_sizes=(tp,))
+    world = World(plan.world_size, per_node=plan.world_size, device="cpu")
+    fixed = Constraints(pp=1, cp=1, tp=tp, dp=plan.mesh["dp"], zero=plan.zero.stage,
+                        offload=False, sp="none", tp_mode=plan.tp_mode if tp > 1 else None)
+    options = Options(global_batch=batch, dtype="fp32", executable=planner.EXECUTABLE)
+    cand = Search(chain, world, options, fixed).every()[0]
+    return {k: cand.memory[k] for k in ("parameters", "gradients", "optimizer")}
 
 
 def measure(name: str, plan_spec: dict, world: int, batch: int) -> dict:
@@ -143,9 +166,11 @@ def worker(rank, world, models, plan_names, batch, out_path):
             for r, result in enumerate(every):
                 predicted, measured = prediction["predicted"], result["measured"]
                 ratios = {k: predicted[k] / measured[k] for k in KINDS}
+                searched = prediction["planner"]
                 rows.append({"model": name, "plan": plan_name, "world": world, "rank": r,
                              "plan_spec": plan_spec, "predicted": predicted,
-                             "measured": measured, "ratio": ratios,
+                             "measured": measured, "ratio": ratios, "planner": searched,
+                             "planner_ratio": {k: searched[k] / measured[k] for k in STATE},
                              "replica_batch": prediction["replica_batch"],
                              "batch_split": result["batch_split"],
                              "same_solution": result["layouts"] == prediction["layouts"]})
@@ -202,11 +227,24 @@ def main():
         print(f"{row['model']:<11} {row['plan']:<18} {row['rank']:>4}" + "".join(cells) + flag)
     for row in refused:
         print(f"{row['model']:<11} {row['plan']:<18}  refused by parallelize: {row['refused']}")
+    print("\nthe search's own state bytes (autopar.cost.precision), KiB per rank, planner / "
+          "measured (ratio)")
+    print(f"{'model':<11} {'plan':<18} {'rank':>4}" + "".join(f"  {k:>27}" for k in STATE))
+    searched_worst = {k: 0.0 for k in STATE}
+    for row in rows:
+        cells = []
+        for k in STATE:
+            p, m, ratio = row["planner"][k], row["measured"][k], row["planner_ratio"][k]
+            searched_worst[k] = max(searched_worst[k], abs(ratio - 1))
+            cells.append(f"  {_kib(p):>9} / {_kib(m):>9} ({ratio:.4f})")
+        print(f"{row['model']:<11} {row['plan']:<18} {row['rank']:>4}" + "".join(cells))
     print("\nlargest error per plan (all models and ranks):")
     for (world, plan), errors in worst.items():
         print(f"  world {world} {plan:<18} " + ", ".join(f"{k} {errors[k]:.2%}" for k in KINDS))
     print("largest error: " + ", ".join(
         f"{k} {max(e[k] for e in worst.values()):.2%}" for k in KINDS))
+    print("largest error of the search's state bytes: " + ", ".join(
+        f"{k} {searched_worst[k]:.2%}" for k in STATE))
     print(f"written to {os.path.relpath(out_path, ROOT)}")
 
 

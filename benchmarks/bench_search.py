@@ -67,11 +67,12 @@ sys.path.insert(0, ROOT)
 from autopar import planner  # noqa: E402
 from autopar.cost.comm import collective_time, placements  # noqa: E402
 from autopar.cost.hardware import load_hardware  # noqa: E402
-from autopar.cost.model import OPTIMIZER_BYTES, RECOMPUTE, Context, LayerState, state_cost, \
+from autopar.cost.model import RECOMPUTE, Context, LayerState, state_cost, \
     tensor_modes  # noqa: E402
 from autopar.models import workload  # noqa: E402
 from autopar.search.partition import balance, balance_within  # noqa: E402
-from autopar.search.search import ORDER, Options, Search  # noqa: E402
+from autopar.search.search import ORDER, Options, Search, host_bytes, optimizer_time, \
+    state_factors  # noqa: E402
 from autopar.world import World  # noqa: E402
 
 GPT3_TP_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -293,6 +294,7 @@ class _Priced:
     conv: list  # per layer i > 0: seconds to convert state a of layer i-1 to state b of i
     fast: list  # the fastest path: state per layer
     fast_time: list  # its per-layer seconds (conversions included)
+    workspace: float  # the largest transient buffer of any state (ring attention's K/V)
 
 
 def _price_states(search, chain, mesh, pl, ctx, b) -> _Priced | None:
@@ -316,7 +318,8 @@ def _price_states(search, chain, mesh, pl, ctx, b) -> _Priced | None:
     fast_time = [time_[t][fast[i]] + (conv[i][fast[i - 1], fast[i]] if i else 0.0)
                  for i, t in enumerate(order)]
     return _Priced(states, time_, [np.array([c.activations for c in cs]) for cs in costs],
-                   [np.array([c.params for c in cs]) for cs in costs], conv, fast, fast_time)
+                   [np.array([c.params for c in cs]) for cs in costs], conv, fast, fast_time,
+                   max((c.workspace for cs in costs for c in cs), default=0.0))
 
 
 def _schedules(pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
@@ -340,14 +343,6 @@ def _pipeline(dev: np.ndarray, pp: int, v: int, m: int, schedule: str) -> np.nda
     return (m - 1) * slowest + dev.sum(axis=1)
 
 
-def _optimizer_time(local: float, offload: bool, hw, e: int) -> float:
-    """``Search._price``'s optimizer step on ``local`` bytes of parameters."""
-    if offload:
-        return 2 * local / hw.host_bandwidth + local / e * 16 / hw.host_bandwidth
-    return (2 * local / e * OPTIMIZER_BYTES.get(e, 12) + 3 * local) / (
-        hw.memory_bandwidth * hw.memory_efficiency)
-
-
 def _zero_options(replicas: int) -> list[tuple[int, bool]]:
     return [(z, o) for z in range(4) for o in (False, True)
             if not ((z and replicas == 1) or (o and not z))]
@@ -357,12 +352,10 @@ def _memory_split(search, chain, priced, mesh, m, schedule, zero, offload):
     """``Search._memory_split`` in the enumeration's terms: stages balanced by the fastest
     path's times under each stage's memory limit (fastest states, no recomputation)."""
     order, pp = chain.order, mesh["pp"]
-    replicas, e = mesh["dp"] * mesh["cp"], chain.dtype_bytes
+    replicas = mesh["dp"] * mesh["cp"]
     params = np.array([priced.params[t][priced.fast[i]] for i, t in enumerate(order)])
     acts = np.array([priced.acts[t][priced.fast[i]] for i, t in enumerate(order)])
-    per_param = (1 / (replicas if zero == 3 else 1) + 1 / (replicas if zero >= 2 else 1)
-                 + (0.0 if offload else OPTIMIZER_BYTES.get(e, 12) / e
-                    / (replicas if zero else 1)))
+    per_param = sum(state_factors(search.precision, replicas, zero, offload))
     in_flight = search._in_flight(schedule, pp, 1, m)
     weights = params[None, :] * per_param + in_flight[:, None] * acts[None, :]
     biggest = float(params.max())
@@ -375,7 +368,7 @@ def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, 
     """Enumerate every assignment and the given ZeRO options on one stage split; the
     better of ``best`` and what is found (the fitting plan with the shortest step)."""
     hw, layers, order = search.hw, chain.layers(), chain.order
-    pp, n, e = mesh["pp"], len(order), chain.dtype_bytes
+    pp, n = mesh["pp"], len(order)
     replicas = mesh["dp"] * mesh["cp"]
     device_of = np.array([s % pp for s in stage_of])
     assign = _assignments(order, priced.states, device_of)
@@ -398,14 +391,16 @@ def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, 
     loads, which = np.unique(worst, return_inverse=True)
     points = 0
     for zero, offload in zeros:
-        total, _ = search._memory(SimpleNamespace(mesh=mesh), params_dev, acts_dev,
-                                  biggest, zero, offload, in_flight)
+        leaf = SimpleNamespace(mesh=mesh, prep=SimpleNamespace(workspace=priced.workspace))
+        total, _ = search._memory(leaf, params_dev, acts_dev, biggest, zero, offload, in_flight)
         peak = total.max(axis=1)
-        sync = np.array([search._dp_time(float(w), zero, m, grad_pl) + _optimizer_time(
-            float(w) / (replicas if zero else 1), offload, hw, e) for w in loads])
+        sync = np.array([search._dp_time(float(w), zero, m, grad_pl) + optimizer_time(
+            float(w), replicas, zero, offload, search.precision, hw) for w in loads])
+        host = np.array([host_bytes(float(w), replicas, zero, offload, search.precision)
+                         for w in loads])
         step = pipe + sync[which]
         points += len(step)
-        fits = peak <= search.capacity
+        fits = (peak <= search.capacity) & (host[which] <= search.host_capacity)
         if not fits.any():
             continue
         k = int(np.argmin(np.where(fits, step, np.inf)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -130,3 +131,114 @@ def test_defaults_without_a_plan_file(capsys):
     data = _json(capsys, ["explain", SMALL, "--format", "json"])
     assert data["world"] == {"devices": 8, "per_node": 8, "device": "a100-80gb"}
     assert data["search"]["global_batch"] == 8 and data["search"]["dtype"] == "bf16"
+
+
+FACTORIES = '''
+import torch
+from torch import nn
+
+CALLS = []
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.out = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def make(batch, seq=16):
+    CALLS.append({"batch": batch, "seq": seq})
+    return Net(), torch.zeros(batch, seq, dtype=torch.long)
+
+
+def fixed():
+    return Net(), torch.zeros(4, 16, dtype=torch.long)
+
+
+def nothing():
+    return 3
+
+
+def llama(seq):
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=8, num_key_value_heads=4,
+                                      vocab_size=256, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    PARAMETERS.append(sum(p.numel() for p in model.parameters()))
+    return model
+
+
+PARAMETERS = []
+'''
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """A module of factories in a fresh directory, the working directory there."""
+    (tmp_path / "h3_factories.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield tmp_path / "h3_factories.py"
+    sys.modules.pop("h3_factories", None)
+
+
+def test_a_factory_by_module_name_gets_batch_and_seq(capsys, factories):
+    """`module:factory` with no dot in the module is an import path, not a zoo family."""
+    data = _json(capsys, ["explain", "h3_factories:make", "--world", "4", "--batch", "8",
+                          "--seq", "24", "--format", "json"])
+    assert sys.modules["h3_factories"].CALLS == [{"batch": 8, "seq": 24}]
+    assert data["model"]["tokens_per_sample"] == 24
+    assert data["model"]["parameters"] == 64 * 32 + 32 * 64 + 64
+
+
+def test_a_factory_by_file_path(capsys, factories):
+    data = _json(capsys, ["explain", f"{factories}:fixed", "--world", "4", "--format", "json"])
+    assert data["model"]["tokens_per_sample"] == 16
+
+
+def test_a_factory_returning_a_transformers_model_alone_is_planned_with_its_loss(capsys,
+                                                                                 factories):
+    """Its inputs and loss come from its config; two of its six blocks are traced, all six
+    counted."""
+    data = _json(capsys, ["explain", "h3_factories:llama", "--world", "2", "--seq", "16",
+                          "--format", "json"])
+    assert data["model"] == {"parameters": sys.modules["h3_factories"].PARAMETERS[0],
+                             "tokens_per_sample": 16}
+    assert [lp["name"] for lp in data["layers"] if ".layers." in lp["name"]] == \
+        [f"model.layers.{i}" for i in range(6)]
+    assert any(lp["name"] == "loss" for lp in data["layers"])
+    assert data["notes"] == []
+
+
+@pytest.mark.parametrize("spec, extra, message", [
+    ("{file}:fixed", ["--seq", "32"], "takes no seq argument"),
+    ("{dir}/absent.py:make", [], "does not exist"),
+    ("h3_no_such_module:make", [], "cannot import module h3_no_such_module"),
+    ("{file}:absent", [], "has no attribute absent"),
+    ("{file}:nothing", [], "returned int, not a model or (model, example_inputs)"),
+])
+def test_bad_factories_exit_2_with_one_sentence(capsys, factories, spec, extra, message):
+    spec = spec.format(file=factories, dir=factories.parent)
+    assert main(["explain", spec, "--world", "2", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: ") and message in err
+
+
+def test_offload_can_be_forced_on_and_off(capsys):
+    """LLaMA-2 7B's 16 bytes per parameter (112 GB) fit 2 x 40 GB only with the optimizer
+    state on the host: the search offloads, --no-offload leaves nothing that fits."""
+    argv = ["explain", "llama2-7b", "--world", "2", "--device", "a100-40gb", "--seq", "512",
+            "--format", "json"]
+    assert _json(capsys, argv)["zero"]["offload"] is True
+    assert main([*argv, "--no-offload"]) == 2
+    assert "no plan fits in memory" in capsys.readouterr().err
+    on = _json(capsys, ["explain", SMALL, "--world", "8", "--zero", "1", "--offload",
+                        "--format", "json"])
+    assert on["zero"]["offload"] is True

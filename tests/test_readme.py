@@ -270,7 +270,8 @@ def _mesh(text: str) -> dict[str, int]:
 
 def _layer_rows(text: str) -> list[str]:
     """The layer table's rows: `  blocks.0  1 1d ...` or `  blocks.1 .. blocks.95  95 ...`."""
-    return re.findall(r"^  ([A-Za-z_][\w.]*(?: \.\. [\w.]+)?)\s+\d+ ", text, re.MULTILINE)
+    table = text.split("\n  layers ", 1)[-1]  # the summary rows above it are not layers
+    return re.findall(r"^  ([A-Za-z_][\w.]*(?: \.\. [\w.]+)?)\s+\d+ ", table, re.MULTILINE)
 
 
 def _run_plan(argv: list[str], capsys) -> None:
@@ -525,6 +526,15 @@ TRIGGERS = textwrap.dedent('''
     record(lambda: autopar.parallelize(Gate(), 1, example_inputs=(torch.randn(4, 8),),
                                        loss_fn=F.mse_loss, plan=dict(data=1)))
 
+    model, (x,) = build("gpt-tiny", batch=8, device="cpu", seed=0)
+    record(lambda: run(1, dict(data=1)).train_step(x + 1000, x))
+    record(lambda: autopar.parallelize(model, 1, example_inputs=(torch.zeros(2, 64).long(),),
+                                       loss_fn=lm, optimizer=adamw, plan=dict(data=1)))
+    record(lambda: autopar.parallelize(model, 1, example_inputs=(x,), loss_fn=lm,
+                                       optimizer=torch.optim.AdamW(model.parameters())))
+    record(lambda: autopar.parallelize(model, 1, example_inputs=(x,), optimizer=adamw,
+                                       loss_fn=torch.nn.CrossEntropyLoss))
+
     run(1, dict(data=1)).save("gpt-checkpoint")
     record(lambda: run(1, dict(data=1), "llama-tiny").load("gpt-checkpoint"))
     record(lambda: run(1, dict(data=1), "gpt:layers=2,hidden=32,heads=8,vocab=256,seq=32")
@@ -543,6 +553,8 @@ CLI_TRIGGERS = [
     ["explain", "gpt-tiny", "--world", "8", "--device", "a100"],
     ["explain", "gpt-tiny", "--world", "8", "--tp", "3"],
     ["explain", "gpt-tiny", "--world", "4", "--plan", "plan.json"],
+    ["explain", "gpt-tiny", "--sp", "megatron", "--tp", "1"],
+    ["search", "gpt-tiny", "-o", "missing/plan.json"],
 ]
 
 

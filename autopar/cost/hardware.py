@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 from autopar.errors import WorldError
+from autopar.json_file import read_json
 
 GiB = 1024 ** 3
 
@@ -45,7 +47,8 @@ class Hardware:
     gemm_half_flops: float = 1e9
     memory_efficiency: float = 0.8
     host_bandwidth: float = 25e9  # device <-> host (offload), bytes/s per device
-    host_memory_bytes: int = 1024 * GiB  # per node
+    # per node, shared by its devices: what ZeRO-Offload's host copies must fit in
+    host_memory_bytes: int = 1024 * GiB
     # op -> {"algorithm", "alpha", "beta"}: a collective's own latency and seconds per
     # byte inside a node, fitted by `autopar calibrate` to its formula (backends run
     # collectives unequally well); empty: every collective sees the link's alpha and beta
@@ -54,6 +57,21 @@ class Hardware:
     # computes: 1 for accelerators; cores / (ranks x threads) for CPU ranks that outnumber
     # the cores they share. Peak FLOP/s and bandwidths are the rates with all busy.
     compute_share: float = 1.0
+    # A fused (flash) attention kernel over S keys per query runs at
+    # peak * attention_efficiency * S / (S + attention_half_tokens) on the FLOPs it does
+    # (half the full count under a causal mask: masked blocks are skipped). None: priced
+    # as a GEMM of the full FLOPs (a profile with no measured attention curve, e.g. CPU).
+    attention_efficiency: float | None = None
+    attention_half_tokens: float = 0.0
+    # other fused attention kernels by name ("flash1": FlashAttention v1), each
+    # {"efficiency", "half_tokens"} as above; "flash" is the pair of fields above
+    attention_kernels: dict = field(default_factory=dict)
+    # the least time one kernel takes however little it does (launch and ramp-up): small
+    # per-rank shapes hit it; 0 = not modelled
+    kernel_floor_s: float = 0.0
+    # the share of the device's compute a collective takes while it overlaps compute (its
+    # kernels occupy SMs): overlapped compute runs 1 / (1 - share) slower
+    comm_sm_share: float = 0.0
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -68,19 +86,58 @@ class Hardware:
 
     @classmethod
     def from_json(cls, data: dict) -> Hardware:
+        if not isinstance(data, dict):
+            raise WorldError(f"a hardware profile is a JSON object of fields, not a "
+                             f"{type(data).__name__}; write one with `autopar calibrate`.")
         names = set(cls.__dataclass_fields__)
         unknown = set(data) - names
         if unknown:
             raise WorldError(f"unknown hardware profile field(s) {sorted(unknown)}; valid fields "
                              f"are {sorted(names)}.")
         try:
-            return cls(**data)
+            hw = cls(**data)
         except TypeError as e:
             raise WorldError(f"malformed hardware profile: {e}.") from e
+        hw.check()
+        return hw
+
+    def check(self) -> None:
+        """Refuse a number the cost model cannot price (a zero bandwidth divides by zero)."""
+        for name, value in vars(self).items():
+            if name == "peak_flops":
+                for dtype, rate in (value or {}).items():
+                    _check_number(f"peak_flops.{dtype}", rate, positive=True)
+            elif name in ("name", "source", "extra", "collectives", "attention_kernels") \
+                    or value is None:
+                continue
+            else:
+                _check_number(name, value, positive=name not in _MAY_BE_ZERO,
+                              fraction=name.endswith(("efficiency", "_share")),
+                              below_one=name in _BELOW_ONE)
 
     def save(self, path) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=2)
+
+
+# fields where 0 means "not modelled" or "free" (every other number must be positive)
+_MAY_BE_ZERO = {"intra_node_latency", "inter_node_latency", "attention_half_tokens",
+                "kernel_floor_s", "comm_sm_share"}
+_BELOW_ONE = {"comm_sm_share"}  # overlapped compute runs 1 / (1 - share) slower
+
+
+def _check_number(name: str, value, positive: bool, fraction: bool = False,
+                  below_one: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value > 0 if positive else value >= 0) and \
+        (not fraction or value <= 1) and (not below_one or value < 1)
+    if not ok:
+        need = "a number in (0, 1]" if fraction and positive else \
+            "a number in [0, 1)" if below_one else \
+            "a number in [0, 1]" if fraction else \
+            "a positive number" if positive else "a number >= 0"
+        raise WorldError(f"hardware profile field {name} is {value!r}; it must be {need} "
+                         "(fix the profile, or write a new one with `autopar calibrate`).")
 
 
 def builtin_names() -> list[str]:
@@ -99,11 +156,12 @@ def load_hardware(name_or_path: str) -> Hardware:
         if not os.path.exists(name_or_path):
             raise WorldError(f"no hardware profile file at {name_or_path}; write one with "
                              "`autopar calibrate -o profile.json`.")
-        with open(name_or_path) as f:
-            try:
-                hw = Hardware.from_json(json.load(f))
-            except json.JSONDecodeError as e:
-                raise WorldError(f"{name_or_path} is not valid JSON ({e}).") from e
+        data = read_json(name_or_path, "hardware profile", WorldError,
+                         "write one with `autopar calibrate -o FILE`")
+        try:
+            hw = Hardware.from_json(data)
+        except WorldError as e:
+            raise WorldError(f"{name_or_path}: {e}") from e
     else:
         names = builtin_names()
         if name_or_path not in names:

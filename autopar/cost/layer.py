@@ -19,6 +19,7 @@ import torch
 from autopar.cost.memory import activation_bytes
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import BATCH, TracedGraph
+from autopar.sharding.divisible import indivisible
 from autopar.sharding.solve import Solution, solve
 
 _FREE = {OpKind.INPUT, OpKind.PARAM, OpKind.OUTPUT, OpKind.VIEW, OpKind.SYMBOLIC}
@@ -73,6 +74,8 @@ class Attention:
     score_elements: Lin  # B·H·S·S_k: what an unfused kernel writes and reads
     heads: int
     kv_heads: int
+    keys: int = 0  # S_k, keys per query: a fused kernel's rate depends on it
+    causal: bool = False  # a causal mask: a fused kernel skips the masked half
 
 
 @dataclass
@@ -91,6 +94,9 @@ class Sharded:
     act_replicated: Lin  # ... of replicated values (Megatron-SP splits them)
     act_attention: Lin  # ... inside attention (scores, probabilities): selective drops them
     replicated_ops: list[str] = field(default_factory=list)
+    # why the runtime refuses this layer at this size in 1d (heads or widths that do not
+    # split: autopar.sharding.divisible), None when it splits
+    refused: str | None = None
 
 
 @dataclass
@@ -108,6 +114,7 @@ class LayerType:
     input_bytes: Lin  # bytes of the activations this layer receives (kept by full recompute)
     dtype_bytes: int
     sharded: dict[int, Sharded] = field(default_factory=dict)
+    kernels: int = 0  # device kernels of its forward (one per op that is not a view)
 
     @property
     def is_block(self) -> bool:
@@ -131,11 +138,13 @@ class LayerChain:
     types: list[LayerType]
     order: list[int]  # index into types, one per layer of the real model
     tokens_per_sample: int
-    dtype_bytes: int
+    dtype_bytes: int  # the widest floating activation (never the parameters': param_dtype)
     names: list[str] = field(default_factory=list)  # one per layer of the real model
     sources: list[str] = field(default_factory=list)  # per entry of order: its traced layer
     refused: list[str] = field(default_factory=list)  # tensor sizes the model cannot take
     traced: TracedGraph | None = None
+    # the dtype of most parameter elements: what autopar.cost.precision prices states from
+    param_dtype: torch.dtype = torch.float32
 
     def layers(self) -> list[LayerType]:
         return [self.types[i] for i in self.order]
@@ -194,7 +203,9 @@ def _attention(node) -> Attention:
     b, h, s, d = qs
     sk = ks[-2]
     flops = 2 * b * h * s * sk * d + 2 * b * h * s * sk * vs[-1]
-    return Attention(Lin.of(flops), Lin.of(b * h * s * sk), int(h), int(ks[1]))
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return Attention(Lin.of(flops), Lin.of(b * h * s * sk), int(h), int(ks[1]), int(sk),
+                     bool(causal))
 
 
 def _split(layout) -> bool:
@@ -236,7 +247,16 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     type_list = list(types.values())
     dtype_bytes = max(t.dtype_bytes for t in type_list)
     return LayerChain(type_list, [group_index[g] for g in order], tokens_per_sample,
-                      dtype_bytes, sources=sources)
+                      dtype_bytes, sources=sources, param_dtype=_param_dtype(traced))
+
+
+def _param_dtype(traced: TracedGraph) -> torch.dtype:
+    """The floating dtype holding the most parameter elements (fp32 for a model without)."""
+    count: dict[torch.dtype, int] = {}
+    for p in traced.params.values():
+        if p.is_parameter and p.dtype.is_floating_point:
+            count[p.dtype] = count.get(p.dtype, 0) + int(_numel(p.shape))
+    return max(count, key=count.__getitem__, default=torch.float32)
 
 
 def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
@@ -244,7 +264,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
     traffic = sympy.Integer(0)
     boundary = sympy.Integer(0)
     inputs = sympy.Integer(0)
-    param_bytes = params = 0
+    param_bytes = params = kernels = 0
     dtype_bytes = 0
     seen_inputs = set()
     for node in layer.nodes:
@@ -258,6 +278,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
             continue
         if info.dtype is not None and info.dtype.is_floating_point:
             dtype_bytes = max(dtype_bytes, torch.empty((), dtype=info.dtype).element_size())
+        kernels += info.kind not in _FREE
         if info.kind in (OpKind.LINEAR, OpKind.MATMUL):
             gemms.append(_gemm(node))
         elif info.kind is OpKind.ATTENTION:
@@ -272,7 +293,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
                 seen_inputs.add(a)
                 inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
-                     params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4)
+                     params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels)
 
 
 def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:
@@ -285,14 +306,22 @@ def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[s
     solutions = {}
     for size in sizes:
         try:
-            solutions[size] = solve(traced, axis="tp", size=size)
+            solution = solve(traced, axis="tp", size=size)
         except Exception as e:  # a size the model's shapes do not divide
             refused.append(f"tp={size}: {e}")
+            continue
+        # heads or widths the runtime refuses to split: the layers holding them cannot take
+        # this size in 1d (Sharded.refused), the others can (beside a 2D/2.5D/3D grid)
+        problem = indivisible(traced, solution)
+        if problem:
+            refused.append(f"tp={size}: {problem}")
+        solutions[size] = solution
     _split_kinds(traced, chain, solutions, layer_of)
     by_name = {t.names[0]: t for t in chain.types}
     for size, solution in solutions.items():
         for name, lt in by_name.items():
             lt.sharded[size] = _read_sharded(traced, layer_of[name], solution, size)
+            lt.sharded[size].refused = indivisible(traced, solution, set(layer_of[name].nodes))
         _add_activations(traced, by_name, solution, size)
     return refused
 

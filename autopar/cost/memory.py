@@ -81,6 +81,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.cost.precision import runtime
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import BATCH, TracedGraph
@@ -184,6 +185,12 @@ class _Recorder(fx.Interpreter):
             self.node_owner[n] = self.owner[_key(tensors[0])]
         return out
 
+    def call_function(self, target, args, kwargs):
+        # inputs and weights are made on the CPU here, but a graph traced on the meta device
+        # (transformers' aranges take `device=input.device`) names meta on its factory ops
+        args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
+        return super().call_function(target, args, kwargs)
+
     def placeholder(self, target, args, kwargs):
         val = self.current.meta.get("val")
         shape = [int(sympy.sympify(d).subs(BATCH, self.batch))
@@ -209,6 +216,10 @@ class _Recorder(fx.Interpreter):
         self.records.append(_Record(key, t.untyped_storage().nbytes(), tuple(t.shape), t.dtype,
                                     self.current, self._by_input.get(key)))
         return t
+
+
+def _on_cpu(value):
+    return torch.device("cpu") if isinstance(value, torch.device) else value
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -686,12 +697,13 @@ def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", ze
     (autopar.passes.precision), so this function on the fp32 trace is what such a run
     holds across steps (4 + 4 bytes a parameter, plus fp32 moments); the 16-bit casts of
     the weights live from their layer's forward to its backward, like activations, and
-    the activations are 16-bit. The planner's `dtype` (the CLI's `--dtype`) is the same
-    compute dtype. The CLI traces its zoo models in that dtype: bf16 parameters and
-    gradients (2 + 2 bytes) and, with `cost.model.OPTIMIZER_BYTES`, 12 bytes of fp32 master
-    and moments, the runtime's 16 bytes a parameter split differently, and 16-bit
-    activations as at run time. `autopar.plan` on an fp32 model prices the masters exactly
-    and the activations at fp32 (twice what a bf16 run saves). Either way the search
+    the activations are 16-bit. This is `autopar.cost.precision.runtime` per parameter.
+    The planner's `dtype` (the CLI's `--dtype`) is the same compute dtype. The CLI traces
+    its zoo models in that dtype: bf16 parameters and gradients (2 + 2 bytes) and 12 bytes
+    of fp32 master and moments (`autopar.cost.precision.mixed`), the runtime's 16 bytes a
+    parameter split differently, and 16-bit activations as at run time. `autopar.plan` on
+    an fp32 model prices the masters exactly and the activations at fp32 (twice what a
+    bf16 run saves). Either way the search
     prices the data-parallel gradient all-reduce at the trace's dtype, where the runtime
     all-reduces fp32 gradients (twice a bf16 trace's bytes).
     """
@@ -718,8 +730,9 @@ def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", ze
             continue
         params += nbytes
         if _trainable(traced, target, pinfo):
-            grads += numel * _itemsize(grad_dtype or pinfo.dtype)
-            states += opt.buffers * nbytes + opt.scalar_bytes
+            held = runtime(pinfo.dtype, moments=opt.buffers)
+            grads += numel * (_itemsize(grad_dtype) if grad_dtype else held.gradients)
+            states += numel * held.optimizer + opt.scalar_bytes
     split = {stage: dp if zero_stage >= stage else 1 for stage in (1, 2, 3)}
     return StateBytes(parameters=math.ceil(params / split[3]),
                       gradients=math.ceil(grads / split[2]),

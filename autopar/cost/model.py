@@ -2,10 +2,13 @@
 
 Compute is a roofline: a matrix multiplication of F FLOPs runs at
 ``peak * gemm_efficiency * F / (F + gemm_half_flops)`` (small problems fill the device
-less), memory-bound ops move their bytes at ``memory_bandwidth * memory_efficiency``.
-Communication is priced by ``autopar.cost.comm`` (alpha-beta per link class). Memory per
-device is parameters + gradients + optimizer states (by ZeRO stage and offload) +
-activations (by recompute, sequence parallelism and micro-batches in flight) + buffers.
+less), memory-bound ops move their bytes at ``memory_bandwidth * memory_efficiency``,
+and what limits real runs beyond that is priced as the named physical effects of
+:data:`EFFECTS` (fused attention's rate at short sequences, causal imbalance and exposed
+hops of ring attention, collectives' SM contention, the per-kernel launch floor), each
+reported per layer in ``StateCost.effects``. Communication is priced by ``autopar.cost.comm`` (alpha-beta per link class). Memory per
+device is parameters + gradients + optimizer states (by ZeRO stage and offload, bytes per
+parameter from ``autopar.cost.precision``) + activations (by recompute, sequence parallelism and micro-batches in flight) + buffers.
 """
 
 from __future__ import annotations
@@ -18,12 +21,25 @@ import sympy
 
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
-from autopar.cost.layer import LayerType
+from autopar.cost.layer import Attention, LayerType
 
-# Mixed-precision Adam keeps an fp32 master copy and two fp32 moments: 12 bytes per
-# parameter on top of the 16-bit parameter and gradient (Rajbhandari et al. 2019, §3.1).
-# In fp32 training the parameter is its own master copy: 8 bytes of moments.
-OPTIMIZER_BYTES = {2: 12, 4: 8}
+# The physical effects a step's time carries beyond an ideal device, as explain names them
+# (StateCost.effects), each with where its price comes from.
+EFFECTS = {
+    "memory-bound ops": "norms, activations, RoPE, dropout, casts, residual adds: their bytes "
+                        "at memory_bandwidth x memory_efficiency",
+    "kernel launch floor": "every kernel takes at least kernel_floor_s, however small",
+    "attention on short sequences": "fused attention's rate at S keys per query, "
+                                    "S / (S + attention_half_tokens) of its best "
+                                    "(FlashAttention-2, Dao 2023, Fig. 4 and 6)",
+    "causal imbalance (contiguous cp)": "under a contiguous split the last chunk's rank does "
+                                        "(2cp - 1)/cp of the mean causal work "
+                                        "(Brandon et al. 2023, Striped Attention)",
+    "cp ring hops exposed": "the first K/V hop and the gradient return wait; each other hop "
+                            "hides only behind the attention step beside it",
+    "collectives' SM contention": "overlapped collectives hold comm_sm_share of the SMs "
+                                  "(NCCL runs one thread block per channel)",
+}
 
 TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("none", "megatron")
@@ -96,7 +112,9 @@ class Context:
     tp: Placement
     cp: Placement
     cp_mode: str | None = None
-    attention_kernel: str = "flash"  # or "unfused": scores written to memory (pre-2022)
+    # "flash" (FlashAttention-2), "unfused" (scores written to memory, pre-2022) or another
+    # kernel the profile measured (attention_kernels, e.g. "flash1")
+    attention_kernel: str = "flash"
     tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
     # collective prices already worked out under this context: the states of one layer
     # differ only in recompute and ask for the same collectives
@@ -126,6 +144,10 @@ class StateCost:
     # attention), so a report can split communication by mesh axis; the rest is on tp
     cp_comm: float = 0.0
     cp_comm_bytes: float = 0.0
+    # seconds (forward, backward and recompute) each named physical effect adds over an
+    # ideal device, for explain: see EFFECTS
+    effects: dict = field(default_factory=dict)
+    workspace: float = 0.0  # transient bytes while the layer runs (ring K/V receive buffers)
 
     @property
     def time(self) -> float:
@@ -136,7 +158,43 @@ def gemm_time(flops: float, hw: Hardware, dtype: str) -> float:
     if flops <= 0:
         return 0.0
     eff = hw.gemm_efficiency * flops / (flops + hw.gemm_half_flops)
-    return flops / (hw.flops(dtype) * eff)
+    return max(flops / (hw.flops(dtype) * eff), hw.kernel_floor_s)
+
+
+def attention_time(flops: float, keys: float, causal: bool, hw: Hardware, dtype: str,
+                   kernel: str = "flash") -> float:
+    """Seconds of a fused attention kernel on ``flops`` (the full, unmasked count) over
+    ``keys`` keys per query: FlashAttention's rate falls on short sequences (Dao 2023,
+    arXiv 2307.08691, Fig. 4 and 6) and a causal mask skips the masked half of the blocks.
+    ``kernel``: "flash" (FlashAttention-2) or a name in the profile's attention_kernels."""
+    if flops <= 0:
+        return 0.0
+    best, half = hw.attention_efficiency, hw.attention_half_tokens
+    if kernel != "flash":
+        if kernel not in hw.attention_kernels:
+            raise ValueError(f"device '{hw.name}' has no measured curve for attention kernel "
+                             f"'{kernel}'; it knows flash, unfused"
+                             + "".join(f", {k}" for k in hw.attention_kernels) + ".")
+        best, half = (hw.attention_kernels[kernel][k] for k in ("efficiency", "half_tokens"))
+    if best is None:
+        return gemm_time(flops, hw, dtype)
+    fill = 1.0 if math.isinf(keys) or keys <= 0 else keys / (keys + half)  # <= 0: unknown
+    eff = best * fill
+    return max((flops / 2 if causal else flops) / (hw.flops(dtype) * eff), hw.kernel_floor_s)
+
+
+def attention_keys(a: Attention, cp: int, cp_mode: str | None) -> float:
+    """Keys per query one attention kernel call sees: ring attention runs one call per
+    block of S/cp keys; Ulysses gathers the whole sequence for a subset of heads."""
+    return a.keys / cp if cp > 1 and cp_mode == "ring" else a.keys
+
+
+def causal_imbalance(cp: int, layout: str) -> float:
+    """How much more causal attention the busiest rank does than the average: under a
+    contiguous split the rank holding the last chunk computes cp - 1/2 of the cp x cp key
+    blocks' unmasked work against cp/2 on average (Brandon et al. 2023, arXiv 2311.09431,
+    Striped Attention); the zigzag split (two mirrored chunks per rank) evens it out."""
+    return (2 * cp - 1) / cp if cp > 1 and layout == "contiguous" else 1.0
 
 
 def memory_time(nbytes: float, hw: Hardware) -> float:
@@ -162,20 +220,36 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
         local = g.flops(batch) / ((t if split or not one_d else 1) * c)
         gemm_fwd += gemm_time(local, hw, dtype)
-    attn_fwd = 0.0
+    attn_fwd = attn_ideal = attn_even = 0.0
+    attn_each = []  # per attention core: forward seconds on the busiest cp rank
     for a, split in zip(lt.attention, sharded.attention_split if one_d else
                         [True] * len(lt.attention)):
         parts = (t if split or not one_d else 1) * c
-        attn_fwd += gemm_time(a.flops(batch) / parts, hw, dtype)
         if ctx.attention_kernel == "unfused":
             # scores written by the first GEMM, softmax read+write, dropout read+write+mask,
             # read by the second GEMM: about six passes over B·H·S·S_k values
-            attn_fwd += memory_time(6 * a.score_elements(batch) * lt.dtype_bytes / parts, hw)
+            sec = gemm_time(a.flops(batch) / parts, hw, dtype) + memory_time(
+                6 * a.score_elements(batch) * lt.dtype_bytes / parts, hw)
+            even = ideal = sec
+        else:
+            keys = attention_keys(a, c, ctx.cp_mode)
+            kernel = ctx.attention_kernel
+            even = attention_time(a.flops(batch) / parts, keys, a.causal, hw, dtype, kernel)
+            ideal = attention_time(a.flops(batch) / parts, math.inf, a.causal, hw, dtype, kernel)
+            layout = "contiguous" if a.keys % (2 * c) else "zigzag"
+            sec = even * (causal_imbalance(c, layout) if a.causal and ctx.cp_mode == "ring"
+                          else 1.0)
+        attn_each.append(sec)
+        attn_fwd += sec
+        attn_ideal += ideal
+        attn_even += even
     if one_d:
         traffic = sharded.traffic_split(batch) + sharded.traffic_replicated(batch) / (t if sp else 1)
     else:
         traffic = lt.traffic(batch) / t
-    mem_fwd = memory_time(traffic / c, hw)
+    mem_roof = memory_time(traffic / c, hw)
+    mem_kernels = max(0, lt.kernels - len(lt.gemms) - len(lt.attention))
+    mem_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
     forward = gemm_fwd + attn_fwd + mem_fwd
     backward = 2 * forward
     recompute = {"none": 0.0, "selective": attn_fwd, "full": forward}[state.recompute]
@@ -198,11 +272,23 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         comm += sec
         comm_bytes += nbytes
     cp_comm = cp_bytes = 0.0
+    rerun = state.recompute in ("full", "selective")  # the attention forward runs twice
+    effects = {}
+    workspace = 0.0
     if c > 1 and lt.attention:
-        sec, cp_bytes = _context_comm(lt, mode, batch, ctx, attn_fwd)
-        cp_comm = sec * (1.5 if state.recompute in ("full", "selective") else 1)
+        ring = _context_comm(lt, mode, batch, ctx, attn_each, rerun)
+        cp_bytes, workspace = ring.nbytes, ring.workspace
+        cp_comm = ring.exposed + ring.contention
         comm += cp_comm
         comm_bytes += cp_bytes
+        effects["cp ring hops exposed"] = ring.exposed if ctx.cp_mode == "ring" else 0.0
+        effects["collectives' SM contention"] = ring.contention
+    a_runs = 3 + rerun
+    effects["attention on short sequences"] = a_runs * (attn_even - attn_ideal)
+    effects["causal imbalance (contiguous cp)"] = a_runs * (attn_fwd - attn_even)
+    runs = 3 + (state.recompute == "full")
+    effects["memory-bound ops"] = runs * mem_roof
+    effects["kernel launch floor"] = runs * (mem_fwd - mem_roof)  # beyond their bytes' time
     # Memory: activations kept for backward, parameters held.
     if state.recompute == "full":
         acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)
@@ -225,7 +311,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     else:
         params = lt.param_bytes / t
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
-                     cp_comm, cp_bytes)
+                     cp_comm, cp_bytes, effects, workspace)
 
 
 def _gathered_3d(lt: LayerType, mode: TensorMode, batch: float) -> float:
@@ -313,8 +399,45 @@ def _depth(mode: TensorMode, ctx: Context) -> Placement:
     return Placement(mode.d, inner, ctx.tp.sharing)
 
 
+@dataclass(frozen=True)
+class CpCost:
+    """Context parallelism around one layer's attention, per micro-batch."""
+
+    exposed: float  # seconds of communication compute does not hide
+    contention: float  # seconds compute loses to the collectives it overlaps
+    nbytes: float  # bytes this rank sends
+    workspace: float = 0.0  # bytes of receive buffers held while attention runs
+
+
+def ring_exposed(c: int, hop: float, pair: float, step_f: float, step_b: float,
+                 rerun: bool) -> tuple[float, float]:
+    """(exposed, overlapped) seconds of ring attention's hops over ``c`` ranks.
+
+    Forward: c - 1 K/V hops; the first is waited for, each later one overlaps only the
+    attention step before it (``step_f``, one block of keys). Backward: the K/V go round
+    again and the K/V gradients make c hops, the last one home after the last step: the
+    first K/V hop and that return are exposed, c - 2 steps carry a K/V and a gradient block
+    together (``pair`` seconds) and one step the last gradient hop alone. ``rerun``: the
+    forward runs again for recomputation."""
+    if c <= 1:
+        return 0.0, 0.0
+    fwd_exposed = hop + (c - 2) * max(0.0, hop - step_f)
+    fwd_hidden = (c - 2) * min(hop, step_f)
+    bwd_exposed = 2 * hop + (c - 2) * max(0.0, pair - step_b) + max(0.0, hop - step_b)
+    bwd_hidden = (c - 2) * min(pair, step_b) + min(hop, step_b)
+    runs = 2 if rerun else 1
+    return runs * fwd_exposed + bwd_exposed, runs * fwd_hidden + bwd_hidden
+
+
+def contention_s(overlapped: float, hw: Hardware) -> float:
+    """Seconds compute loses while collectives overlap it for ``overlapped`` seconds: their
+    kernels hold ``comm_sm_share`` of the SMs, so that compute runs 1 / (1 - share) slower."""
+    share = hw.comm_sm_share
+    return overlapped * share / (1 - share) if 0 < share < 1 else 0.0
+
+
 def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
-                  attn_fwd: float) -> tuple[float, float]:
+                  attn_each: list[float], rerun: bool) -> CpCost:
     """Sequence (context) parallelism over cp around each attention core, as
     ``autopar.runtime.sequence`` runs it.
 
@@ -323,28 +446,33 @@ def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     and value heads are repeated f = c / gcd(kv heads, c) times first when there are fewer
     of them than ranks. Ring attention (Li et al. 2021, arXiv 2105.13120): the key and value
     blocks travel c-1 hops forward and c-1 again backward, and the key and value gradients
-    c hops (the last one home), overlapped with the attention blocks they feed.
+    c hops (the last one home), each hop hidden only behind the one attention step it runs
+    beside (:func:`ring_exposed`); the ranks hold a receive buffer for the next K/V block
+    and one for the travelling gradients.
     """
     c = ctx.cp.size
     act = lt.boundary(batch) / (mode.size * c)
-    seconds = nbytes = 0.0
+    exposed = hidden = nbytes = workspace = 0.0
     if c <= 1:
-        return seconds, nbytes
-    for a in lt.attention:
+        return CpCost(0.0, 0.0, 0.0)
+    for a, attn in zip(lt.attention, attn_each):
         kv_heads = max(1, a.kv_heads // (mode.size if mode.name == "1d" else 1))
         heads = max(1, a.heads // (mode.size if mode.name == "1d" else 1))
         kv = 2 * act * kv_heads / heads
         if ctx.cp_mode == "ring":
-            hops = 3 * c - 2
-            comm = hops * ctx.coll("p2p", kv, ctx.cp)
-            seconds += max(0.0, comm - 3 * attn_fwd)
-            nbytes += hops * kv
+            hop, pair = ctx.coll("p2p", kv, ctx.cp), ctx.coll("p2p", 2 * kv, ctx.cp)
+            e, h = ring_exposed(c, hop, pair, attn / c, 2 * attn / c, rerun)
+            exposed += e
+            hidden += h
+            nbytes += (3 * c - 2) * kv
+            workspace = max(workspace, 2 * kv)
         else:
             f = c // math.gcd(kv_heads, c)
             buffers = (act, act, f * kv / 2, f * kv / 2)  # q, output, k, v
-            seconds += 2 * sum(ctx.coll("all_to_all", n, ctx.cp) for n in buffers)
+            sec = 2 * sum(ctx.coll("all_to_all", n, ctx.cp) for n in buffers)
+            exposed += sec * (1.5 if rerun else 1)
             nbytes += 2 * sum(buffers) * (c - 1) / c
-    return seconds, nbytes
+    return CpCost(exposed, contention_s(hidden, ctx.hw), nbytes, workspace)
 
 
 def formulas() -> dict[str, sympy.Expr]:

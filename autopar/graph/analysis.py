@@ -79,6 +79,9 @@ class NodeInfo:
     layer: str
     shape: tuple | None  # global shape as sympy expressions in BATCH; None for non-tensors
     dtype: torch.dtype | None
+    # made from sizes, constants and buffers alone (transformers' position aranges and the
+    # masks built from them): the same whole value on every rank, never an input's value
+    from_sizes: bool = False
 
 
 @dataclass
@@ -105,7 +108,8 @@ def analyse(traced: TracedGraph) -> TracedGraph:
             module = layer_of_param.get(node.name, "")
         layer = _layer_name(module, node)
         info = NodeInfo(kind=_kind(node, traced), module=module, layer=layer,
-                        shape=_shape(node, batch_symbol), dtype=_dtype(node))
+                        shape=_shape(node, batch_symbol), dtype=_dtype(node),
+                        from_sizes=_from_sizes(node, traced))
         node.meta["autopar"] = info
         if (node.op == "call_function" and info.kind is not OpKind.SYMBOLIC) or \
                 (node.op == "get_attr" and node.users):
@@ -218,6 +222,25 @@ def _kind(node: fx.Node, traced: TracedGraph) -> OpKind:
             not isinstance(node.meta.get("val"), (list, tuple)):
         return OpKind.SYMBOLIC
     return OpKind.OTHER
+
+
+def _from_sizes(node: fx.Node, traced: TracedGraph) -> bool:
+    """Whether `node` is computed from sizes, constants and buffers only (its inputs already
+    analysed): no input value, parameter or random number reaches it."""
+    if node.op != "call_function":
+        return False
+    if node.target in (aten.sym_size.int, aten.sym_numel.default):
+        return True
+    if not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int)) or \
+            torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        return False
+    for a in node.all_input_nodes:
+        if a.meta["autopar"].from_sizes:
+            continue
+        buffer = traced.params.get(a.target) if a.op == "get_attr" else None
+        if buffer is None or buffer.is_parameter:
+            return False
+    return True
 
 
 def _is_param(a) -> bool:

@@ -120,6 +120,9 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
         raise TraceError("example_inputs must be a non-empty tuple of tensors with the batch on "
                          "dimension 0; pass e.g. example_inputs=(x,).")
     with_loss = loss_fn is not None
+    if isinstance(loss_fn, type):
+        raise TraceError(f"loss_fn is the class {loss_fn.__name__}, not a loss; pass an instance "
+                         f"such as {loss_fn.__name__}() or a function (output, target) -> loss.")
     if with_loss:
         if not isinstance(example_target, torch.Tensor):
             raise TraceError("tracing with a loss needs example_target, a tensor with the batch on "
@@ -156,15 +159,18 @@ def _trace_either(wrapper: nn.Module, inputs: tuple) -> tuple[fx.GraphModule, st
     try:
         return _via_export(wrapper, inputs), "export", None
     except Exception as export_error:  # noqa: BLE001 - any failure sends us to the fallback
+        first = export_error
         export_reason = _describe_failure(export_error)
     try:
         return _via_fx(wrapper, inputs), "fx", f"torch.export failed: {export_reason}"
     except Exception as fx_error:  # noqa: BLE001
         fx_reason = _describe_failure(fx_error)
+        second = fx_error
     name = type(wrapper.model).__name__
-    raise TraceError(f"could not trace {name}: torch.export failed at {export_reason}; "
-                     f"torch.fx.symbolic_trace failed at {fx_reason}. Remove data-dependent "
-                     "Python control flow at that line, or trace a submodule.")
+    # export's error names the op and line best; fx's where export's gives no user line
+    cause = first if _user_frame(first) is not None or _user_frame(second) is None else second
+    raise TraceError(f"could not trace {name}: torch.export failed at {export_reason} "
+                     f"(torch.fx.symbolic_trace failed at {fx_reason}); {_advice(cause)}.")
 
 
 def _batch_dims(n: int):
@@ -268,14 +274,61 @@ def _getattr(module: nn.Module, target: str):
     return obj
 
 
-def _describe_failure(error: BaseException) -> str:
-    """The user's source line where tracing broke, and the tracer's reason, in one line."""
-    where = "an unknown location"
+def _user_frame(error: BaseException):
+    """The innermost frame of the traceback in the user's code (not torch's nor autopar's)."""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         filename = os.path.abspath(frame.filename)
         if not filename.startswith(_TORCH_DIR) and not filename.startswith(_TRACE_DIR) \
                 and "<" not in frame.filename:
-            where = f"{frame.filename}:{frame.lineno} ({frame.line or frame.name})"
-            break
+            return frame
+    return None
+
+
+def _failing_op(error: BaseException) -> str | None:
+    """The aten op that raised, read from the dispatcher's frames of the traceback."""
+    tb = error.__traceback__
+    while tb is not None:
+        for name in ("func", "op"):
+            value = tb.tb_frame.f_locals.get(name)
+            if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                return str(value)
+        tb = tb.tb_next
+    return None
+
+
+def _describe_failure(error: BaseException) -> str:
+    """The failing op, the user's source line where tracing broke, and the tracer's reason,
+    in one line."""
+    frame = _user_frame(error)
+    where = f"{frame.filename}:{frame.lineno} ({frame.line or frame.name})" if frame else \
+        "an unknown location"
+    op = _failing_op(error)
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"{where}: {type(error).__name__}: {reason}"
+    return f"{where}{f' in {op}' if op else ''}: {type(error).__name__}: {reason}"
+
+
+_CAUSES = (  # (words in the error, advice): the first match gives the advice
+    (("data-dependent", "control flow", "Boolean value of Tensor", "DataDependent"),
+     "remove the data-dependent Python control flow at that line (a branch or loop on tensor "
+     "values: torch.where computes both sides), or trace a submodule"),
+    (("Constraints violated (batch)", "specializ"),
+     "the model or the loss fixes the batch size there: use x.size(0) or -1 instead of a "
+     "literal batch, and give every input and the target the batch on dimension 0"),
+    (("dtype", "scalar type", "Long", "Float", "Half", "BFloat16"),
+     "pass example inputs of the dtype the model expects at that line (integer token ids, "
+     "floating features) and a target the loss takes"),
+    (("shape", "size", "mat1 and mat2", "dimension", "expand", "out of range", "out of bounds"),
+     "pass example inputs of the shape the model expects at that line (the batch on dimension "
+     "0, then the model's own sizes) and a target shaped as the loss needs"),
+    (("positional argument", "keyword argument", "takes", "missing"),
+     "pass as many example inputs as the model's forward takes, in its order"),
+)
+
+
+def _advice(error: BaseException) -> str:
+    """What would fix the trace, from the kind of error (not always control flow)."""
+    text = f"{type(error).__name__}: {error}"
+    for words, advice in _CAUSES:
+        if any(w in text for w in words):
+            return advice
+    return "fix the model at that line, or trace a submodule"

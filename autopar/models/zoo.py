@@ -105,6 +105,28 @@ _ZOO: dict[str, ModelConfig] = {
         ffn_hidden=28672,
         max_seq=4096,
     ),
+    # Llama Team 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 3: 8B and 70B,
+    # 128K-token vocabulary, grouped-query attention with 8 key/value heads, RoPE base 500000.
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        dim=4096,
+        ffn_hidden=14336,
+        max_seq=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        dim=8192,
+        ffn_hidden=28672,
+        max_seq=8192,
+        rope_theta=500000.0,
+    ),
     # Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers", BERT-LARGE
     # (L=24, H=1024, A=16, feed-forward 4H), with the 30522-token uncased WordPiece vocabulary.
     "bert-large": BertConfig(

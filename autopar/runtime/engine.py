@@ -22,12 +22,13 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.errors import PlanError
+from autopar.errors import BatchError, PlanError
 from autopar.graph.trace import BATCH, trace
 from autopar.passes.precision import cast_precision, comm_factors, compute_dtype
 from autopar.passes.tensor_parallel import (apply_solution, local_slice, shard_parameters,
                                             shard_steps)
 from autopar.plan import Plan
+from autopar.runtime.agree import check_same_batch
 from autopar.runtime.buckets import GradientBuckets, average_gradients
 from autopar.runtime.collectives import AxisGroup, CommLog, bind
 from autopar.runtime.kernels import RandomStreams, bind_streams
@@ -45,9 +46,17 @@ class Engine(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", check_batches: bool = False):
         super().__init__()
         self.plan = plan
+        # every train_step compares the batch across ranks (the first one always does)
+        self.check_batches = check_batches
+        self._batch_checked = False
+        self._inputs_like = [(tuple(t.shape[1:]), t.dtype) for t in example_inputs]
+        # what the training graph was traced for at the first step: input and target
+        # (shape past the batch, dtype)
+        self._train_like: list | None = None
+        self._target_like = None
         self.groups = groups
         self.max_grad_norm = max_grad_norm
         # mixed precision (autopar.passes.precision): the graphs compute in this dtype (None:
@@ -79,6 +88,8 @@ class Engine(nn.Module):
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.forward_graph = forward_graph if forward_graph is not None else \
             trace(model, _blank(example_inputs, self._device), train=False)
+        check_positions(self.forward_graph)
+        self._id_inputs = id_inputs(self.forward_graph)
         check_grid_dims(self.forward_graph, plan, self.mesh)
         check_sequence_dims(self.forward_graph, plan)
         check_context_dims(self.forward_graph, plan)
@@ -189,6 +200,8 @@ class Engine(nn.Module):
         fixed = {t: fixed[t] for t in fixed if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
         self.train_gm = self._build(self.train_graph, self.train_solution)
+        self._target_like = (tuple(target.shape[1:]), target.dtype)
+        self._train_like = [(tuple(t.shape[1:]), t.dtype) for t in inputs]
         self._global_batch = int(target.shape[0]) * self._dp.size
         if self._pp.size == 1:  # (a pipeline's stages are instrumented once cut)
             instrument(self.train_gm, self.recorder, 0)
@@ -433,7 +446,24 @@ class Engine(nn.Module):
 
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on a global batch; the loss equals the single-device loss."""
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        inputs = self._checked_inputs(inputs, "train_step", self._train_like)
+        if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
+            raise BatchError(f"train_step's targets must be a tensor with the global batch on "
+                             f"dimension 0, not {_kind(targets)}.")
+        if targets.shape[0] != inputs[0].shape[0]:
+            raise BatchError(f"train_step got a batch of {inputs[0].shape[0]} inputs but "
+                             f"{targets.shape[0]} targets; pass the same global batch of both.")
+        if self._target_like is not None and \
+                (tuple(targets.shape[1:]), targets.dtype) != self._target_like:
+            shape, dtype = self._target_like
+            raise BatchError(f"train_step's targets are {_shape_text(targets)} "
+                             f"{targets.dtype} but the training graph was traced at the first "
+                             f"step for {_shape_text(shape)} {dtype}; pass targets shaped "
+                             "alike at every step.")
+        if not self._batch_checked or self.check_batches:  # a per-rank batch: a mixture
+            check_same_batch(inputs + (targets,), self.steps)
+            self._batch_checked = True
+        check_ids(inputs, self._id_inputs)
         self.recorder.begin_step(self.comm_log)
         *local_inputs, local_target = self._local_batch(inputs + (targets,))
         self._ensure_train_graph(tuple(local_inputs), local_target)
@@ -576,6 +606,8 @@ class Engine(nn.Module):
 
     def forward(self, *inputs):
         """Inference on the whole batch on every rank; outputs are whole on every rank."""
+        inputs = self._checked_inputs(inputs, "the engine's forward", self._inputs_like)
+        check_ids(inputs, self._id_inputs)
         split = self.batch_split()
         for t in inputs:
             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % split:
@@ -589,6 +621,31 @@ class Engine(nn.Module):
         if self._zero_three():
             self._zero.drain()
         return out
+
+    def _checked_inputs(self, inputs, where: str, like) -> tuple:
+        """The inputs as a tuple of tensors, as many as the example inputs, shaped like
+        `like` past the batch (what the graph was traced for; None: not traced yet), or a
+        BatchError naming what differs."""
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() for t in inputs):
+            kinds = ", ".join(_kind(t) for t in inputs) or "nothing"
+            raise BatchError(f"{where} takes tensors (or a tuple of them) with the global batch "
+                             f"on dimension 0, not {kinds}.")
+        if len(inputs) != len(self._inputs_like):
+            raise BatchError(f"{where} got {len(inputs)} input tensor(s) but the engine was "
+                             f"built for {len(self._inputs_like)} (its example_inputs); pass "
+                             "the same number.")
+        for i, (t, (shape, dtype)) in enumerate(zip(inputs, like or ())):
+            if tuple(t.shape[1:]) != shape or t.dtype != dtype:
+                raise BatchError(f"{where}'s input {i} is {_shape_text(t)} {t.dtype} but the "
+                                 f"graph was traced for {_shape_text(shape)} {dtype} (batch "
+                                 "aside); pass inputs shaped alike at every call, or build the "
+                                 "engine with example inputs of this shape.")
+        if any(t.shape[0] != inputs[0].shape[0] for t in inputs):
+            raise BatchError(f"{where}'s inputs have different batch sizes "
+                             f"({', '.join(str(t.shape[0]) for t in inputs)}); give every "
+                             "input the same global batch on dimension 0.")
+        return inputs
 
     # ------------------------------------------------------------------ accounting
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
@@ -736,33 +793,86 @@ class Engine(nn.Module):
 
 def check_divisible(traced, solution: Solution) -> None:
     """Attention heads and block widths must split evenly over the tensor axis."""
-    from autopar.graph.analysis import OpKind
+    from autopar.sharding.divisible import indivisible
 
-    size = solution.size
-    if size == 1:
-        return
-    for node, strategy in solution.strategies.items():
-        info = node.meta["autopar"]
-        if solution.modes.get(info.layer) != "1d" or strategy.name != "replicate":
-            continue
-        if info.kind is OpKind.ATTENTION:
-            heads = int(info.shape[1])
-            if heads % size:
-                ok = [d for d in range(1, heads + 1) if heads % d == 0]
-                raise PlanError(f"attention in {info.module or info.layer} has {heads} heads, "
-                                f"which do not split over tensor size {size}; use a tensor size "
-                                f"that divides {heads} ({', '.join(map(str, ok))}).")
-        if info.kind is OpKind.LINEAR and any(c.isdigit() for c in info.layer):
-            # kept whole on purpose: a key/value projection with fewer heads than ranks
-            hint = solution.hints.get(node.name)
-            if hint == ("replicate",):
-                continue
-            width = int(info.shape[-1])
-            groups = hint[1] if hint and hint[0] == "groups" else 1
-            if width % (size * groups) == 0:
-                continue
-            raise PlanError(f"{info.module} has {width} output features, which do not split "
-                            f"over tensor size {size}; use a tensor size that divides {width}.")
+    problem = indivisible(traced, solution)
+    if problem:
+        raise PlanError(problem)
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a 0-dimensional tensor" if value.dim() == 0 else "a tensor"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _shape_text(shape_or_tensor) -> str:
+    """(B, 32, 64) for a tensor, (*, 32, 64) for the sizes past the batch."""
+    if isinstance(shape_or_tensor, torch.Tensor):
+        return str(tuple(shape_or_tensor.shape))
+    return "(" + ", ".join(["*"] + [str(n) for n in shape_or_tensor]) + ")"
+
+
+_PASS_THROUGH = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                 torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default,
+                 torch.ops.aten.expand.default, torch.ops.aten.clone.default,
+                 torch.ops.aten.slice.Tensor, torch.ops.aten.contiguous.default,
+                 torch.ops.aten.alias.default}
+
+
+def _embedding_index_source(node):
+    """The node an embedding's index tensor is read from, through reshapes and slices."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and \
+            node.target in _PASS_THROUGH:
+        node = node.args[0]
+    return node
+
+
+def _embeddings(traced):
+    """(embedding node, rows of its table, where its indices come from) for each lookup."""
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+            weight = node.args[0]
+            pinfo = traced.params.get(weight.target) if weight.op == "get_attr" else None
+            if pinfo is not None:
+                yield node, int(pinfo.shape[0]), _embedding_index_source(node.args[1])
+
+
+def id_inputs(traced) -> list[tuple[int, int, str]]:
+    """(input position, rows, module) for each embedding that looks up an input directly:
+    its ids are checked on the global batch before any rank's collective."""
+    places = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    out = []
+    for node, rows, source in _embeddings(traced):
+        if source in places:
+            out.append((places.index(source), rows, node.meta["autopar"].module or "embedding"))
+    return out
+
+
+def check_ids(inputs: tuple, embeddings) -> None:
+    """Refuse token ids outside an embedding's table as one device would (IndexError), on
+    the global batch every rank holds, so every rank refuses alike (no rank left waiting in
+    a collective); on a GPU as an asynchronous device-side assertion (no host sync)."""
+    from autopar.runtime.multid import check_index_range
+
+    for i, rows, module in embeddings:
+        if i < len(inputs):
+            check_index_range(inputs[i], rows, f"input {i} (the token ids of {module})")
+
+
+def check_positions(traced) -> None:
+    """Refuse example inputs longer than a position table: a lookup of arange(n) in a table
+    of fewer rows, which meta tensors trace without complaint and the first step would hit."""
+    for node, rows, source in _embeddings(traced):
+        if isinstance(source, fx.Node) and source.op == "call_function" and \
+                source.target in (torch.ops.aten.arange.default, torch.ops.aten.arange.start):
+            ends = [a for a in source.args if isinstance(a, int)]
+            length = ends[-1] - (ends[0] if len(ends) > 1 else 0) if ends else None
+            if length is not None and length > rows:
+                module = node.meta["autopar"].module or "a position embedding"
+                raise PlanError(f"the example inputs have {length} positions but {module} has "
+                                f"{rows} rows; use sequences of at most {rows} tokens (or a "
+                                "model with more positions).")
 
 
 def _check_tokens_divide(traced, parts: int, no_sequence: str, splits: str,

@@ -29,6 +29,8 @@ class VocabParallelEmbedding(Bound):
         g = self._g()
         rows = weight.shape[0]
         start = g.rank * rows
+        multid.check_index_range(idx, rows * g.size, "a token id of a vocabulary-parallel "
+                                 "embedding")
         outside = (idx < start) | (idx >= start + rows)
         local = (idx - start).masked_fill(outside, 0)
         pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
@@ -53,6 +55,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, g: AxisGroup, reduction: int, ignore_index: int):
         cols = logits.shape[1]
         start = g.rank * cols
+        multid.check_index_range(target, cols * g.size, "the cross-entropy target",
+                                 ignore_index)
         logits = logits.float()
         row_max = g.all_reduce(logits.max(dim=1).values, "forward", op=dist.ReduceOp.MAX)
         shifted = logits - row_max.unsqueeze(1)

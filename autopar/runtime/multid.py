@@ -95,6 +95,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.errors import TokenIdError
 from autopar.runtime.collectives import AxisGroup
 
 __all__ = [
@@ -575,11 +576,33 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, grid: Grid,
 # --------------------------------------------------------------------------------------
 
 
+def check_index_range(ids: torch.Tensor, rows: int, what: str,
+                      ignore_index: int | None = None) -> None:
+    """Refuse indices outside [0, rows) (but `ignore_index`) as one device would: a
+    TokenIdError (an IndexError) on the CPU, an asynchronous device-side assertion on a GPU
+    (no host sync). A split table or masked lookup would otherwise read zeros silently."""
+    if ids.dtype.is_floating_point or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if ids.is_cuda:
+        torch._assert_async(~bad.any(), f"{what}: an index outside [0, {rows})")
+        return
+    if bad.any():
+        first = int(ids[bad].reshape(-1)[0])
+        skip = f" (nor ignore_index {ignore_index})" if ignore_index is not None else ""
+        raise TokenIdError(f"{what} holds {first}, outside [0, {rows}){skip}; use indices below "
+                           f"{rows}, e.g. a tokenizer with the model's vocabulary size.")
+
+
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab: AxisGroup, batch: tuple, ignore_index: int):
         vl = logits.shape[-1]
         start = vocab.rank * vl if vocab is not None else 0
+        check_index_range(target, vl * (vocab.size if vocab is not None else 1),
+                          "the cross-entropy target", ignore_index)
         z = logits.reshape(-1, vl)
         t = target.reshape(-1)
         row_max = z.max(-1).values

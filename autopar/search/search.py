@@ -26,10 +26,10 @@ import numpy as np
 from autopar.cost.comm import collective_time, placements
 from autopar.cost.hardware import GiB, Hardware
 from autopar.cost.layer import LayerChain
+from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import SCHEDULES, check_microbatches, in_flight, stage_count, \
     stage_owner, step_time, time_shared
 from autopar.cost.model import (
-    OPTIMIZER_BYTES,
     RECOMPUTE,
     Context,
     LayerState,
@@ -75,14 +75,48 @@ class Constraints:
         if unknown:
             raise PlanError(f"unknown constraint(s) {sorted(unknown)}; valid ones are "
                             f"{sorted(names)}.")
-        return cls(**value)
+        made = cls(**value)
+        made.check()
+        return made
+
+    def check(self) -> None:
+        """Refuse a constraint of the wrong type or out of range, naming it and what works."""
+        for name in ("tp", "pp", "dp", "cp", "microbatches", "micro_batch_size", "chunks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise PlanError(f"constraint {name}={value!r} must be a whole number >= 1.")
+        for name, options in (("tp_mode", ("1d", "2d", "2.5d", "3d")),
+                              ("sp", ("none", "megatron", "ulysses", "ring")),
+                              ("recompute", RECOMPUTE), ("schedule", SCHEDULES),
+                              ("zero", (0, 1, 2, 3)), ("offload", (True, False))):
+            value = getattr(self, name)
+            if value is not None and (value not in options or isinstance(value, bool) !=
+                                      (name == "offload")):
+                raise PlanError(f"constraint {name}={value!r} must be one of "
+                                f"{', '.join(map(str, options))}.")
+        if self.sp == "megatron" and self.tp == 1:
+            raise PlanError("constraint sp='megatron' splits the sequence over the tensor axis, "
+                            "but tp is fixed to 1; fix tp to 2 or more, or drop sp.")
+        if self.sp in ("ulysses", "ring") and self.cp == 1:
+            raise PlanError(f"constraint sp='{self.sp}' runs over a cp axis, but cp is fixed "
+                            "to 1; fix cp to 2 or more, or drop sp.")
+        if self.tp_mode in ("2d", "2.5d", "3d") and self.tp not in (None, 1):
+            from autopar.sharding.axes import grid_size_error
+
+            depths = [d for d in range(1, self.tp + 1) if self.tp % d == 0]
+            errors = [grid_size_error(self.tp_mode, self.tp, d) for d in
+                      (depths if self.tp_mode == "2.5d" else [1])]
+            if all(errors):
+                raise PlanError(f"constraint tp={self.tp} cannot run tp_mode="
+                                f"'{self.tp_mode}': {errors[0]}")
 
 
 @dataclass
 class Options:
     global_batch: int
-    # the compute dtype (its GEMM rate; bytes come from the trace), named as parallelize's
-    # precision=; what mixed precision holds: autopar.cost.memory.state_bytes
+    # the compute dtype (its GEMM rate; activation bytes come from the trace), named as
+    # parallelize's precision=; state bytes per parameter: autopar.cost.precision
     dtype: str = "bf16"
     attention_kernel: str = "flash"
     executable: set | None = None  # restrict to what the runtime runs: {"tp_modes": .., ...}
@@ -112,6 +146,7 @@ class Candidate:
     memory_per_device: float
     comm_bytes_per_device: float
     fits: bool
+    host_per_device: float = 0.0  # bytes offloaded to the host per device (ZeRO-Offload)
 
     def describe(self) -> str:
         m = self.mesh
@@ -140,6 +175,7 @@ class SearchResult:
     time_s: float
     left_out: list[str] = field(default_factory=list)
     attention_kernel: str = "flash"
+    precision: Precision | None = None  # the state bytes per parameter it priced
 
 
 def divisors(n: int) -> list[int]:
@@ -182,6 +218,8 @@ class Search:
         self._balance_cache: dict = {}
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
+        self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
+        self.precision = precision_of(chain.param_dtype, executable=options.executable is not None)
         self.candidates = 0
         self._leaf_numbers = itertools.count()
 
@@ -206,6 +244,16 @@ class Search:
                  or m.name != "2.5d"]
         return [m for m in modes if all(tp in lt.sharded or m.name != "1d" for lt in
                                         self.chain.types)]
+
+    def _refused_tensor_sizes_1d(self) -> dict[int, str]:
+        """Tensor size -> why 1d blocks cannot take it (heads or widths that do not split:
+        `autopar.sharding.divisible`), from the chain's refusals."""
+        out = {}
+        for r in self.chain.refused:
+            size, _, why = r.partition(": ")
+            if size.startswith("tp=") and size[3:].isdigit():
+                out[int(size[3:])] = why.rstrip(".")
+        return out
 
     def _sp_modes(self, mode: TensorMode) -> list[str]:
         if mode.name != "1d" or mode.size == 1:
@@ -236,6 +284,8 @@ class Search:
     def _make_states(self, lt, tp: int) -> list[LayerState]:
         out = []
         for mode in self._tp_modes(tp, lt.is_block):
+            if mode.name == "1d" and tp > 1 and lt.sharded[tp].refused:
+                continue  # heads or widths 1d does not split: the runtime refuses them
             for sp in self._sp_modes(mode):
                 if lt.is_block:
                     out.extend(LayerState(mode, sp, r) for r in self._recompute())
@@ -282,7 +332,7 @@ class Search:
                                      "slower (lower bound: never fully priced)"))
         alternatives = alternatives[: self.opt.top]
         return SearchResult(winner, alternatives, self.candidates, time.perf_counter() - start,
-                            self.left_out, self.opt.attention_kernel)
+                            self.left_out, self.opt.attention_kernel, self.precision)
 
     def _all_leaves(self, progress=None) -> tuple[list[dict], list]:
         """The meshes this search allows and every leaf under them (mesh x cp mode x
@@ -339,14 +389,14 @@ class Search:
         tiles = world % math.prod(fixed.values()) == 0
         if tiles and fixed.get("pp", 1) > blocks:
             return (f"pp {fixed['pp']} needs at least {fixed['pp']} blocks to put one on each "
-                    f"stage, but the model has {blocks}; use --pp "
+                    f"stage, but the model has {blocks}; use pp "
                     f"{max(d for d in divisors(world) if d <= blocks)} or less.")
         if tiles and fixed.get("cp", 1) > 1:
             seq = self.chain.tokens_per_sample
             return (f"cp {fixed['cp']} splits the sequence over {fixed['cp']} ranks, but this "
                     f"model has " + (f"a sequence of {seq} tokens, which it does not divide"
                                      if any(lt.attention for lt in self.chain.types) else
-                                     "no attention to split") + "; choose another --cp.")
+                                     "no attention to split") + "; choose another cp size.")
         if fixed:
             prod = math.prod(fixed.values())
             near = [d for d in divisors(world)]
@@ -357,6 +407,10 @@ class Search:
         return f"no way to split this model over {world} devices."
 
     def _reason(self, cand: Candidate, winner: Candidate | None) -> str:
+        if not cand.fits and cand.host_per_device > self.host_capacity:
+            return (f"host memory short by {(cand.host_per_device - self.host_capacity) / GiB:.1f}"
+                    f" GiB per device ({cand.host_per_device / GiB:.1f} GiB offloaded, "
+                    f"{self.host_capacity / GiB:.1f} GiB of host memory per device)")
         if not cand.fits:
             over = cand.memory_per_device - self.capacity
             return (f"out of memory by {over / GiB:.1f} GiB per device "
@@ -381,21 +435,44 @@ class Search:
         gb = self.opt.global_batch
         dps = sorted({m["dp"] for m in meshes})
         split = [m for m in meshes if gb % m["dp"] == 0]
+        refused = self._refused_tensor_sizes(split)
+        if split and all(m["tp"] in refused and all(mode.name == "1d" for mode in
+                                                    self._tp_modes(m["tp"])) for m in split):
+            tp = split[0]["tp"]
+            other = sorted({m["dp"] for m in meshes} - {m["dp"] for m in split})
+            return (f"tensor size {tp} cannot split this model: {refused[tp]}" +
+                    (f"; or give a global batch that is a multiple of {other[0]} (data "
+                     "parallelism)." if other else "."))
+        m_fixed = self.c.microbatches
+        if split and m_fixed is not None and all((gb // m["dp"]) % m_fixed for m in split):
+            m = split[0]
+            per = gb // m["dp"]
+            return (f"microbatches {m_fixed} does not divide the {per} sample(s) per "
+                    f"data-parallel replica (global batch {gb} over dp {m['dp']}); use a number "
+                    f"of micro-batches that divides {per}, or a global batch that is a multiple "
+                    f"of {m_fixed * m['dp']}.")
         if split and all(m["pp"] > 1 for m in split):
             m = min(split, key=lambda m: m["pp"])
             per_replica = gb // m["dp"]
             return (f"every mesh left has a pipeline, and none gets as many micro-batches as "
                     f"stages: with pp {m['pp']} and dp {m['dp']} each replica has "
                     f"{per_replica} sample(s) for {m['pp']} stages; use a global batch of at "
-                    f"least {m['pp'] * m['dp']}, or fewer stages (--pp).")
+                    f"least {m['pp'] * m['dp']}, or fewer stages (pp).")
         if split:
+            tp = split[0]["tp"]
             return (f"no micro-batch size fits the constraints: the global batch {gb} over dp "
                     f"{split[0]['dp']} gives {gb // split[0]['dp']} sample(s) per replica; "
-                    "relax --microbatches or the tensor mode (2D/2.5D/3D split the micro-batch "
-                    "too).")
+                    "relax microbatches or the tensor mode (2D/2.5D/3D split the micro-batch "
+                    "too)" + (f", as 1d cannot split tensor size {tp} ({refused[tp]})"
+                              if tp in refused else "") + ".")
         return (f"the global batch {gb} does not split over any data-parallel size this world "
                 f"allows ({', '.join(map(str, dps[:10]))}); use a batch that is a multiple of "
-                f"{dps[0]}" + (f" or fix --dp to a divisor of {gb}" if len(dps) > 1 else "") + ".")
+                f"{dps[0]}" + (f" or fix dp to a divisor of {gb}" if len(dps) > 1 else "") + ".")
+
+    def _refused_tensor_sizes(self, meshes) -> dict[int, str]:
+        """Tensor size -> why 1d cannot take it, for the meshes' tensor sizes."""
+        refused = self._refused_tensor_sizes_1d()
+        return {m["tp"]: refused[m["tp"]] for m in meshes if m["tp"] in refused}
 
     # ------------------------------------------------------------ leaves
     def _prepared(self, mesh, pl, cp_mode, b):
@@ -607,10 +684,7 @@ class Search:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh["pp"]
         replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
-        e = self.chain.dtype_bytes
-        per_param = (1 / (replicas if zero == 3 else 1) + 1 / (replicas if zero >= 2 else 1)
-                     + (0.0 if offload else OPTIMIZER_BYTES.get(e, 12) / e
-                        / (replicas if zero else 1)))
+        per_param = sum(state_factors(self.precision, replicas, zero, offload))
         in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
         weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
         buffers = (2 * prep.biggest if replicas > 1 else 0.0) + \
@@ -620,7 +694,7 @@ class Search:
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight):
         parts = memory_by_kind(params_dev, acts_dev, biggest, leaf.mesh["dp"] * leaf.mesh["cp"],
-                               zero, offload, in_flight, self.chain.dtype_bytes)
+                               zero, offload, in_flight, self.precision, leaf.prep.workspace)
         return sum(parts.values()), parts
 
     def _price(self, leaf, zero, offload) -> Candidate:
@@ -656,16 +730,8 @@ class Search:
         units = sum(1 for i, s in enumerate(chosen)  # its layers holding parameters
                     if leaf.device_of[i] == heaviest and prep.cost(i, s).params > 0)
         dp_s = self._dp_time(worst, zero, leaf.m, leaf.grad_pl, units=max(1, units))
-        hw, e = self.hw, self.chain.dtype_bytes
-        local = worst / (replicas if zero else 1)
-        elements = local / e
-        if offload:
-            # gradients down and parameters up over the host link; the step runs on the host
-            optimizer_s = 2 * local / hw.host_bandwidth + elements * 16 / hw.host_bandwidth
-        else:
-            # read parameter, gradient, master and moments, write them back
-            optimizer_s = (2 * elements * OPTIMIZER_BYTES.get(e, 12) + 3 * local) / (
-                hw.memory_bandwidth * hw.memory_efficiency)
+        optimizer_s = optimizer_time(worst, replicas, zero, offload, self.precision, self.hw)
+        host = host_bytes(worst, replicas, zero, offload, self.precision)
         step = pipe + dp_s + optimizer_s
         slow = int(np.argmax(dev))
         on_slow = [i for i in range(len(chosen)) if leaf.device_of[i] == slow]
@@ -678,7 +744,8 @@ class Search:
         return Candidate(dict(mesh), leaf.b, leaf.m, leaf.schedule if pp > 1 else "none",
                          leaf.v, zero, offload, leaf.cp_mode, prep.states_of(chosen),
                          leaf.stage_of, step, compute, comm, bubble, dp_s, optimizer_s, memory,
-                         float(total.max()), comm_bytes, bool(total.max() <= self.capacity))
+                         float(total.max()), comm_bytes,
+                         bool(total.max() <= self.capacity and host <= self.host_capacity), host)
 
     def _bound_candidate(self, leaf) -> Candidate:
         prep = leaf.prep.build()
@@ -720,6 +787,7 @@ class _Prepared:
         self.min_single = max(fastest[t] for t in set(order))
         self.min_params = float(np.dot(counts, [min(c.params for c in costs)
                                                 for _, costs in per_type]))
+        self.workspace = max((c.workspace for _, costs in per_type for c in costs), default=0.0)
         self.built = False
         self._stages: dict = {}
 
@@ -816,24 +884,61 @@ class _Prepared:
             spare = used + spare - best[1]
 
 
+def state_factors(precision: Precision, replicas: int, zero: int,
+                  offload: bool) -> tuple[float, float, float]:
+    """Bytes of (parameters, gradients, master + optimizer state) one device holds per byte
+    of the weights its layers have. ZeRO-1 shards the optimizer's master and moments over
+    the replicas, 2 also the gradients, 3 also the parameters (Rajbhandari et al. 2019,
+    §5); offload moves master and moments to the host (Ren et al. 2021)."""
+    w = precision.weights
+    return (1 / (replicas if zero == 3 else 1),
+            precision.gradients / w / (replicas if zero >= 2 else 1),
+            0.0 if offload else (precision.master + precision.optimizer) / w
+            / (replicas if zero else 1))
+
+
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
-                   offload: bool, in_flight, dtype_bytes: int) -> dict:
+                   offload: bool, in_flight, precision: Precision, workspace: float = 0.0) -> dict:
     """Bytes per device by kind (arrays over the pipeline ranks) from the parameter and
     activation bytes of the layers each holds. A function of its own so that the plan's
     report prices every pipeline rank exactly as the search priced the worst one.
 
-    ZeRO-1 shards optimizer states over the replicas, 2 also gradients, 3 also parameters
-    (Rajbhandari et al. 2019); the buffers are the flat communication buffers of the
-    biggest layer, twice for data-parallel sync and twice more for ZeRO-3's gathers."""
-    e = dtype_bytes
-    weights = params_dev / (replicas if zero == 3 else 1)
-    grads = params_dev / (replicas if zero >= 2 else 1)
-    optim = np.zeros_like(params_dev) if offload else \
-        params_dev / e * OPTIMIZER_BYTES.get(e, 12) / (replicas if zero else 1)
+    Parameter, gradient and optimizer bytes follow `precision` and the ZeRO stage
+    (`state_factors`); the buffers are the flat communication buffers of the biggest
+    layer, twice for data-parallel sync and twice more for ZeRO-3's gathers, plus the
+    largest transient `workspace` of one layer (ring attention's K/V receive buffers)."""
+    weights, grads, optim = state_factors(precision, replicas, zero, offload)
     buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
-                           + (2 * biggest if zero == 3 else 0.0))
-    return dict(parameters=weights, gradients=grads, optimizer=optim, buffers=buffers,
-                activations=acts_dev * in_flight)
+                           + (2 * biggest if zero == 3 else 0.0) + workspace)
+    return dict(parameters=params_dev * weights, gradients=params_dev * grads,
+                optimizer=params_dev * optim, buffers=buffers, activations=acts_dev * in_flight)
+
+
+def host_bytes(param_bytes: float, replicas: int, zero: int, offload: bool,
+               precision: Precision) -> float:
+    """Bytes one device offloads to its host: its ZeRO shard's master, moments and gradient
+    (`Precision.offloaded`); none without offload."""
+    if not offload:
+        return 0.0
+    return param_bytes / precision.weights * precision.offloaded / (replicas if zero else 1)
+
+
+def host_capacity(hw: Hardware, per_node: int, devices: int) -> float:
+    """Host memory one device may offload to: its node's `host_memory_bytes` shared by the
+    devices on that node."""
+    return hw.host_memory_bytes / max(1, min(per_node, devices))
+
+
+def optimizer_time(param_bytes: float, replicas: int, zero: int, offload: bool,
+                   precision: Precision, hw: Hardware) -> float:
+    """Seconds of the optimizer step on one device holding `param_bytes` of weights: its
+    shard's `Precision.step_bytes` at the memory bandwidth, or, offloaded, the gradient down
+    and the weights up over the host link and the step's bytes at that link's rate."""
+    elements = param_bytes / precision.weights / (replicas if zero else 1)
+    if offload:
+        return elements * (precision.gradients + precision.weights + precision.step_bytes) \
+            / hw.host_bandwidth
+    return elements * precision.step_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
 
 
 def dp_wire_bytes(param_bytes: float, replicas: int, zero: int) -> float:

@@ -1193,6 +1193,8 @@ def decide(ctx: RuleContext) -> Strategy:
     if ctx.mode in MULTI_D and kind in MODE_RULES:
         return MODE_RULES[kind](ctx)
     rule = TARGET_RULES.get(ctx.node.target) or RULES.get(kind)
+    if rule is None and ctx.info.from_sizes:  # whole on every rank is what it is: no note
+        return replicate(ctx)
     if rule is None:
         return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; ran replicated")
     if kind in MODE_RULES:

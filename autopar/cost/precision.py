@@ -1,0 +1,92 @@
+"""Bytes per parameter that training holds, from the dtypes it holds them in.
+
+The one rule the planner prices parameter, gradient, master-weight and optimizer bytes and
+the optimizer step with (search, report, explain, memory): it reads the dtype of the
+parameters, never that of an op in the graph (a model with fp32 norms still keeps its
+16-bit weights' masters and moments in fp32).
+
+Two conventions, both 16 bytes per parameter for AdamW:
+
+* ``mixed`` (offline planning): 16-bit parameters are trained as Megatron-LM and ZeRO
+  train them, with an fp32 master copy and fp32 moments: 2 + 2 + 4 + 8 bytes
+  (Rajbhandari et al. 2019, arXiv 1910.02054, §3.1: "2Ψ + 2Ψ + KΨ" with K = 12). fp32
+  parameters are their own masters: 4 + 4 + 0 + 8.
+* ``runtime`` (plans `parallelize` runs): torch's optimizer holds its moments in the
+  parameters' dtype and no master; under `precision="bf16"` the parameters are the fp32
+  masters (autopar.passes.precision), so this is 4 + 4 + 0 + 8 as well, and what
+  `autopar.cost.memory.state_bytes` and the allocator measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+FP32 = 4
+ADAM_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq (Loshchilov & Hutter 2019)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each training state before any sharding."""
+
+    weights: int  # the parameters as the model holds them
+    gradients: int
+    master: int  # an fp32 copy the optimizer updates; 0 where the weights are their own
+    optimizer: int  # the optimizer's moments
+    convention: str = "mixed"  # mixed | runtime (see the module docstring)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.master + self.optimizer
+
+    @property
+    def offloaded(self) -> int:
+        """Bytes per parameter the host holds under ZeRO-Offload: the optimizer's copy of the
+        weights (the master, else a copy of the weights), its moments and the gradient that
+        comes down for the CPU step (Ren et al. 2021, arXiv 2101.06840, §4.1)."""
+        return (self.master or self.weights) + self.optimizer + self.gradients
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one optimizer step moves per parameter: read the gradient, read and write
+        the master and moments, write the weights (and read them where they are the master)."""
+        return self.gradients + 2 * (self.master + self.optimizer) + \
+            self.weights * (1 if self.master else 2)
+
+    def text(self) -> str:
+        parts = [f"weights {self.weights}", f"gradients {self.gradients}"]
+        if self.master:
+            parts.append(f"fp32 master {self.master}")
+        parts.append(f"moments {self.optimizer}")
+        return f"{self.total} B/parameter = " + " + ".join(parts)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Precision:
+        return cls(**data)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def mixed(param_dtype: torch.dtype) -> Precision:
+    """Mixed-precision AdamW as Megatron-LM and ZeRO run it: fp32 masters for 16-bit weights,
+    fp32 moments."""
+    e = itemsize(param_dtype)
+    return Precision(e, e, FP32 if e < FP32 else 0, ADAM_MOMENTS * FP32, "mixed")
+
+
+def runtime(param_dtype: torch.dtype, moments: int = ADAM_MOMENTS) -> Precision:
+    """A torch optimizer on the parameters as they are: `moments` states of their dtype."""
+    e = itemsize(param_dtype)
+    return Precision(e, e, 0, moments * e, "runtime")
+
+
+def precision_of(param_dtype: torch.dtype, *, executable: bool) -> Precision:
+    """The planner's rule: the runtime's for plans `parallelize` runs, else mixed precision."""
+    return runtime(param_dtype) if executable else mixed(param_dtype)

@@ -1,0 +1,140 @@
+"""Ranks agree or stop: what every rank must share, compared with one small all-gather.
+
+A rank given another plan, another model or other weights would deadlock in a collective
+or, worse, train a mixture without a word; so would ranks that each pass their own batch
+to `train_step` (which takes the global batch). These checks run where the mistake is
+cheapest to catch: the plan at `parallelize`, the batch at the first `train_step` (and at
+every step with `check_batches=True`). Their collectives are checks, not model traffic, so
+they go straight to torch.distributed and are not in `engine.comm_log`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import BatchError, WorldError
+
+_SAMPLES = 64  # values per parameter or batch tensor read into a fingerprint
+
+
+def _running() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _hash(parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """Up to _SAMPLES values spread over `t`, exactly as stored (float64 holds every
+    16- and 32-bit value and every id), for a fingerprint that reads no arithmetic."""
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // _SAMPLES)
+    return flat[::step][:_SAMPLES].to(torch.float64)
+
+
+def _samples_bytes(tensors) -> bytes:
+    picked = [_sample(t) for t in tensors if t.device.type != "meta" and t.numel()]
+    if not picked:
+        return b""
+    return torch.cat(picked).cpu().numpy().tobytes()  # one transfer from a GPU
+
+
+def plan_digests(plan, traced, example_inputs) -> dict[str, str]:
+    """Short digests of what every rank must share at `parallelize`: the plan, the traced
+    graph, the parameters' names and shapes, their values (sampled), and the example
+    inputs' shapes past the batch dimension (the batch itself may differ)."""
+    data = plan.to_json()
+    essential = {k: data[k] for k in ("mesh", "tensor", "sequence", "layers", "pipeline",
+                                      "zero", "recompute")}
+    graph = [(n.op, str(n.target), str(getattr(n.meta.get("autopar"), "shape", "")))
+             for n in traced.graph.nodes]
+    params = sorted((p.names, tuple(p.shape), str(p.dtype)) for p in traced.params.values())
+    values = _samples_bytes([getattr_path(traced.gm, t) for t in sorted(traced.params)])
+    inputs = [(tuple(t.shape[1:]), str(t.dtype)) for t in example_inputs]
+    return {"plan": _hash([json.dumps(essential, sort_keys=True)]), "graph": _hash(graph),
+            "parameter shapes": _hash(params), "initial weights": _hash([values]),
+            "example input shapes": _hash(inputs)}
+
+
+_FIX = {"plan": "pass the same plan on every rank (plan=None searches the same one everywhere)",
+        "graph": "build the same model on every rank",
+        "parameter shapes": "build the same model, with the same configuration, on every rank",
+        "initial weights": "seed torch alike on every rank before building the model "
+                           "(torch.manual_seed(0)), or load the same weights everywhere",
+        "example input shapes": "pass example inputs of the same shape and dtype on every rank"}
+
+
+def check_ranks_agree(plan, traced, example_inputs, failure: BaseException | None = None) -> None:
+    """Refuse, on every rank at once, a job where some rank failed to make its plan
+    (`failure`: this rank's error), or whose ranks differ in plan, model, weights or example
+    inputs, naming the ranks that differ from rank 0 and what differs."""
+    if not _running():
+        if failure is not None:
+            raise failure
+        return
+    mine = {"error": f"{type(failure).__name__}: {failure}"} if failure is not None else \
+        plan_digests(plan, traced, example_inputs)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if failure is not None:
+        raise failure
+    failed = [(r, d["error"]) for r, d in enumerate(every) if "error" in d]
+    if failed:
+        rank, error = failed[0]
+        raise WorldError(f"rank {rank} could not set up parallelize ({error.rstrip('.')}), so "
+                         "this rank stops too; fix that rank's arguments (every rank should "
+                         "pass the same ones).")
+    for what in mine:
+        odd = [r for r, d in enumerate(every) if d[what] != every[0][what]]
+        if odd:
+            ranks = ", ".join(map(str, odd))
+            raise WorldError(f"rank 0 and rank{'s' if len(odd) > 1 else ''} {ranks} disagree "
+                             f"on the {what} at parallelize; {_FIX[what]}.")
+
+
+def batch_fingerprint(tensors) -> torch.Tensor:
+    """Four int64 words hashing the batch's shapes, dtypes and sampled values."""
+    parts = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+             for t in tensors]
+    values = _samples_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
+    digest = hashlib.sha256(repr(parts).encode() + values).digest()
+    return torch.frombuffer(bytearray(digest), dtype=torch.int64).clone()
+
+
+def check_same_batch(tensors, step: int) -> None:
+    """Refuse, on every rank at once, a train_step whose batch differs across ranks."""
+    if not _running():
+        return
+    mine = batch_fingerprint(tensors)
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)
+                   and t.device.type == "cuda"), None)
+    if device is None and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is not None:
+        mine = mine.to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    odd = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    if odd:
+        ranks = ", ".join(map(str, odd))
+        raise BatchError(f"train_step {step} got a different batch on rank"
+                         f"{'s' if len(odd) > 1 else ''} {ranks} than on rank 0, but it takes "
+                         "the global batch, the same on every rank (autopar gives each "
+                         "data-parallel rank its slice): feed every rank the same batches, e.g. "
+                         "a loader seeded alike everywhere (README, 'Feeding data'), instead of "
+                         "a DistributedSampler.")
+
+
+def getattr_path(module, target: str):
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,46 @@
+"""Whether a 1D tensor-parallel solution splits every head and block width evenly.
+
+The solver keeps an op whole when its dims do not divide; for attention heads and block
+projections that would run a plan nobody asked for, so the engine refuses such a size and
+the planner never offers it (one check, two callers).
+"""
+
+from __future__ import annotations
+
+from autopar.graph.analysis import OpKind
+
+
+def indivisible(traced, solution, nodes=None) -> str | None:
+    """The sentence refusing `solution`'s tensor size for `traced` (only its `nodes` when
+    given: one layer), or None when it splits: heads first (the usual cause), then the
+    widths of the blocks' projections."""
+    size = solution.size
+    if size == 1:
+        return None
+    kept = [(node, node.meta["autopar"]) for node, strategy in solution.strategies.items()
+            if strategy.name == "replicate" and solution.modes.get(
+                node.meta["autopar"].layer) == "1d" and (nodes is None or node in nodes)]
+    for node, info in kept:
+        if info.kind is OpKind.ATTENTION and int(info.shape[1]) % size:
+            heads = int(info.shape[1])
+            ok = [d for d in range(1, heads + 1) if heads % d == 0]
+            return (f"attention in {info.module or info.layer} has {heads} heads, which do not "
+                    f"split over tensor size {size}; use a tensor size that divides {heads} "
+                    f"({', '.join(map(str, ok))}).")
+    for node, info in kept:
+        if info.kind is not OpKind.LINEAR or not any(c.isdigit() for c in info.layer):
+            continue
+        hint = solution.hints.get(node.name)
+        if hint == ("replicate",):  # kept whole on purpose: key/value heads fewer than ranks
+            continue
+        width = int(info.shape[-1])
+        groups = hint[1] if hint and hint[0] == "groups" else 1
+        if width % (size * groups) == 0:
+            continue
+        if groups > 1:
+            return (f"{info.module} has {width} output features in {groups} groups of "
+                    f"{width // groups}, and {width // groups} does not split over tensor size "
+                    f"{size}; use a tensor size that divides {width // groups}.")
+        return (f"{info.module} has {width} output features, which do not split over tensor "
+                f"size {size}; use a tensor size that divides {width}.")
+    return None
