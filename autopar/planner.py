@@ -317,13 +317,14 @@ def _nothing_fits(result: SearchResult, world: World) -> str:
                 f"{closest.describe()}, offloads {closest.host_per_device / 2 ** 30:.1f} GiB "
                 f"per device to the host, which has {host / 2 ** 30:.1f} GiB per device (the "
                 "profile's host_memory_bytes per node over its devices); use more devices "
-                "(--min-devices finds the fewest) or a profile with more host memory.")
+                "(`autopar explain --min-devices` finds the fewest) or a profile with more host "
+                "memory.")
     per_device_scale = need / cap
     return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
             f"{closest.describe()}, needs {need / 2 ** 30:.1f} GiB per device of "
             f"{cap / 2 ** 30:.1f} GiB usable; about "
             f"{_round_up(world.devices * per_device_scale, world.per_node)} devices would be "
-            "needed (try that --world, or --min-devices to search for the fewest).")
+            "needed (a world of that size; `autopar explain --min-devices` finds the fewest).")
 
 
 def _round_up(x: float, k: int) -> int:
