@@ -5,8 +5,8 @@ from autopar.api import parallelize
 from autopar.errors import AutoparError, BatchError, PlanError, TokenIdError, TraceError, \
     WorldError
 from autopar.graph import trace
-from autopar.plan import Plan
-from autopar.planner import plan
+from autopar.plans import Plan
+from autopar.search.planner import plan
 from autopar.world import World
 
 __all__ = ["AutoparError", "BatchError", "Plan", "PlanError", "TokenIdError", "TraceError", "World",

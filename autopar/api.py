@@ -11,7 +11,7 @@ from torch import nn
 
 from autopar.errors import PlanError, WorldError
 from autopar.passes.precision import compute_dtype
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.agree import check_ranks_agree
 from autopar.runtime.engine import Engine, check_context_dims, check_grid_dims, \
     check_sequence_dims
@@ -223,7 +223,7 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
     """plan=None: search among the modes the runtime executes (and say what was left out),
     timing the compute at `precision`'s rate (the planner's `dtype`, same names; fp32
     leaves it to the parameters' dtype, as before)."""
-    from autopar.planner import plan as make_plan
+    from autopar.search.planner import plan as make_plan
 
     if not isinstance(world, World):
         world = World(devices=size, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", size)),

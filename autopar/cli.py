@@ -17,7 +17,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
-from autopar.planner import DTYPES
+from autopar.search.planner import DTYPES
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -175,7 +175,7 @@ def constraints_of(args) -> dict:
     if args.offload is not None:
         out["offload"] = args.offload
     if args.plan:
-        from autopar.plan import Plan
+        from autopar.plans import Plan
 
         fixed = Plan.load(args.plan)
         out.update({axis: size for axis, size in fixed.mesh.items()})
@@ -193,7 +193,7 @@ def constraints_of(args) -> dict:
 
 
 def _plan(args, world_size: int | None = None):
-    from autopar import planner
+    from autopar.search import planner
     from autopar.search.search import divisors
     from autopar.world import World
 
@@ -219,12 +219,12 @@ def _plan(args, world_size: int | None = None):
 
 
 def _emit(args, data: dict) -> None:
-    from autopar import report
+    from autopar.report import predicted as report
 
     if args.format == "json":
         text = json.dumps(data, indent=2)
     elif args.format == "html":
-        from autopar.report_html import plan_html
+        from autopar.report.html import plan_html
 
         text = plan_html(data, model=args.model).rstrip("\n")
     else:
@@ -261,7 +261,7 @@ def min_devices(args) -> int:
     --min-throughput tokens (samples for non-sequence models) per second. The model is
     traced once; every world is searched with the same memory rules as `explain`, ZeRO-
     Offload's host copies included (the profile's host_memory_bytes per node)."""
-    from autopar import planner
+    from autopar.search import planner
     from autopar.search.search import divisors
     from autopar.world import World
 
@@ -313,7 +313,7 @@ def fill_defaults(args) -> None:
     on what it was searched for), else from DEFAULTS."""
     recorded = {}
     if args.plan:
-        from autopar.plan import Plan
+        from autopar.plans import Plan
 
         fixed = Plan.load(args.plan)
         if fixed.world is not None:

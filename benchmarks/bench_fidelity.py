@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autopar import planner  # noqa: E402
+from autopar.search import planner  # noqa: E402
 from autopar.cost.hardware import load_hardware  # noqa: E402
 from autopar.models import workload  # noqa: E402
 from autopar.models.gpt import GPTConfig  # noqa: E402

@@ -87,7 +87,7 @@ def plan_solution(model, sample: tuple, target, loss_fn, plan):
 def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
     """Predicted bytes per rank of one plan, and what it was predicted from."""
     from autopar.cost.memory import activation_bytes, state_bytes
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     model, inputs, target, loss_fn = example(name, batch)
     plan = Plan.from_dict(plan_spec, world)
@@ -105,7 +105,7 @@ def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
 def planner_state(model, sample: tuple, target, loss_fn, plan, batch: int) -> dict:
     """Parameter, gradient and optimizer bytes per rank as the search prices this plan
     (`autopar.cost.precision` through `memory_by_kind`), for runtime plans."""
-    from autopar import planner
+    from autopar.search import planner
     from autopar.search.search import Constraints, Options, Search
     from autopar.world import World
 

@@ -7,7 +7,7 @@ A GPT of 8 identical blocks (`SPEC`) trains under `pipeline=dict(size=2, schedul
 on a gloo world of 2 (one thread per process, so each rank has a core of this 2-core
 machine), batch `--microbatches` x 4, for gpipe, 1f1b, interleaved (2 stages per rank)
 and zero_bubble (ZB-V, 2 stages per rank in a V). The stages are the planner's (balanced
-by predicted time under memory limits, `autopar.planner.pipeline_stages`).
+by predicted time under memory limits, `autopar.search.planner.pipeline_stages`).
 
 (a) Idle. Per rank:
 - step: median wall time of the pipeline's forward and backward (`PipelineRunner.step`,

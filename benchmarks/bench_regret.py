@@ -6,7 +6,7 @@
    as a subprocess (4 gloo processes: matmul, copy and every collective, fitted), unless
    `--profile FILE` reuses a calibration. The fitted figures are printed.
 2. Enumerate. The model (`--model`, default a 4-block GPT, hidden 256, sequence 64, global
-   batch 16) is traced once on the meta device and `autopar.planner.executable_candidates`
+   batch 16) is traced once on the meta device and `autopar.search.planner.executable_candidates`
    prices, on the calibrated profile and in fp32 (what the runtime trains in), every plan
    the executable search can hand `parallelize` at world 4: the union over 1D alone, 1D
    with the 2x2 grid (as the search mixes them) and every block on the grid, and over
@@ -109,7 +109,7 @@ def short(description: str) -> str:
 def model_and_chain(spec: str, batch: int):
     """The model on the meta device, its inputs, target, and the planner's layer chain
     (as `parallelize(plan=None)` reads it: every tensor size of the world)."""
-    from autopar import planner
+    from autopar.search import planner
     from autopar.models import build
     from autopar.search.search import divisors
 
@@ -123,7 +123,7 @@ def model_and_chain(spec: str, batch: int):
 def candidate_plans(spec: str, batch: int, world) -> list[dict]:
     """Every executable plan that fits, fastest predicted first: description, predicted
     seconds and the Plan's JSON (what the worker hands `parallelize`)."""
-    from autopar import planner
+    from autopar.search import planner
 
     _, _, _, chain = model_and_chain(spec, batch)
     out = []
@@ -139,7 +139,7 @@ def candidate_plans(spec: str, batch: int, world) -> list[dict]:
 def choice(spec: str, batch: int, world) -> str:
     """The description of the plan `parallelize(plan=None)` chooses (its `_search_plan`:
     the executable search, fp32 from the parameters, the example batch as global batch)."""
-    from autopar import planner
+    from autopar.search import planner
 
     model, x, target, _ = model_and_chain(spec, batch)
     made = planner.plan(model, (x,), world, loss_fn=lm_loss, example_target=target,
@@ -154,7 +154,7 @@ def _engine(spec, batch, plan_json, profile):
     """An engine for one plan; plan_json None: parallelize chooses (plan=None)."""
     import autopar
     from autopar.models import build
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     model, (x,) = build(spec, batch=batch, device="cpu", seed=0)
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)

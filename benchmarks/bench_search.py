@@ -64,7 +64,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autopar import planner  # noqa: E402
+from autopar.search import planner  # noqa: E402
 from autopar.cost.comm import collective_time, placements  # noqa: E402
 from autopar.cost.hardware import load_hardware  # noqa: E402
 from autopar.cost.model import RECOMPUTE, Context, LayerState, state_cost, \

@@ -274,7 +274,7 @@ def print_reach(rows, cap):
         print(f"  ratio ring / one device: {ring / single:.2f}x (target >= 3x)")
     from autopar.models.zoo import config_of
 
-    from autopar.runtime.sequence import TILE
+    from autopar.kernels.sequence import TILE
 
     heads = config_of(REACH_SPEC).n_head
     for r in rows[1:]:

@@ -18,7 +18,7 @@ Three columns, forward plus backward, per linear and per device, in units of A:
   uses), at P = 4, 8 and 64;
 - published: the shapes above;
 - measured: the runtime's kernels at P = 4 and 8 on gloo (1D through ``parallelize``,
-  2D/2.5D/3D through ``autopar.runtime.multid.linear``), from ``CommLog``: each record's
+  2D/2.5D/3D through ``autopar.kernels.multid.linear``), from ``CommLog``: each record's
   bytes converted to what one device receives, (p-1)/p of a gathered, scattered,
   broadcast or reduced tensor and 2(p-1)/p of an all-reduced one.
 
@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gloo_world import results_path, run_world  # noqa: E402
 
-from autopar import planner  # noqa: E402
+from autopar.search import planner  # noqa: E402
 from autopar.cost.comm import placements  # noqa: E402
 from autopar.cost.model import Context, LayerState, state_cost, tensor_modes  # noqa: E402
 from autopar.search.search import ORDER  # noqa: E402
@@ -116,8 +116,8 @@ def _grid(mode: str, P: int, log):
     """This rank's grid for `mode` on a world of P, built on a DeviceMesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.runtime.collectives import AxisGroup
-    from autopar.runtime.multid import Grid2D, Grid2p5D, Grid3D
+    from autopar.kernels.collectives import AxisGroup
+    from autopar.kernels.multid import Grid2D, Grid2p5D, Grid3D
 
     def group(mesh, name):
         return AxisGroup(name, mesh.size(mesh.mesh_dim_names.index(name)),
@@ -136,8 +136,8 @@ def _grid(mode: str, P: int, log):
 
 
 def _measure_multid(mode: str, P: int, h: int, tokens: int) -> float:
-    from autopar.runtime import multid
-    from autopar.runtime.collectives import CommLog
+    from autopar.kernels import multid
+    from autopar.kernels.collectives import CommLog
 
     log = CommLog()
     grid = _grid(mode, P, log)

@@ -25,7 +25,7 @@ from autopar.cli import main
 from autopar.cost.hardware import load_hardware
 from autopar.errors import BatchError, PlanError, TokenIdError, TraceError, WorldError
 from autopar.graph.trace import trace
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 SMALL = "gpt:layers=2,hidden=64,heads=8,vocab=256,seq=32"  # 8 heads
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -273,7 +273,7 @@ def _step_then(gpt, inputs):
 
 def _engine_at_tp(gpt, tp):
     """An engine over a tensor group of `tp` that is never called (one process)."""
-    from autopar.runtime.collectives import AxisGroup
+    from autopar.kernels.collectives import AxisGroup
     from autopar.runtime.engine import Engine
     from autopar.runtime.mesh import axis_groups
 
@@ -328,9 +328,9 @@ def test_truncated_checkpoint_files_are_named(gpt, tmp_path):
 def test_out_of_range_ids_and_targets_in_the_split_kernels():
     """Each rank of a vocabulary-parallel embedding or cross-entropy holds a slice of the
     table, where a missing row would read as zeros: both refuse as one device does."""
-    from autopar.runtime.collectives import AxisGroup, CommLog
-    from autopar.runtime.kernels import VocabParallelCrossEntropy, VocabParallelEmbedding
-    from autopar.runtime.multid import _VocabParallelCE
+    from autopar.kernels.collectives import AxisGroup, CommLog
+    from autopar.kernels.modules import VocabParallelCrossEntropy, VocabParallelEmbedding
+    from autopar.kernels.multid import _VocabParallelCE
 
     group = AxisGroup("tp", 2, 0, None, CommLog())  # rank 0 of 2: refused before any send
     emb = VocabParallelEmbedding("tp")

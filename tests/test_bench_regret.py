@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from autopar.api import _check_executable, _resolve_plan
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.engine import (Engine, check_context_dims, check_grid_dims,
                                     check_sequence_dims)
 from autopar.world import World

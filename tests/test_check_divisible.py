@@ -8,7 +8,7 @@ from torch import nn
 
 import autopar
 from autopar.errors import PlanError
-from autopar.runtime.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup
 from autopar.runtime.engine import Engine
 from autopar.runtime.mesh import axis_groups
 

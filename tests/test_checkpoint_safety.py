@@ -305,7 +305,7 @@ def test_plans_and_profiles_are_bounded_json(tmp_path):
     from autopar.cost.hardware import load_hardware
     from autopar.errors import PlanError, WorldError
     from autopar.json_file import MAX_DEPTH, read_json
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     deep, deeper, truncated = (tmp_path / "deep.json", tmp_path / "deeper.json",
                                tmp_path / "truncated.json")

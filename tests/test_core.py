@@ -15,8 +15,8 @@ from autopar.graph.trace import BATCH
 from autopar.models import build
 from autopar.passes import apply_solution, shard_parameters
 from autopar.passes.tensor_parallel import local_parameters
-from autopar.plan import Plan
-from autopar.runtime.collectives import Redistribute
+from autopar.plans import Plan
+from autopar.kernels.collectives import Redistribute
 from autopar.sharding.catalog import reshape_shard
 from autopar.sharding.layout import Layout, Shard
 from autopar.sharding.redistribute import steps_between
@@ -259,7 +259,7 @@ class _RepeatedUnknown(nn.Module):
 
 
 def test_explain_groups_repeated_replicated_ops():
-    from autopar import explain
+    from autopar.report import layers as explain
 
     traced = trace(_RepeatedUnknown().to("meta"), (torch.randn(2, 16, device="meta"),))
     solution = solve(traced, size=2)

@@ -132,7 +132,7 @@ def test_flash1_is_slower_and_unknown_kernels_are_named():
 
 @functools.lru_cache(maxsize=None)
 def _block():
-    from autopar import planner
+    from autopar.search import planner
     w = workload("llama:layers=2,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=512,seq=1024",
                  seq=1024)
     chain = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,

@@ -82,7 +82,7 @@ def _positions_probe(engine, inputs, target):
     tensor that went in and this rank's block that came out."""
     import torch.fx as fx
 
-    from autopar.runtime.sequence import sequence_positions
+    from autopar.kernels.sequence import sequence_positions
 
     seen = {}
 
@@ -156,7 +156,7 @@ def test_cp_ulysses_refuses_heads_that_do_not_divide():
     """3 heads over a sequence size of 2: Ulysses cannot split them; the error names ring.
     Solved on one process with a size-2 cp group that is never called."""
     from autopar.models.gpt import GPT, GPTConfig
-    from autopar.runtime.collectives import AxisGroup
+    from autopar.kernels.collectives import AxisGroup
     from autopar.runtime.engine import Engine
     from autopar.runtime.mesh import axis_groups
 

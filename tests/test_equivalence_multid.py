@@ -171,7 +171,7 @@ def test_2d_with_data_parallelism_equals_single_device(pool8):
 
 def _searched(name: str, world: int, constraints: dict):
     """The executable search's plan for `name` (every rank searches alike), then compare."""
-    from autopar import planner
+    from autopar.search import planner
     from autopar.world import World
 
     model, inputs, target, loss_fn = build(name, 8)
@@ -260,8 +260,8 @@ def test_dims_the_grid_does_not_divide_are_refused(spec, tensor, message):
                                         ("3d", ("tp_c", "tp_b", "tp_a"))])
 def test_solver_block_layouts_match_the_kernels(mode, grid):
     """The solver's role table (autopar.sharding.axes) is the kernels' (Grid.spec)."""
-    from autopar.runtime.collectives import AxisGroup, CommLog
-    from autopar.runtime.multid import ROLES, Grid2D, Grid2p5D, Grid3D
+    from autopar.kernels.collectives import AxisGroup, CommLog
+    from autopar.kernels.multid import ROLES, Grid2D, Grid2p5D, Grid3D
 
     groups = [AxisGroup(a, 2, 0, None, CommLog()) for a in grid]
     kernel_grid = {"2d": Grid2D, "2.5d": Grid2p5D, "3d": Grid3D}[mode](*groups)

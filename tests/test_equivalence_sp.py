@@ -101,7 +101,7 @@ def test_world4_sequence_parallel_equals_single_device(pool4, model, tp):
 
 def _searched_sp(name: str, world: int) -> dict:
     """The executable search's plan with 1D + Megatron-SP fixed, then compare."""
-    from autopar import planner
+    from autopar.search import planner
     from autopar.world import World
 
     model, inputs, target, loss_fn = build(name, 8)

@@ -14,7 +14,7 @@ import autopar
 from autopar.cli import main
 from autopar.cost.memory import saved_activations
 from autopar.graph.analysis import OpKind
-from autopar.report import plan_text
+from autopar.report.predicted import plan_text
 
 # small configs of each family (4 blocks, so two are traced and two counted)
 SMALL = {

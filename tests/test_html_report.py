@@ -20,7 +20,7 @@ from html.parser import HTMLParser
 import pytest
 
 from autopar.cli import main
-from autopar.report_html import AXIS_COLOURS, MEMORY_COLOURS, WORK_COLOURS, plan_html
+from autopar.report.html import AXIS_COLOURS, MEMORY_COLOURS, WORK_COLOURS, plan_html
 from chromium import ChromiumMissing, find_chromium, probe, read_png, screenshot
 
 CHARTS = ("step", "strategy", "gantt", "memory", "comm")

@@ -1,4 +1,4 @@
-"""Predicted beside measured (`Engine.explain()`, autopar.measured, autopar.runtime.measure):
+"""Predicted beside measured (`Engine.explain()`, autopar.report.measured, autopar.runtime.measure):
 after a few steps each layer and mesh axis shows the plan's time, bytes and memory beside
 what this rank measured. The bytes are exact (the plan's collectives are the ones sent),
 the times are the marks' (checked for consistency, never for speed), the activations are

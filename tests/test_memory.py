@@ -29,7 +29,7 @@ from autopar.cost.memory import activation_bytes, measure_saved_activations, \
 from autopar.graph.trace import BATCH, trace
 from autopar.models import build as zoo_build
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.sharding.axes import MULTI_D
 from autopar.sharding.solve import solve
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar import planner
+from autopar.search import planner
 from autopar.cost.hardware import load_hardware
 from autopar.cost.memory import state_bytes
 from autopar.cost.precision import mixed, precision_of, runtime
 from autopar.errors import PlanError
 from autopar.models import build, workload
-from autopar.report import plan_text
+from autopar.report.predicted import plan_text
 from autopar.search.search import Constraints, Options, Search, SearchResult
 from autopar.sharding.solve import solve
 from autopar.world import World

@@ -1,4 +1,4 @@
-"""2D, 2.5D and 3D tensor-parallel kernels (autopar.runtime.multid) against dense math.
+"""2D, 2.5D and 3D tensor-parallel kernels (autopar.kernels.multid) against dense math.
 
 Every rank draws the same float64 tensors from one seed, runs the dense reference with
 autograd, runs the sharded kernel on its blocks with the matching block of a random
@@ -20,8 +20,8 @@ from distributed import dist_pool_fixture
 from numerics import leaf, max_rel, rand64
 from torch import nn
 
-from autopar.runtime.collectives import AxisGroup, CommLog
-from autopar.runtime.multid import (ClassifierCrossEntropy, Embedding, Grid2D, Grid2p5D,
+from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.kernels.multid import (ClassifierCrossEntropy, Embedding, Grid2D, Grid2p5D,
                                     Grid3D, LayerNorm, Linear, RMSNorm, classifier_cross_entropy,
                                     embedding, layer_norm, linear, rms_norm)
 

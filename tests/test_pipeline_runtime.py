@@ -337,7 +337,7 @@ def _planned(world: int) -> dict:
 def test_parallelize_runs_the_planners_stages(pool2):
     from equivalence import assert_equal, compare
 
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     planned = _planned(2)
     plan = Plan.from_json(planned["plan"])

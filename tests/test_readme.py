@@ -478,7 +478,7 @@ def test_the_colossal_ai_section_shows_plan_dicts():
 TRIGGERS = textwrap.dedent('''
     import json, functools, torch, torch.nn.functional as F, autopar
     from autopar.models import build
-    from autopar.runtime.collectives import AxisGroup
+    from autopar.kernels.collectives import AxisGroup
     from autopar.runtime.engine import Engine
     from autopar.runtime.mesh import axis_groups
 

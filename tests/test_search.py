@@ -15,12 +15,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from autopar import planner
+from autopar.search import planner
 from autopar.cost.hardware import load_hardware
 from autopar.cost.model import tensor_modes
 from autopar.errors import PlanError, WorldError
 from autopar.models import workload
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.search.partition import balance, balance_dp, balance_within, choose_states
 from autopar.search.search import _counts
 from autopar.world import World

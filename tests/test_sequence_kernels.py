@@ -1,4 +1,4 @@
-"""Sequence-parallel attention kernels (autopar.runtime.sequence) against dense attention.
+"""Sequence-parallel attention kernels (autopar.kernels.sequence) against dense attention.
 
 Every rank draws the same float64 q, k, v and upstream gradient from one seed, runs torch's
 `scaled_dot_product_attention` on the whole sequence with autograd, runs ring attention or
@@ -24,8 +24,8 @@ from numerics import leaf, max_rel, rand64
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.runtime.collectives import AxisGroup, CommLog, bind
-from autopar.runtime.sequence import (SequenceAttention, assemble_sequence, cut_sequence,
+from autopar.kernels.collectives import AxisGroup, CommLog, bind
+from autopar.kernels.sequence import (SequenceAttention, assemble_sequence, cut_sequence,
                                       merge_sequence, ring_attention, sequence_attention,
                                       sequence_chunks, sequence_positions, ulysses_attention,
                                       ulysses_kv_replication)

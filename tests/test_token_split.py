@@ -20,7 +20,7 @@ from torch import nn
 from autopar.graph.masks import is_causal_mask
 from autopar.graph.trace import BATCH, trace
 from autopar.passes.tensor_parallel import apply_solution
-from autopar.runtime.collectives import _deinterleave, _interleave
+from autopar.kernels.collectives import _deinterleave, _interleave
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.catalog import reshape_shard
 from autopar.sharding.layout import Layout, Shard, block_count

@@ -136,7 +136,7 @@ def test_zero2_with_tensor_parallelism(pool4):
 
 
 def test_every_stage_runs_with_a_pipeline():
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     for stage in (1, 2, 3):
         assert Plan.from_dict({"pipeline": 2, "data": 2, "zero": {"stage": stage}},
@@ -298,7 +298,7 @@ def test_offload_equals_single_device_for_every_stage(pool2):
 def test_offload_needs_zero_and_runs_on_one_rank():
     """ZeRO-Offload's single-device case: one data-parallel rank, the optimizer on a host
     copy of each whole parameter, the single-device results, no collective."""
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     said = Plan.from_dict({"data": 2, "zero": {"stage": 0, "offload": True}}, 2).unsupported()
     assert any("offload without ZeRO" in m for m in said), said

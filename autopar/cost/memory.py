@@ -34,7 +34,7 @@ it shares with it (every size up to that dim equal): a norm's [b, s, 1] statisti
 the batch split of a [b, s, h] input, not the hidden one. `micro_batch` is the batch of one
 data-parallel replica for 2D, 2.5D and 3D too: their batch split is a layout on dim 0.
 
-2D, 2.5D and 3D layers run kernels (`autopar.runtime.multid`) in place of some aten ops;
+2D, 2.5D and 3D layers run kernels (`autopar.kernels.multid`) in place of some aten ops;
 where a kernel saves other tensors than the op, the op's saved tensors are replaced by
 the kernel's (`_kernel_saves`):
 
@@ -52,7 +52,7 @@ the kernel's (`_kernel_saves`):
   as a view of an 8-byte pair (0.04% of gpt-tiny's activations under 2D). RMSNorm written
   as elementwise ops (the llama zoo) is not a norm op and runs as aten ops.
 
-Context parallelism (a `cp` axis, `autopar.runtime.sequence`): the ring and Ulysses
+Context parallelism (a `cp` axis, `autopar.kernels.sequence`): the ring and Ulysses
 kernels save what aten's CPU flash attention saves (q, k, v, the output, the logsumexp, on
 this rank's tokens), but return their output contiguous in [B, H, S, D], where aten's is
 laid out [B, S, H, D]: the model's transpose(1, 2).reshape(B, S, H*D), a view in the traced
@@ -566,7 +566,7 @@ def _sizes(node: fx.Node, micro_batch: int) -> list[int]:
 
 
 def _kernel_saves(solution, micro_batch: int) -> tuple[set, dict[str, dict]]:
-    """What the 2D, 2.5D and 3D kernels (`autopar.runtime.multid`) save where it differs
+    """What the 2D, 2.5D and 3D kernels (`autopar.kernels.multid`) save where it differs
     from the aten op they replace: (the ops whose own saved tensors do not count, per layer
     {key: (bytes per device, False)} of the kernels' tensors).
 

@@ -346,7 +346,7 @@ def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     device; backward, dX = dY W^T broadcasts the weight blocks and reduces the partial dX
     blocks, dW = X^T dY broadcasts the activation blocks and reduces the partial dW
     blocks: 2(q-1)(MK + KN)/q^2 (the output gradient never moves), as
-    ``autopar.runtime.multid`` runs it. 2.5D (Wang et al. 2021, arXiv 2105.14500): the same
+    ``autopar.kernels.multid`` runs it. 2.5D (Wang et al. 2021, arXiv 2105.14500): the same
     on M/d rows per depth layer, plus an all-reduce of the weight gradient over the d
     layers. 3D (Bian et al. 2021, arXiv 2105.14450): forward all-gathers the activation
     and the weight and reduce-scatters the output within groups of q,
@@ -439,7 +439,7 @@ def contention_s(overlapped: float, hw: Hardware) -> float:
 def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
                   attn_each: list[float], rerun: bool) -> CpCost:
     """Sequence (context) parallelism over cp around each attention core, as
-    ``autopar.runtime.sequence`` runs it.
+    ``autopar.kernels.sequence`` runs it.
 
     Ulysses (Jacobs et al. 2023, arXiv 2309.14509): all-to-alls of q, k, v in and of the
     output back, forward, and of their gradients backward, each on this rank's block; key

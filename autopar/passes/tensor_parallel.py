@@ -5,7 +5,7 @@
                         partial sums, the bias added on one rank), vocabulary-parallel embedding and
                         cross-entropy, dropout on the right random stream; in 2D, 2.5D and
                         3D layers, linears, norms and the cross-entropy as calls of the
-                        autopar.runtime.multid kernels (GridLinear, GridNorm,
+                        autopar.kernels.multid kernels (GridLinear, GridNorm,
                         GridCrossEntropy), means over a split dim as partial sums, and sizes
                         read from a split batch dim scaled back to global
     insert_collectives  one explicit Redistribute node per transition of the solution
@@ -25,9 +25,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.runtime.collectives import Redistribute
-from autopar.runtime.sequence import SequenceAttention
-from autopar.runtime.kernels import GridCrossEntropy, GridLinear, GridNorm, PartialBias, \
+from autopar.kernels.collectives import Redistribute
+from autopar.kernels.sequence import SequenceAttention
+from autopar.kernels.modules import GridCrossEntropy, GridLinear, GridNorm, PartialBias, \
     StreamCall, StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.catalog import cross_entropy_args

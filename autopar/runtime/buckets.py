@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup
 
 BUCKET_BYTES = 4 << 20
 

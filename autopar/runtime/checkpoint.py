@@ -52,7 +52,7 @@ through `SafeReader`, so DCP never unpickles it; every load goes through `_LoadP
 which reads tensors only; `autopar.json` and `latest` are bounded data. Checkpoints saved
 before this reader have the same files and load unchanged.
 
-Not stored: the dropout streams (`autopar.runtime.kernels.RandomStreams`), which are seeded
+Not stored: the dropout streams (`autopar.kernels.modules.RandomStreams`), which are seeded
 per rank of a plan and so cannot carry over to another plan; models with dropout p > 0
 resume with fresh masks.
 """

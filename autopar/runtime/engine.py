@@ -27,14 +27,14 @@ from autopar.graph.trace import BATCH, trace
 from autopar.passes.precision import cast_precision, comm_factors, compute_dtype
 from autopar.passes.tensor_parallel import (apply_solution, local_slice, shard_parameters,
                                             shard_steps)
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.runtime.agree import check_same_batch
 from autopar.runtime.buckets import GradientBuckets, average_gradients
-from autopar.runtime.collectives import AxisGroup, CommLog, bind
-from autopar.runtime.kernels import RandomStreams, bind_streams
+from autopar.kernels.collectives import AxisGroup, CommLog, bind
+from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.runtime.measure import STEP, Recorder, instrument
 from autopar.runtime.scaler import LossScaler
-from autopar.runtime.sequence import cut_sequence
+from autopar.kernels.sequence import cut_sequence
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.layout import Layout
 from autopar.sharding.solve import Solution, solve
@@ -357,7 +357,7 @@ class Engine(nn.Module):
 
     def _balanced_stages(self, layers: list[str], n: int, global_batch: int,
                          microbatches: int) -> dict[str, int]:
-        from autopar.planner import pipeline_stages
+        from autopar.search.planner import pipeline_stages
         from autopar.sharding.solve import tokens_per_sample
 
         stages = pipeline_stages(self.train_graph, self.plan, global_batch,
@@ -721,10 +721,10 @@ class Engine(nn.Module):
         per layer the forward and backward time, the bytes its collectives moved and the
         activations autograd saved, with the parameters it holds; per mesh axis the bytes
         and the time blocked in collectives; the step time. `format="json"` returns the
-        numbers as a dict (autopar.measured). `world`: an autopar.World whose hardware
+        numbers as a dict (autopar.report.measured). `world`: an autopar.World whose hardware
         profile prices the plan (default: this machine's, `World(devices=..., device=
         "profile.json")` for one from `autopar calibrate`)."""
-        from autopar.measured import measured_report, measured_text
+        from autopar.report.measured import measured_report, measured_text
 
         data = measured_report(self, world)
         if format == "json":
@@ -853,7 +853,7 @@ def check_ids(inputs: tuple, embeddings) -> None:
     """Refuse token ids outside an embedding's table as one device would (IndexError), on
     the global batch every rank holds, so every rank refuses alike (no rank left waiting in
     a collective); on a GPU as an asynchronous device-side assertion (no host sync)."""
-    from autopar.runtime.multid import check_index_range
+    from autopar.kernels.multid import check_index_range
 
     for i, rows, module in embeddings:
         if i < len(inputs):

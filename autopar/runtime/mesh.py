@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import WorldError
-from autopar.runtime.collectives import AxisGroup, CommLog
+from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.sharding.axes import TensorMesh
 
 

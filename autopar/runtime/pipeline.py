@@ -36,7 +36,7 @@ from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
 from autopar.passes.pipeline import Stages
 from autopar.runtime.buckets import GradientBuckets, average_gradients
-from autopar.runtime.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup
 from autopar.runtime.mesh import shared_group
 
 __all__ = ["PipelineRunner", "stage_count", "stage_owner"]

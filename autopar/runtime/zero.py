@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup
 
 BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded bytes)
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.runtime.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
 
 

@@ -25,7 +25,7 @@ is cut over each further component as one block. With one block the two readings
 with `groups` blocks the second is the order a 3D kernel's all-gather over its weight group
 reassembles a fused QKV weight in.
 
-`grid(mode, role)` names the groups of the kernels in `autopar.runtime.multid`, so the
+`grid(mode, role)` names the groups of the kernels in `autopar.kernels.multid`, so the
 solver and the runtime read the block layouts of every tensor role from the same table.
 """
 
@@ -41,7 +41,7 @@ _COMPOSITE = {"2d": {},
               "2.5d": {"tp_ki": ("tp_k", "tp_i")},
               "3d": {"tp_ba": ("tp_b", "tp_a"), "tp_bc": ("tp_b", "tp_c"),
                      "tp_ab": ("tp_a", "tp_b"), "tp_cb": ("tp_c", "tp_b")}}
-# The grids of each mode, as the axis names of the roles of autopar.runtime.multid's Grid
+# The grids of each mode, as the axis names of the roles of autopar.kernels.multid's Grid
 # classes: Grid2D(row, col), Grid2p5D(row, col, dep), Grid3D(input, weight, output).
 GRIDS = {"2d": (("tp_j", "tp_i"),),
          "2.5d": (("tp_j", "tp_i", "tp_k"),),
@@ -148,7 +148,7 @@ class TensorMesh:
 def role_spec(mode: str, grid: tuple[str, ...], role: str) -> dict[int, tuple[str, ...]]:
     """Which physical axes split which dims of a tensor in `role` on `grid`, major first.
 
-    The table of `autopar.runtime.multid` (tests check the two agree): roles x, ids, y,
+    The table of `autopar.kernels.multid` (tests check the two agree): roles x, ids, y,
     target, weight ([out, in]), bias, norm, embedding ([vocab, hidden]).
     """
     if mode == "3d":

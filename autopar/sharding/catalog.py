@@ -8,7 +8,7 @@ entry is what the cost model prices, what the rewrite emits and what explain pri
 Modes: "1d" (Megatron-style: linear layers split by columns then rows, attention by
 heads, vocabulary-parallel embedding and cross-entropy), "2d", "2.5d" and "3d" (linear
 layers, norms, embeddings and the classifier's cross-entropy in the block layouts of
-`autopar.runtime.multid`, activations split on batch and hidden) and "replicate" (every
+`autopar.kernels.multid`, activations split on batch and hidden) and "replicate" (every
 input gathered, the op run whole on every rank). Rules are found by op kind, or by target
 for ops the analysis leaves unclassified (concatenation, narrow). An op with no entry runs
 replicated, and the strategy says so.
@@ -366,7 +366,7 @@ def _arg(node: fx.Node, pos, name: str, default):
 
 def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     """q, k, v split on the sequence dim (2) over `cp`: ring attention or Ulysses
-    (`autopar.runtime.sequence`), with the collectives the kernel logs. Dropout and masks
+    (`autopar.kernels.sequence`), with the collectives the kernel logs. Dropout and masks
     other than is_causal (or a mask equal to it, `autopar.graph.masks`) are not supported:
     the sequence is gathered instead."""
     node = ctx.node
@@ -921,7 +921,7 @@ def narrow(ctx: RuleContext) -> Strategy:
 
 # --------------------------------------------------------------- 2D, 2.5D and 3D modes
 #
-# The kernels of autopar.runtime.multid; each rule lists the collectives its kernel logs
+# The kernels of autopar.kernels.multid; each rule lists the collectives its kernel logs
 # (bytes as one rank logs them: a broadcast or reduce on every member, an all-gather its
 # output, a reduce-scatter its input), so predicted communication stays exact.
 

@@ -1,7 +1,7 @@
 """Moving a tensor from the layout its producer gives to the layout its consumer needs.
 
 Each step is one of six conjugate pairs (forward / backward), named by what it does to the
-tensor on the axis; `autopar.runtime.collectives` implements the same six:
+tensor on the axis; `autopar.kernels.collectives` implements the same six:
 
     split             keep my slice         / all-gather the gradient
     gather            all-gather            / keep my slice of the gradient

@@ -16,7 +16,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 class CommOp:
     """One collective of one training step: its kind, mesh axis, phase and payload bytes.
 
-    Payload bytes are those each rank of the axis logs (`autopar.runtime.collectives`): the
+    Payload bytes are those each rank of the axis logs (`autopar.kernels.collectives`): the
     all-reduced, broadcast or reduced tensor, the all-gathered output, the reduce-scattered
     input, each as one rank holds it. With a single tensor axis that is the whole tensor on
     the axis; when other axes split it too, it is the share left after their splits. They

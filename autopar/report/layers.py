@@ -14,7 +14,7 @@ import torch
 from autopar.cost.precision import runtime
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import BATCH, TracedGraph
-from autopar.plan import LayerPlan, Plan
+from autopar.plans import LayerPlan, Plan
 from autopar.sharding.solve import Solution
 
 

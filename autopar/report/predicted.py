@@ -5,7 +5,7 @@ the collectives each kind of layer runs, each pipeline stage's time and each pip
 rank's memory by kind, communication per mesh axis, predicted time, and why this plan beat
 the runners-up. Every number is repriced with the search's own functions (state_cost,
 memory_by_kind, stage_transfer), so the per-rank detail adds up to the plan's prediction.
-`autopar.report_html` draws the same data.
+`autopar.report.html` draws the same data.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from autopar.cost.model import EFFECTS, Context, LayerState, StateCost, TensorMo
     state_cost
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import in_flight, stage_owner
-from autopar.plan import Plan, cp_layout
+from autopar.plans import Plan, cp_layout
 from autopar.search.search import (ORDER, USABLE_MEMORY, conversion_s, dp_wire_bytes,
                                    host_bytes, host_capacity, memory_by_kind, stage_transfer)
 
@@ -213,7 +213,7 @@ def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
 def _add_strategies(data: dict, plan: Plan, chain: LayerChain) -> None:
     """Per-op strategies of each kind of layer (column, row, heads, vocab-parallel, ...) and
     the ops that run replicated, from the catalog's 1D solution at this tensor size."""
-    from autopar.explain import layer_reports, replicated_groups
+    from autopar.report.layers import layer_reports, replicated_groups
     from autopar.sharding.solve import solve
 
     solution = solve(chain.traced, axis="tp", size=plan.mesh["tp"])
@@ -316,7 +316,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
     for note in search.get("left_out", []):
         lines.append(f"  left out: {note}")
     if data.get("replicated_groups"):
-        from autopar.explain import replicated_line
+        from autopar.report.layers import replicated_line
 
         lines += ["", "  ran replicated:"]
         lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])

@@ -17,8 +17,8 @@ import dataclasses
 import os
 
 from autopar.errors import PlanError
-from autopar.plan import PipelinePlan, Plan, LayerPlan
-from autopar.report import size_text
+from autopar.plans import PipelinePlan, Plan, LayerPlan
+from autopar.report.predicted import size_text
 from autopar.runtime.measure import STEP
 from autopar.world import World, local_device
 
@@ -121,8 +121,8 @@ def _held_bytes(engine) -> dict[str, int]:
 def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | None:
     """The cost model's per-layer time and memory and per-axis time for the engine's plan."""
     from autopar.cost.model import LayerState
-    from autopar.planner import chain_of
-    from autopar.report import _context, _layer_costs, _mode, _pipeline_detail
+    from autopar.search.planner import chain_of
+    from autopar.report.predicted import _context, _layer_costs, _mode, _pipeline_detail
     from autopar.search.search import Constraints, Options, Search
     from autopar.sharding.solve import tokens_per_sample
 

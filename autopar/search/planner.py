@@ -19,7 +19,7 @@ from autopar.cost.model import tensor_modes
 from autopar.cost.precision import precision_of
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
-from autopar.plan import LayerPlan, PipelinePlan, Plan, ZeroPlan
+from autopar.plans import LayerPlan, PipelinePlan, Plan, ZeroPlan
 from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, \
     divisors, host_capacity
 from autopar.world import World, local_device
@@ -298,7 +298,7 @@ def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch:
     best = result.best
     if best is None:
         raise PlanError(_nothing_fits(result, world))
-    from autopar.report import plan_report
+    from autopar.report.predicted import plan_report
 
     made = _plan_of(best, chain, world, result, global_batch, dtype, total_s)
     made.detail = plan_report(made, chain)

@@ -4,7 +4,7 @@ The six conjugate pairs of `autopar.sharding.redistribute` as autograd Functions
 `Redistribute` module the rewrite pass puts into graphs. A split dimension with `groups`
 blocks is handled blockwise: the rank's slice is its part of every block. `AxisGroup` also
 runs the all-to-all and the ring shifts (logged as "p2p") of the sequence-parallel kernels in
-`autopar.runtime.sequence`.
+`autopar.kernels.sequence`.
 """
 
 from __future__ import annotations

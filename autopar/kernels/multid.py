@@ -96,7 +96,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import TokenIdError
-from autopar.runtime.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup
 
 __all__ = [
     "Grid", "Grid2D", "Grid2p5D", "Grid3D", "ROLES",

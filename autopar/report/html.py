@@ -2,7 +2,7 @@
 
 Everything is inline (CSS in a <style> element, charts as SVG drawn here in Python), so
 the file opens offline, renders without JavaScript and can be attached to a review as
-is. It draws the data of `autopar.report.plan_report`, the object `--format json` writes:
+is. It draws the data of `autopar.report.predicted.plan_report`, the object `--format json` writes:
 
     svg#step      the predicted step split into compute, communication, bubble, sync
     svg#strategy  the layers in order, one column each: pipeline stage, tensor mode,
@@ -24,7 +24,7 @@ import html
 import math
 
 from autopar.cost.schedule import simulate, stage_count
-from autopar.report import MEMORY_KINDS, seconds_text, size_text
+from autopar.report.predicted import MEMORY_KINDS, seconds_text, size_text
 
 GiB = 1024 ** 3
 WIDTH = 1160  # px of the page's content: every chart is drawn to it (or to half of it)

@@ -103,7 +103,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import AxisGroup, Bound
+from autopar.kernels.collectives import AxisGroup, Bound
 
 __all__ = [
     "LAYOUTS", "MODES", "TILE", "sequence_chunks", "sequence_positions", "cut_sequence",

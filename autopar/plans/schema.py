@@ -212,7 +212,7 @@ class Plan:
     def explain(self, top: int | None = None) -> str:
         """The plan as text a person reads: strategy, predicted time and memory, and why it
         beat the alternatives (per-kind costs when the planner made it in this process)."""
-        from autopar.report import plan_text
+        from autopar.report.predicted import plan_text
 
         if self.detail is not None:
             return plan_text(self.detail, top)

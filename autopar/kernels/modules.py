@@ -2,7 +2,7 @@
 
 Vocabulary-parallel embedding and cross-entropy (Megatron-LM's vocab-parallel layers, by
 Shoeybi et al. 2019), dropout drawn from the random stream that matches the layout, and the
-2D / 2.5D / 3D kernels of `autopar.runtime.multid` bound to the mesh axes the solver named
+2D / 2.5D / 3D kernels of `autopar.kernels.multid` bound to the mesh axes the solver named
 (`GridLinear`, `GridNorm`, `GridCrossEntropy`).
 """
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.runtime import multid
-from autopar.runtime.collectives import FUNCTIONS, AxisGroup, Bound
+from autopar.kernels import multid
+from autopar.kernels.collectives import FUNCTIONS, AxisGroup, Bound
 
 
 class VocabParallelEmbedding(Bound):

@@ -1,0 +1,2 @@
+"""Reports: the predicted plan (`predicted`), per-layer detail (`layers`), the HTML page
+(`html`) and predicted beside measured (`measured`)."""
