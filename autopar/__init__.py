@@ -2,8 +2,7 @@
 
 from autopar import optim
 from autopar.api import parallelize
-from autopar.errors import AutoparError, BatchError, PlanError, TokenIdError, TraceError, \
-    WorldError
+from autopar.errors import AutoparError, BatchError, PlanError, TokenIdError, TraceError, WorldError
 from autopar.graph import trace
 from autopar.plans import Plan
 from autopar.search.planner import plan

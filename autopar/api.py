@@ -10,41 +10,41 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
+from autopar.modes import AXES, CP, DP, PP, TP, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
+from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
 from autopar.runtime.agree import check_ranks_agree
-from autopar.runtime.engine import Engine, check_context_dims, check_grid_dims, \
-    check_sequence_dims
+from autopar.runtime.engine import Engine
 from autopar.runtime.mesh import axis_groups, tensor_groups
+from autopar.runtime.startup import Startup, check_weights, on_meta
+from autopar.search.planner import pipeline_stages
 from autopar.world import World, local_device
 
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
-                plan=None, seed: int = 0, max_grad_norm: float | None = None,
-                precision: str = "fp32", check_batches: bool = False) -> Engine:
+                plan=None, seed: int | None = None, max_grad_norm: float | None = None,
+                precision: str = "fp32", check_batches: bool = False, weights=None) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
-    `plan`: None (choose one), a Plan, a path to a plan file, or a Colossal-AI style dict
-    such as dict(tensor=dict(size=4, mode="1d")) or dict(tensor=dict(size=8, mode="2.5d",
-    depth=2, layers={"blocks.0": "1d"})); a bad plan is refused before any process work.
-    `optimizer` is a factory taking the parameters, e.g. functools.partial(torch.optim.AdamW,
-    lr=3e-4). `max_grad_norm`: clip the gradients by their global norm over every shard
-    before each optimizer step, as torch.nn.utils.clip_grad_norm_ does on one device (the
-    norm of the step is `engine.last_grad_norm`). `precision`: "fp32" (default), or "bf16" /
-    "fp16" to run forward and backward in 16 bits on fp32 master weights, the loss in fp32
-    (autopar.passes.precision); fp16 scales the loss dynamically (`engine.loss_scale`,
-    `engine.skipped_steps`, autopar.runtime.scaler). Every rank must pass the same global
-    batch to train_step: the first step checks it across ranks, and every step does with
-    `check_batches=True`.
-    """
+    `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
+    dict(tensor=dict(size=4, mode="2d")). `optimizer`: a factory taking the parameters.
+    `max_grad_norm`: clip by the global norm over every shard. `precision`: "fp32", "bf16"
+    or "fp16" (16-bit compute on fp32 masters). `check_batches`: compare every step's
+    global batch across ranks (the first step always does). A model on the meta device
+    gets only this rank's slices, of its own initialization under `seed` (None: the random
+    state now, as one device would draw it), or of `weights`: a safetensors file or
+    directory, an autopar checkpoint or a mapping, checked against the model first."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     _check_example_inputs(example_inputs)
-    chosen, traced, failure = None, None, None
+    chosen, traced, failure, source = None, None, None, None
     try:
+        if weights is not None:  # names, shapes and dtypes before any other work
+            source = check_weights(model, weights)
         chosen, traced = _checked_plan(plan, size, world, model, tuple(example_inputs))
     except Exception as e:  # noqa: BLE001 - shared below, so no other rank waits for this one
         if not (dist.is_available() and dist.is_initialized()):
@@ -64,19 +64,33 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     # one small all-gather: every rank stops here together when any rank failed above, or
     # when ranks differ in plan, model, weights or example inputs (before any group forms)
     check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
-    tensor = chosen.tensor_mesh()
-    if tensor.mode == "1d":
-        axes = {"dp": chosen.mesh["dp"], "tp": chosen.mesh["tp"]}
-        if chosen.mesh["cp"] > 1:  # one DeviceMesh ("dp", "cp", "tp")
-            axes = {"dp": chosen.mesh["dp"], "cp": chosen.mesh["cp"], "tp": chosen.mesh["tp"]}
-        if chosen.mesh["pp"] > 1:  # pipeline outermost: ("pp", "dp", "tp")
-            axes = {"pp": chosen.mesh["pp"], **axes}
-        groups = axis_groups(axes)
-    else:
-        groups = tensor_groups(chosen.mesh["dp"], tensor, pp=chosen.mesh["pp"])
-    return Engine(model, chosen, groups, tuple(example_inputs), loss_fn, optimizer, seed=seed,
+    start = Startup(model, source, seed, _start_device(example_inputs)) \
+        if source is not None or on_meta(model) else None
+    return Engine(model, chosen, _groups(chosen), tuple(example_inputs), loss_fn, optimizer,
+                  seed=0 if seed is None else seed,
                   max_grad_norm=max_grad_norm, precision=precision,
-                  forward_graph=traced, check_batches=check_batches)
+                  forward_graph=traced, check_batches=check_batches,
+                  stage_planner=pipeline_stages, start=start)
+
+
+def _start_device(example_inputs: tuple) -> torch.device:
+    """Where a rank materializes its slices: its GPU under NCCL, else the example inputs'
+    device (the CPU for meta ones)."""
+    if dist.is_available() and dist.is_initialized():
+        device = rank_device(dist.get_backend())
+        if device is not None:
+            return device
+    device = example_inputs[0].device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _groups(chosen: Plan) -> dict:
+    """Process groups per mesh axis: one DeviceMesh (pp, dp, cp, tp; pp and cp only when
+    split) under 1D tensor parallelism, the grid's groups under 2D, 2.5D and 3D."""
+    tensor = chosen.tensor_mesh()
+    if tensor.mode != TP_1D:
+        return tensor_groups(chosen.mesh[DP], tensor, pp=chosen.mesh[PP])
+    return axis_groups({a: chosen.mesh[a] for a in AXES if a in (DP, TP) or chosen.mesh[a] > 1})
 
 
 def _checked_plan(plan, size: int, world, model, example_inputs: tuple):
@@ -86,10 +100,10 @@ def _checked_plan(plan, size: int, world, model, example_inputs: tuple):
         return None, None
     chosen, traced = _resolve_plan(plan, size, world), None
     _check_executable(chosen)
-    if chosen.tensor_mesh().mode != "1d":  # dims the grid splits, checked on the graph
+    if chosen.tensor_mesh().mode != TP_1D:  # dims the grid splits, checked on the graph
         traced = Engine.trace_for(model, example_inputs)
         check_grid_dims(traced, chosen, chosen.tensor_mesh())
-    if chosen.mesh["cp"] > 1:  # the sequence must split over cp
+    if chosen.mesh[CP] > 1:  # the sequence must split over cp
         traced = traced or Engine.trace_for(model, example_inputs)
         check_context_dims(traced, chosen)
     if chosen.sequence_parallel_layers():  # the sequence must split over tp
@@ -105,8 +119,8 @@ def _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batch
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
             max_grad_norm, (int, float)) or not max_grad_norm > 0):
         raise PlanError(f"max_grad_norm must be a positive number, not {max_grad_norm!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise PlanError(f"seed must be an int, not {seed!r}.")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise PlanError(f"seed must be an int or None, not {seed!r}.")
     if not isinstance(check_batches, bool):
         raise PlanError(f"check_batches must be True or False, not {check_batches!r}.")
     if isinstance(loss_fn, type):
@@ -192,18 +206,17 @@ def rank_device(backend: str, environ=os.environ, device_count: int | None = Non
 
 
 def _place_on_rank_device(model: nn.Module, example_inputs: tuple) -> tuple:
-    """Under NCCL, make this rank's GPU the current device, move a model left on the CPU
-    onto it (in place, as nn.Module.to does) and return the example inputs there too; the
-    engine moves each batch to its model's device. Nothing changes under gloo or on one
-    process."""
+    """Under NCCL, make this rank's GPU current and move the model (in place, unless it is
+    on meta) and the example inputs onto it; nothing changes under gloo or on one process."""
     if not (dist.is_available() and dist.is_initialized()):
         return example_inputs
     device = rank_device(dist.get_backend())
     if device is None:
         return example_inputs
     torch.cuda.set_device(device)
-    if any(p.device.type == "cpu" for p in model.parameters()) or \
-            any(b.device.type == "cpu" for b in model.buffers()):
+    # a meta model stays: each rank materializes only its own slices on `device`
+    if not on_meta(model) and (any(p.device.type == "cpu" for p in model.parameters()) or
+                               any(b.device.type == "cpu" for b in model.buffers())):
         model.to(device)
     return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in example_inputs)
 
@@ -230,6 +243,8 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
                       device=local_device())
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else \
         (example_inputs,)
+    if on_meta(model):  # planning reads shapes only
+        inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
     target = None
     if loss_fn is not None:
         with torch.no_grad():

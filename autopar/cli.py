@@ -17,6 +17,22 @@ import traceback
 from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
+from autopar.modes import (
+    CP,
+    GRID_MODES,
+    LAYER_SP,
+    MEGATRON_SP,
+    NO_RECOMPUTE,
+    NO_SP,
+    PP,
+    RECOMPUTE,
+    SCHEDULES,
+    SEQUENCE_MODES,
+    TP,
+    TP_25D,
+    TP_MODES,
+    ZERO_STAGES,
+)
 from autopar.search.planner import DTYPES
 
 if TYPE_CHECKING:  # annotations only
@@ -50,12 +66,9 @@ class Progress:
 
 
 def load_model(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
-    """(model, inputs, loss_fn, target, layers) for a zoo name or spec, a transformers config
-    directory or config.json, or a factory `package.module:factory` / `path/file.py:factory`.
-
-    `layers` is (traced, real) where two blocks are traced and counted as many (the zoo, a
-    config, a factory's transformers model), None where the model is traced whole.
-    """
+    """(model, inputs, loss_fn, target, layers) for a zoo name or spec, a transformers config,
+    or a factory (`package.module:factory`, `path/file.py:factory`); `layers`: (traced, real)
+    where two traced blocks stand for many, None where the model is traced whole."""
     from autopar.models import ZOO_NAMES, hf, workload
 
     try:
@@ -181,11 +194,14 @@ def constraints_of(args) -> dict:
         out.update({axis: size for axis, size in fixed.mesh.items()})
         out.update(tp_mode=fixed.tp_mode, zero=fixed.zero.stage, offload=fixed.zero.offload,
                    recompute=fixed.recompute)
-        if fixed.mesh["tp"] > 1:
-            out["sp"] = "megatron" if fixed.sequence_parallel else "none"
-        if fixed.mesh["cp"] > 1 and fixed.sequence_mode:
+        if fixed.recompute == NO_RECOMPUTE and any(lp.recompute != NO_RECOMPUTE
+                                                   for lp in fixed.layers):
+            del out["recompute"]  # a per-layer mix: the search finds it again
+        if fixed.mesh[TP] > 1:
+            out["sp"] = MEGATRON_SP if fixed.sequence_parallel else NO_SP
+        if fixed.mesh[CP] > 1 and fixed.sequence_mode:
             out["sp"] = fixed.sequence_mode
-        if fixed.mesh["pp"] > 1:
+        if fixed.mesh[PP] > 1:
             out["schedule"] = fixed.pipeline.schedule
         if fixed.pipeline.micro_batch_size:
             out["micro_batch_size"] = fixed.pipeline.micro_batch_size
@@ -257,10 +273,8 @@ def search(args) -> int:
 
 
 def min_devices(args) -> int:
-    """The fewest devices (at most --world) on which a plan fits, optionally at a floor of
-    --min-throughput tokens (samples for non-sequence models) per second. The model is
-    traced once; every world is searched with the same memory rules as `explain`, ZeRO-
-    Offload's host copies included (the profile's host_memory_bytes per node)."""
+    """The fewest devices (at most --world) on which a plan fits (at --min-throughput tokens
+    per second, if given): the model traced once, each world searched as `explain` does."""
     from autopar.search import planner
     from autopar.search.search import divisors
     from autopar.world import World
@@ -346,15 +360,15 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--cp", type=int)
-    p.add_argument("--tp-mode", choices=("1d", "2d", "2.5d", "3d"))
-    p.add_argument("--sp", choices=("none", "megatron", "ulysses", "ring"))
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--tp-mode", choices=TP_MODES)
+    p.add_argument("--sp", choices=LAYER_SP + SEQUENCE_MODES)
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES)
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload optimizer states to the host (--no-offload: never); default: "
                         "the search decides")
-    p.add_argument("--recompute", choices=("none", "selective", "full"))
+    p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--microbatches", type=int)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
+    p.add_argument("--schedule", choices=SCHEDULES)
     p.add_argument("--attention", choices=("flash", "flash1", "unfused"), default="flash",
                    help="attention kernel to price: FlashAttention-2, FlashAttention v1, or "
                         "scores in memory")
@@ -413,17 +427,17 @@ def validate_args(args) -> None:
 
 def _validate_combinations(args) -> None:
     tp, cp, sp = getattr(args, "tp", None), getattr(args, "cp", None), getattr(args, "sp", None)
-    if sp == "megatron" and tp == 1:
+    if sp == MEGATRON_SP and tp == 1:
         raise AutoparError("--sp megatron splits the sequence over the tensor axis, but --tp is "
                            "1; give --tp 2 or more, or --sp none.")
-    if sp in ("ulysses", "ring") and cp == 1:
+    if sp in SEQUENCE_MODES and cp == 1:
         raise AutoparError(f"--sp {sp} splits the sequence over a cp axis, but --cp is 1; give "
                            "--cp 2 or more, or leave --sp out.")
     mode = getattr(args, "tp_mode", None)
-    if mode in ("2d", "2.5d", "3d") and tp is not None and tp > 1:
+    if mode in GRID_MODES and tp is not None and tp > 1:
         from autopar.sharding.axes import grid_size_error
 
-        depths = [d for d in range(1, tp + 1) if tp % d == 0] if mode == "2.5d" else [1]
+        depths = [d for d in range(1, tp + 1) if tp % d == 0] if mode == TP_25D else [1]
         errors = [grid_size_error(mode, tp, d) for d in depths]
         if all(errors):
             raise AutoparError(f"--tp {tp} cannot run --tp-mode {mode}: {errors[0]}")

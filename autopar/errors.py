@@ -21,6 +21,11 @@ class CheckpointError(AutoparError):
     """A checkpoint could not be written or read (the file system or a rank failed)."""
 
 
+class WeightsError(AutoparError):
+    """A weight source (safetensors files, a checkpoint, a mapping) does not match the model,
+    or an export could not be written."""
+
+
 class BatchError(AutoparError, ValueError):
     """A batch given to train_step or forward is not what the engine was built for, or
     differs across ranks that must all see the same global batch."""

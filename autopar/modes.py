@@ -1,9 +1,6 @@
-"""The vocabulary of parallel modes: mesh axes, tensor and sequence modes, pipeline schedules,
-ZeRO stages, recomputation, and what the runtime executes (`RUNTIME`).
-
-Every other module names a mode through these constants; the search, `Plan.unsupported()`
-and `parallelize(plan=None)` read `RUNTIME` to know what can run.
-"""
+"""The vocabulary of parallel modes (mesh axes, tensor and sequence modes, schedules, ZeRO,
+recomputation) and what the runtime executes (`RUNTIME`), which the search,
+`Plan.unsupported()` and `parallelize(plan=None)` read."""
 
 from __future__ import annotations
 
@@ -28,13 +25,28 @@ SEQUENCE_MODES = (ULYSSES, RING)
 ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"
 SEQUENCE_LAYOUTS = (ZIGZAG, CONTIGUOUS)
 MEGATRON_SP = "megatron"  # Korthikanti et al. 2022: norms/dropout split on the sequence
+NO_SP = "none"
+LAYER_SP = (NO_SP, MEGATRON_SP)  # what one layer's `sp` may be
 
 # Pipeline schedules: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Narayanan et al.
 # 2021), zero-bubble ZB-H1 (Qi et al. 2024).
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero_bubble"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
+NO_PIPELINE = "none"  # the schedule a candidate without a pipeline names
 
 ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020
-RECOMPUTE = ("none", "selective", "full")  # Korthikanti et al. 2022 (selective), Chen 2016
+NO_RECOMPUTE, SELECTIVE, FULL = "none", "selective", "full"
+RECOMPUTE = (NO_RECOMPUTE, SELECTIVE, FULL)  # Korthikanti et al. 2022 (selective), Chen 2016
+
+STEP = "(step)"  # the layer of what a step sends outside the graph (gradient sync, ZeRO)
+
+
+def cp_layout(mode: str | None, layout: str | None) -> str:
+    """The token layout over cp: `layout` when given, else zigzag under ring attention and
+    contiguous under Ulysses."""
+    if layout is not None:
+        return layout
+    return CONTIGUOUS if mode == ULYSSES else ZIGZAG
 
 
 @dataclass(frozen=True)
@@ -47,12 +59,13 @@ class Capabilities:
     cp_with_megatron_sp: bool = True
     recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = ZERO_STAGES
+    zero_with_pp: tuple[int, ...] = ZERO_STAGES  # stages that run beside a pipeline
     sequence_parallel: tuple[str, ...] = (MEGATRON_SP,)
     schedules: tuple[str, ...] = SCHEDULES
     offload: bool = True
     offload_zero3_single_rank: bool = True  # ZeRO-3 offload with one data-parallel rank
     accumulation: bool = True  # micro-batches without a pipeline
-    grid: tuple[str, int] | None = None  # restrict every grid layer to one (mode, depth)
+    tp_depth: int | None = None  # the one 2.5D depth a plan's grid layers take (None: any)
 
 
 # What the planner can price: everything.

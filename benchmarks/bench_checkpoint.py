@@ -103,7 +103,7 @@ def worker(rank, spec, batch, plan_names, scratch, out_path):
         engine = engine_for(spec, PLANS[name], batch, seed=0)
         x = torch.randint(0, 1024, (batch, 64), generator=gen)
         engine.train_step(x, x.roll(-1, 1))
-        published, save_s = timed(lambda: engine.save(root))
+        published, save_s = timed(lambda engine=engine, root=root: engine.save(root))
         whole, gather_s = timed(engine.full_state_dict)
         baseline = os.path.join(scratch, "whole.pt")
         t0 = time.perf_counter()
@@ -111,9 +111,9 @@ def worker(rank, spec, batch, plan_names, scratch, out_path):
             torch.save(whole, baseline)
         torch_save_s = time.perf_counter() - t0
         fresh = engine_for(spec, PLANS[name], batch, seed=1)
-        _, load_s = timed(lambda: fresh.load(root))
+        _, load_s = timed(lambda fresh=fresh, root=root: fresh.load(root))
         other = engine_for(spec, PLANS[nxt], batch, seed=1)
-        _, reshard_s = timed(lambda: other.load(root))
+        _, reshard_s = timed(lambda other=other, root=root: other.load(root))
         resaved = other.save(root + "_resaved")
         row = None
         if rank == 0:
@@ -139,10 +139,14 @@ def synthetic_checkpoint(path: str, layers: int = 48, hidden: int = 1024,
     """Write DCP metadata (as DCP's writer pickles it) of a GPT-like model saved over
     `ranks` ranks, with sparse data files of the right lengths; returns the chunk count."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta,
-                                                       TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     shapes = {"attn.qkv.weight": (3 * hidden, hidden), "attn.qkv.bias": (3 * hidden,),
               "attn.proj.weight": (hidden, hidden), "attn.proj.bias": (hidden,),

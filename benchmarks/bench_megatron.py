@@ -24,9 +24,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autopar.search import planner  # noqa: E402
 from autopar.models import workload  # noqa: E402
 from autopar.models.zoo import MEGATRON_TABLE1  # noqa: E402
+from autopar.search import planner  # noqa: E402
 from autopar.world import World  # noqa: E402
 
 SEQ = 2048

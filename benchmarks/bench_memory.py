@@ -105,6 +105,7 @@ def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
 def planner_state(model, sample: tuple, target, loss_fn, plan, batch: int) -> dict:
     """Parameter, gradient and optimizer bytes per rank as the search prices this plan
     (`autopar.cost.precision` through `memory_by_kind`), for runtime plans."""
+    from autopar.modes import RUNTIME
     from autopar.search import planner
     from autopar.search.search import Constraints, Options, Search
     from autopar.world import World
@@ -115,7 +116,7 @@ def planner_state(model, sample: tuple, target, loss_fn, plan, batch: int) -> di
     world = World(plan.world_size, per_node=plan.world_size, device="cpu")
     fixed = Constraints(pp=1, cp=1, tp=tp, dp=plan.mesh["dp"], zero=plan.zero.stage,
                         offload=False, sp="none", tp_mode=plan.tp_mode if tp > 1 else None)
-    options = Options(global_batch=batch, dtype="fp32", executable=planner.EXECUTABLE)
+    options = Options(global_batch=batch, dtype="fp32", executable=RUNTIME)
     cand = Search(chain, world, options, fixed).every()[0]
     return {k: cand.memory[k] for k in ("parameters", "gradients", "optimizer")}
 
@@ -123,7 +124,7 @@ def planner_state(model, sample: tuple, target, loss_fn, plan, batch: int) -> di
 def measure(name: str, plan_spec: dict, world: int, batch: int) -> dict:
     """This rank's measured bytes under one plan, and the parameter layouts it ran."""
     import autopar
-    from autopar.cost.memory import measure_saved_activations, measure_state_bytes
+    from autopar.runtime.measure import measure_saved_activations, measure_state_bytes
 
     model, inputs, target, loss_fn = example(name, batch)
     sample = tuple(t[:2] for t in inputs)

@@ -71,9 +71,10 @@ def _model(spec: str, batch: int):
 
 def _engines(spec: str, world: int, batch: int) -> dict:
     """row -> a function running one training step on the global batch, returning the loss."""
-    import autopar
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
+
+    import autopar
 
     model, x, y = _model(spec, batch)
     rank, n = dist.get_rank(), batch // world
@@ -118,10 +119,14 @@ def _tensor_engines(world: int, batch: int) -> dict:
     """autopar's 1D plan beside torch's DTensor `parallelize_module` with ColwiseParallel
     (q, k, v, gate, up) and RowwiseParallel (o, down) on every block: each rank trains on
     the whole batch, heads split over the ranks."""
-    import autopar
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import autopar
 
     model, x, y = _model(TP_MODEL, batch)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
@@ -184,10 +189,11 @@ def _pipeline_engines(spec: str, world: int, batch: int) -> dict:
     last backward). The head holds a copy of the tied embedding (torch's stages cannot
     share a parameter) whose gradient is summed with the embedding's after the schedule,
     as Megatron-LM does, so both sides train the same tied model and their losses agree."""
-    import autopar
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.nn.parallel import DistributedDataParallel
+
+    import autopar
 
     pp = PIPE_STAGES
     dp = world // pp

@@ -122,9 +122,10 @@ def _p2p_seconds(nbytes: int, reps: int = 10) -> float:
 
 def worker(rank: int, m: int, steps: int, out_path: str) -> None:
     import autopar
-    from autopar.cost.memory import activation_bytes, measure_peak_saved_activations
+    from autopar.cost.memory import activation_bytes
     from autopar.cost.schedule import simulate, stage_owner, step_time
     from autopar.models import build
+    from autopar.runtime.measure import measure_peak_saved_activations
 
     rows = []
     p2p = None
@@ -137,7 +138,7 @@ def worker(rank: int, m: int, steps: int, out_path: str) -> None:
                                      optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
                                      plan=plan)
         engine.train_step((x,), target)  # warm-up: traces, builds the schedule
-        runner = engine._pipeline
+        runner = engine.pipeline
         n = len(runner.stages.modules)
         if p2p is None:  # the boundary tensor: a micro-batch's [MICRO, seq, hidden] floats
             p2p = _p2p_seconds(MICRO * SIZES["seq"] * SIZES["hidden"] * 4)
@@ -150,7 +151,7 @@ def worker(rank: int, m: int, steps: int, out_path: str) -> None:
             runner.step((x,), target)
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
-        engine._sync_pipeline_params()  # every stage runs here: fetch the others' weights
+        engine.fetch_pipeline_weights()  # every stage runs here: fetch the others' weights
         mine = _stage_costs(runner, (x[:MICRO],), target[:MICRO])
         costs: list = [None, None]
         dist.all_gather_object(costs, mine)
@@ -163,18 +164,18 @@ def worker(rank: int, m: int, steps: int, out_path: str) -> None:
         for p in engine.parameters():
             p.grad = None
         dist.barrier()
-        peak = measure_peak_saved_activations(lambda: runner.step((x,), target),
+        peak = measure_peak_saved_activations(lambda r=runner, x=x, t=target: r.step((x,), t),
                                               exclude=list(engine.parameters()), inputs=(x,))
         acts = activation_bytes(engine.train_graph, engine.train_solution, micro_batch=MICRO)
         stage_acts = [sum(b for layer, b in acts.items()
-                          if engine._stage_of_layer.get(layer) == k) for k in range(n)]
+                          if engine.stage_of_layer.get(layer) == k) for k in range(n)]
         model_run = simulate(schedule, 2, m, v, forward=fwd, backward=bwd, weight_share=share,
                              p2p=p2p, activations=stage_acts)
         device_s = [sum(fwd[k] + bwd[k] for k in range(n) if stage_owner(schedule, k, 2) == r)
                     + 2 * v * p2p for r in range(2)]
         closed = step_time(schedule, 2, m, device_s, v)
         row = {"schedule": schedule, "rank": rank, "stages": runner.mine,
-               "layers": sorted(engine._pipeline_layers()),
+               "layers": sorted(engine.pipeline_layers()),
                "step_s": step, "busy_s": busy, "idle_measured": 1 - busy / step,
                "idle_model": model_run.idle[rank], "step_model_s": model_run.step_s,
                "idle_closed_form": 1 - m * device_s[rank] / closed, "step_closed_form_s": closed,

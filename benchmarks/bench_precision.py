@@ -10,7 +10,7 @@ plan and precision it prints:
   fp32 in the same run (the machine is shared: compare ratios, not absolute times). On a
   CPU the 16-bit GEMMs run through oneDNN (AVX512-BF16 where the CPU has it) while casts
   and element-wise ops cost extra passes, so the ratio says little about a GPU;
-* peak saved activations of one step (`autopar.cost.memory.measure_peak_saved_activations`,
+* peak saved activations of one step (`autopar.runtime.measure.measure_peak_saved_activations`,
   the fp32 parameters excluded): under 16 bits this includes the 16-bit weight casts the
   linears save for their backward, which fp32 does not need since it saves the
   parameters themselves; "acts" takes them out (the rank's parameters at 2 bytes each:
@@ -49,8 +49,8 @@ WORLD = 2
 
 def worker(rank: int, batch: int, steps: int, out_path: str) -> None:
     import autopar
-    from autopar.cost.memory import measure_peak_saved_activations
     from autopar.models import build
+    from autopar.runtime.measure import measure_peak_saved_activations
 
     rows = []
     for plan_name, plan in PLANS.items():
@@ -72,7 +72,7 @@ def worker(rank: int, batch: int, steps: int, out_path: str) -> None:
             predicted = engine.predicted_comm(batch)
             dist.barrier()
             params = list(engine.parameters())
-            peak = measure_peak_saved_activations(lambda: engine.train_step(x, target),
+            peak = measure_peak_saved_activations(lambda e=engine, x=x, t=target: e.train_step(x, t),
                                                   exclude=params, inputs=(x, target))
             rows.append({"plan": plan_name, "precision": precision,
                          "step_time_s": statistics.median(times),

@@ -109,8 +109,8 @@ def short(description: str) -> str:
 def model_and_chain(spec: str, batch: int):
     """The model on the meta device, its inputs, target, and the planner's layer chain
     (as `parallelize(plan=None)` reads it: every tensor size of the world)."""
-    from autopar.search import planner
     from autopar.models import build
+    from autopar.search import planner
     from autopar.search.search import divisors
 
     model, (x,) = build(spec, batch=batch, device="meta")

@@ -14,20 +14,20 @@ meta-pytorch's autoparallel about 47 s for LLaMA-8B.
 same space the search defines and prices each point with the search's own primitives
 (``state_cost``, ``Search._pipeline_time`` / ``_memory`` / ``_dp_time`` / ``_in_flight``),
 so a gap measures the search strategy (dynamic programs, branch and bound, the memory
-fit), not the cost model. The space, as ``autopar.search.search`` defines it:
+fit), not the cost model. The space, as ``autopar.search.space`` defines it:
 
 - every mesh pp x dp x cp x tp of the world with pp <= number of blocks, cp dividing the
   sequence into pieces of at least 256 tokens, dp dividing the global batch;
 - cp modes ulysses (heads divisible by cp x tp) and ring; every micro-batch size b <= 16
-  dividing the per-replica batch; every schedule (gpipe, 1f1b, zero_bubble, interleaved
-  with 2 or 4 chunks when the blocks split evenly and the micro-batches divide by pp),
-  pipelines only with at least pp micro-batches;
+  dividing the per-replica batch; every schedule (gpipe, 1f1b, ZB-V zero_bubble with two
+  stages per rank, interleaved with 2 or 4 chunks when there are as many blocks as stages
+  and the micro-batches divide by pp), pipelines only with at least pp micro-batches;
 - every ZeRO stage (1-3 only with replicas) with and without offload (ZeRO >= 1 only);
 - stages: the search's ``balance`` of the fastest path's per-layer times into pp x chunks
-  stages (``Search._evaluate``), and for pipelines without interleaving, under each ZeRO
+  stages (``Search._evaluate``), and for pipelines of one stage per rank, under each ZeRO
   option, ``balance_within``: the same balance under each stage's memory limit for the
-  fastest states and the micro-batches it holds in flight; layer i runs on device
-  stage(i) mod pp;
+  fastest states and the micro-batches it holds in flight; stage s runs on the schedule's
+  ``stage_owner`` (s mod pp, or V-shaped under ZB-V);
 - every assignment of per-layer states from the search's state lists under the search's
   rule (``_Prepared.fit``): on one device, the layers of one kind share one layout (tensor
   mode and sequence parallelism) and each chooses its recompute freely;
@@ -64,20 +64,27 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autopar.search import planner  # noqa: E402
 from autopar.cost.comm import collective_time, placements  # noqa: E402
 from autopar.cost.hardware import load_hardware  # noqa: E402
-from autopar.cost.model import RECOMPUTE, Context, LayerState, state_cost, \
-    tensor_modes  # noqa: E402
+from autopar.cost.model import (
+    RECOMPUTE,
+    Context,
+    LayerState,
+    state_cost,
+    tensor_modes,  # noqa: E402
+)
+from autopar.cost.schedule import check_microbatches, stage_owner  # noqa: E402
+from autopar.cost.step import host_bytes, optimizer_time, state_factors  # noqa: E402
+from autopar.errors import PlanError  # noqa: E402
 from autopar.models import workload  # noqa: E402
+from autopar.modes import ORDER, SCHEDULES  # noqa: E402
+from autopar.search import planner  # noqa: E402
 from autopar.search.partition import balance, balance_within  # noqa: E402
-from autopar.search.search import ORDER, Options, Search, host_bytes, optimizer_time, \
-    state_factors  # noqa: E402
+from autopar.search.search import Options, Search  # noqa: E402
 from autopar.world import World  # noqa: E402
 
 GPT3_TP_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 MAX_MICRO_BATCH = Options(global_batch=1).max_micro_batch
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 CONTEXT = (("Alpa (Zheng et al. 2022), GPT-39B on 64 GPUs, compile", 2400.0),
            ("meta-pytorch autoparallel, LLaMA-8B", 47.0))
 
@@ -303,7 +310,7 @@ def _price_states(search, chain, mesh, pl, ctx, b) -> _Priced | None:
     if any(not s for s in states):
         return None
     # the same lists, in the same order, as the search's own
-    assert all(st == [s for s in search._states(lt, mesh["tp"]) if b % s.mode.batch_split == 0]
+    assert all(st == [s for s in search.space.states(lt, mesh["tp"]) if b % s.mode.batch_split == 0]
                for lt, st in zip(types, states))
     costs = [[state_cost(lt, s, b, ctx) for s in st] for lt, st in zip(types, states)]
     conv = [None]
@@ -323,12 +330,24 @@ def _price_states(search, chain, mesh, pl, ctx, b) -> _Priced | None:
 
 
 def _schedules(pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
+    """(schedule, stages per rank): interleaved with 2 or 4 chunks (a block per stage at
+    least, micro-batches a multiple of pp), ZB-V with two stages per rank; each only with
+    micro-batches its schedule accepts (`check_microbatches`)."""
     if pp == 1:
         return [("none", 1)]
     if m < pp:  # a pipeline needs at least one micro-batch per stage
         return []
-    return [(s, v) for s in SCHEDULES for v in ((2, 4) if s == "interleaved" else (1,))
-            if s != "interleaved" or (blocks % (pp * v) == 0 and m % pp == 0)]
+    out = []
+    for s in SCHEDULES:
+        for v in {"interleaved": (2, 4), "zero_bubble": (2,)}.get(s, (1,)):
+            if blocks < pp * v or (s == "interleaved" and m % pp):
+                continue
+            try:
+                check_microbatches(s, pp, m, v)
+            except PlanError:
+                continue
+            out.append((s, v))
+    return out
 
 
 def _pipeline(dev: np.ndarray, pp: int, v: int, m: int, schedule: str) -> np.ndarray:
@@ -338,8 +357,8 @@ def _pipeline(dev: np.ndarray, pp: int, v: int, m: int, schedule: str) -> np.nda
         return m * slowest
     if schedule == "interleaved":
         return m * slowest + (pp - 1) * slowest / v
-    if schedule == "zero_bubble":
-        return m * slowest + (dev.sum(axis=1) - slowest) / 3
+    if schedule == "zero_bubble":  # ZB-V (Qi et al. 2024 §6)
+        return m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
     return (m - 1) * slowest + dev.sum(axis=1)
 
 
@@ -370,7 +389,7 @@ def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, 
     hw, layers, order = search.hw, chain.layers(), chain.order
     pp, n = mesh["pp"], len(order)
     replicas = mesh["dp"] * mesh["cp"]
-    device_of = np.array([s % pp for s in stage_of])
+    device_of = np.array([stage_owner(schedule, s, pp) for s in stage_of])
     assign = _assignments(order, priced.states, device_of)
     t_lay = np.stack([priced.time[t][assign[:, i]] for i, t in enumerate(order)], 1)
     for i in range(1, n):

@@ -26,7 +26,7 @@ a per-process memory cap, ring attention over 4 ranks against one device, for
 process's resident set during the step (the high-water mark is reset by writing "5" to
 /proc/self/clear_refs right before, and VmHWM read from /proc/self/status right after,
 minus VmRSS before). The engine is built and its training graph traced before the reset
-(`Engine._ensure_train_graph`), so tracing is outside the step. The workers run with
+(`Engine.ensure_train_graph`), so tracing is outside the step. The workers run with
 glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_), so every large tensor is
 its own mapping, returned when freed: the resident set follows live tensors instead of a
 heap that keeps freed blocks. The model at each probe is built for that sequence length
@@ -101,7 +101,8 @@ def _engine(spec: str, block_size: int, seq: int, batch: int, mode: str, world: 
 
 # ------------------------------------------------------------------ (a) activation memory
 def memory_worker(rank, world, mode, seqs, batch, out_path):
-    from autopar.cost.memory import activation_bytes, measure_saved_activations
+    from autopar.cost.memory import activation_bytes
+    from autopar.runtime.measure import measure_saved_activations
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     rows = []
@@ -150,8 +151,8 @@ def _status(field: str) -> int:
 
 def step_peak(engine, x, target) -> tuple[int, int]:
     """(peak resident growth during one train_step, resident bytes before it)."""
-    inputs = engine._local_batch((x, target))
-    engine._ensure_train_graph(inputs[:1], inputs[1])  # trace before the measured step
+    inputs = engine.batches.local((x, target))
+    engine.ensure_train_graph(inputs[:1], inputs[1])  # trace before the measured step
     gc.collect()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -272,9 +273,8 @@ def print_reach(rows, cap):
     single, ring = (r["max_seq"] for r in rows)
     if single:
         print(f"  ratio ring / one device: {ring / single:.2f}x (target >= 3x)")
-    from autopar.models.zoo import config_of
-
     from autopar.kernels.sequence import TILE
+    from autopar.models.zoo import config_of
 
     heads = config_of(REACH_SPEC).n_head
     for r in rows[1:]:

@@ -45,10 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gloo_world import results_path, run_world  # noqa: E402
 
-from autopar.search import planner  # noqa: E402
 from autopar.cost.comm import placements  # noqa: E402
 from autopar.cost.model import Context, LayerState, state_cost, tensor_modes  # noqa: E402
-from autopar.search.search import ORDER  # noqa: E402
+from autopar.modes import ORDER  # noqa: E402
+from autopar.search import planner  # noqa: E402
 from autopar.world import World  # noqa: E402
 
 SIZES = (4, 8, 64)

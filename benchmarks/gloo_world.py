@@ -7,8 +7,8 @@ import socket
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

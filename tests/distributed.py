@@ -559,7 +559,7 @@ class DistPool:
                     "module-level function of an importable module (no lambdas, "
                     "closures or functions defined in __main__) and its arguments "
                     "must be picklable.") from exc
-            for rank, c in enumerate(self._conns):
+            for c in self._conns:
                 try:
                     c.send_bytes(payload)
                 except (OSError, EOFError):

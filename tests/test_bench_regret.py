@@ -8,8 +8,8 @@ import pytest
 
 from autopar.api import _check_executable, _resolve_plan
 from autopar.plans import Plan
-from autopar.runtime.engine import (Engine, check_context_dims, check_grid_dims,
-                                    check_sequence_dims)
+from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
+from autopar.runtime.engine import Engine
 from autopar.world import World
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))

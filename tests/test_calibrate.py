@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch.distributed as dist
+from distributed import dist_pool_fixture
 
 import autopar
 from autopar.cost import calibrate as cal
 from autopar.cost.comm import OPS, SYMBOLS, collective_expr, single_link
 from autopar.cost.hardware import load_hardware
 from autopar.errors import WorldError
-from distributed import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 

@@ -21,7 +21,6 @@ import sys
 
 import pytest
 import torch
-
 from distributed import REPO_ROOT, dist_pool_fixture
 from equivalence import build
 

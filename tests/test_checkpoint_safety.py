@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from equivalence import build
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"

@@ -12,14 +12,14 @@ from torch import nn
 import autopar
 from autopar.graph import OpKind, trace
 from autopar.graph.trace import BATCH
+from autopar.kernels.collectives import Redistribute
 from autopar.models import build
 from autopar.passes import apply_solution, shard_parameters
 from autopar.passes.tensor_parallel import local_parameters
 from autopar.plans import Plan
-from autopar.kernels.collectives import Redistribute
-from autopar.sharding.catalog import reshape_shard
 from autopar.sharding.layout import Layout, Shard
 from autopar.sharding.redistribute import steps_between
+from autopar.sharding.rules.views import reshape_shard
 from autopar.sharding.solve import solve
 from autopar.sharding.strategy import Need
 

@@ -6,8 +6,18 @@ import math
 import pytest
 
 from autopar.cost import comm
-from autopar.cost.comm import (ALGORITHMS, OPS, SYMBOLS, Placement, best_algorithm,
-                               collective_expr, collective_time, links, placements, single_link)
+from autopar.cost.comm import (
+    ALGORITHMS,
+    OPS,
+    SYMBOLS,
+    Placement,
+    best_algorithm,
+    collective_expr,
+    collective_time,
+    links,
+    placements,
+    single_link,
+)
 from autopar.cost.hardware import Hardware
 
 

@@ -3,8 +3,8 @@
 Ring attention's exposed hops (the first K/V hop and the gradient return wait, the rest
 hide only behind the attention step beside them), causal imbalance under a contiguous
 split, FlashAttention-2's rate at short sequences, the per-kernel launch floor, GEMM
-efficiency in the problem size, collectives' SM contention, and that explain shows each
-effect with its seconds.
+efficiency in the problem size and the HBM time of its operands (additive roofline),
+collectives' SM contention, and that explain shows each effect with its seconds.
 """
 
 import dataclasses
@@ -14,12 +14,23 @@ import math
 import pytest
 
 from autopar import World, plan
-from autopar.cost.hardware import load_hardware
-from autopar.cost.model import EFFECTS, attention_time, causal_imbalance, contention_s, \
-    gemm_time, memory_time, ring_exposed
+from autopar.cost.hardware import Hardware, load_hardware
+from autopar.cost.model import (
+    EFFECTS,
+    attention_time,
+    causal_imbalance,
+    contention_s,
+    gemm_time,
+    gemm_traffic_s,
+    local_gemm_shape,
+    memory_time,
+    ring_exposed,
+)
+from autopar.errors import WorldError
 from autopar.models import workload
 
 A100 = load_hardware("a100-80gb")
+H100 = load_hardware("h100-80gb")
 
 
 @pytest.mark.parametrize("c", [2, 4, 8])
@@ -83,6 +94,60 @@ def test_gemm_efficiency_grows_with_size_and_floor_binds_tiny_kernels():
     assert gemm_time(1e12, slow_launch, "bf16") == gemm_time(1e12, A100, "bf16")
 
 
+def test_gemm_operand_traffic_adds_the_bytes_time_to_the_math():
+    m, k, n = 4096, 2048, 2048
+    flops = 2 * m * k * n
+    moved = 2 * (m * k + k * n + m * n)  # bf16 A, B read and C written once
+    for hw in (A100, H100):
+        extra = gemm_time(flops, hw, "bf16", (m, k, n)) - gemm_time(flops, hw, "bf16")
+        assert extra == pytest.approx(moved / (hw.memory_bandwidth * hw.memory_efficiency))
+        assert gemm_traffic_s((m, k, n), hw) == pytest.approx(extra)
+    off = dataclasses.replace(A100, gemm_operand_traffic=0.0)  # CPU and calibrated profiles
+    assert gemm_time(flops, off, "bf16", (m, k, n)) == gemm_time(flops, off, "bf16")
+    assert gemm_traffic_s((m, k, n), off) == 0.0
+    with pytest.raises(WorldError, match="gemm_operand_traffic is 1.5"):
+        Hardware.from_json({**A100.to_json(), "gemm_operand_traffic": 1.5})
+    fp32 = gemm_time(flops, A100, "fp32", (m, k, n), 4) - gemm_time(flops, A100, "fp32")
+    assert fp32 == pytest.approx(2 * moved / (A100.memory_bandwidth * A100.memory_efficiency))
+
+
+def test_gemm_operand_traffic_costs_thin_shapes_and_h100_most():
+    def rate(hw, m, k, n):
+        return 2 * m * k * n / gemm_time(2 * m * k * n, hw, "bf16", (m, k, n))
+    # the same FLOPs, square against a tensor-parallel slice 8 times thinner on one side
+    square, thin = (8192, 4096, 4096), (8192, 512, 32768)
+    for hw in (A100, H100):
+        assert rate(hw, *square) > rate(hw, *thin)
+        assert rate(hw, *square) < hw.gemm_efficiency * hw.flops("bf16")
+    # H100's ridge point (peak / bandwidth) is about twice A100's: its GEMMs keep a smaller
+    # share of their best rate at the same shape
+    for shape in (square, thin):
+        best = {hw.name: hw.gemm_efficiency * hw.flops("bf16") for hw in (A100, H100)}
+        assert rate(H100, *shape) / best["h100-80gb"] < rate(A100, *shape) / best["a100-80gb"]
+    # a 16k x 2048 x 2048 GEMM on H100 (Megatron's 1.7B model) lands near 600 TFLOP/s
+    assert 550e12 < rate(H100, 16384, 2048, 2048) < 700e12
+
+
+def test_local_gemm_shape_cuts_the_wide_side_and_tokens():
+    from autopar.cost.layer import Gemm, Lin
+    qkv = Gemm(Lin(0, 2 * 4096 * 1024 * 3072), 1024, 3072, True)  # 4096 tokens per sample
+    fc2 = Gemm(Lin(0, 2 * 4096 * 4096 * 1024), 4096, 1024, True)
+    assert local_gemm_shape(qkv, 2, 4, 1) == (8192, 1024, 768)  # column split: N / tp
+    assert local_gemm_shape(fc2, 2, 4, 1) == (8192, 1024, 1024)  # row split: K / tp
+    assert local_gemm_shape(qkv, 2, 1, 2) == (4096, 1024, 3072)  # cp: tokens / cp
+
+
+def test_layer_reports_gemm_operand_traffic():
+    lt = _block()
+    cost = _cost(lt, "ulysses")
+    assert "GEMM operand traffic" in EFFECTS
+    assert 0 < cost.effects["GEMM operand traffic"] < 3 * cost.forward
+    off = _cost(lt, "ulysses", hw=dataclasses.replace(A100, gemm_operand_traffic=0.0))
+    assert off.effects["GEMM operand traffic"] == 0.0
+    # the launch floor may already cover a tiny GEMM's bytes: never more than their time
+    assert 0 < cost.forward - off.forward <= cost.effects["GEMM operand traffic"] / 3 * (1 + 1e-9)
+
+
 def test_contention_slows_only_overlapped_compute():
     assert contention_s(1.0, dataclasses.replace(A100, comm_sm_share=0.0)) == 0.0
     assert contention_s(1.0, dataclasses.replace(A100, comm_sm_share=0.2)) == pytest.approx(0.25)
@@ -110,7 +175,7 @@ def test_explain_shows_each_effect_with_seconds():
     assert "physical effects" in text
     shown = {e["effect"]: e["seconds"] for e in p.detail["effects"]}
     for name in ("memory-bound ops", "kernel launch floor", "attention on short sequences",
-                 "cp ring hops exposed", "collectives' SM contention"):
+                 "cp ring hops exposed", "collectives' SM contention", "GEMM operand traffic"):
         assert name in EFFECTS and name in text
         assert 0 < shown[name] < p.predicted["step_time_s"]
 
@@ -140,10 +205,10 @@ def _block():
     return next(lt for lt in chain.types if lt.attention)
 
 
-def _cost(lt, cp_mode, cp=4):
+def _cost(lt, cp_mode, cp=4, hw=A100):
     from autopar.cost.comm import Placement
     from autopar.cost.model import Context, LayerState, TensorMode, state_cost
-    ctx = Context(A100, "bf16", Placement(1, 1), Placement(cp, cp), cp_mode)
+    ctx = Context(hw, "bf16", Placement(1, 1), Placement(cp, cp), cp_mode)
     return state_cost(lt, LayerState(TensorMode("1d", 1)), 4, ctx)
 
 

@@ -82,6 +82,7 @@ def _positions_probe(engine, inputs, target):
     tensor that went in and this rank's block that came out."""
     import torch.fx as fx
 
+    from autopar import modes
     from autopar.kernels.sequence import sequence_positions
 
     seen = {}
@@ -95,16 +96,16 @@ def _positions_probe(engine, inputs, target):
                                         out.detach().clone())
             return out
 
-    *local, local_target = engine._local_batch(tuple(inputs) + (target,))
-    local = engine._cut_sequence(tuple(local) + (local_target,), engine.train_graph)
+    *local, local_target = engine.batches.local(tuple(inputs) + (target,))
+    local = engine.batches.tokens(tuple(local) + (local_target,), engine.train_graph)
     engine.comm_log.enabled = False
     try:
         Spy(engine.train_gm).run(*local)
     finally:
         engine.comm_log.enabled = True
     layout = engine.plan.cp_layout()
-    return {"positions": sequence_positions(32, engine._cp.size, engine._cp.rank,
-                                            layout).tolist(),
+    cp = engine.groups[modes.CP]
+    return {"positions": sequence_positions(32, cp.size, cp.rank, layout).tolist(),
             "layout": layout, "seen": seen}
 
 
@@ -155,8 +156,8 @@ def test_cp_refuses_bad_plans():
 def test_cp_ulysses_refuses_heads_that_do_not_divide():
     """3 heads over a sequence size of 2: Ulysses cannot split them; the error names ring.
     Solved on one process with a size-2 cp group that is never called."""
-    from autopar.models.gpt import GPT, GPTConfig
     from autopar.kernels.collectives import AxisGroup
+    from autopar.models.gpt import GPT, GPTConfig
     from autopar.runtime.engine import Engine
     from autopar.runtime.mesh import axis_groups
 
@@ -211,9 +212,10 @@ def _dropout_run():
     copies of the parameters that are whole on every rank after three steps, and the first
     draws of each random stream after them."""
     import torch.distributed as dist
-
-    from autopar.models.gpt import GPT, GPTConfig
     from equivalence import _lm_loss
+
+    from autopar import modes
+    from autopar.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32,
@@ -223,11 +225,13 @@ def _dropout_run():
                                  loss_fn=_lm_loss, optimizer=torch.optim.AdamW,
                                  plan=CP("ring", tensor=dict(size=2, mode="1d")))
     losses = [engine.train_step((x,), y) for _ in range(3)]
-    whole = {engine._names[k][0]: p.detach().clone() for k, p in engine._local.items()
-             if engine._layouts[k] is not None and engine._layouts[k].is_replicated}
-    draws = {s: torch.rand(8, generator=engine._streams.get(s))
+    params = engine.params
+    whole = {params.names[k][0]: p.detach().clone() for k, p in params.local.items()
+             if params.layouts[k] is not None and params.layouts[k].is_replicated}
+    draws = {s: torch.rand(8, generator=engine.streams.get(s))
              for s in ("replicated", "split", "tokens", "split+tokens")}
-    return {"coords": (engine._cp.rank, engine._tp.rank), "whole": whole, "draws": draws,
+    cp, tp = engine.groups[modes.CP], engine.groups[modes.TP]
+    return {"coords": (cp.rank, tp.rank), "whole": whole, "draws": draws,
             "losses": losses}
 
 

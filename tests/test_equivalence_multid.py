@@ -101,7 +101,7 @@ def _shares(engine, inputs, target) -> dict:
                 shapes.append(tuple(out.shape))
             return out
 
-    local = engine._local_batch(tuple(inputs) + (target,))
+    local = engine.batches.local(tuple(inputs) + (target,))
     with torch.no_grad():
         Recorder(engine.train_gm).run(*local)
         model, *_ = build("gpt-tiny", 8)
@@ -119,7 +119,7 @@ def _check_shares(result: dict, q: int, weight_parts: int) -> None:
     params = result["params"]
     for name, (held, layout, parts) in params.items():
         assert held * parts == whole[name], (name, layout)
-    for name, (held, layout, parts) in params.items():
+    for name, (_held, layout, parts) in params.items():
         if name.endswith(("c_fc.weight", "c_proj.weight", "c_attn.weight")):
             assert parts == weight_parts, (name, layout)
         if ".ln_" in name or name == "wpe.weight":

@@ -56,7 +56,7 @@ def sp_probe(engine, inputs, target):
                 norm_inputs[info.layer] = (tuple(x.shape), tuple(info.shape))
             return super().run_node(n)
 
-    *local, local_target = engine._local_batch(tuple(inputs) + (target,))
+    *local, local_target = engine.batches.local(tuple(inputs) + (target,))
     engine.comm_log.enabled = False
     try:
         with torch.no_grad():

@@ -1,10 +1,12 @@
-"""Published A100 runs priced on their published layouts stay within 15% of what they
-measured (benchmarks/bench_fidelity.py prints every row, H100 included; its H100 rows
-are reported there, not held to the bar here, as some are further off: see README).
+"""Published A100 runs, and MosaicML's H100 runs, priced on their published layouts stay
+within 15% of what they measured (benchmarks/bench_fidelity.py prints every row; the
+Megatron-Core H100 rows are reported there, not held to the bar here, as two are further
+off: see README).
 
 Deterministic model-against-paper checks, no timing: MosaicML's MPT runs (FSDP, bf16,
 FlashAttention v1) and Megatron-LM's 2022 runs with sequence parallelism and selective
-recomputation (Korthikanti et al. 2022).
+recomputation (Korthikanti et al. 2022). On H100 the GEMMs' operand traffic (the additive
+roofline) is what brings MPT-1B and 7B within the bar: without it they run 15-17% over.
 """
 
 import os
@@ -15,9 +17,10 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 
-from bench_fidelity import RUNS, predict  # noqa: E402
+from bench_fidelity import MEGATRON_H100_MFU, RUNS, _config, figure, predict  # noqa: E402
 
 A100_RUNS = [run for run in RUNS if run.device.startswith("a100")]
+H100_MPT = [run for run in RUNS if run.device.startswith("h100") and run.name.startswith("MPT")]
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +38,58 @@ def test_a100_runs_within_15_percent(rows):
 def test_a100_errors_have_both_signs(rows):
     errors = [r["error_percent"] for r in rows]
     assert min(errors) < 0 < max(errors)
+
+
+def test_a100_mean_error_under_8_percent(rows):
+    errors = [abs(r["error_percent"]) for r in rows]
+    assert sum(errors) / len(errors) < 8, errors
+
+
+@pytest.fixture(scope="module")
+def h100_rows():
+    return [predict(run) for run in H100_MPT]
+
+
+def test_h100_mpt_runs_within_15_percent_with_both_signs(h100_rows):
+    assert len(h100_rows) >= 6
+    off = [(r["name"], round(r["error_percent"], 1)) for r in h100_rows
+           if abs(r["error_percent"]) > 15]
+    assert not off, off
+    errors = [r["error_percent"] for r in h100_rows]
+    assert min(errors) < 0 < max(errors)
+
+
+def test_operand_traffic_is_what_brings_small_h100_gemms_down(monkeypatch):
+    import dataclasses
+
+    from autopar.cost import hardware
+    run = next(r for r in H100_MPT if r.name == "MPT-7b s2048 x8")
+    with_traffic = predict(run)["error_percent"]
+    h100 = hardware.load_hardware("h100-80gb")
+    monkeypatch.setitem(hardware._CACHE, "h100-80gb",
+                        dataclasses.replace(h100, gemm_operand_traffic=0.0))
+    without = predict(run)["error_percent"]
+    assert without > 15 >= abs(with_traffic)
+
+
+MEGATRON_H100 = [run for run in RUNS if run.name.endswith("(Megatron)")]
+
+
+def test_megatron_h100_rows_are_the_readme_table():
+    """Each Megatron-Core H100 row as its table prints it: the model priced has the table's
+    size (embeddings untied; tied, 1.7B would be 1.48e9), its TFLOP/s over 989 is the
+    table's MFU column, and the figure is Megatron-LM's own FLOP count per GPU-second."""
+    import torch
+
+    from autopar.models.gpt import GPT
+    assert len(MEGATRON_H100) == len(MEGATRON_H100_MFU) == 9
+    for run in MEGATRON_H100:
+        size = run.name.split()[1]
+        with torch.device("meta"):
+            params = sum(p.numel() for p in GPT(_config(run)).parameters())
+        assert abs(params / (float(size[:-1]) * 1e9) - 1) < 0.035, (run.name, params)
+        assert round(100 * run.published / 989) == MEGATRON_H100_MFU[size], run.name
+        cfg = _config(run)
+        b, s, n, h, v = run.batch, run.seq, cfg.n_layer, cfg.n_embd, cfg.vocab_size
+        flops = 12 * b * s * n * h * h * ((2 + s / h) + 4 + v / (2 * n * h))
+        assert figure(run, 1.0) == pytest.approx(flops / run.gpus / 1e12, rel=1e-12)

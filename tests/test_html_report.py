@@ -18,10 +18,10 @@ from collections import Counter
 from html.parser import HTMLParser
 
 import pytest
+from chromium import ChromiumMissing, find_chromium, probe, read_png, screenshot
 
 from autopar.cli import main
 from autopar.report.html import AXIS_COLOURS, MEMORY_COLOURS, WORK_COLOURS, plan_html
-from chromium import ChromiumMissing, find_chromium, probe, read_png, screenshot
 
 CHARTS = ("step", "strategy", "gantt", "memory", "comm")
 PIPELINE_SPEC = "gpt:layers=8,hidden=256,heads=8,vocab=1024,seq=256"

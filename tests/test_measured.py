@@ -9,10 +9,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from distributed import dist_pool_fixture
 from equivalence import build
+from torch import nn
 
 from autopar.errors import PlanError
 from autopar.runtime.measure import Recorder, _Call, instrument

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from distributed import dist_pool_fixture
 from equivalence import build
 
-from autopar.cost.memory import activation_bytes, measure_saved_activations, \
-    measure_state_bytes, saved_activations, state_bytes
+from autopar.cost.memory import activation_bytes, saved_activations, state_bytes
 from autopar.graph.trace import BATCH, trace
 from autopar.models import build as zoo_build
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.plans import Plan
+from autopar.runtime.measure import measure_saved_activations, measure_state_bytes
 from autopar.sharding.axes import MULTI_D
 from autopar.sharding.solve import solve
 

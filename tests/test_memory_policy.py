@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.search import planner
 from autopar.cost.hardware import load_hardware
 from autopar.cost.memory import state_bytes
 from autopar.cost.precision import mixed, precision_of, runtime
 from autopar.errors import PlanError
 from autopar.models import build, workload
+from autopar.modes import RUNTIME
 from autopar.report.predicted import plan_text
+from autopar.search import planner
 from autopar.search.search import Constraints, Options, Search, SearchResult
 from autopar.sharding.solve import solve
 from autopar.world import World
@@ -79,7 +80,7 @@ def _plan(chain, constraints: dict, dtype: str, executable: bool = False):
     """The first candidate under `constraints`, made into a Plan with the report's per-rank
     memory (every pipeline rank repriced by report.py)."""
     options = Options(global_batch=BATCH, dtype=dtype,
-                      executable=planner.EXECUTABLE if executable else None)
+                      executable=RUNTIME if executable else None)
     search = Search(chain, WORLD, options, Constraints(offload=False, **constraints))
     cand = search.every()[0]
     result = SearchResult(cand, [], 1, 0.0, precision=search.precision)

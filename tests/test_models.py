@@ -87,6 +87,8 @@ def test_zoo_names_cover_the_published_and_test_configurations():
         "bert-large",
         "vit-large",
         "vit-huge",
+        "mixtral-8x7b",
+        "moe-tiny",
         *TINY,
     }
     assert ZOO_NAMES == sorted(ZOO_NAMES)
@@ -477,7 +479,7 @@ def test_build_accepts_a_spec_or_a_config():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("gtp:layers=2,hidden=64,heads=8", r"family 'gtp'.*bert, gpt, llama, mlp, vit"),
+        ("gtp:layers=2,hidden=64,heads=8", r"family 'gtp'.*bert, gpt, llama, mlp, moe, vit"),
         (
             "gpt:layers=2,hidden=64,heads=8,depth=3",
             r"key 'depth'.*layers, hidden, heads, vocab, seq",

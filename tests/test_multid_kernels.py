@@ -21,9 +21,21 @@ from numerics import leaf, max_rel, rand64
 from torch import nn
 
 from autopar.kernels.collectives import AxisGroup, CommLog
-from autopar.kernels.multid import (ClassifierCrossEntropy, Embedding, Grid2D, Grid2p5D,
-                                    Grid3D, LayerNorm, Linear, RMSNorm, classifier_cross_entropy,
-                                    embedding, layer_norm, linear, rms_norm)
+from autopar.kernels.multid import (
+    ClassifierCrossEntropy,
+    Embedding,
+    Grid2D,
+    Grid2p5D,
+    Grid3D,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    classifier_cross_entropy,
+    embedding,
+    layer_norm,
+    linear,
+    rms_norm,
+)
 
 pool4 = dist_pool_fixture(4, timeout_s=120)
 pool8 = dist_pool_fixture(8, timeout_s=180)

@@ -300,7 +300,7 @@ HEAVY_HEAD = "gpt:layers=8,hidden=64,heads=4,vocab=4096,seq=32"
 
 
 def _stages_probe(engine, inputs, target):
-    return dict(engine._stage_of_layer)
+    return dict(engine.stage_of_layer)
 
 
 def test_stages_are_balanced_by_predicted_time(pool2):
@@ -350,7 +350,7 @@ def test_parallelize_runs_the_planners_stages(pool2):
 def _held_weights(engine, inputs, target) -> dict:
     """Bytes of parameters this rank holds after a step, and those its stages read."""
     held = sum(p.untyped_storage().nbytes() for p in engine.parameters())
-    mine = sum(p.numel() * p.element_size() for p in engine._pipeline.parameters())
+    mine = sum(p.numel() * p.element_size() for p in engine.pipeline.parameters())
     whole = sum(p.numel() * p.element_size()
                 for p in engine.train_graph.gm.parameters())  # the model's own tensors
     return {"held": held, "mine": mine, "whole": whole}

@@ -425,10 +425,10 @@ def _zero3_bf16_gathers() -> dict:
                                  plan={"data": 2, "zero": {"stage": 3}}, precision="bf16")
     engine.comm_log.clear()
     engine.train_step(inputs, target)
-    zero = engine._zero
+    zero = engine.zero
     return {"gather_dtype": str(zero.gather_dtype),
-            "forward": sum(zero.gather_bytes(u) for u in engine._train_units),
-            "fp32_forward": sum(zero.unit_bytes(u) for u in engine._train_units),
+            "forward": sum(zero.gather_bytes(u) for u in engine.train_units),
+            "fp32_forward": sum(zero.unit_bytes(u) for u in engine.train_units),
             "regathered": len(zero.backward_gathers),
             "measured": engine.comm_log.totals(phases=("forward", "backward"))}
 

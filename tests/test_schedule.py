@@ -10,10 +10,18 @@ saved activations is measured as autograd frees them.
 import pytest
 import torch
 
-from autopar.cost.memory import measure_peak_saved_activations, measure_saved_activations
-from autopar.cost.schedule import (check_microbatches, in_flight, order, simulate, stage_count,
-                                   stage_owner, stages_per_rank, step_time)
+from autopar.cost.schedule import (
+    check_microbatches,
+    in_flight,
+    order,
+    simulate,
+    stage_count,
+    stage_owner,
+    stages_per_rank,
+    step_time,
+)
 from autopar.errors import PlanError
+from autopar.runtime.measure import measure_peak_saved_activations, measure_saved_activations
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 2)]
 

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from autopar.search import planner
 from autopar.cost.hardware import load_hardware
 from autopar.cost.model import tensor_modes
 from autopar.errors import PlanError, WorldError
 from autopar.models import workload
 from autopar.plans import Plan
+from autopar.search import planner
 from autopar.search.partition import balance, balance_dp, balance_within, choose_states
 from autopar.search.search import _counts
 from autopar.world import World
@@ -168,7 +168,7 @@ def test_choose_states_is_the_cheapest_path():
                             for i in range(1, n)]
         price = float(rng.choice([0.0, 0.3]))
 
-        def cost(path):
+        def cost(path, time=time, memory=memory, convert=convert, price=price, n=n):
             c = sum(time[i][s] + price * memory[i][s] for i, s in enumerate(path))
             return c + sum(convert[i][path[i - 1], path[i]] for i in range(1, n))
 

@@ -25,10 +25,18 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.kernels.collectives import AxisGroup, CommLog, bind
-from autopar.kernels.sequence import (SequenceAttention, assemble_sequence, cut_sequence,
-                                      merge_sequence, ring_attention, sequence_attention,
-                                      sequence_chunks, sequence_positions, ulysses_attention,
-                                      ulysses_kv_replication)
+from autopar.kernels.sequence import (
+    SequenceAttention,
+    assemble_sequence,
+    cut_sequence,
+    merge_sequence,
+    ring_attention,
+    sequence_attention,
+    sequence_chunks,
+    sequence_positions,
+    ulysses_attention,
+    ulysses_kv_replication,
+)
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 pool4 = dist_pool_fixture(4, timeout_s=120)

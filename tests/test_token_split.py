@@ -19,11 +19,11 @@ from torch import nn
 
 from autopar.graph.masks import is_causal_mask
 from autopar.graph.trace import BATCH, trace
-from autopar.passes.tensor_parallel import apply_solution
 from autopar.kernels.collectives import _deinterleave, _interleave
+from autopar.passes.tensor_parallel import apply_solution
 from autopar.sharding.axes import TensorMesh
-from autopar.sharding.catalog import reshape_shard
 from autopar.sharding.layout import Layout, Shard, block_count
+from autopar.sharding.rules.views import reshape_shard
 from autopar.sharding.solve import solve
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -92,13 +92,13 @@ def _gradient_peak(stage: int, bucket_bytes: int | None = None) -> dict:
 
     handles = [p.register_hook(watch) for p in params]
     pre = engine.optimizer.register_step_pre_hook(lambda *a: pieces.append(sum(
-        s.grad.numel() * s.grad.element_size() for s in engine._zero.shards
+        s.grad.numel() * s.grad.element_size() for s in engine.zero.shards
         if s.grad is not None)))
     engine.train_step(inputs, target)
     for h in handles + [pre]:
         h.remove()
     whole = sum(p.numel() * p.element_size() for p in params)
-    buckets = [sum(params[i].numel() * 4 for i in b) for b in getattr(engine._zero, "buckets", [])]
+    buckets = [sum(params[i].numel() * 4 for i in b) for b in getattr(engine.zero, "buckets", [])]
     return {"peak": peak[0], "pieces": pieces[0], "whole": whole, "buckets": buckets}
 
 
@@ -185,7 +185,7 @@ def _data_parallel_buckets(bucket_bytes: int) -> dict:
     flat = torch.cat([p.grad.reshape(-1) for p in engine.parameters()])
     dist.all_reduce(flat)
     whole = torch.cat([g.reshape(-1) for g in grads])
-    return {"sent": sent, "buckets": len(engine._buckets.buckets),
+    return {"sent": sent, "buckets": len(engine.grads.buckets.buckets),
             "error": float((whole - flat / 2).abs().max()),
             "grad_bytes": 4 * flat.numel()}
 
@@ -215,7 +215,7 @@ def _zero3_held(name: str, plan: dict) -> dict:
                                  example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), plan=plan)
     engine.train_step(inputs, target)
-    zero = engine._zero
+    zero = engine.zero
     kept = sum(s.numel() * s.element_size() for s in zero.shards)
     emptied = sum(p.numel() for p in zero.params)
     whole = sum(n * 4 for n in zero.numels)
@@ -233,7 +233,7 @@ def _zero3_held(name: str, plan: dict) -> dict:
     engine.train_step(inputs, target)
     return {"kept": kept, "emptied": emptied, "whole": whole, "most_alive": most[0],
             "units": len(zero.units), "regathered": len(zero.backward_gathers),
-            "train_units": len(engine._train_units)}
+            "train_units": len(engine.train_units)}
 
 
 def test_zero3_data_parallel_equals_single_device(pool2):
@@ -273,13 +273,13 @@ def test_zero3_at_dp4_keeps_a_quarter(pool4):
 def _where_the_optimizer_lives(engine, inputs, target) -> dict:
     """Devices of the optimizer's pieces and state, and whether a piece shares storage
     with the parameters (ZeRO's pieces are views of them; offloaded ones are copies)."""
-    params = {p.untyped_storage().data_ptr() for p in engine._zero.params}
+    params = {p.untyped_storage().data_ptr() for p in engine.zero.params}
     state = [v for per in engine.optimizer.state.values() for v in per.values()
              if hasattr(v, "device") and v.numel() > 1]
-    return {"pieces": sorted({str(s.device) for s in engine._zero.shards}),
+    return {"pieces": sorted({str(s.device) for s in engine.zero.shards}),
             "state": sorted({str(v.device) for v in state}),
             "state_tensors": len(state),
-            "views": sum(s.untyped_storage().data_ptr() in params for s in engine._zero.shards)}
+            "views": sum(s.untyped_storage().data_ptr() in params for s in engine.zero.shards)}
 
 
 def test_offload_equals_single_device_for_every_stage(pool2):

@@ -198,7 +198,8 @@ def measure_matmul(dims: Sequence[int], dtype: torch.dtype, device: torch.device
     for d in dims:
         x = torch.randn(d, d, device=device).to(dtype)
         w = torch.randn(d, d, device=device).to(dtype)
-        out.append((2.0 * d ** 3, _seconds_per_call(lambda: torch.mm(x, w), device, effort)))
+        out.append((2.0 * d ** 3, _seconds_per_call(lambda x=x, w=w: torch.mm(x, w), device,
+                                                     effort)))
     return out
 
 

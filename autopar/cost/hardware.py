@@ -72,6 +72,9 @@ class Hardware:
     # the share of the device's compute a collective takes while it overlaps compute (its
     # kernels occupy SMs): overlapped compute runs 1 / (1 - share) slower
     comm_sm_share: float = 0.0
+    # the share of a GEMM's operand and result bytes whose HBM time adds to its math time
+    # (1: the additive roofline, autopar.cost.model.gemm_traffic_s); 0 = not modelled
+    gemm_operand_traffic: float = 0.0
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -112,7 +115,8 @@ class Hardware:
                 continue
             else:
                 _check_number(name, value, positive=name not in _MAY_BE_ZERO,
-                              fraction=name.endswith(("efficiency", "_share")),
+                              fraction=name.endswith(("efficiency", "_share"))
+                              or name == "gemm_operand_traffic",
                               below_one=name in _BELOW_ONE)
 
     def save(self, path) -> None:
@@ -122,7 +126,8 @@ class Hardware:
 
 # fields where 0 means "not modelled" or "free" (every other number must be positive)
 _MAY_BE_ZERO = {"intra_node_latency", "inter_node_latency", "attention_half_tokens",
-                "kernel_floor_s", "comm_sm_share"}
+                "gemm_half_flops",  # a calibration whose matmuls all ran at one rate
+                "kernel_floor_s", "comm_sm_share", "gemm_operand_traffic"}
 _BELOW_ONE = {"comm_sm_share"}  # overlapped compute runs 1 / (1 - share) slower
 
 

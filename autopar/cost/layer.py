@@ -371,7 +371,7 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
     one = {b: at(b, "none", None) for b in (1, 2)}
     local = {(b, r): at(b, r, solution) for b in (1, 2) for r in ("none", "selective")}
     for name, lt in by_name.items():
-        def lin(table):
+        def lin(table, name=name):
             return Lin(2 * table[1].get(name, 0) - table[2].get(name, 0),
                        table[2].get(name, 0) - table[1].get(name, 0))
 

@@ -2,11 +2,13 @@
 
 Compute is a roofline: a matrix multiplication of F FLOPs runs at
 ``peak * gemm_efficiency * F / (F + gemm_half_flops)`` (small problems fill the device
-less), memory-bound ops move their bytes at ``memory_bandwidth * memory_efficiency``,
+less) and also moves its operands through HBM (:func:`gemm_traffic_s`), memory-bound ops
+move their bytes at ``memory_bandwidth * memory_efficiency``,
 and what limits real runs beyond that is priced as the named physical effects of
 :data:`EFFECTS` (fused attention's rate at short sequences, causal imbalance and exposed
 hops of ring attention, collectives' SM contention, the per-kernel launch floor), each
-reported per layer in ``StateCost.effects``. Communication is priced by ``autopar.cost.comm`` (alpha-beta per link class). Memory per
+reported per layer in ``StateCost.effects``. Communication is priced by
+``autopar.cost.comm`` (alpha-beta per link class). Memory per
 device is parameters + gradients + optimizer states (by ZeRO stage and offload, bytes per
 parameter from ``autopar.cost.precision``) + activations (by recompute, sequence parallelism and micro-batches in flight) + buffers.
 """
@@ -21,11 +23,15 @@ import sympy
 
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
-from autopar.cost.layer import Attention, LayerType
+from autopar.cost.layer import Attention, Gemm, LayerType
 
 # The physical effects a step's time carries beyond an ideal device, as explain names them
 # (StateCost.effects), each with where its price comes from.
 EFFECTS = {
+    "GEMM operand traffic": "each matrix multiplication also moves its operands and result "
+                            "through HBM: (MK + KN + MN) bytes at memory_bandwidth x "
+                            "memory_efficiency, added to its math (additive roofline, "
+                            "Williams et al. 2009): small or thin per-rank GEMMs lose most",
     "memory-bound ops": "norms, activations, RoPE, dropout, casts, residual adds: their bytes "
                         "at memory_bandwidth x memory_efficiency",
     "kernel launch floor": "every kernel takes at least kernel_floor_s, however small",
@@ -42,6 +48,7 @@ EFFECTS = {
 }
 
 TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
+ITEMSIZE = {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}  # bytes of a GEMM operand
 SP_MODES = ("none", "megatron")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -154,11 +161,43 @@ class StateCost:
         return self.forward + self.backward + self.recompute + self.comm
 
 
-def gemm_time(flops: float, hw: Hardware, dtype: str) -> float:
+def gemm_time(flops: float, hw: Hardware, dtype: str, shape=None, itemsize: int = 2) -> float:
+    """Seconds of one matrix multiplication of ``flops``: the math at the efficiency curve,
+    plus, where the profile prices it (``gemm_operand_traffic``) and ``shape`` (local
+    M, K, N) is known, the HBM time of its operands and result (:func:`gemm_traffic_s`)."""
     if flops <= 0:
         return 0.0
     eff = hw.gemm_efficiency * flops / (flops + hw.gemm_half_flops)
-    return max(flops / (hw.flops(dtype) * eff), hw.kernel_floor_s)
+    sec = flops / (hw.flops(dtype) * eff)
+    if shape is not None:
+        sec += gemm_traffic_s(shape, hw, itemsize)
+    return max(sec, hw.kernel_floor_s)
+
+
+def gemm_traffic_s(shape, hw: Hardware, itemsize: int = 2) -> float:
+    """Seconds a GEMM of local shape (M, K, N) spends moving A (M x K), B (K x N) and C
+    (M x N) through HBM beyond its math: the additive roofline (compute time + memory time,
+    Williams et al. 2009's bound without overlap), times the profile's
+    ``gemm_operand_traffic``. Its share of a GEMM is ridge / (ridge + intensity), so
+    at equal shapes it costs an H100 (ridge ~ 295 FLOP/B) about twice what it costs an
+    A100 (~ 166): the reason larger GEMMs run faster (Megatron-LM README, weak scaling)."""
+    share = hw.gemm_operand_traffic
+    if not share:
+        return 0.0
+    m, k, n = shape
+    return share * itemsize * (m * k + k * n + m * n) / (hw.memory_bandwidth *
+                                                        hw.memory_efficiency)
+
+
+def local_gemm_shape(g: Gemm, batch: float, split: int, rows: int) -> tuple:
+    """(M, K, N) one rank multiplies: ``rows`` ways over tokens (context parallelism, the
+    batch split of 2D/2.5D/3D), ``split`` ways over the larger of K and N (Megatron's column
+    split of QKV and the first MLP linear, the row split of the second and of the
+    vocabulary projection: the wide side is the one cut)."""
+    m = g.flops(batch) / (2 * g.k * g.n) / rows
+    if g.n >= g.k:
+        return (m, g.k, g.n / split)
+    return (m, g.k / split, g.n)
 
 
 def attention_time(flops: float, keys: float, causal: bool, hw: Hardware, dtype: str,
@@ -216,10 +255,16 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     one_d = mode.name == "1d"
     sp = state.sp == "megatron" and one_d and t > 1
     # Compute: GEMMs at their local size (each of the backward's two GEMMs is as large).
-    gemm_fwd = 0.0
+    gemm_fwd = gemm_traffic = 0.0
+    rows = c * (1 if one_d else mode.batch_split)
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
-        local = g.flops(batch) / ((t if split or not one_d else 1) * c)
-        gemm_fwd += gemm_time(local, hw, dtype)
+        parts = t if split or not one_d else 1
+        local = g.flops(batch) / (parts * c)
+        shape = local_gemm_shape(g, batch, parts * c // rows if g.weight else 1,
+                                 rows if g.weight else parts * c)
+        sec = gemm_time(local, hw, dtype, shape, ITEMSIZE.get(dtype, 4))
+        gemm_fwd += sec
+        gemm_traffic += min(sec, gemm_traffic_s(shape, hw, ITEMSIZE.get(dtype, 4)))
     attn_fwd = attn_ideal = attn_even = 0.0
     attn_each = []  # per attention core: forward seconds on the busiest cp rank
     for a, split in zip(lt.attention, sharded.attention_split if one_d else
@@ -287,6 +332,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["attention on short sequences"] = a_runs * (attn_even - attn_ideal)
     effects["causal imbalance (contiguous cp)"] = a_runs * (attn_fwd - attn_even)
     runs = 3 + (state.recompute == "full")
+    effects["GEMM operand traffic"] = runs * gemm_traffic
     effects["memory-bound ops"] = runs * mem_roof
     effects["kernel launch floor"] = runs * (mem_fwd - mem_roof)  # beyond their bytes' time
     # Memory: activations kept for backward, parameters held.

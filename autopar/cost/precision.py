@@ -1,20 +1,8 @@
-"""Bytes per parameter that training holds, from the dtypes it holds them in.
-
-The one rule the planner prices parameter, gradient, master-weight and optimizer bytes and
-the optimizer step with (search, report, explain, memory): it reads the dtype of the
-parameters, never that of an op in the graph (a model with fp32 norms still keeps its
-16-bit weights' masters and moments in fp32).
-
-Two conventions, both 16 bytes per parameter for AdamW:
-
-* ``mixed`` (offline planning): 16-bit parameters are trained as Megatron-LM and ZeRO
-  train them, with an fp32 master copy and fp32 moments: 2 + 2 + 4 + 8 bytes
-  (Rajbhandari et al. 2019, arXiv 1910.02054, §3.1: "2Ψ + 2Ψ + KΨ" with K = 12). fp32
-  parameters are their own masters: 4 + 4 + 0 + 8.
-* ``runtime`` (plans `parallelize` runs): torch's optimizer holds its moments in the
-  parameters' dtype and no master; under `precision="bf16"` the parameters are the fp32
-  masters (autopar.passes.precision), so this is 4 + 4 + 0 + 8 as well, and what
-  `autopar.cost.memory.state_bytes` and the allocator measure.
+"""Bytes per parameter that training holds, from the parameters' dtype (never an op's): the
+one rule the planner prices state and the optimizer step with. ``mixed``: Megatron-LM and
+ZeRO's fp32 master and moments for 16-bit weights (Rajbhandari et al. 2019, §3.1, K = 12);
+``runtime``: torch's optimizer, moments in the parameters' dtype and no master (fp32 under
+`precision="bf16"`, so AdamW is 16 bytes per parameter under both).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopar.graph.trace import BATCH, LOSS_MODULE, TracedGraph
+from autopar.graph.ir import BATCH, LOSS_MODULE, TracedGraph
 
 aten = torch.ops.aten
 

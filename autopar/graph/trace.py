@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass, field
 
-import sympy
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
@@ -20,44 +18,14 @@ from torch import nn
 from torch.export import Dim
 
 from autopar.errors import TraceError
+from autopar.graph.analysis import analyse
+from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
 
-BATCH = sympy.Symbol("B", integer=True, positive=True)
-"""The symbol of the (micro-)batch size in every traced shape."""
+__all__ = ["BATCH", "TracedGraph", "trace"]  # BATCH and TracedGraph live in autopar.graph.ir
 
 _WRAPPED = "model"
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _TRACE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """A parameter or buffer the graph reads with get_attr."""
-
-    target: str  # attribute path inside the traced GraphModule
-    names: tuple[str, ...]  # every key of the original model's state_dict that holds it
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    is_parameter: bool
-
-
-@dataclass
-class TracedGraph:
-    """An aten-level graph of a model, with analysis attached by `autopar.graph.analyse`."""
-
-    gm: fx.GraphModule
-    tracer: str  # "export" or "fx"
-    example_batch: int
-    params: dict[str, ParamInfo]
-    with_loss: bool
-    fallback_reason: str | None = None
-    layers: list = field(default_factory=list)
-
-    @property
-    def graph(self) -> fx.Graph:
-        return self.gm.graph
-
-    def info(self, node: fx.Node):
-        return node.meta["autopar"]
 
 
 class _Wrapper(nn.Module):
@@ -113,8 +81,6 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
     Every tensor input must have the batch on dimension 0; the batch becomes the symbol
     `BATCH` in all shapes, so one graph serves any micro-batch or data-parallel shard.
     """
-    from autopar.graph.analysis import analyse
-
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TraceError("example_inputs must be a non-empty tuple of tensors with the batch on "
@@ -204,10 +170,6 @@ def _via_fx(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
     for node in gm.graph.nodes:
         node.meta["autopar_module"] = (node.meta.get("custom") or {}).get("autopar_module", "")
     return gm
-
-
-LOSS_MODULE = "<loss>"
-"""Module path of the nodes the loss function adds after the model."""
 
 
 def _strip(path: str, prefix: str) -> str:

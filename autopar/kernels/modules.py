@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar.kernels import multid
 from autopar.kernels.collectives import FUNCTIONS, AxisGroup, Bound
+from autopar.modes import TP_2D, TP_3D, TP_25D
 
 
 class VocabParallelEmbedding(Bound):
@@ -118,7 +119,7 @@ class GridLinear(GridBound):
     """`multid.linear` on the grid whose roles the axes name: (row, col) in 2D, (row, col,
     dep) in 2.5D, (input, weight, output) in 3D. `transposed`: the weight is [in, out]."""
 
-    _GRIDS = {"2d": multid.Grid2D, "2.5d": multid.Grid2p5D, "3d": multid.Grid3D}
+    _GRIDS = {TP_2D: multid.Grid2D, TP_25D: multid.Grid2p5D, TP_3D: multid.Grid3D}
 
     def __init__(self, mode: str, grid: tuple[str, ...], transposed: bool = False):
         super().__init__(grid)

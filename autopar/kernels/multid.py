@@ -1,88 +1,11 @@
 """Kernels for 2D, 2.5D and 3D tensor parallelism, as autograd Functions with explicit backward.
 
-2D is SUMMA on a q x q grid (Xu et al. 2021, arXiv 2104.05343), 2.5D runs that SUMMA in each
-of d depth layers of a q x q x d grid (Tesseract, Wang et al. 2021, arXiv 2105.14500), 3D
-gathers, multiplies and reduce-scatters on a q x q x q grid (Bian et al. 2021, arXiv
-2105.14450). Each mode provides a linear layer (optional bias), LayerNorm and RMSNorm with
-statistics over the split hidden dimension, an embedding lookup and a classifier with a
-vocabulary-parallel cross-entropy; `linear`, `layer_norm`, `rms_norm`, `embedding`,
-`classifier_cross_entropy` and `vocab_parallel_cross_entropy` take the grid (`Grid2D`,
-`Grid2p5D`, `Grid3D`) that names the mode. Every collective goes through an `AxisGroup`, so
-the `CommLog` records op, axis, bytes and phase ("forward" / "backward"; "state" for
-`Grid.assemble`).
-
-Grids and indices
------------------
-* `Grid2D(row, col)`: q x q. Rank (i, j). `row` is the group of the q ranks that share the
-  row index i (j varies); its `rank` is j. `col` is the group of the q ranks that share the
-  column index j (i varies); its `rank` is i.
-* `Grid2p5D(row, col, dep)`: q x q x d. `row` and `col` as in 2D inside one depth layer;
-  `dep` (size d) joins the ranks with the same (i, j); its `rank` is k.
-* `Grid3D(input, weight, output)`: q x q x q, three groups of size q in the roles input,
-  weight and output, with indices a = input.rank, b = weight.rank, c = output.rank. Any
-  physical mesh axis may play any role; `Grid3D.swapped()` exchanges input and output.
-
-Torch conventions: a linear weight W is [out, in] and y = x @ W.T + b; activations are
-[batch, ..., hidden], split on dim 0 (batch) and on the last dim (hidden). "s of n" below
-means: the dim is cut into n equal slices and the rank holds slice s. For a dim split over
-two indices the first one written is the major one (slice = major * q + minor).
-
-=========================  ======================  ======================  ======================
-tensor (shape)             2D, rank (i, j)         2.5D, rank (i, j, k)    3D, rank (a, b, c)
-=========================  ======================  ======================  ======================
-x activation [B, ..., H]   B: i of q               B: k*q+i of d*q         B: b*q+a of q^2
-                           H: j of q               H: j of q               H: c of q
-token ids, [B, ...]        B: as x                 B: as x                 B: as x
-W linear [out, in]         out: j of q             out: j of q             out: a*q+b of q^2
-                           in: i of q              in: i of q (same all k) in: c of q
-b linear bias [out]        out: j of q             out: j of q             out: a of q
-y output [B, ..., out]     B: i of q               B: k*q+i of d*q         B: b*q+c of q^2
-                           out: j of q             out: j of q             out: a of q
-norm weight, bias [H]      H: j of q               H: j of q               H: c of q
-embedding table [V, H]     H: j of q               H: j of q               H: c of q
-classifier E [V, H]        as W (V as out)         as W                    as W
-logits [B, ..., V]         as y                    as y                    as y
-target [B, ...]            B: as y                 B: as y                 B: as y
-=========================  ======================  ======================  ======================
-
-Anything not listed as split is replicated. Gradients of replicated copies are summed over
-the groups that replicate them: linear bias over `col` (2D), `col` and `dep` (2.5D), over
-`weight` after the output gather (3D); linear weight over `dep` (2.5D); norm parameters and
-the embedding table over the groups that split the batch (2D: col; 2.5D: col, dep; 3D:
-input, weight).
-
-In 2D and 2.5D the output y lies exactly like an input x of the same grid, so layers chain
-without any re-layout. In 3D y lies like x of `grid.swapped()` (input and output roles
-exchanged, weight role kept): consecutive 3D linears alternate the two roles, and after an
-even number of linears (an MLP H -> 4H -> H) the output lies like the first input, so it
-can be added to the residual stream directly. `Grid.out_grid` is the grid whose x layout
-the output of a linear has (the grid itself in 2D and 2.5D, the swapped one in 3D); norms,
-embeddings and losses always work on activations lying like x of the grid they are given.
-
-Algorithms and communication (per linear; X, W, Y, b = bytes of this rank's x, weight,
-output and bias blocks; every collective logs the bytes of the tensor this rank passes, an
-all-gather its gathered output, so a broadcast is also logged on its sender)
------------------------------------------------------------------------------------------
-* 2D forward, SUMMA: for k in 0..q-1, broadcast x(i, k) over `row` from member k and
-  W-block(k, j) over `col` from member k; y(i, j) += x(i, k) @ W-block(k, j).T.
-  Logs q*X broadcast on row, q*W broadcast on col.
-* 2D backward: dx(i, l) = sum_j dy(i, j) @ W-block(l, j): for each l broadcast W-block(l, j)
-  over `col` from l and reduce the product over `row` to member l. dW-block(l, j) =
-  sum_i dy(i, j).T @ x(i, l): for each l broadcast x(i, l) over `row` from l and reduce the
-  product over `col` to member l. db: all-reduce over `col`. Logs q*W broadcast and q*W
-  reduce on col, q*X broadcast and q*X reduce on row, b all-reduce on col.
-* 2.5D: 2D in each depth layer on its batch slice, then dW and db all-reduced over `dep`
-  (W and b more on dep).
-* 3D forward: all-gather x over `input` (dim 0), all-gather W over `weight` (dim 0),
-  y' = x' @ W'.T (a partial sum over c), reduce-scatter y' over `output` (dim 0), add b.
-  Logs q*X all-gather on input, q*W all-gather on weight, q*Y reduce-scatter on output.
-* 3D backward, the conjugates: all-gather dy over `output`; dx = reduce-scatter of
-  dy' @ W' over `input`; dW = reduce-scatter of dy'.T @ x' over `weight`; db = all-reduce
-  over `weight` of dy' summed over the batch. Logs q*Y, q*X, q*W and b.
-  The gathered x' and W' are kept for backward (no second gather).
-
-Every rank of a grid must run the same kernels with the same `requires_grad` flags, as the
-backward passes skip the collectives of gradients nobody asked for.
+2D is SUMMA on a q x q grid (Xu et al. 2021, arXiv 2104.05343), 2.5D runs SUMMA in each of d
+depth layers (Tesseract, Wang et al. 2021, arXiv 2105.14500), 3D gathers, multiplies and
+reduce-scatters on a q x q x q cube (Bian et al. 2021, arXiv 2105.14450). The grid (`Grid2D`,
+`Grid2p5D`, `Grid3D`) names the mode. Every rank of a grid must run the same kernels with the
+same `requires_grad` flags. The layout of every tensor and the collectives of each kernel are
+tabled in README.md beside this file.
 """
 
 from __future__ import annotations
@@ -97,6 +20,7 @@ from torch import nn
 
 from autopar.errors import TokenIdError
 from autopar.kernels.collectives import AxisGroup
+from autopar.modes import TP_2D, TP_3D, TP_25D
 
 __all__ = [
     "Grid", "Grid2D", "Grid2p5D", "Grid3D", "ROLES",
@@ -200,7 +124,7 @@ class _SummaGrid(Grid):
 
     def __post_init__(self):
         if self.row.size != self.col.size:
-            where = " in each layer" if self.mode == "2.5d" else ""
+            where = " in each layer" if self.mode == TP_25D else ""
             raise ValueError(f"a {self.mode.upper()} grid is square{where}; row has "
                              f"{self.row.size} ranks, col {self.col.size}")
 
@@ -224,7 +148,7 @@ class Grid2D(_SummaGrid):
     """q x q grid: `row` = ranks sharing row index i (rank = j), `col` = sharing column j
     (rank = i)."""
 
-    mode = "2d"
+    mode = TP_2D
 
     @property
     def coords(self) -> tuple[int, int]:
@@ -241,7 +165,7 @@ class Grid2p5D(_SummaGrid):
     (rank = k)."""
 
     dep: AxisGroup
-    mode = "2.5d"
+    mode = TP_25D
 
     @property
     def d(self) -> int:
@@ -263,7 +187,7 @@ class Grid3D(Grid):
     input: AxisGroup
     weight: AxisGroup
     output: AxisGroup
-    mode = "3d"
+    mode = TP_3D
 
     def __post_init__(self):
         sizes = {self.input.size, self.weight.size, self.output.size}
@@ -414,7 +338,7 @@ class _Linear3D(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            grid: Grid) -> torch.Tensor:
-    """x @ W.T + b with x, W, b and the result in the blocks of the module docstring's table.
+    """x @ W.T + b with x, W, b and the result in the blocks of the layout table (README.md).
 
     The result lies like x of `grid.out_grid` (of `grid` itself in 2D and 2.5D).
     """

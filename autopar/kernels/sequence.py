@@ -1,98 +1,12 @@
 """Sequence-parallel attention over one mesh axis ("cp"): ring attention and Ulysses.
 
-Ring attention follows Li et al. 2021, "Sequence Parallelism: Long Sequence Training from
-System Perspective" (arXiv 2105.13120): every rank keeps its query block and the key/value
-blocks travel around the ring, each rank folding every block it sees into its output with the
-online softmax (running row maximum and sum, rescaled when the maximum grows; Milakov &
-Gimelshein 2018, as in FlashAttention, Dao et al. 2022). Ulysses follows Jacobs et al. 2023
-(arXiv 2309.14509): an all-to-all trades the sequence split for a head split, every rank runs
-ordinary attention on the whole sequence for its heads, and a second all-to-all trades back.
-Both run their collectives through an `AxisGroup`, so the `CommLog` records op, axis, bytes
-and phase ("forward" / "backward"; "state" for `assemble_sequence`).
-
-Tensors and layouts
--------------------
-q [B, H, S_local, D], k [B, Hkv, S_local, D], v [B, Hkv, S_local, Dv] and the output
-[B, H, S_local, Dv] in torch's `scaled_dot_product_attention` layout (heads before sequence),
-for both kernels, so an aten SDPA node whose inputs are split on dim 2 maps onto them
-directly. The global sequence S = c * S_local is split over the c members of the axis in one
-of two layouts (`LAYOUTS`), the same for q, k, v and the output:
-
-* "contiguous": S is cut into c chunks; member r holds chunk r.
-* "zigzag": S is cut into 2c chunks of S / (2c); member r holds chunks r and 2c-1-r, in that
-  order. Under causal masking every member then does the same work at every ring step.
-
-`sequence_chunks`, `sequence_positions` (the global positions of a member's rows, e.g. for
-rotary embeddings), `cut_sequence` (a member's block of a whole tensor), `merge_sequence`
-(the whole tensor from all members' blocks, no communication) and `assemble_sequence` (the
-same as a collective) work on any dim (default 2).
-
-Grouped-query attention: H must be a multiple of Hkv and q head h reads kv head h // (H/Hkv),
-as torch's `enable_gqa`. The ring kernel sends and keeps k/v with Hkv heads only: it views q
-as [B, Hkv, H/Hkv, S_local, D] and broadcasts each kv head over its group inside the block
-products (matmul may expand one block temporarily); the dk/dv of a group are summed before
-they travel. `scale` defaults to 1/sqrt(D). Dropout and `attn_mask` are not supported
-(`sequence_attention` raises); causal masking is by global position (query i sees keys
-j <= i, the top-left triangle of torch's `is_causal`).
-
-Ring attention (`ring_attention`)
----------------------------------
-Forward: at step t = 0..c-1 member r holds the k/v block of member (r - t) mod c; it starts
-shifting that block (k and v packed in one message) to member r+1 before computing on it
-(c-1 hops, overlapped with the block's attention), and folds the block into running
-statistics m (row max), l (row sum) and an unnormalised accumulator. Under causal masking
-only the (query chunk, key chunk) pairs with key chunk <= query chunk are computed (the
-equal ones with a triangular mask). Each block pair is cut into tiles of at most `tile`
-(default `TILE` = 512) query rows x `tile` key rows, folded one after another with the same
-online softmax as the ring steps (a diagonal pair skips its tiles wholly above the diagonal
-and masks those straddling it), so the largest score tensor (scores, probabilities and
-their temporaries) is B x H x tile x tile, however long S_local is; nothing of the whole
-sequence's length is ever allocated. It keeps q, k, v, the output and the logsumexp
-lse = m + log l ([B, H, S_local]) for backward, nothing else.
-
-Backward (no recomputation of the forward ring; the probabilities of each block are rebuilt
-from q, k and the kept lse as in FlashAttention): delta = rowsum(dO * O); the k/v blocks
-circulate again (c-1 hops, overlapped); for each block, tile by tile as in forward
-(P = exp(S - lse), dS = P * (dO V^T - delta)), member r adds dS @ k to its own dq and
-accumulates the block's dk, dv contribution, which it adds to the accumulator that arrived
-with that block's previous visitor and sends on (c hops: the last one brings each block's
-dk, dv back to its owner). The accumulators travel in the compute dtype (float32 for 16-bit
-inputs, else the input dtype).
-
-Ulysses (`ulysses_attention`)
------------------------------
-all-to-all q, k, v (scatter heads, dim 1; gather sequence, dim 2) -> [B, H/c, S, D]; under a
-causal zigzag layout the gathered sequence is put in natural order (and the output back);
-`torch.nn.functional.scaled_dot_product_attention` on the whole sequence for H/c heads;
-all-to-all the output back (scatter sequence, gather heads). Backward runs the conjugate
-all-to-alls (each gradient goes back along the inverse exchange); the local attention's
-backward is torch's. Needs H % c == 0.
-
-Ulysses with few kv heads: member j receives q heads [j H/c, (j+1) H/c). Every kv head is
-repeated f = c / gcd(Hkv, c) times locally (repeat_interleave on dim 1, Hkv*f heads, a
-multiple of c) before the all-to-all, so member j receives exactly the kv heads its q heads
-read (f always divides H/Hkv when c divides H). The price: the k and v all-to-alls (and those
-of their gradients) carry f times the kv bytes, and each member stores Hkv*f/c instead of
-Hkv/c kv heads of the whole sequence; the f copies' gradients are summed by
-repeat_interleave's backward. f = 1 when c divides Hkv. `ulysses_kv_replication` returns f.
-
-Communication (per call, c = axis size; e = bytes per element of the inputs, e' = of the
-compute dtype; K = B*Hkv*S_local*D*e and V = B*Hkv*S_local*Dv*e this member's k and v
-blocks, Q = B*H*S_local*D*e, O = B*H*S_local*Dv*e; every record logs the bytes this member
-sends)
---------------------------------------------------------------------------------------------
-* ring, c > 1: forward   c-1 "p2p" records of K+V.
-               backward  c-1 "p2p" of K+V (k, v again), plus, when k or v needs a gradient,
-                         c "p2p" of (K+V)*e'/e (the dk, dv accumulators).
-               For float32/float64 a forward and backward log (3c-2)(K+V) in 3c-2 records.
-  c = 1: nothing.
-* Ulysses: forward   "all_to_all" Q, f*K, f*V, O.
-           backward  "all_to_all" O (dO), Q (dq), f*K (dk), f*V (dv) for the inputs that need
-                     gradients. Logged at c = 1 too, as `AxisGroup` logs all collectives.
-
-Every member of the axis must call the same kernels with the same shapes and the same
-`requires_grad` flags, as the backward passes skip the communication of gradients nobody
-asked for.
+Ring attention (Li et al. 2021, arXiv 2105.13120) keeps each rank's query block and passes
+key/value blocks round the ring, folding each in with the online softmax (as FlashAttention,
+Dao et al. 2022). Ulysses (Jacobs et al. 2023, arXiv 2309.14509) trades the sequence split
+for a head split with an all-to-all, runs whole-sequence attention, and trades back. Tensors
+are [B, H, S_local, D] as torch's SDPA; the sequence lies "contiguous" or "zigzag" over the
+axis. Every member must call the same kernels with the same `requires_grad` flags. Layouts,
+algorithms and the bytes each kernel logs: README.md beside this file.
 """
 
 from __future__ import annotations
@@ -104,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.kernels.collectives import AxisGroup, Bound
+from autopar.modes import CONTIGUOUS, CP, RING, ULYSSES, ZIGZAG
 
 __all__ = [
     "LAYOUTS", "MODES", "TILE", "sequence_chunks", "sequence_positions", "cut_sequence",
@@ -111,8 +26,8 @@ __all__ = [
     "ulysses_attention", "ulysses_kv_replication", "sequence_attention", "SequenceAttention",
 ]
 
-LAYOUTS = ("contiguous", "zigzag")
-MODES = ("ring", "ulysses")
+LAYOUTS = (CONTIGUOUS, ZIGZAG)
+MODES = (RING, ULYSSES)
 SEQ_DIM = 2  # [B, H, S, D]
 # Rows per tile (query rows and key rows) of the ring kernel's block pairs: a tile's scores
 # are B*H*TILE*TILE elements (1 MiB per head in float32), whatever S_local is. 512 is the
@@ -132,14 +47,14 @@ def _check_layout(layout: str) -> None:
 
 def _num_chunks(size: int, layout: str) -> int:
     _check_layout(layout)
-    return size if layout == "contiguous" else 2 * size
+    return size if layout == CONTIGUOUS else 2 * size
 
 
-def sequence_chunks(size: int, rank: int, layout: str = "contiguous") -> tuple[int, ...]:
+def sequence_chunks(size: int, rank: int, layout: str = CONTIGUOUS) -> tuple[int, ...]:
     """The chunks of the global sequence member `rank` of `size` holds, in local order:
     contiguous (rank,) of `size` chunks; zigzag (rank, 2*size-1-rank) of 2*size chunks."""
     _check_layout(layout)
-    if layout == "contiguous":
+    if layout == CONTIGUOUS:
         return (rank,)
     return (rank, 2 * size - 1 - rank)
 
@@ -153,7 +68,7 @@ def _chunk_len(seq_len: int, size: int, layout: str) -> int:
 
 
 def sequence_positions(seq_len: int, size: int, rank: int,
-                       layout: str = "contiguous") -> torch.Tensor:
+                       layout: str = CONTIGUOUS) -> torch.Tensor:
     """Global positions (int64) of the rows member `rank` holds of a sequence of `seq_len`."""
     m = _chunk_len(seq_len, size, layout)
     return torch.cat([torch.arange(c * m, (c + 1) * m)
@@ -161,7 +76,7 @@ def sequence_positions(seq_len: int, size: int, rank: int,
 
 
 def cut_sequence(full: torch.Tensor, group: AxisGroup, dim: int = SEQ_DIM,
-                 layout: str = "contiguous") -> torch.Tensor:
+                 layout: str = CONTIGUOUS) -> torch.Tensor:
     """This member's block (a copy) of the whole tensor `full`, split on `dim` over `group`."""
     pos = sequence_positions(full.shape[dim], group.size, group.rank, layout)
     return full.index_select(dim, pos.to(full.device))
@@ -174,7 +89,7 @@ def _rank_major_index(seq_len: int, size: int, layout: str) -> torch.Tensor:
 
 def _to_natural(x: torch.Tensor, size: int, dim: int, layout: str) -> torch.Tensor:
     """Member-order concatenation of blocks -> the sequence in natural order."""
-    if layout == "contiguous" or size == 1:
+    if layout == CONTIGUOUS or size == 1:
         return x
     order = _rank_major_index(x.shape[dim], size, layout)
     return x.index_select(dim, torch.argsort(order).to(x.device))
@@ -182,20 +97,20 @@ def _to_natural(x: torch.Tensor, size: int, dim: int, layout: str) -> torch.Tens
 
 def _from_natural(x: torch.Tensor, size: int, dim: int, layout: str) -> torch.Tensor:
     """The sequence in natural order -> the members' blocks concatenated in member order."""
-    if layout == "contiguous" or size == 1:
+    if layout == CONTIGUOUS or size == 1:
         return x
     return x.index_select(dim, _rank_major_index(x.shape[dim], size, layout).to(x.device))
 
 
 def merge_sequence(blocks: Sequence[torch.Tensor], dim: int = SEQ_DIM,
-                   layout: str = "contiguous") -> torch.Tensor:
+                   layout: str = CONTIGUOUS) -> torch.Tensor:
     """The whole tensor from the blocks of members 0..len(blocks)-1 (inverse of
     `cut_sequence`); no communication."""
     return _to_natural(torch.cat(list(blocks), dim), len(blocks), dim, layout)
 
 
 def assemble_sequence(block: torch.Tensor, group: AxisGroup, dim: int = SEQ_DIM,
-                      layout: str = "contiguous", phase: str = "state") -> torch.Tensor:
+                      layout: str = CONTIGUOUS, phase: str = "state") -> torch.Tensor:
     """The whole tensor from every member's `block` (a collective: all members call):
     an all-gather over `group`, then the chunks put in natural order."""
     gathered = group.all_gather(block.detach(), dim, 1, phase)
@@ -381,11 +296,11 @@ def _check_qkv(q, k, v, what: str) -> tuple[int, int]:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                    causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous", tile: int | None = None) -> torch.Tensor:
+                   layout: str = CONTIGUOUS, tile: int | None = None) -> torch.Tensor:
     """Attention of the whole sequence split over `group` by ring attention.
 
     q [B, H, S_local, D], k [B, Hkv, S_local, D], v [B, Hkv, S_local, Dv], all in `layout`
-    (see the module docstring); returns this member's rows of the output,
+    (README.md beside this file); returns this member's rows of the output,
     [B, H, S_local, Dv]. Equals `scaled_dot_product_attention(..., is_causal=causal,
     scale=scale, enable_gqa=True)` on the whole sequence, cut the same way. Each block pair
     is computed in tiles of `tile` query rows x `tile` key rows (default `TILE`).
@@ -395,7 +310,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError("causal ring attention needs as many local queries as keys; got "
                          f"{q.shape[2]} and {k.shape[2]}")
-    if layout == "zigzag" and causal and q.shape[2] % 2:
+    if layout == ZIGZAG and causal and q.shape[2] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per member; S_local = "
                          f"{q.shape[2]} is odd")
     if scale is None:
@@ -436,7 +351,7 @@ def ulysses_kv_replication(kv_heads: int, size: int) -> int:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                       causal: bool = False, scale: float | None = None,
-                      layout: str = "contiguous") -> torch.Tensor:
+                      layout: str = CONTIGUOUS) -> torch.Tensor:
     """Attention of the whole sequence split over `group` by Ulysses all-to-alls.
 
     Same layouts, arguments and result as `ring_attention`; needs H % group.size == 0.
@@ -451,7 +366,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if f > 1:
         k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
     qg, kg, vg = (all_to_all(x, group, 1, SEQ_DIM) for x in (q, k, v))  # [B, heads/c, S, .]
-    reorder = causal and layout == "zigzag"
+    reorder = causal and layout == ZIGZAG
     if reorder:
         qg, kg, vg = (_to_natural(x, c, SEQ_DIM, layout) for x in (qg, kg, vg))
     o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale,
@@ -467,9 +382,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
 
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                       mode: str = "ring", *, attn_mask=None, dropout_p: float = 0.0,
+                       mode: str = RING, *, attn_mask=None, dropout_p: float = 0.0,
                        is_causal: bool = False, scale: float | None = None,
-                       enable_gqa: bool = False, layout: str = "contiguous") -> torch.Tensor:
+                       enable_gqa: bool = False, layout: str = CONTIGUOUS) -> torch.Tensor:
     """`scaled_dot_product_attention`'s arguments on sequence-split q, k, v, by `mode`
     ("ring" or "ulysses"). `attn_mask` and dropout are not supported."""
     if mode not in MODES:
@@ -484,7 +399,7 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     if q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}; pass enable_gqa=True "
                          "for grouped-query attention")
-    kernel = ring_attention if mode == "ring" else ulysses_attention
+    kernel = ring_attention if mode == RING else ulysses_attention
     return kernel(q, k, v, group, causal=is_causal, scale=scale, layout=layout)
 
 
@@ -492,9 +407,9 @@ class SequenceAttention(Bound):
     """A graph module for an attention core whose q, k, v are split on the sequence dim over
     the mesh axis `axis` (bound to an `AxisGroup` before the graph runs)."""
 
-    def __init__(self, axis: str = "cp", mode: str = "ring", is_causal: bool = False,
+    def __init__(self, axis: str = CP, mode: str = RING, is_causal: bool = False,
                  scale: float | None = None, enable_gqa: bool = False,
-                 layout: str = "contiguous"):
+                 layout: str = CONTIGUOUS):
         super().__init__(axis)
         if mode not in MODES:
             raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {MODES}")

@@ -4,6 +4,7 @@ from autopar.models.bert import Bert, BertConfig
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLP, MLPConfig
+from autopar.models.moe import MoEConfig, MoETransformer
 from autopar.models.vit import ViT, ViTConfig
 from autopar.models.zoo import (
     MEGATRON_TABLE1,
@@ -29,6 +30,8 @@ __all__ = [
     "ViTConfig",
     "MLP",
     "MLPConfig",
+    "MoEConfig",
+    "MoETransformer",
     "ModelConfig",
     "MegatronRun",
     "MEGATRON_TABLE1",

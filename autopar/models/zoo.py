@@ -18,9 +18,10 @@ from autopar.models.bert import Bert, BertConfig
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLP, MLPConfig
+from autopar.models.moe import MoEConfig, MoETransformer
 from autopar.models.vit import ViT, ViTConfig
 
-ModelConfig = GPTConfig | LlamaConfig | BertConfig | ViTConfig | MLPConfig
+ModelConfig = GPTConfig | LlamaConfig | BertConfig | ViTConfig | MLPConfig | MoEConfig
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,20 @@ _ZOO: dict[str, ModelConfig] = {
         max_seq=8192,
         rope_theta=500000.0,
     ),
+    # Jiang et al. 2024, "Mixtral of Experts" (arXiv 2401.04088), Table 1: Mistral 7B's
+    # shapes with 8 SwiGLU experts per layer, 2 active per token, 32k context; RoPE base 1e6
+    # as in the released configuration.
+    "mixtral-8x7b": MoEConfig(
+        vocab_size=32000,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        dim=4096,
+        ffn_hidden=14336,
+        n_experts=8,
+        top_k=2,
+        max_seq=32768,
+    ),
     # Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers", BERT-LARGE
     # (L=24, H=1024, A=16, feed-forward 4H), with the 30522-token uncased WordPiece vocabulary.
     "bert-large": BertConfig(
@@ -165,6 +180,10 @@ _ZOO: dict[str, ModelConfig] = {
         image_size=32, patch_size=8, n_layer=2, n_head=8, hidden=64, mlp_dim=256, num_classes=16
     ),
     "mlp-tiny": MLPConfig(in_features=32, hidden=64, out_features=16, n_layer=3),
+    "moe-tiny": MoEConfig(
+        vocab_size=256, n_layer=2, n_head=8, n_kv_head=4, dim=64, ffn_hidden=32, n_experts=8,
+        top_k=2, max_seq=32
+    ),
 }
 
 ZOO_NAMES: list[str] = sorted(_ZOO)
@@ -241,6 +260,22 @@ _FAMILIES: dict[str, _Family] = {
         {"in": "in_features", "hidden": "hidden", "out": "out_features", "layers": "n_layer"},
         ("in", "hidden", "out", "layers"),
     ),
+    "moe": _Family(
+        MoEConfig,
+        MoETransformer,
+        {
+            "layers": "n_layer",
+            "hidden": "dim",
+            "heads": "n_head",
+            "kv_heads": "n_kv_head",
+            "ffn": "ffn_hidden",
+            "experts": "n_experts",
+            "top_k": "top_k",
+            "vocab": "vocab_size",
+            "seq": "max_seq",
+        },
+        ("layers", "hidden", "experts", "top_k"),
+    ),
 }
 
 
@@ -255,6 +290,11 @@ def _spec_defaults(family: str, given: dict[str, int]) -> dict[str, int]:
         return {"kv_heads": given["heads"], "ffn": ffn, "vocab": 32000, "seq": 4096}
     if family == "bert":
         return {"intermediate": 4 * hidden, "vocab": 30522, "seq": 512}
+    if family == "moe":
+        # Mixtral's proportions: heads of width 128, expert width 3.5 x hidden
+        heads = given.get("heads", max(1, hidden // 128))
+        return {"heads": heads, "kv_heads": heads, "ffn": 7 * hidden // 2, "vocab": 32000,
+                "seq": 32768}
     if family == "vit":
         return {"mlp": 4 * hidden, "image": 224, "patch": 16, "channels": 3, "classes": 1000}
     return {}
@@ -273,7 +313,8 @@ def parse_spec(spec: str) -> ModelConfig:
 
     Families and keys: gpt (layers, hidden, heads, vocab, seq), llama (also kv_heads, ffn),
     bert (also intermediate), vit (layers, hidden, heads, mlp, image, patch, channels,
-    classes), mlp (in, hidden, out, layers). Every value is a positive integer.
+    classes), mlp (in, hidden, out, layers), moe (layers, hidden, experts, top_k; heads,
+    kv_heads, ffn, vocab, seq). Every value is a positive integer.
     """
     family_name, colon, body = spec.partition(":")
     family_name = family_name.strip()
@@ -462,7 +503,7 @@ def workload(
 ) -> Workload:
     """The model as the planner sees it: on the meta device with its training loss.
 
-    Language models (GPT, LLaMA, BERT's masked-LM head) train with cross-entropy over every
+    Language models (GPT, LLaMA, MoE, BERT's masked-LM head) train with cross-entropy over every
     token, ViT and MLP with cross-entropy over one class per sample. With ``max_layers``
     only that many blocks are built: they are structurally identical, so pricing two and
     counting the configuration's number is exact and keeps a 96-layer model's trace short.
@@ -474,7 +515,7 @@ def workload(
     model, inputs = build(small, batch=batch, seq=seq, device="meta", dtype=dtype)
     family = _family_of(cfg)
     x = inputs[0]
-    if family in ("gpt", "llama", "bert"):
+    if family in ("gpt", "llama", "bert", "moe"):
         loss_fn, target = _token_loss, torch.empty(x.shape, dtype=torch.long, device="meta")
         tokens = int(x.shape[1])
     else:

@@ -26,9 +26,8 @@ A parameter read by more than one stage (a tied input and output embedding) is l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import operator
+from dataclasses import dataclass, field
 
 import sympy
 import torch

@@ -1,38 +1,12 @@
 """Mixed precision as a graph pass: the model computes in bf16 or fp16, the parameters
 (the optimizer's masters) and the loss stay fp32.
 
-`cast_precision(gm, dtype)` rewrites a traced (and usually already sharded) graph so that
-
-* every floating parameter is cast to `dtype` where the model reads it: one `aten._to_copy`
-  per parameter and reading layer, just before that layer's first use. The cast's backward
-  converts the gradient back, so autograd delivers fp32 gradients to the fp32 parameters,
-  and the data-parallel all-reduce, ZeRO, clipping and the optimizer see fp32 as they do
-  without this pass. The cast reads whatever node produces the parameter: a get_attr
-  today; a later pass that makes the parameter some other way (gathering ZeRO-3 pieces)
-  replaces the get_attr's uses, the cast's included;
-* every floating graph input the model reads is cast the same way;
-* what the model computes from those (the "compute stream") runs in `dtype`: dtype
-  arguments of stream ops (conversions, export's dtype asserts) are rewritten to `dtype`.
-  A graph traced in fp32 cannot tell a deliberate upcast of an activation (`x.float()`
-  before a norm, a no-op at trace time) from any other no-op, so the stream follows one
-  dtype (norm and softmax kernels accumulate in fp32 inside anyway);
-* values made from sizes, integers, constants and buffers only (positions, causal masks,
-  rotary tables, `torch.ones(n)`) keep the dtype the model gives them and are cast to
-  `dtype` where the stream reads them, as a 16-bit model's own `.to(x.dtype)` would:
-  positions beyond 256 are not exact in bf16, so angles computed from them stay fp32;
-* the loss part of a training graph (the nodes the loss function added, layer "loss",
-  see `autopar.graph.trace.LOSS_MODULE`) runs in the traced dtype: each stream value it
-  reads is cast back first, so the reported loss and the softmax over the vocabulary keep
-  fp32 (a 16-bit log-sum-exp over many classes loses the small probabilities that carry
-  the gradient);
-* stream values the graph returns (an inference graph's logits) are cast back to their
-  traced dtype, so callers get what the single-device model returns.
-
-Collectives of the stream then move 16-bit values (half of fp32's bytes), those of the
-loss part fp32. `comm_factors` says, for each collective of a sharding solution, by how
-much its bytes change, so the engine's prediction stays equal to what the runtime logs.
-Run the pass after `apply_solution` (it reads the layer and dtype the rewrite keeps in
-each node's meta; a redistribution carries its first consumer's layer) and before the
+`cast_precision` casts each floating parameter and graph input to the compute dtype where a
+layer first reads it (the cast's backward returns fp32 gradients), runs what is computed from
+them in that dtype, casts size-, constant- and buffer-made values (positions, masks, rotary
+tables) where that stream reads them, and runs the loss part (`autopar.graph.ir.LOSS_MODULE`)
+and returned values in the traced dtype. `comm_factors` scales each collective's bytes to match, so the
+prediction stays equal to what the runtime logs. Run it after `apply_solution`, before the
 collectives are bound.
 """
 
@@ -47,6 +21,8 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.graph.analysis import OpKind
+from autopar.passes.tensor_parallel import clone_graph_module
 
 aten = torch.ops.aten
 
@@ -71,8 +47,6 @@ def compute_dtype(precision: str) -> torch.dtype | None:
 def cast_precision(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
     """A new GraphModule (sharing gm's tensors and submodules) whose model computes in
     `dtype` and whose loss part runs in the traced dtype (see the module docstring)."""
-    from autopar.passes.tensor_parallel import clone_graph_module
-
     if dtype not in (torch.bfloat16, torch.float16):
         raise PlanError(f"cast_precision needs torch.bfloat16 or torch.float16, not {dtype}.")
     out, _ = clone_graph_module(gm)
@@ -201,8 +175,6 @@ def _describe(cast: fx.Node, source: fx.Node, dtype: torch.dtype, layer, role: s
     cast.meta = {k: v for k, v in source.meta.items() if k != CAST}
     info = source.meta.get("autopar")
     if info is not None:
-        from autopar.graph.analysis import OpKind
-
         cast.meta["autopar"] = dataclasses.replace(
             info, kind=OpKind.ELEMENTWISE, dtype=dtype,
             layer=layer if layer is not None else info.layer)

@@ -1,38 +1,42 @@
-"""Passes that apply a sharding solution to a graph; each returns a new GraphModule.
+"""Passes that apply a sharding solution to a graph; `apply_solution` runs them in order.
 
-    localize_ops        ops to their sharded form: local sizes in views, row-split linears
-                        followed by their all-reduce (under sequence parallelism left as
-                        partial sums, the bias added on one rank), vocabulary-parallel embedding and
-                        cross-entropy, dropout on the right random stream; in 2D, 2.5D and
-                        3D layers, linears, norms and the cross-entropy as calls of the
-                        autopar.kernels.multid kernels (GridLinear, GridNorm,
-                        GridCrossEntropy), means over a split dim as partial sums, and sizes
-                        read from a split batch dim scaled back to global
-    insert_collectives  one explicit Redistribute node per transition of the solution
-    shard_parameters    every parameter replaced by this rank's slice (`local_parameters`
-                        cuts the slices; the engine passes the ones it shares across graphs)
+    localize_ops        each op to the sharded form its strategy's `Rewrite` names, by the
+                        handler `REWRITES` holds for it
+    insert_collectives  one Redistribute node per transition of the solution
+    shard_parameters    every parameter replaced by this rank's slice (`local_parameters`)
 
-`apply_solution` runs the three in order. The emitted collectives are exactly those the
-solution lists, which is what makes predicted and measured communication equal.
+The emitted collectives are exactly those the solution lists, so predicted and measured
+communication are equal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from autopar.kernels.collectives import Redistribute
+from autopar.kernels.modules import (
+    GridCrossEntropy,
+    GridLinear,
+    GridNorm,
+    PartialBias,
+    StreamCall,
+    StreamDropout,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+)
 from autopar.kernels.sequence import SequenceAttention
-from autopar.kernels.modules import GridCrossEntropy, GridLinear, GridNorm, PartialBias, \
-    StreamCall, StreamDropout, VocabParallelCrossEntropy, VocabParallelEmbedding
+from autopar.modes import CP, ZIGZAG
 from autopar.sharding.axes import TensorMesh
-from autopar.sharding.catalog import cross_entropy_args
 from autopar.sharding.layout import Layout
+from autopar.sharding.rules.vocab import cross_entropy_args
 from autopar.sharding.solve import Solution
+from autopar.sharding.strategy import Rewrite, Strategy
 
 aten = torch.ops.aten
 
@@ -111,81 +115,154 @@ def localize_ops(gm: fx.GraphModule, solution: Solution, mapping: dict,
                  readers: dict | None = None) -> None:
     """Rewrite each op into the sharded form its strategy names (in place on gm's graph).
 
-    `mapping[old]` becomes the node whose value later passes read in place of `old` (a row
-    linear's bias add, a partial mean's scaled result); `readers[old]` (when given) lists
-    the new nodes that read `old`'s inputs, where `insert_collectives` rewires the inputs'
-    redistributions (a row linear's product reads x and W, its bias add the bias)."""
-    axis = solution.axis
-    sizes = solution.sizes
+    `mapping[old]` becomes the node later passes read in place of `old` (a row linear's bias
+    add, a partial mean's scaled result); `readers[old]` lists the new nodes that read
+    `old`'s inputs, where `insert_collectives` rewires their redistributions."""
     readers = readers if readers is not None else {}
+    late = []
     for old, strategy in solution.strategies.items():
         node = mapping.get(old)
         if node is None or node.op != "call_function":
             continue
         readers[old] = [node]
-        out_layout = solution.layouts.get(old)
-        args = strategy.args
-        if strategy.rewrite == "local_sizes":
-            _local_sizes(gm, node, out_layout, solution.layouts.get(old.args[0]), sizes)
-        elif strategy.rewrite == "row_linear":
-            mapping[old], readers[old] = _row_linear(gm, node, axis)
-        elif strategy.rewrite == "partial_linear":  # later passes read (and feed) the result
-            mapping[old], readers[old] = _row_linear(gm, node, axis, reduce=False)
-        elif strategy.rewrite == "vocab_parallel_embedding":
-            padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            _replace_with_module(gm, node, "vocab_embedding",
-                                 VocabParallelEmbedding(axis, padding, args.get("reduce", True)),
-                                 (node.args[0], node.args[1]))
-        elif strategy.rewrite == "vocab_parallel_cross_entropy":
-            _, reduction, ignore, _ = cross_entropy_args(old)
-            _replace_with_module(gm, node, "vocab_cross_entropy",
-                                 VocabParallelCrossEntropy(axis, reduction, ignore),
-                                 (node.args[0], node.args[1]))
-        elif strategy.rewrite == "grid_linear":
-            if args["transposed"]:
-                bias, x, w = node.args[0], node.args[1], node.args[2]
-            else:
-                x, w = node.args[0], node.args[1]
-                bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            _replace_with_module(gm, node, f"{args['mode']}_linear".replace(".", "p"),
-                                 GridLinear(args["mode"], args["grid"], args["transposed"]),
-                                 (x, w, bias))
-        elif strategy.rewrite == "grid_norm":
-            weight, bias = (mapping.get(p) if isinstance(p, fx.Node) else None
-                            for p in args["params"])
-            _replace_with_module(gm, node, f"{args['kind']}_norm",
-                                 GridNorm(args["kind"], args["hidden"], args["replicas"],
-                                          args["eps"]),
-                                 (node.args[0], weight, bias))
-        elif strategy.rewrite == "grid_cross_entropy":
-            _replace_with_module(gm, node, "grid_cross_entropy",
-                                 GridCrossEntropy(args["vocab"], args["batch"],
-                                                  args["ignore_index"]),
-                                 (node.args[0], node.args[1]))
-        elif strategy.rewrite == "partial_mean":  # later passes read the scaled value
-            mapping[old] = _scale_after(gm, node, operator.truediv, _parts_on(solution, old, sizes))
-        if strategy.args.get("sequence"):  # attention on a sequence split over cp
-            seq = strategy.args["sequence"]
-            _replace_with_module(gm, node, "sequence_attention",
-                                 SequenceAttention("cp", seq["mode"], seq["is_causal"],
-                                                   seq["scale"], seq["enable_gqa"],
-                                                   layout=solution.sequence_layout),
-                                 tuple(node.args[:3]))
-            for user in list(node.users):  # tuple-output variants: output [0] is the kernel's
-                if user.target is operator.getitem and user.args[1] == 0:
-                    user.replace_all_uses_with(node)
-                    gm.graph.erase_node(user)
-            continue
-        if node.target is aten.dropout.default:
-            stream = _stream(out_layout, axis)
-            _replace_with_module(gm, node, "dropout", StreamDropout(node.args[1], node.args[2], stream),
-                                 (node.args[0],))
-        elif node.target is aten.scaled_dot_product_attention.default and _attn_dropout(node):
-            name = _add_module(gm, "attention", StreamCall(node.target, _stream(out_layout, axis)))
-            node.op, node.target = "call_module", name
-    for old, strategy in solution.strategies.items():  # after the views that read them
-        if strategy.rewrite == "global_size" and old in mapping:
-            _scale_after(gm, mapping[old], operator.mul, strategy.args["parts"])
+        if strategy.rewrite in LATE:
+            late.append(old)
+        elif strategy.rewrite is not None:
+            REWRITES[strategy.rewrite](Site(gm, node, old, strategy, solution, mapping, readers))
+    for old in late:  # after the views that read them
+        strategy = solution.strategies[old]
+        REWRITES[strategy.rewrite](Site(gm, mapping[old], old, strategy, solution, mapping,
+                                        readers))
+
+
+@dataclasses.dataclass
+class Site:
+    """One op being rewritten: its node in the new graph, the solved node it copies, and
+    what `localize_ops` shares with later passes."""
+
+    gm: fx.GraphModule
+    node: fx.Node  # in the new graph
+    old: fx.Node  # in the solved graph
+    strategy: Strategy
+    solution: Solution
+    mapping: dict
+    readers: dict
+
+    @property
+    def layout(self):
+        return self.solution.layouts.get(self.old)
+
+
+def _local_sizes_site(site: Site) -> None:
+    _local_sizes(site.gm, site.node, site.layout, site.solution.layouts.get(site.old.args[0]),
+                 site.solution.sizes)
+
+
+def _row_linear_site(site: Site) -> None:
+    site.mapping[site.old], site.readers[site.old] = _row_linear(site.gm, site.node,
+                                                                 site.solution.axis)
+
+
+def _partial_linear_site(site: Site) -> None:
+    """Later passes read (and feed) the partial sum."""
+    site.mapping[site.old], site.readers[site.old] = _row_linear(site.gm, site.node,
+                                                                 site.solution.axis, reduce=False)
+
+
+def _vocab_embedding(site: Site) -> None:
+    node = site.node
+    padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    module = VocabParallelEmbedding(site.solution.axis, padding,
+                                    site.strategy.args.get("reduce", True))
+    _replace_with_module(site.gm, node, "vocab_embedding", module, (node.args[0], node.args[1]))
+
+
+def _vocab_cross_entropy(site: Site) -> None:
+    _, reduction, ignore, _ = cross_entropy_args(site.old)
+    module = VocabParallelCrossEntropy(site.solution.axis, reduction, ignore)
+    _replace_with_module(site.gm, site.node, "vocab_cross_entropy", module,
+                         (site.node.args[0], site.node.args[1]))
+
+
+def _grid_linear(site: Site) -> None:
+    node, args = site.node, site.strategy.args
+    if args["transposed"]:
+        bias, x, w = node.args[0], node.args[1], node.args[2]
+    else:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    _replace_with_module(site.gm, node, f"{args['mode']}_linear".replace(".", "p"),
+                         GridLinear(args["mode"], args["grid"], args["transposed"]),
+                         (x, w, bias))
+
+
+def _grid_norm(site: Site) -> None:
+    args = site.strategy.args
+    weight, bias = (site.mapping.get(p) if isinstance(p, fx.Node) else None
+                    for p in args["params"])
+    _replace_with_module(site.gm, site.node, f"{args['kind']}_norm",
+                         GridNorm(args["kind"], args["hidden"], args["replicas"], args["eps"]),
+                         (site.node.args[0], weight, bias))
+
+
+def _grid_cross_entropy(site: Site) -> None:
+    args = site.strategy.args
+    _replace_with_module(site.gm, site.node, "grid_cross_entropy",
+                         GridCrossEntropy(args["vocab"], args["batch"], args["ignore_index"]),
+                         (site.node.args[0], site.node.args[1]))
+
+
+def _partial_mean(site: Site) -> None:
+    """Later passes read the mean divided by the ranks that split its dims."""
+    site.mapping[site.old] = _scale_after(site.gm, site.node, operator.truediv,
+                                          _parts_on(site.solution, site.old,
+                                                    site.solution.sizes))
+
+
+def _global_size(site: Site) -> None:
+    _scale_after(site.gm, site.node, operator.mul, site.strategy.args["parts"])
+
+
+def _sequence_attention(site: Site) -> None:
+    gm, node, seq = site.gm, site.node, site.strategy.args["sequence"]
+    _replace_with_module(gm, node, "sequence_attention",
+                         SequenceAttention(CP, seq["mode"], seq["is_causal"], seq["scale"],
+                                           seq["enable_gqa"],
+                                           layout=site.solution.sequence_layout),
+                         tuple(node.args[:3]))
+    for user in list(node.users):  # tuple-output variants: output [0] is the kernel's
+        if user.target is operator.getitem and user.args[1] == 0:
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+
+
+def _stream_dropout(site: Site) -> None:
+    node = site.node
+    module = StreamDropout(node.args[1], node.args[2], _stream(site.layout))
+    _replace_with_module(site.gm, node, "dropout", module, (node.args[0],))
+
+
+def _stream_attention(site: Site) -> None:
+    name = _add_module(site.gm, "attention", StreamCall(site.node.target, _stream(site.layout)))
+    site.node.op, site.node.target = "call_module", name
+
+
+REWRITES: dict[Rewrite, Callable[[Site], None]] = {
+    Rewrite.LOCAL_SIZES: _local_sizes_site,
+    Rewrite.ROW_LINEAR: _row_linear_site,
+    Rewrite.PARTIAL_LINEAR: _partial_linear_site,
+    Rewrite.VOCAB_EMBEDDING: _vocab_embedding,
+    Rewrite.VOCAB_CROSS_ENTROPY: _vocab_cross_entropy,
+    Rewrite.GRID_LINEAR: _grid_linear,
+    Rewrite.GRID_NORM: _grid_norm,
+    Rewrite.GRID_CROSS_ENTROPY: _grid_cross_entropy,
+    Rewrite.PARTIAL_MEAN: _partial_mean,
+    Rewrite.GLOBAL_SIZE: _global_size,
+    Rewrite.SEQUENCE_ATTENTION: _sequence_attention,
+    Rewrite.STREAM_DROPOUT: _stream_dropout,
+    Rewrite.STREAM_ATTENTION: _stream_attention,
+}
+LATE = frozenset({Rewrite.GLOBAL_SIZE})  # run once every other op is rewritten
 
 
 def _parts_on(solution: Solution, node: fx.Node, sizes: dict[str, int]) -> int:
@@ -212,18 +289,13 @@ def _scale_after(gm: fx.GraphModule, node: fx.Node, op, factor: int) -> fx.Node:
     return scaled
 
 
-def _stream(layout, axis: str) -> str:
+def _stream(layout) -> str:
     """The random stream of a tensor, named by what splits it (`RandomStreams`): "split"
     where tensor axes do (2D, 2.5D and 3D activations are split over every tensor rank),
     "tokens" where cp does, "split+tokens" where both do, "replicated" where it is whole."""
     axes = set(layout.axes) if isinstance(layout, Layout) else set()
-    names = (["split"] if axes - {"cp"} else []) + (["tokens"] if "cp" in axes else [])
+    names = (["split"] if axes - {CP} else []) + (["tokens"] if CP in axes else [])
     return "+".join(names) or "replicated"
-
-
-def _attn_dropout(node: fx.Node) -> bool:
-    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-    return bool(p)
 
 
 def _replace_with_module(gm, node: fx.Node, stem: str, module: nn.Module, args: tuple) -> None:
@@ -336,7 +408,7 @@ def insert_collectives(gm: fx.GraphModule, solution: Solution, mapping: dict,
         info = _layer_of(producer.meta.get("autopar"), t.consumers[0].meta.get("autopar"))
         for step in t.steps:
             stem = f"{step.axis}_{step.kind}_{producer.name}"
-            zigzag = step.axis == "cp" and solution.sequence_layout == "zigzag"
+            zigzag = step.axis == CP and solution.sequence_layout == ZIGZAG
             name = _add_module(gm, stem, Redistribute(step.kind, step.axis, step.dim, step.groups,
                                                       zigzag))
             with graph.inserting_before(anchor):

@@ -13,41 +13,50 @@ from dataclasses import asdict, dataclass, field
 
 from autopar.errors import PlanError
 from autopar.json_file import read_json
+from autopar.modes import (
+    AXES,
+    CP,
+    DP,
+    LAYER_SP,
+    MEGATRON_SP,
+    NO_RECOMPUTE,
+    NO_SP,
+    ONE_F_ONE_B,
+    PP,
+    RECOMPUTE,
+    RUNTIME,
+    SCHEDULES,
+    SEQUENCE_LAYOUTS,
+    SEQUENCE_MODES,
+    TP,
+    TP_1D,
+    TP_MODES,
+    ZERO_STAGES,
+    cp_layout,
+)
 from autopar.sharding.axes import MULTI_D, TensorMesh, grid_size_error
 from autopar.world import World
 
-AXES = ("pp", "dp", "cp", "tp")
-TP_MODES = ("1d", "2d", "2.5d", "3d")
-SEQUENCE_MODES = ("ulysses", "ring")
-SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+__all__ = ["LayerPlan", "PipelinePlan", "Plan", "ZeroPlan", "cp_layout"]
+REPLICATE = "replicate"  # a layer's tensor mode when it runs whole on every rank
 _TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data"}
 
 
 @dataclass
 class LayerPlan:
     name: str
-    tp_mode: str = "1d"  # or "replicate"
-    sp: str = "none"
-    recompute: str = "none"
+    tp_mode: str = TP_1D  # or REPLICATE
+    sp: str = NO_SP
+    recompute: str = NO_RECOMPUTE
     stage: int = 0
 
 
 @dataclass
 class PipelinePlan:
-    schedule: str = "1f1b"
+    schedule: str = ONE_F_ONE_B
     microbatches: int = 1
     chunks: int = 1
     micro_batch_size: int | None = None
-
-
-def cp_layout(mode: str | None, layout: str | None) -> str:
-    """The token layout over cp: `layout` when given, else zigzag under ring attention and
-    contiguous under Ulysses."""
-    if layout is not None:
-        return layout
-    return "contiguous" if mode == "ulysses" else "zigzag"
 
 
 @dataclass
@@ -60,8 +69,8 @@ class ZeroPlan:
 class Plan:
     """How a model is split over a world. `mesh` sizes multiply to the world size."""
 
-    mesh: dict = field(default_factory=lambda: {"pp": 1, "dp": 1, "cp": 1, "tp": 1})
-    tp_mode: str = "1d"
+    mesh: dict = field(default_factory=lambda: {PP: 1, DP: 1, CP: 1, TP: 1})
+    tp_mode: str = TP_1D
     tp_depth: int = 1
     sequence_parallel: bool = False
     sequence_mode: str | None = None
@@ -72,7 +81,7 @@ class Plan:
     layers: list[LayerPlan] = field(default_factory=list)
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
     zero: ZeroPlan = field(default_factory=ZeroPlan)
-    recompute: str = "none"
+    recompute: str = NO_RECOMPUTE
     world: World | None = None
     predicted: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)
@@ -109,7 +118,7 @@ class Plan:
             _choice("sequence mode", self.sequence_mode, SEQUENCE_MODES)
         if self.sequence_layout is not None:
             _choice("sequence layout", self.sequence_layout, SEQUENCE_LAYOUTS)
-        if isinstance(self.zero.stage, bool) or self.zero.stage not in (0, 1, 2, 3):
+        if isinstance(self.zero.stage, bool) or self.zero.stage not in ZERO_STAGES:
             raise PlanError(f"zero stage must be 0, 1, 2 or 3, not {self.zero.stage!r}.")
         if not isinstance(self.zero.offload, bool):
             raise PlanError(f"zero offload must be true or false, not {self.zero.offload!r}.")
@@ -122,9 +131,9 @@ class Plan:
         if self.pipeline.micro_batch_size is not None:
             _int(self.pipeline.micro_batch_size, "pipeline micro_batch_size")
         for lp in self.layers:
-            _choice(f"tensor mode of layer {lp.name}", lp.tp_mode, TP_MODES + ("replicate",))
+            _choice(f"tensor mode of layer {lp.name}", lp.tp_mode, TP_MODES + (REPLICATE,))
             _choice(f"recompute of layer {lp.name}", lp.recompute, RECOMPUTE)
-            _choice(f"sp of layer {lp.name}", lp.sp, ("none", "megatron"))
+            _choice(f"sp of layer {lp.name}", lp.sp, LAYER_SP)
         if self.world is not None and self.world.devices != self.world_size:
             raise PlanError(f"the plan's mesh {self._mesh_text()} uses {self.world_size} devices "
                             f"but the world has {self.world.devices}.")
@@ -135,10 +144,14 @@ class Plan:
     def layer_modes(self) -> dict[str, str]:
         return {lp.name: lp.tp_mode for lp in self.layers}
 
+    def set_layer_modes(self, modes: dict[str, str]) -> None:
+        """Name each layer and its tensor mode (the rest of each layer's plan at defaults)."""
+        self.layers = [LayerPlan(name, tp_mode=mode) for name, mode in modes.items()]
+
     def grid_mode(self) -> str:
         """The 2D, 2.5D or 3D mode the plan's layers use ("1d" when none does)."""
         modes = [m for m in [self.tp_mode] + [lp.tp_mode for lp in self.layers] if m in MULTI_D]
-        return modes[0] if modes else "1d"
+        return modes[0] if modes else TP_1D
 
     def check_grid(self) -> None:
         """Refuse a tensor size that is no grid of the plan's mode, with the nearest that are."""
@@ -148,8 +161,8 @@ class Plan:
             raise PlanError(f"a plan's layers may mix 1d with one of 2d, 2.5d and 3d, not "
                             f"{' and '.join(modes)}; give every multi-dimensional layer the same "
                             "mode.")
-        if modes and self.mesh["tp"] > 1:
-            error = grid_size_error(modes[0], self.mesh["tp"], self.tp_depth)
+        if modes and self.mesh[TP] > 1:
+            error = grid_size_error(modes[0], self.mesh[TP], self.tp_depth)
             if error:
                 raise PlanError(error)
 
@@ -162,24 +175,24 @@ class Plan:
         flag), else the layers whose plan says sp="megatron" (empty: nowhere)."""
         if self.sequence_parallel:
             return True
-        return frozenset(lp.name for lp in self.layers if lp.sp == "megatron")
+        return frozenset(lp.name for lp in self.layers if lp.sp == MEGATRON_SP)
 
     def check_sequence_parallel(self) -> None:
         """Refuse Megatron sequence parallelism where it cannot run: it splits the sequence
         over the 1d tensor axis, so it needs tensor size > 1 and 1d layers."""
-        layers = [lp for lp in self.layers if lp.sp == "megatron"]
+        layers = [lp for lp in self.layers if lp.sp == MEGATRON_SP]
         if not self.sequence_parallel and not layers:
             return
-        if self.mesh["tp"] == 1:
+        if self.mesh[TP] == 1:
             raise PlanError("sequence_parallel splits the sequence over the tensor axis, which "
                             "has size 1 in this plan; use a tensor size of 2 or more, such as "
                             "tensor=dict(size=4, mode='1d', sequence_parallel=True), or drop "
                             "sequence_parallel.")
-        if self.sequence_parallel and self.tp_mode != "1d":
+        if self.sequence_parallel and self.tp_mode != TP_1D:
             raise PlanError(f"sequence_parallel runs with 1d tensor parallelism, not "
                             f"{self.tp_mode} (whose activations are already split on batch "
                             "and hidden); use mode='1d', or drop sequence_parallel.")
-        bad = [lp.name for lp in layers if lp.tp_mode != "1d"]
+        bad = [lp.name for lp in layers if lp.tp_mode != TP_1D]
         if bad:
             raise PlanError(f"layers {', '.join(bad)} ask for sp='megatron' but are not 1d "
                             "tensor-parallel; Megatron sequence parallelism runs in 1d layers "
@@ -187,25 +200,29 @@ class Plan:
 
     def tensor_mesh(self) -> TensorMesh:
         """The tensor axes this plan runs on (see `autopar.sharding.axes`)."""
-        return TensorMesh.for_mode(self.grid_mode(), self.mesh["tp"], self.tp_depth)
+        return TensorMesh.for_mode(self.grid_mode(), self.mesh[TP], self.tp_depth)
 
-    def unsupported(self) -> list[str]:
-        """Parts of this plan the runtime cannot execute yet (they can still be planned)."""
+    def unsupported(self, runtime=RUNTIME) -> list[str]:
+        """Parts of this plan `runtime` (an `autopar.modes.Capabilities`) cannot execute yet
+        (they can still be planned)."""
         out = []
-        if self.mesh["cp"] > 1 and self.mesh["tp"] > 1:  # cp runs beside 1d tensor layers only
-            if self.grid_mode() != "1d":
+        if self.mesh[CP] > 1 and self.mesh[TP] > 1:
+            if self.grid_mode() not in runtime.cp_with_tp:
                 out.append(f"sequence parallelism over a cp axis together with {self.grid_mode()} "
-                           "tensor parallelism (cp runs with 1d tensor parallelism only)")
-            if self.sequence_parallel_layers():
+                           f"tensor parallelism (cp runs with {'/'.join(runtime.cp_with_tp)} "
+                           "tensor parallelism only)")
+            if self.sequence_parallel_layers() and not runtime.cp_with_megatron_sp:
                 out.append("sequence parallelism over a cp axis together with Megatron sequence "
                            "parallelism (sequence_parallel)")
         if self.zero.offload and self.zero.stage == 0:
             out.append("offload without ZeRO (the offloaded optimizer runs on the pieces ZeRO "
                        "cuts; use zero=dict(stage=1, 2 or 3, offload=True))")
-        elif self.zero.offload and self.zero.stage == 3 and self.mesh["dp"] == 1:
+        elif self.zero.offload and self.zero.stage == 3 and self.mesh[DP] == 1 and \
+                not runtime.offload_zero3_single_rank:
             out.append("ZeRO-3 offload over one data-parallel rank (no parameter to cut; "
                        "use zero=dict(stage=1, offload=True) to offload the optimizer)")
-        if self.recompute != "none" or any(lp.recompute != "none" for lp in self.layers):
+        if any(r not in runtime.recompute for r in [self.recompute] +
+               [lp.recompute for lp in self.layers]):
             out.append("recomputation")
         return out
 
@@ -245,7 +262,7 @@ class Plan:
                             "Plan.save or `autopar search -o`.")
         try:
             tensor = data.get("tensor") or {}
-            return cls(mesh=data["mesh"], tp_mode=tensor.get("mode", "1d"),
+            return cls(mesh=data["mesh"], tp_mode=tensor.get("mode", TP_1D),
                        tp_depth=tensor.get("depth", 1),
                        sequence_parallel=tensor.get("sequence_parallel", False),
                        sequence_mode=(data.get("sequence") or {}).get("mode"),
@@ -253,7 +270,7 @@ class Plan:
                        layers=[LayerPlan(**lp) for lp in data.get("layers") or []],
                        pipeline=PipelinePlan(**data.get("pipeline", {})),
                        zero=ZeroPlan(**data.get("zero", {})),
-                       recompute=data.get("recompute", "none"),
+                       recompute=data.get("recompute", NO_RECOMPUTE),
                        world=World(**data["world"]) if data.get("world") else None,
                        predicted=data.get("predicted", {}), search=data.get("search", {}),
                        notes=data.get("notes", []))
@@ -300,21 +317,21 @@ class Plan:
         if "data" in spec and _int(spec["data"], "data size") != dp:
             raise PlanError(f"data size {spec['data']} does not match world {world_size} / "
                             f"(pipeline x tensor x sequence = {model_parallel}) = {dp}.")
-        recompute = spec.get("recompute", "none")
+        recompute = spec.get("recompute", NO_RECOMPUTE)
         layers = tensor.get("layers", {})
         if not isinstance(layers, dict):
             raise PlanError(f"tensor 'layers' must map layer names to modes, e.g. "
                             f"{{'blocks.0': '1d'}}, not {layers!r}.")
         for name, mode in layers.items():
-            _choice(f"tensor mode of layer {name}", mode, TP_MODES + ("replicate",))
-        return cls(mesh={"pp": pp, "dp": dp, "cp": cp, "tp": tp},
+            _choice(f"tensor mode of layer {name}", mode, TP_MODES + (REPLICATE,))
+        return cls(mesh={PP: pp, DP: dp, CP: cp, TP: tp},
                    layers=[LayerPlan(name, tp_mode=mode) for name, mode in layers.items()],
-                   tp_mode=str(tensor.get("mode", "1d")),
+                   tp_mode=str(tensor.get("mode", TP_1D)),
                    tp_depth=_int(tensor.get("depth", 1), "tensor depth"),
                    sequence_parallel=bool(tensor.get("sequence_parallel", False)),
                    sequence_mode=sequence.get("mode") if cp > 1 or "mode" in sequence else None,
                    sequence_layout=sequence.get("layout"),
-                   pipeline=PipelinePlan(schedule=pipeline.get("schedule", "1f1b"),
+                   pipeline=PipelinePlan(schedule=pipeline.get("schedule", ONE_F_ONE_B),
                                          microbatches=_int(pipeline.get("microbatches", 1),
                                                            "microbatches"),
                                          chunks=_int(pipeline.get("chunks", 1), "chunks")),

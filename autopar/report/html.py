@@ -1,21 +1,8 @@
 """The plan report as one self-contained HTML page: `autopar explain --format html`.
 
-Everything is inline (CSS in a <style> element, charts as SVG drawn here in Python), so
-the file opens offline, renders without JavaScript and can be attached to a review as
-is. It draws the data of `autopar.report.predicted.plan_report`, the object `--format json` writes:
-
-    svg#step      the predicted step split into compute, communication, bubble, sync
-    svg#strategy  the layers in order, one column each: pipeline stage, tensor mode,
-                  sequence parallelism, recompute, time per micro-batch (hover: the layer)
-    svg#gantt     the pipeline schedule per rank over one step, played by
-                  autopar.cost.schedule.simulate with the stages' own costs, then the
-                  data-parallel sync and the optimizer step
-    svg#memory    memory per pipeline rank stacked by kind, against the device's capacity
-    svg#comm      communication per step by mesh axis: seconds, and bytes per device
-    table#alternatives  the runners-up and why each lost
-
-Data written before the report had per-stage detail (a plan file's JSON) still renders:
-the charts fall back to what `predicted` holds and say so.
+Inline CSS and SVG drawn here (no JavaScript): the step by part, each layer's strategy, the
+pipeline schedule per rank (`autopar.cost.schedule.simulate`), memory per rank, traffic per
+mesh axis and the runners-up, from `autopar.report.predicted.plan_report`'s data.
 """
 
 from __future__ import annotations
@@ -24,6 +11,17 @@ import html
 import math
 
 from autopar.cost.schedule import simulate, stage_count
+from autopar.modes import (
+    FULL,
+    MEGATRON_SP,
+    NO_RECOMPUTE,
+    ONE_F_ONE_B,
+    SELECTIVE,
+    TP_1D,
+    TP_2D,
+    TP_3D,
+    TP_25D,
+)
 from autopar.report.predicted import MEMORY_KINDS, seconds_text, size_text
 
 GiB = 1024 ** 3
@@ -33,9 +31,9 @@ WIDTH = 1160  # px of the page's content: every chart is drawn to it (or to half
 # side by side: work (forward blue, backward orange), memory kinds, mesh axes.
 STAGE_COLOURS = ("#3a6fb0", "#e07b39", "#4f9d5d", "#c8474f", "#6bb3b0", "#d9b43c",
                  "#9468a8", "#e693a6", "#8a6a50", "#8e9aa6")
-MODE_COLOURS = {"1d": "#4a4e9c", "2d": "#c2185b", "2.5d": "#7cb342", "3d": "#6d4c41",
+MODE_COLOURS = {TP_1D: "#4a4e9c", TP_2D: "#c2185b", TP_25D: "#7cb342", TP_3D: "#6d4c41",
                 "replicate": "#8e9aa6", "none": "#d5dae1"}
-RECOMPUTE_COLOURS = {"none": "#d5dae1", "selective": "#f0a35e", "full": "#c4503c"}
+RECOMPUTE_COLOURS = {NO_RECOMPUTE: "#d5dae1", SELECTIVE: "#f0a35e", FULL: "#c4503c"}
 SEQUENCE_COLOURS = ("#d5dae1", "#2a9d8f", "#6bb3b0", "#1f6f66", "#9fd3c7")
 WORK_COLOURS = {"F": "#3a6fb0", "B": "#e07b39", "I": "#e07b39", "W": "#4f9d5d",
                 "sync": "#8e9aa6", "optimizer": "#5b6470"}
@@ -171,7 +169,7 @@ def _header(data: dict, model: str | None) -> str:
     search, seq = data.get("search", {}), data.get("sequence") or {}
     capacity = (data.get("memory_capacity") or {}).get("usable_bytes")
     mesh_text = " ".join(f"{axis}{mesh[axis]}" for axis in ("pp", "dp", "cp", "tp"))
-    tensor_text = tensor["mode"] + (f" depth {tensor['depth']}" if tensor["mode"] == "2.5d"
+    tensor_text = tensor["mode"] + (f" depth {tensor['depth']}" if tensor["mode"] == TP_25D
                                     else "") + (" + Megatron-SP" if tensor["sequence_parallel"]
                                                 else "")
     if seq.get("mode"):
@@ -335,7 +333,7 @@ def _play(data: dict):
     pp, m = mesh["pp"], pipe["microbatches"]
     chunks = pipe.get("chunks", 1) or 1
     # one rank runs its micro-batches one after another: 1F1B on one stage is exactly that
-    schedule = pipe["schedule"] if pp > 1 else "1f1b"
+    schedule = pipe["schedule"] if pp > 1 else ONE_F_ONE_B
     n = stage_count(schedule, pp, chunks)
     stages = data.get("stages") or []
     if len(stages) == n:
@@ -575,7 +573,7 @@ def _kinds_table(data: dict) -> str:
     rows = []
     for k in kinds:
         pm = k["per_micro_batch"]
-        strategy = k["tp_mode"] + (" + SP" if k["sp"] == "megatron" else "") + (
+        strategy = k["tp_mode"] + (" + SP" if k["sp"] == MEGATRON_SP else "") + (
             f", recompute {k['recompute']}" if k["recompute"] != "none" else "")
         detail = ", ".join(k.get("strategies") or [])
         colls = "; ".join(f"{c['phase']} {c['op']} on {c['axis']} {size_text(c['bytes'])}"

@@ -7,6 +7,7 @@ emits and the runtime logs, so what explain prints is what runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -14,8 +15,11 @@ import torch
 from autopar.cost.precision import runtime
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import BATCH, TracedGraph
-from autopar.plans import LayerPlan, Plan
+from autopar.modes import TP_1D
 from autopar.sharding.solve import Solution
+
+if TYPE_CHECKING:  # annotations only: report sits below plans
+    from autopar.plans import Plan
 
 
 @dataclass
@@ -63,7 +67,7 @@ def layer_reports(traced: TracedGraph, solution: Solution, micro_batch: int) -> 
             for c in comm_by_node.get(node.name, []):
                 key = (c.op, c.phase)
                 comm[key] = comm.get(key, 0) + int(sympy.sympify(c.bytes).subs(BATCH, micro_batch))
-        out.append(LayerReport(layer.name, solution.modes.get(layer.name, "1d"), strategies,
+        out.append(LayerReport(layer.name, solution.modes.get(layer.name, TP_1D), strategies,
                                local, whole, comm, notes))
     return out
 
@@ -88,7 +92,7 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
     n_params = sum(_numel(p.shape) for p in traced.params.values() if p.is_parameter)
     held = runtime(next((p.dtype for p in traced.params.values() if p.is_parameter),
                         torch.float32))  # what the runtime's AdamW holds per weight byte
-    plan.layers = [LayerPlan(lr.name, lr.tp_mode) for lr in layers]
+    plan.set_layer_modes({lr.name: lr.tp_mode for lr in layers})
     plan.pipeline.micro_batch_size = micro
     predicted = {
         "memory_per_device_bytes": param_local * held.total // held.weights,
@@ -112,10 +116,8 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
 
 
 def replicated_groups(solution: Solution) -> list[dict]:
-    """Ops that ran replicated, one entry per (op, reason): the nodes and the layers they are in.
-
-    A model of many identical layers gets one entry, not one per layer.
-    """
+    """Ops that ran replicated, one entry per (op, reason) with its nodes and layers (one
+    for a model of many identical layers)."""
     groups: dict[tuple[str, str], dict] = {}
     for node, strategy in solution.strategies.items():
         if not strategy.note:

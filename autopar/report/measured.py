@@ -1,25 +1,42 @@
 """The plan's prediction beside what a running engine measured: `Engine.explain()`.
 
-The prediction is the cost model's for exactly the engine's plan: each layer priced in
-the state it runs (tensor mode, sequence parallelism, stage) at the engine's micro-batch,
-on the hardware profile of `world` (this machine's by default, or a calibrated one:
-`World(devices=4, device="profile.json")`); the step as the planner predicts it for this
-mesh, schedule and ZeRO stage. Bytes are the plan's own collectives
-(`Engine.predicted_comm_by_layer`), which the runtime sends byte for byte. The
-measurement is `autopar.runtime.measure`'s: per-layer time from marks in the graphs,
-saved activations from autograd's hooks, each collective's bytes and blocking time from
-the comm log, all on this rank, averaged over the counted steps.
+Predicted: the cost model's for the engine's plan as it runs, on `world`'s profile.
+Measured: per-layer time, saved activations and collectives on this rank, per step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
+import numpy as np
+
+from autopar.cost.comm import placements
+from autopar.cost.model import LayerState
+from autopar.cost.schedule import stage_owner
+from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_parts
 from autopar.errors import PlanError
-from autopar.plans import PipelinePlan, Plan, LayerPlan
-from autopar.report.predicted import size_text
-from autopar.runtime.measure import STEP
+from autopar.modes import (
+    AXES,
+    DP,
+    MEGATRON_SP,
+    NO_PIPELINE,
+    NO_RECOMPUTE,
+    NO_SP,
+    ORDER,
+    PP,
+    STEP,
+    TP,
+)
+from autopar.report.predicted import (
+    conversions,
+    layer_costs,
+    pipeline_detail,
+    plan_precision,
+    pricing_context,
+    size_text,
+    tensor_mode,
+)
+from autopar.sharding.solve import tokens_per_sample
 from autopar.world import World, local_device
 
 
@@ -32,16 +49,16 @@ def measured_report(engine, world: World | None = None) -> dict:
                         f"{'step is' if rec.warmup == 1 else f'{rec.warmup} steps are'} a "
                         "warm-up, not counted).")
     steps = rec.steps
-    runner = engine._pipeline
+    runner = engine.pipeline
     m = runner.microbatches if runner is not None else 1
-    global_batch = engine._global_batch
-    mine = engine._pipeline_layers() if runner is not None else None
+    global_batch = engine.global_batch
+    mine = engine.pipeline_layers() if runner is not None else None
     names = [layer.name for layer in engine.train_graph.layers]
     pred = _priced(engine, world, global_batch, m)
     exact = engine.predicted_comm_by_layer(global_batch)
     bytes_by_layer: dict[str, int] = {}
     bytes_by_axis: dict[str, int] = {}
-    for (op, axis, layer), nbytes in exact.items():
+    for (_, axis, layer), nbytes in exact.items():
         bytes_by_layer[layer] = bytes_by_layer.get(layer, 0) + nbytes
         bytes_by_axis[_axis(axis)] = bytes_by_axis.get(_axis(axis), 0) + nbytes
     held = _held_bytes(engine)
@@ -73,8 +90,8 @@ def measured_report(engine, world: World | None = None) -> dict:
         entry[0] += nbytes
         entry[1] += seconds
     for axis in sorted(set(bytes_by_axis) | set(measured_axes),
-                       key=lambda a: ("pp", "dp", "cp", "tp", "world").index(a)
-                       if a in ("pp", "dp", "cp", "tp", "world") else 9):
+                       key=lambda a: (*AXES, "world").index(a)
+                       if a in (*AXES, "world") else 9):
         got = measured_axes.get(axis, [0, 0.0])
         model = pred["axes"].get(axis, {}) if pred else {}
         axes.append({"axis": axis,
@@ -82,7 +99,7 @@ def measured_report(engine, world: World | None = None) -> dict:
                                    "seconds": model.get("seconds")},
                      "measured": {"bytes": got[0] // steps, "seconds": got[1] / steps}})
     return {
-        "rank": engine._rank(),
+        "rank": engine.global_rank(),
         "mesh": dict(engine.plan.mesh),
         "steps": steps,
         "warmup": rec.warmup,
@@ -119,60 +136,31 @@ def _held_bytes(engine) -> dict[str, int]:
 
 
 def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | None:
-    """The cost model's per-layer time and memory and per-axis time for the engine's plan."""
-    from autopar.cost.model import LayerState
-    from autopar.search.planner import chain_of
-    from autopar.report.predicted import _context, _layer_costs, _mode, _pipeline_detail
-    from autopar.search.search import Constraints, Options, Search
-    from autopar.sharding.solve import tokens_per_sample
-
-    plan: Plan = engine.plan
+    """The cost model's per-layer time and memory, per-axis time and step for the engine's
+    plan as it runs: its layers' states and stages (`autopar.cost.step`)."""
+    plan = engine.plan
     size = plan.world_size
     if world is None:
         world = plan.world if isinstance(plan.world, World) else World(
             devices=size, per_node=min(size, int(os.environ.get("LOCAL_WORLD_SIZE", size))),
             device=local_device())
-    dtype = engine.precision  # the planner's dtype names are the precision's
-    tp = plan.mesh["tp"]
+    mesh, pipe, zero = plan.mesh, plan.pipeline, plan.zero
+    tp = mesh[TP]
     traced = engine.train_graph
     chain = chain_of(traced, tokens_per_sample(traced) or 1, (tp,))
     modes = plan.layer_modes()
     sp = plan.sequence_parallel_layers()
-    stage_of = getattr(engine, "_stage_of_layer", None) or {}
-    b = max(1, global_batch // plan.mesh["dp"] // m)
-    layers = [LayerPlan(name, tp_mode=modes.get(name, plan.tp_mode),
-                        sp="megatron" if (sp is True or (sp and name in sp)) else "none",
-                        stage=stage_of.get(name, 0))
-              for name in chain.names]
-    pipe = plan.pipeline
-    priced = dataclasses.replace(
-        plan, layers=layers, world=world, detail=None,
-        pipeline=PipelinePlan(schedule=pipe.schedule, microbatches=m, chunks=pipe.chunks,
-                              micro_batch_size=b),
-        search={**plan.search, "dtype": dtype})
+    stage_of_layer = engine.stage_of_layer
+    b = max(1, global_batch // mesh[DP] // m)
+    names = chain.names
+    states = [LayerState(tensor_mode(modes.get(name, plan.tp_mode), tp, plan.tp_depth),
+                         MEGATRON_SP if (sp is True or (sp and name in sp)) else NO_SP,
+                         NO_RECOMPUTE) for name in names]
+    stage_of = [stage_of_layer.get(name, 0) for name in names]
+    ctx = pricing_context(plan, world, engine.precision)  # its dtype names are the planner's
+    costs = layer_costs(chain, states, ctx, b)
     out = {"device": world.device, "layers": {}, "axes": {}}
-    try:  # the step: the planner's prediction for exactly this mesh and schedule
-        fixed = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"], tp=tp,
-                            tp_mode=plan.grid_mode() if tp > 1 else None,
-                            sp=plan.sequence_mode if plan.mesh["cp"] > 1 else None,
-                            zero=plan.zero.stage, offload=plan.zero.offload,
-                            recompute="none", microbatches=m,
-                            schedule=pipe.schedule if plan.mesh["pp"] > 1 else None,
-                            chunks=pipe.chunks if pipe.schedule == "interleaved" else None)
-        result = Search(chain, world, Options(global_batch=global_batch, dtype=dtype, top=1),
-                        fixed).run()
-        best = result.best or min((c for c, _ in result.alternatives),
-                                  key=lambda c: c.step_time, default=None)
-        if best is not None:
-            out["step_time_s"] = best.step_time
-            priced.predicted = {"dp_comm_s": best.dp_comm_s}
-    except PlanError as e:
-        out["error"] = str(e)
-    states = [LayerState(_mode(lp.tp_mode, tp, plan.tp_depth), lp.sp, lp.recompute)
-              for lp in layers]
-    ctx = _context(priced)
-    costs = _layer_costs(priced, chain, states, ctx)
-    for name, c in zip(chain.names, costs):
+    for name, c in zip(names, costs):
         out["layers"][name] = {
             "forward_s": m * (c.forward + c.comm / 2),
             "backward_s": m * (c.backward + c.recompute + c.comm / 2),
@@ -180,7 +168,31 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
             "activation_bytes": int(c.activations),
             "param_bytes": int(c.params),
         }
-    detail = _pipeline_detail(priced, chain, states, costs)
+    pp = mesh[PP]
+    schedule = pipe.schedule if pp > 1 else NO_PIPELINE
+    v = pipe.chunks if pp > 1 else 1
+    device_of = [stage_owner(schedule, s, pp) if pp > 1 else 0 for s in stage_of]
+    pl = placements(mesh, ORDER, world.per_node)
+    params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
+    heaviest = int(np.argmax(params_dev))
+    units = sum(1 for d, c in zip(device_of, costs) if d == heaviest and c.params > 0)
+    layer_time = np.array([c.time for c in costs]) + \
+        np.array(conversions(chain.layers(), states, b, pl, world.profile))
+    try:
+        transfer = stage_transfer(chain.layers(), stage_of, b, pl, world.profile)[0] \
+            if pp > 1 else 0.0
+        step = step_parts(layer_time, device_of, stage_of, params_dev, units, transfer=transfer,
+                          grad_pl=grad_placement(mesh, world.per_node), hw=world.profile,
+                          schedule=schedule, v=v, m=m, zero=zero.stage,
+                          offload=zero.offload, precision=plan_precision(plan, chain))
+    except PlanError as e:
+        out["error"] = str(e)
+        step = None
+    if step is not None:
+        out["step_time_s"] = step["step_s"]
+    detail = pipeline_detail(plan, chain, states, costs, names=names, stage_of=stage_of,
+                             world=world, m=m, b=b,
+                             dp_comm_s=step["dp_s"] if step is not None else None)
     out["axes"] = {axis: {"seconds": entry["seconds"]}
                    for axis, entry in detail["comm_by_axis"].items()}
     return out

@@ -1,28 +1,45 @@
 """The planner's report: what `autopar explain` prints and `--format json` writes.
 
-Built from the Plan the search returned and the layer chain it priced: per-layer strategy,
-the collectives each kind of layer runs, each pipeline stage's time and each pipeline
-rank's memory by kind, communication per mesh axis, predicted time, and why this plan beat
-the runners-up. Every number is repriced with the search's own functions (state_cost,
-memory_by_kind, stage_transfer), so the per-rank detail adds up to the plan's prediction.
-`autopar.report.html` draws the same data.
+Per-layer strategy, each kind's collectives, each stage's time, each pipeline rank's memory
+by kind, traffic per mesh axis and why the plan won, repriced with the search's own step
+pricing (`autopar.cost.step`) so the detail adds up to the prediction.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from autopar.cost.comm import placements
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import EFFECTS, Context, LayerState, StateCost, TensorMode, formulas, \
-    state_cost
+from autopar.cost.model import (
+    EFFECTS,
+    Context,
+    LayerState,
+    StateCost,
+    TensorMode,
+    formulas,
+    state_cost,
+    tensor_modes,
+)
 from autopar.cost.precision import Precision, precision_of
-from autopar.cost.schedule import in_flight, stage_owner
-from autopar.plans import Plan, cp_layout
-from autopar.search.search import (ORDER, USABLE_MEMORY, conversion_s, dp_wire_bytes,
-                                   host_bytes, host_capacity, memory_by_kind, stage_transfer)
+from autopar.cost.schedule import stage_owner
+from autopar.cost.step import (
+    USABLE_MEMORY,
+    conversion_s,
+    dp_wire_bytes,
+    host_bytes,
+    host_capacity,
+    in_flight_of,
+    memory_by_kind,
+    stage_transfer,
+)
+from autopar.modes import CP, DP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
+
+if TYPE_CHECKING:  # annotations only: report sits below plans
+    from autopar.plans import Plan
 
 GiB = 1024 ** 3
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -33,37 +50,38 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     time (`stages`), per-rank memory (`ranks`), traffic per mesh axis (`comm_by_axis`) and
     the formulas."""
     data = plan.to_json()
-    states = [LayerState(_mode(lp.tp_mode, plan.mesh["tp"], plan.tp_depth), lp.sp, lp.recompute)
-              for lp in plan.layers]
-    ctx = _context(plan)
-    costs = _layer_costs(plan, chain, states, ctx)
+    states = [LayerState(tensor_mode(lp.tp_mode, plan.mesh[TP], plan.tp_depth), lp.sp,
+                         lp.recompute) for lp in plan.layers]
+    ctx = pricing_context(plan)
+    costs = layer_costs(chain, states, ctx, plan.pipeline.micro_batch_size or 1)
     data["layers"] = [{"name": lp.name, "tp_mode": lp.tp_mode, "sp": lp.sp,
                        "recompute": lp.recompute, "stage": lp.stage, "kind": lt.name,
                        "time_s": c.time, "activation_bytes": int(c.activations),
                        "param_bytes": int(c.params)}
                       for lp, lt, c in zip(plan.layers, chain.layers(), costs)]
-    data.update(_pipeline_detail(plan, chain, states, costs))
+    data.update(pipeline_detail(plan, chain, states, costs))
     data["layer_kinds"] = _kinds(plan, chain, ctx)
     data["replicated_groups"] = []
-    if plan.mesh["tp"] > 1 and plan.tp_mode == "1d" and chain.traced is not None:
+    if plan.mesh[TP] > 1 and plan.tp_mode == TP_1D and chain.traced is not None:
         _add_strategies(data, plan, chain)
     data["formulas"] = {k: str(v) for k, v in formulas().items()}
     data["model"] = {"parameters": int(chain.params), "tokens_per_sample": chain.tokens_per_sample}
     return data
 
 
-def _context(plan: Plan) -> Context:
-    """The pricing context the search used for this plan's mesh."""
-    pl = placements(plan.mesh, ORDER, plan.world.per_node)
-    return Context(plan.world.profile, plan.search.get("dtype", "bf16"), pl["tp"], pl["cp"],
+def pricing_context(plan: Plan, world=None, dtype: str | None = None) -> Context:
+    """The pricing context the search used for this plan's mesh (on `world`, in `dtype`
+    where given)."""
+    world = world or plan.world
+    pl = placements(plan.mesh, ORDER, world.per_node)
+    return Context(world.profile, dtype or plan.search.get("dtype", "bf16"), pl[TP], pl[CP],
                    plan.sequence_mode, plan.search.get("attention_kernel", "flash"))
 
 
-def _layer_costs(plan: Plan, chain: LayerChain, states: list[LayerState],
-                 ctx: Context) -> list[StateCost]:
-    """Each layer's cost for one micro-batch under its chosen state (priced once per kind
-    and state: a 96-block model has a handful of distinct ones)."""
-    b = plan.pipeline.micro_batch_size or 1
+def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,
+                b: int) -> list[StateCost]:
+    """Each layer's cost for one micro-batch of `b` under its state (priced once per kind
+    and state)."""
     seen: dict = {}
     out = []
     for index, state in zip(chain.order, states):
@@ -74,24 +92,24 @@ def _layer_costs(plan: Plan, chain: LayerChain, states: list[LayerState],
     return out
 
 
-def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
-                     costs: list[StateCost]) -> dict:
-    """Per stage its time for one micro-batch, per pipeline rank its memory by kind, and
-    communication per mesh axis for one step on the slowest rank.
-
-    A layer's own communication (1D all-reduces, sequence all-to-alls, ...) and a layout
-    conversion before it run once forward and once more as their conjugate backward, so
-    half of it goes to each half of the stage's time."""
+def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
+                    costs: list[StateCost], *, names=None, stage_of=None, world=None,
+                    m: int | None = None, b: int | None = None,
+                    dp_comm_s: float | None = None) -> dict:
+    """Per stage its time per micro-batch, per pipeline rank its memory by kind, and traffic
+    per mesh axis on the slowest rank (a layer's comm counts half forward, half backward);
+    names, stages, world, m, b and dp seconds are the plan's unless given."""
     mesh, pipe, zero = plan.mesh, plan.pipeline, plan.zero
-    pp, m, v = mesh["pp"], pipe.microbatches, pipe.chunks
-    b = pipe.micro_batch_size or 1
-    hw = plan.world.profile
-    pl = placements(plan.mesh, ORDER, plan.world.per_node)
+    names = [lp.name for lp in plan.layers] if names is None else names
+    stage_of = [lp.stage for lp in plan.layers] if stage_of is None else stage_of
+    world = world or plan.world
+    pp, v = mesh[PP], pipe.chunks
+    m = pipe.microbatches if m is None else m
+    b = (pipe.micro_batch_size or 1) if b is None else b
+    hw = world.profile
+    pl = placements(plan.mesh, ORDER, world.per_node)
     layers = chain.layers()
-    conv = [0.0] + [conversion_s(layers[i - 1].boundary(b), pl, hw)
-                    if states[i].layout != states[i - 1].layout else 0.0
-                    for i in range(1, len(states))]
-    stage_of = [lp.stage for lp in plan.layers]
+    conv = conversions(layers, states, b, pl, hw)
     n_stages = max(stage_of, default=0) + 1
     owner = [stage_owner(pipe.schedule, s, pp) if pp > 1 else 0 for s in range(n_stages)]
     stages = []
@@ -100,8 +118,8 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
         share = [costs[i].comm / 2 + conv[i] / 2 for i in idx]
         stages.append({
             "stage": s, "rank": owner[s], "layers": len(idx),
-            "first": plan.layers[idx[0]].name if idx else None,
-            "last": plan.layers[idx[-1]].name if idx else None,
+            "first": names[idx[0]] if idx else None,
+            "last": names[idx[-1]] if idx else None,
             "forward_s": sum(costs[i].forward for i in idx) + sum(share),
             "backward_s": sum(costs[i].backward + costs[i].recompute for i in idx) + sum(share),
             "activation_bytes": int(sum(costs[i].activations for i in idx)),
@@ -110,8 +128,8 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     device_of = np.array([owner[s] for s in stage_of], dtype=int)
     params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
     acts_dev = np.bincount(device_of, weights=[c.activations for c in costs], minlength=pp)
-    held = np.array(in_flight(pipe.schedule, pp, m, v)) if pp > 1 else np.ones(1)
-    replicas = mesh["dp"] * mesh["cp"]
+    held = in_flight_of(pipe.schedule, pp, v, m)
+    replicas = mesh[DP] * mesh[CP]
     biggest = max((c.params for c in costs), default=0.0)
     precision = plan_precision(plan, chain)
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
@@ -124,7 +142,8 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
               "memory_bytes": {k: int(parts[k][r]) for k in MEMORY_KINDS}} for r in range(pp)]
     slow = [i for i, d in enumerate(device_of) if d == int(np.argmax(per_rank))]
     p2p_s, p2p_bytes = stage_transfer(layers, stage_of, b, pl, hw) if pp > 1 else (0.0, 0.0)
-    pred = plan.predicted
+    if dp_comm_s is None:
+        dp_comm_s = plan.predicted.get("dp_comm_s", 0.0)
     comm = {
         "tp": {"seconds": m * sum(costs[i].comm - costs[i].cp_comm + conv[i] for i in slow),
                "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes for i in slow),
@@ -133,7 +152,7 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
                "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
                if plan.sequence_mode else "sequence parallelism around attention"},
-        "dp": {"seconds": pred.get("dp_comm_s", 0.0),
+        "dp": {"seconds": dp_comm_s,
                "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage),
                "carries": "gradient sync over the dp x cp replicas" + (
                    f" (ZeRO-{zero.stage})" if zero.stage else "")},
@@ -146,8 +165,8 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     capacity = {"device_bytes": int(hw.memory_bytes),
                 "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
                 "host_bytes_per_node": int(hw.host_memory_bytes),
-                "host_usable_bytes_per_device": int(host_capacity(hw, plan.world.per_node,
-                                                                  plan.world.devices)),
+                "host_usable_bytes_per_device": int(host_capacity(hw, world.per_node,
+                                                                  world.devices)),
                 "host_offloaded_bytes_per_device": int(host_bytes(
                     float(params_dev.max()), replicas, zero.stage, zero.offload, precision)),
                 "bytes_per_parameter": precision.to_json()}
@@ -155,6 +174,14 @@ def _pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                 "priced_as": how} for name, how in EFFECTS.items()]
     return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
             "effects": [e for e in effects if e["seconds"] > 0]}
+
+
+def conversions(layers, states: list[LayerState], b: int, pl: dict, hw) -> list[float]:
+    """Seconds of the layout conversion before each layer (0 where its neighbour's layout
+    is its own)."""
+    return [0.0] + [conversion_s(layers[i - 1].boundary(b), pl, hw)
+                    if states[i].layout != states[i - 1].layout else 0.0
+                    for i in range(1, len(states))]
 
 
 def plan_precision(plan: Plan, chain: LayerChain) -> Precision:
@@ -168,7 +195,7 @@ def plan_precision(plan: Plan, chain: LayerChain) -> Precision:
 
 def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
     b = plan.pipeline.micro_batch_size or 1
-    tp = plan.mesh["tp"]
+    tp = plan.mesh[TP]
     out = []
     seen: dict[int, dict] = {}
     for index, layer in zip(chain.order, plan.layers):
@@ -185,15 +212,15 @@ def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
     for index, entry in seen.items():
         lt = chain.types[index]
         (mode_name, sp, recompute), _ = entry["states"].most_common(1)[0]
-        mode = _mode(mode_name, tp, plan.tp_depth)
+        mode = tensor_mode(mode_name, tp, plan.tp_depth)
         cost = state_cost(lt, LayerState(mode, sp, recompute), b, ctx)
-        sharded = lt.sharded.get(tp if mode.name == "1d" else 1)
+        sharded = lt.sharded.get(tp if mode.name == TP_1D else 1)
         comm = []
-        if sharded is not None and mode.name == "1d" and tp > 1:
+        if sharded is not None and mode.name == TP_1D and tp > 1:
             for op, phase, nbytes in sharded.comm:
-                shown = op if not (sp == "megatron" and op == "all_reduce" and lt.is_block) else \
+                shown = op if not (sp == MEGATRON_SP and op == "all_reduce" and lt.is_block) else \
                     "reduce_scatter+all_gather"
-                comm.append({"op": shown, "axis": "tp", "phase": phase, "bytes": int(nbytes(b))})
+                comm.append({"op": shown, "axis": TP, "phase": phase, "bytes": int(nbytes(b))})
         rows.append({
             "kind": lt.name, "layers": entry["count"],
             "span": entry["first"] if entry["count"] == 1 else f"{entry['first']} .. {entry['last']}",
@@ -216,7 +243,7 @@ def _add_strategies(data: dict, plan: Plan, chain: LayerChain) -> None:
     from autopar.report.layers import layer_reports, replicated_groups
     from autopar.sharding.solve import solve
 
-    solution = solve(chain.traced, axis="tp", size=plan.mesh["tp"])
+    solution = solve(chain.traced, axis=TP, size=plan.mesh[TP])
     reports = {lr.name: lr for lr in layer_reports(chain.traced, solution,
                                                    plan.pipeline.micro_batch_size or 1)}
     for row in data["layer_kinds"]:
@@ -225,15 +252,14 @@ def _add_strategies(data: dict, plan: Plan, chain: LayerChain) -> None:
     data["replicated_groups"] = replicated_groups(solution)
 
 
-def _mode(name: str, size: int, depth: int) -> TensorMode:
-    if size == 1 or name == "1d":
-        return TensorMode("1d", size)
-    from autopar.cost.model import tensor_modes
-
+def tensor_mode(name: str, size: int, depth: int) -> TensorMode:
+    """The cost model's tensor mode of a plan's mode name at tensor size `size`."""
+    if size == 1 or name == TP_1D:
+        return TensorMode(TP_1D, size)
     for m in tensor_modes(size):
-        if m.name == name and (name != "2.5d" or m.d == depth):
+        if m.name == name and (name != TP_25D or m.d == depth):
             return m
-    return TensorMode("1d", size)
+    return TensorMode(TP_1D, size)
 
 
 def _effect_lines(effects: list[dict]) -> list[str]:
@@ -255,7 +281,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"  mesh        pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} tp={mesh['tp']}"
         f"  (tp innermost: tensor groups sit inside a node first)",
         f"  tensor      {data['tensor']['mode']}"
-        + (f" depth {data['tensor']['depth']}" if data['tensor']['mode'] == "2.5d" else "")
+        + (f" depth {data['tensor']['depth']}" if data['tensor']['mode'] == TP_25D else "")
         + (", Megatron sequence parallel" if data["tensor"]["sequence_parallel"] else "")
         + (f"; sequence {seq['mode']} over cp ({cp_layout(seq['mode'], seq.get('layout'))} "
            "tokens)" if seq["mode"] else ""),
@@ -285,7 +311,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
     kinds = data["layer_kinds"] if top is None else data["layer_kinds"][:top]
     for k in kinds:
         pm = k["per_micro_batch"]
-        strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == "megatron" else "") + \
+        strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == MEGATRON_SP else "") + \
             (f" rc:{k['recompute']}" if k["recompute"] != "none" else "")
         if len(k["states"]) > 1:
             strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"

@@ -1,12 +1,5 @@
-"""Ranks agree or stop: what every rank must share, compared with one small all-gather.
-
-A rank given another plan, another model or other weights would deadlock in a collective
-or, worse, train a mixture without a word; so would ranks that each pass their own batch
-to `train_step` (which takes the global batch). These checks run where the mistake is
-cheapest to catch: the plan at `parallelize`, the batch at the first `train_step` (and at
-every step with `check_batches=True`). Their collectives are checks, not model traffic, so
-they go straight to torch.distributed and are not in `engine.comm_log`.
-"""
+"""Ranks agree or stop: plan, model, weights and batch compared across ranks with one small
+all-gather, so a mismatch is an error, not a deadlock or a silent mixture."""
 
 from __future__ import annotations
 

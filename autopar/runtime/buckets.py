@@ -1,20 +1,5 @@
-"""Plain data parallelism's gradient all-reduce, in buckets overlapped with the backward.
-
-The parameters, in the reverse of their order (roughly the order the backward finishes
-them), are grouped into buckets of at most `BUCKET_BYTES`. A post-accumulate-grad hook
-counts each parameter of a bucket as done; the last one copies the bucket's gradients
-into one flat buffer and starts its all-reduce asynchronously, so the sums travel while
-autograd computes the earlier layers' gradients (Li et al. 2020, PyTorch Distributed,
-§3.2.3 "bucketing gradients" and "overlapping computation with communication").
-`finish` (after the backward) sends the buckets not sent yet (some of whose parameters
-got no gradient, or the backward ran unarmed), waits for every bucket and writes the means
-back into .grad. The bytes are those of one all-reduce of every gradient, as the plan
-predicts.
-
-Under a pipeline (`autopar.runtime.pipeline`) each stage's buckets are armed for its last
-micro-batch's backward only: the earlier ones accumulate into .grad, the last completes
-each gradient and sends its bucket, as DDP's no_sync does.
-"""
+"""Plain data parallelism's gradient all-reduce in buckets, each sent as soon as its last
+gradient is made, so it overlaps the backward (Li et al. 2020, PyTorch Distributed, §3.2.3)."""
 
 from __future__ import annotations
 

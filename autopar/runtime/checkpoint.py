@@ -1,61 +1,7 @@
-"""Distributed checkpoints of a training engine: weights, optimizer state and step counter,
-written with torch.distributed.checkpoint (DCP) and loadable under another plan or world.
-
-What is stored. Every tensor is stored as the *whole* tensor of the original model, keyed by
-its name in the original model's state_dict: `model/<name>` for weights and buffers,
-`optim/<name>/<key>` for an optimizer state shaped like its parameter (Adam's moments),
-`optim.scalar/<name>/<key>` for a 0-dim state tensor (AdamW's step) and `optim.value/<name>/
-<key>` for a state that is a Python number (autopar.optim's LAMB step). Nothing in the stored
-form depends on the plan, so any plan on any world reads it back; `autopar.json` beside DCP's
-files records the step, the world, the plan and the names (for tied weights) for people
-and for `load_full_state_dict`.
-
-Why each rank writes only its own part, not gathered whole tensors. A rank's tensor-parallel
-slice is a set of boxes of the whole tensor (one box under 1D; a box per q/k/v block for a
-fused QKV weight split blockwise; products of boxes under 2D, 2.5D and 3D, whose composite
-axes cut a dim component by component), and a ZeRO piece (a flat range of that slice) is a
-few more boxes (a partial first row, whole rows, a partial last row). DCP stores a tensor
-as chunks (offsets, sizes) of its global shape, so each rank hands it exactly the boxes it
-holds: no collective moves any tensor data to save, no rank ever materialises a whole
-tensor (memory stays what training uses), the bytes written are spread over the ranks, and
-replicas (data-parallel copies, tensor ranks holding a replicated weight, pipeline ranks
-sharing a tied embedding) describe identical boxes that DCP's planner deduplicates, so each
-element is written once. Loading is the same in reverse: each rank asks for the boxes of
-its new slice or piece and DCP's resharding reads the overlaps from whatever chunks the
-saving plan wrote. DTensor could not describe these layouts (its shards are contiguous
-chunks; a blockwise QKV split or a ZeRO piece of a tensor-parallel slice is not), and
-gathering whole tensors would cost the memory and traffic of `full_state_dict` per save.
-Under ZeRO the weights and the optimizer states are taken from the pieces (never from the
-whole local parameter, whose storage ZeRO-3 frees between steps), with one helper
-(`_piece_region`) for both.
-
-Atomicity. A save writes into `<dir>/.tmp-step-N`, every rank waits for DCP's metadata to
-be written, then rank 0 adds `autopar.json`, publishes the directory under a name no
-checkpoint has yet (`step-N`, or `step-N-1` ... when step N was saved before) with one
-`os.replace`, and then points `<dir>/latest` at it by writing `latest.tmp` and
-`os.replace`-ing it over `latest`. A crash at any moment leaves `latest` naming a complete
-checkpoint: before the rename the new one is invisible, after it the old one is still
-there. Only then are checkpoints beyond the newest `keep` deleted; the temporary
-directory a crashed save leaves is never read, and the next save removes it. The
-directory must be on a file system every rank sees (the usual case for DCP). DCP's own
-collectives (plans, metadata) run on the default process group and are not logged in
-`engine.comm_log`, which stays the training steps' traffic.
-
-Pipelines. A pipeline rank fetches the weights it released before saving (as
-`full_state_dict` does) and writes those its stages train; it builds its optimizer at
-its first train_step, so a load before then holds every parameter's slice state and
-hands it over (cut to ZeRO pieces) when the optimizer exists.
-
-Loading runs no code from the files: DCP's `.metadata` pickle is read by
-`safe_metadata.read_metadata` (inert records checked against DCP's schema) and handed to DCP
-through `SafeReader`, so DCP never unpickles it; every load goes through `_LoadPlanner`,
-which reads tensors only; `autopar.json` and `latest` are bounded data. Checkpoints saved
-before this reader have the same files and load unchanged.
-
-Not stored: the dropout streams (`autopar.kernels.modules.RandomStreams`), which are seeded
-per rank of a plan and so cannot carry over to another plan; models with dropout p > 0
-resume with fresh masks.
-"""
+"""Sharded checkpoints of an engine with torch.distributed.checkpoint (DCP), loadable under
+any plan or world: each rank writes the boxes of the whole tensors it holds (tensor slices,
+ZeRO pieces) under the original model's names; `latest` moves only after a complete save,
+and loading runs no code from the files (`safe_metadata`)."""
 
 from __future__ import annotations
 
@@ -75,10 +21,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from autopar.errors import CheckpointError, PlanError
@@ -300,16 +255,16 @@ class _LoadPlanner(DefaultLoadPlanner):
 # ---------------------------------------------------------------------- the engine's tensors
 def _geometry(engine, local: torch.Tensor):
     """(runs, whole shape) of a local slice of the engine."""
-    key = engine._key_of[id(local)]
-    layout = engine._layouts[key]
-    shape = _whole_shape(_local_shape(engine, local), layout, engine.mesh)
-    return _runs(layout, engine.mesh, engine._coords, shape), shape
+    params = engine.params
+    layout = params.layout_of(local)
+    shape = _whole_shape(_local_shape(engine, local), layout, params.mesh)
+    return _runs(layout, params.mesh, params.coords, shape), shape
 
 
 def _local_shape(engine, local: torch.Tensor) -> tuple[int, ...]:
     """A local slice's shape, also while ZeRO-3 keeps only its pieces (and has emptied
     the whole parameter)."""
-    zero = engine._zero
+    zero = engine.zero
     if zero is not None and hasattr(zero, "shapes"):
         for p, shape in zip(zero.params, zero.shapes):
             if p is local:
@@ -320,15 +275,11 @@ def _local_shape(engine, local: torch.Tensor) -> tuple[int, ...]:
 def _pieces(engine) -> dict[int, tuple[torch.Tensor, int]]:
     """id(local parameter) -> (this rank's ZeRO piece of it, the piece's first flat
     position in the slice), when ZeRO shards the optimizer."""
-    zero = engine._zero
+    zero = engine.zero
     if zero is None:
         return {}
-    r = engine._dp.rank
+    r = zero.dp.rank
     return {id(p): (s, r * k) for p, s, k in zip(zero.params, zero.shards, zero.chunks)}
-
-
-def _canonical(engine, local) -> str:
-    return engine._names[engine._key_of[id(local)]][0]
 
 
 def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -336,14 +287,14 @@ def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
     parameter this rank's optimizer steps (under a pipeline: its stages')."""
     if engine.optimizer is None:
         return []
-    owner = {id(s): p for s, p in zip(engine._zero.shards, engine._zero.params)} \
-        if engine._zero is not None else {}
-    trained = {id(p) for p in engine._trained_params()}
+    owner = {id(s): p for s, p in zip(engine.zero.shards, engine.zero.params)} \
+        if engine.zero is not None else {}
+    trained = {id(p) for p in engine.grads.trained()}
     out = []
     for group in engine.optimizer.param_groups:
         for q in group["params"]:
             local = owner.get(id(q), q)
-            if id(local) in trained and id(local) in engine._key_of:
+            if id(local) in trained and engine.params.holds(local):
                 out.append((q, local))
     return out
 
@@ -361,10 +312,10 @@ def _save_state(engine) -> dict[str, _Region]:
     """fqn -> this rank's region for everything a checkpoint holds."""
     out: dict[str, _Region] = {}
     pieces = _pieces(engine)
-    trained = {id(p) for p in engine._trained_params()} if engine._pipeline is not None \
+    trained = {id(p) for p in engine.grads.trained()} if engine.pipeline is not None \
         else None
-    for key, local in engine._local.items():
-        fqn = WEIGHT + engine._names[key][0]
+    for names, local, _ in engine.params.entries():
+        fqn = WEIGHT + names[0]
         if trained is not None and isinstance(local, nn.Parameter) and local.requires_grad \
                 and id(local) not in trained:
             continue  # another pipeline rank trains it and writes it
@@ -375,10 +326,10 @@ def _save_state(engine) -> dict[str, _Region]:
                                      shape)
         else:
             out[fqn] = _slice_region(local.detach(), runs, shape)
-    for name, value in engine._untraced_state.items():
+    for name, value in engine.params.untraced.items():
         out[WEIGHT + name] = _slice_region(value, [[(0, n)] for n in value.shape],
                                            tuple(value.shape))
-    held = getattr(engine, "_held_optimizer", None)
+    held = engine.held_optimizer
     if held is not None:  # loaded, not yet handed to a pipeline's optimizer: as loaded
         for local, state in held[0].values():
             _state_entries(engine, local, local, state, pieces, out)
@@ -391,7 +342,7 @@ def _save_state(engine) -> dict[str, _Region]:
 def _state_entries(engine, q, local, state: dict, pieces, out: dict) -> None:
     """The regions of one optimizer parameter's state (`q`: `local` or a ZeRO piece of it)
     by kind: shaped like `q` (sharded as it), a 0-dim tensor, or a Python number."""
-    name = _canonical(engine, local)
+    name = engine.params.name_of(local)
     for k, v in state.items():
         if isinstance(v, torch.Tensor) and v.shape == q.shape:
             out[f"{STATE}{name}/{k}"] = _state_region(engine, q, local, v.detach(), pieces)
@@ -413,10 +364,8 @@ def _is_complete(path: str) -> bool:
 
 
 def _published(root: str) -> list[str]:
-    """Complete checkpoint directories under root, in the order they were saved (the time
-    autopar.json records, then step and the suffix a second save of a step gets): after a
-    load of an older step, the new branch's checkpoints are the newest, not the abandoned
-    ones with higher steps."""
+    """Complete checkpoint directories under root in the order they were saved (autopar.json's
+    time, then step and suffix): after a load of an older step, the new branch is newest."""
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         m = _STEP_DIR.match(name)
@@ -458,7 +407,7 @@ def resolve(path) -> str:
     return os.path.join(path, published[-1])
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -473,7 +422,7 @@ def _write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def _publish(root: str, tmp: str, step: int, meta: dict, keep: int) -> str:
@@ -489,7 +438,7 @@ def _publish(root: str, tmp: str, step: int, meta: dict, keep: int) -> str:
         n += 1
         name = f"step-{step:08d}-{n}"
     os.replace(tmp, os.path.join(root, name))
-    _fsync_dir(root)
+    fsync_dir(root)
     _write_atomic(os.path.join(root, LATEST), name + "\n")
     published = _published(root)
     for old in published[:max(0, len(published) - keep)]:
@@ -548,7 +497,7 @@ def save(engine, path, keep: int = 2) -> str:
     if keep < 1:
         raise PlanError(f"keep must be at least 1 checkpoint, not {keep}.")
     root = os.path.abspath(os.fspath(path))
-    engine._sync_pipeline_params()  # a pipeline rank fetches the weights it released
+    engine.fetch_pipeline_weights()  # a pipeline rank fetches the weights it released
     step = int(engine.steps)
     tmp = os.path.join(root, f"{_TMP_PREFIX}step-{step:08d}")
     error = None
@@ -587,15 +536,15 @@ def _metadata(engine, state: dict) -> dict:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return {"format": FORMAT, "version": VERSION, "step": int(engine.steps), "world": world,
             "plan": engine.plan.to_json(), "saved_at": time.time(),
-            "names": {names[0]: list(names) for names in engine._names.values()},
-            "state_keys": list(engine._state_keys), "param_groups": groups,
+            "names": {names[0]: list(names) for names, _, _ in engine.params.entries()},
+            "state_keys": list(engine.params.state_keys), "param_groups": groups,
             "loss_scaler": _scaler_state(engine)}
 
 
 def _scaler_state(engine) -> dict | None:
     """fp16's loss scaler (the same on every rank): kept so a resumed run goes on at the
     scale it reached instead of overflowing its way down from the initial one."""
-    scaler = getattr(engine, "scaler", None)
+    scaler = engine.scaler
     if scaler is None:
         return None
     return {"scale": scaler.scale, "good_steps": scaler.good_steps,
@@ -647,33 +596,29 @@ def _check_record(meta: dict, path: str) -> None:
 
 
 def load(engine, path) -> str:
-    """Load weights, optimizer state and step counter into `engine` from the checkpoint
-    `path` names (a directory engine.save wrote into, or one of its step directories),
-    whatever plan and world wrote it; returns the checkpoint's directory. A collective.
-
-    A pipeline builds its optimizer (for the rank's stages, and its ZeRO pieces) at the
-    first train_step; loaded before then, the state of every parameter's slice is held
-    and handed over there (`adopt_held_optimizer`), and a save in between writes it."""
+    """Load weights, optimizer state and step into `engine` from the checkpoint `path` names,
+    whatever plan and world wrote it (a collective). A pipeline rank loaded before it built
+    its optimizer holds the state (`engine.held_optimizer`) until it does."""
     ckpt, meta, reader = _read(path)
     stored = reader.read_metadata().state_dict_metadata
-    engine._sync_pipeline_params()  # every slice held again, to be overwritten
+    engine.fetch_pipeline_weights()  # every slice held again, to be overwritten
     targets = _weight_targets(engine, stored)
-    hold = engine._pp.size > 1 and engine._pipeline is None
-    pairs = [(p, p) for p in engine._unique_params() if p.requires_grad] if hold else \
+    hold = engine.plan.mesh["pp"] > 1 and engine.pipeline is None
+    pairs = [(p, p) for p in engine.params.parameters() if p.requires_grad] if hold else \
         _optimizer_params(engine)
     fill = _optimizer_targets(engine, stored, targets, pairs)
     _dcp(dcp.load, targets, f"reading the checkpoint {ckpt}", storage_reader=reader,
          planner=_LoadPlanner())
     groups = meta.get("param_groups") or []
     if hold:
-        engine._held_optimizer = ({id(local): (local, _values(state)) for local, state in fill},
+        engine.held_optimizer = ({id(local): (local, _values(state)) for local, state in fill},
                                   groups)
     else:
-        engine._held_optimizer = None
+        engine.held_optimizer = None
         _restore(engine.optimizer,
                  [(q, _values(state)) for (q, _), (_, state) in zip(pairs, fill)], groups)
     engine.steps = int(meta["step"])
-    scaler, saved = getattr(engine, "scaler", None), meta.get("loss_scaler")
+    scaler, saved = engine.scaler, meta.get("loss_scaler")
     if scaler is not None and saved is not None:  # (a bf16/fp32 checkpoint has none)
         scaler.scale = float(saved["scale"])
         scaler.good_steps = int(saved["good_steps"])
@@ -684,7 +629,7 @@ def load(engine, path) -> str:
 def adopt_held_optimizer(engine) -> None:
     """Give the optimizer a pipeline rank has just built the state `load` held: each
     parameter's slice state, cut to this rank's ZeRO piece where ZeRO shards it."""
-    held, engine._held_optimizer = engine._held_optimizer, None
+    held, engine.held_optimizer = engine.held_optimizer, None
     if held is None or engine.optimizer is None:
         return
     states, groups = held
@@ -723,8 +668,7 @@ def _weight_targets(engine, stored: dict) -> dict[str, _Region]:
     targets: dict[str, _Region] = {}
     pieces = _pieces(engine)
     wanted = set()
-    for key, local in engine._local.items():
-        names = engine._names[key]
+    for names, local, _ in engine.params.entries():
         fqn = next((WEIGHT + n for n in names if WEIGHT + n in stored), None)
         if fqn is None:
             raise PlanError(f"the checkpoint has no weight {names[0]}, which the model has; "
@@ -741,7 +685,7 @@ def _weight_targets(engine, stored: dict) -> dict[str, _Region]:
                                       shape)
                 region = _Region(shape, region.boxes + extra.boxes)
         targets[fqn] = region
-    for name, value in engine._untraced_state.items():
+    for name, value in engine.params.untraced.items():
         fqn = WEIGHT + name
         if fqn not in stored:
             raise PlanError(f"the checkpoint has no weight {name}, which the model has; "
@@ -775,10 +719,9 @@ def _aliases(piece: torch.Tensor, whole: torch.Tensor) -> bool:
 
 
 def _optimizer_targets(engine, stored: dict, targets: dict, pairs: list) -> list:
-    """Add to `targets` the regions the optimizer state of each (optimizer parameter,
-    local parameter) pair is read into: new tensors shaped like the optimizer parameter
-    (a slice, or a ZeRO piece), sliced from the whole states as the weights are. Returns
-    (local parameter, {key: (kind, tensor)}) per pair, filled once DCP has read."""
+    """Add to `targets` the regions each (optimizer parameter, local parameter) pair's state
+    is read into (new tensors shaped like the optimizer parameter); returns (local parameter,
+    {key: (kind, tensor)}) per pair, filled once DCP has read."""
     by_name: dict[str, list] = {}
     for fqn in stored:
         for kind in (STATE, SCALAR, VALUE):
@@ -788,7 +731,7 @@ def _optimizer_targets(engine, stored: dict, targets: dict, pairs: list) -> list
     pieces = _pieces(engine)
     fill = []
     for q, local in pairs:
-        names = engine._names[engine._key_of[id(local)]]
+        names = engine.params.names_of(local)
         state = {}
         for kind, key, fqn in next((by_name[n] for n in names if n in by_name), []):
             md = stored[fqn]
@@ -835,6 +778,19 @@ def load_full_optimizer_state(path) -> dict[str, dict]:
         name, key = fqn[len(kind):].split("/", 1)
         out.setdefault(name, {})[key] = value.item() if kind == VALUE else value
     return out
+
+
+def read_weight_boxes(path, boxes: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]) \
+        -> None:
+    """Fill tensors with boxes of a checkpoint's weights, in this one process: `boxes` maps a
+    stored weight's name to (offsets in the whole tensor, tensor to fill) pairs; only the
+    stored chunks they overlap are read."""
+    ckpt, _, reader = _read(path)
+    stored = reader.read_metadata().state_dict_metadata
+    regions = {WEIGHT + name: _Region(tuple(stored[WEIGHT + name].size), list(pairs))
+               for name, pairs in boxes.items()}
+    _dcp(dcp.load, regions, f"reading the checkpoint {ckpt}", no_dist=True,
+         storage_reader=reader, planner=_LoadPlanner())
 
 
 def _read_whole(ckpt: str, reader: SafeReader, kinds: tuple[str, ...]) -> dict:

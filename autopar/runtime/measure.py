@@ -1,44 +1,23 @@
-"""What a training step really costs, per layer: time, saved activations, collectives.
-
-`instrument(gm, recorder)` puts a `_Mark` module in front of every run of consecutive nodes
-of one layer (a segment) and one at the graph's output. A mark returns its input unchanged
-and nothing reads its output: it notes the time and, on a tensor that takes a gradient,
-registers a hook on that tensor, which fires when its gradient is complete (all of its
-readers' backward done), that is when the backward of everything after the mark is done.
-The graph's values and autograd graph are untouched. So
-
-    forward of segment k  = forward tick of mark k+1 - forward tick of mark k
-    backward of segment k = backward tick of mark k - backward tick of mark k+1
-
-(mark n, the last, sits on the output: its backward tick is the start of this graph's
-backward). The probe of a mark is a floating input of the segment's first node made by an
-earlier segment (the residual stream into a block), or, for a segment whose inputs take no
-gradient (an embedding reading token ids), the first parameter it reads (not in a
-pipeline stage, whose micro-batches would all fire one parameter's hook); a segment with
-neither has no backward tick of its own: its backward is counted with the segment before
-it in the backward, or, when the whole step is one graph, runs to the backward's end.
-Under the zero-bubble schedule the ticks time the input gradients; the weight-gradient
-pass that comes later is not split per layer.
-
-The recorder also names the layer running now, so the comm log attributes each
-collective to a layer (`CommRecord.layer`), and counts the bytes of the tensors autograd
-saves per layer (each storage once per step). Each graph call (a micro-batch of a
-pipeline stage, or the whole step) is one `_Call`; `Recorder.finish_step` folds the calls
-of a step into per-layer totals. `Engine.explain()` puts them beside the plan's prediction.
-"""
+"""What a training step really costs, per layer: time from marks in the graphs, saved
+activations from autograd's hooks, collectives from the comm log (`Engine.explain()`); and
+the memory of a step (`measure_saved_activations`, `measure_state_bytes`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 from torch import fx, nn
 
+from autopar.cost.memory import StateBytes
+from autopar.modes import STEP
+
 _COMPUTE = ("call_function", "call_module", "call_method")
-STEP = "(step)"  # the layer of what a step sends outside the graph (gradient sync, ZeRO)
 
 
 @dataclass
@@ -189,11 +168,9 @@ class Recorder:
         self.layer = None
 
     def _fold(self, call: _Call) -> None:
-        """A call's forward splits at its forward ticks, its backward at its backward
-        ticks: segment k's backward runs from the tick of the next segment that has one
-        to its own (segments that run side by side, such as two embeddings of the same
-        tokens, may finish in either order: a negative span counts as none; a segment
-        whose probe aliases the next one's, such as a dropout with p = 0, gets none)."""
+        """Split a call's forward at its forward ticks and its backward at its backward
+        ticks (segment k's backward: from the next segment's tick to its own; a negative
+        span, from segments that run side by side, counts as none)."""
         n = len(call.layers) - 1  # the last mark is the output's
         if self._backward_end is not None and call.backward[0] is None and \
                 call.backward[n] is not None:
@@ -220,7 +197,8 @@ class _Outer:
 
 
 class _Mark(nn.Module):
-    """Identity that ticks the recorder (see the module docstring)."""
+    """Identity that notes the time its segment starts and, through a hook on its input's
+    gradient, when the backward of everything after it is done."""
 
     def __init__(self, recorder: Recorder, key: int, k: int, layers: list):
         super().__init__()
@@ -258,11 +236,9 @@ def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def instrument(gm: fx.GraphModule, recorder: Recorder, key: int,
                parameter_probes: bool = True) -> int:
-    """Put the marks into `gm` (in place, recompiled). Returns the number of segments.
-
-    `parameter_probes=False` for a graph that runs several times before its backwards (a
-    pipeline stage's micro-batches): a hook on a parameter would fire in every micro-batch's
-    backward, so which one ended a segment would be ambiguous."""
+    """Put the marks into `gm` (in place); returns the number of segments. No parameter
+    probes for a graph run several times before its backwards (a pipeline stage): each
+    micro-batch's backward would fire the same parameter's hook."""
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -280,7 +256,7 @@ def instrument(gm: fx.GraphModule, recorder: Recorder, key: int,
     if not starts:
         return 0
     layers = [layer for _, layer in starts] + [None]
-    for k, (first, layer) in enumerate(starts):
+    for k, (first, _) in enumerate(starts):
         probe = next((a for a in first.all_input_nodes
                       if a.op in _COMPUTE + ("placeholder",) and _floating(a)
                       and seen_segment.get(a, -1) < k), None)
@@ -308,3 +284,132 @@ def instrument(gm: fx.GraphModule, recorder: Recorder, key: int,
         mark.meta.update(flat[end].meta)
     gm.recompile()
     return len(starts)
+
+
+# ------------------------------------------------------------------------ memory
+def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: frozenset = frozenset()) -> int:
+    held: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values())
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a view reaches, as [start, end)."""
+    if t.numel() == 0:
+        return (0, 0)
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (t.storage_offset() * t.element_size(), (last + 1) * t.element_size())
+
+
+def _union(spans: list[tuple[int, int]]) -> int:
+    total, end = 0, -1
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def measure_saved_activations(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = (),
+                              inputs: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while `fn()` runs, each once and whole;
+    `exclude` (parameters, buffers) does not count, `inputs` only the bytes saved views reach."""
+    skip = frozenset(t.untyped_storage().data_ptr() for t in exclude)
+    batch = frozenset(t.untyped_storage().data_ptr() for t in inputs) - skip
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    spans: dict[int, list] = {}
+    for t in saved:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in batch:
+            spans.setdefault(ptr, []).append(_span(t))
+    return _storage_bytes(saved, skip | batch) + sum(_union(s) for s in spans.values())
+
+
+def measure_peak_saved_activations(fn: Callable[[], object],
+                                   exclude: Iterable[torch.Tensor] = (),
+                                   inputs: Iterable[torch.Tensor] = ()) -> int:
+    """The most bytes autograd holds saved at once while `fn()` runs: a storage counts from
+    its first save until the last tensor saved on it is freed (arguments as above)."""
+    skip = frozenset(t.untyped_storage().data_ptr() for t in exclude)
+    batch = frozenset(t.untyped_storage().data_ptr() for t in inputs) - skip
+    held: dict[int, list] = {}  # storage -> [bytes, [weak refs to the tensors saved on it]]
+    peak = [0]
+
+    def live() -> int:
+        total = 0
+        for ptr in list(held):
+            nbytes, refs = held[ptr]
+            refs[:] = [r for r in refs if r() is not None]
+            if refs:
+                total += nbytes
+            else:
+                del held[ptr]
+        return total
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip:
+            nbytes = _union([_span(t)]) if ptr in batch else storage.nbytes()
+            key = (ptr, _span(t)) if ptr in batch else ptr
+            entry = held.setdefault(key, [nbytes, []])
+            entry[1].append(weakref.ref(t))
+            peak[0] = max(peak[0], live())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return peak[0]
+
+
+def measure_state_bytes(engine, step: Callable[[], object] | None = None) -> StateBytes:
+    """Bytes this rank of an Engine holds in parameters, gradients, optimizer state, buffers.
+
+    With `step` (e.g. `lambda: engine.train_step(x, y)`) the gradients are the peak of two
+    moments inside it: after the backward (`engine.after_backward`) and before the optimizer
+    step; without, the gradients present now. ZeRO-3 counts its pieces as the parameters."""
+    params = list(engine.parameters())
+    pieces = list(engine.zero.shards) if engine.zero is not None else []
+    grads: list[int] = []
+
+    def held_grads() -> int:
+        return _storage_bytes(p.grad for p in params + pieces if p.grad is not None)
+
+    def before_step(optimizer, args, kwargs) -> None:
+        grads.append(held_grads())
+
+    if step is not None:
+        def sample() -> None:
+            grads.append(held_grads())
+
+        engine.after_backward.append(sample)
+        handle = engine.optimizer.register_step_pre_hook(before_step) \
+            if engine.optimizer is not None else None
+        try:
+            step()
+        finally:
+            engine.after_backward.remove(sample)
+            if handle is not None:
+                handle.remove()
+    if not grads:
+        grads.append(held_grads())
+    state = []
+    if engine.optimizer is not None:
+        for per_param in engine.optimizer.state.values():
+            state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    graphs = [gm for gm in (engine.forward_gm, engine.train_gm) if gm is not None]
+    buffers = [b for gm in graphs for b in gm.buffers()]
+    param_storages = frozenset(p.untyped_storage().data_ptr() for p in params)
+    return StateBytes(parameters=_storage_bytes(params + pieces), gradients=max(grads),
+                      optimizer=_storage_bytes(state),
+                      buffers=_storage_bytes(buffers, param_storages))

@@ -1,17 +1,6 @@
-"""Process groups per mesh axis, built on torch's DeviceMesh.
-
-`axis_groups` gives one group per axis of a plain mesh ({"dp": 2, "tp": 2}). `tensor_groups`
-gives the groups of a plan with 2D, 2.5D or 3D layers: one DeviceMesh ("dp", then the
-physical tensor dims of `autopar.sharding.axes`), one group per dim, and one per composite
-axis whose components come in mesh order (the 2.5D and 3D batch splits and `tp`, the whole
-tensor group), built with `new_group` on the ranks that share every other index. Each
-composite group's rank is checked against the composite index the kernels assume.
-
-Groups are made once per default process group and shared by every engine that asks for
-the same ranks (`shared_group`): a gloo group keeps its threads and sockets until torch
-frees it, so a job that builds engine after engine (a sweep over plans, a test suite)
-would otherwise pile up a few threads per engine and slow every later step.
-"""
+"""Process groups per mesh axis on torch's DeviceMesh (`axis_groups`; `tensor_groups` for
+2D, 2.5D and 3D grids), shared by every engine that asks for the same ranks (a gloo group
+keeps its threads)."""
 
 from __future__ import annotations
 
@@ -22,15 +11,12 @@ from autopar.errors import WorldError
 from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.sharding.axes import TensorMesh
 
-
 _SHARED: dict = {}  # key -> device mesh or group, for the default group under "world"
 
 
 def shared_group(key: tuple, make):
-    """`make()` once per default process group and `key`; later calls with the same key
-    get the same object. Every rank asks for the same keys in the same order (they all run
-    the same plan), so the group creation inside `make` stays collective. A new default
-    group (after destroy_process_group and init_process_group) starts afresh."""
+    """`make()` once per default process group and `key`, the same object after (every
+    rank asks for the same keys in the same order, so `make` stays collective)."""
     world = dist.group.WORLD
     if _SHARED.get("world") is not world:
         _SHARED.clear()
@@ -47,10 +33,8 @@ def _device_mesh(device: str, sizes: tuple, names: tuple):
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
-    """One AxisGroup per axis of `mesh` (e.g. {"dp": 2, "tp": 2}) for the calling rank.
-
-    With a world of one, no process group is needed and every axis has size 1.
-    """
+    """One AxisGroup per axis of `mesh` (e.g. {"dp": 2, "tp": 2}) for the calling rank
+    (with a world of one every axis has size 1, no process group)."""
     log = log if log is not None else CommLog()
     size = 1
     for v in mesh.values():

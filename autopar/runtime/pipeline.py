@@ -1,26 +1,7 @@
-"""Run the stages of `autopar.passes.pipeline.split_stages` under a pipeline schedule.
-
-`PipelineRunner(stages, group, schedule, microbatches)` places the stages on the members of
-the pipeline axis `group` and drives them with torch.distributed.pipelining (ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble); which stages each member
-holds and in what order it runs them is `autopar.cost.schedule`, the model the planner
-prices (its order is read from the same torch classes).
-
-(`stage_count(schedule, p, chunks)` says how many stages to cut.) The first
-stage takes the micro-batches of the inputs; the last stage's outputs go to the split's
-loss module with the micro-batch's targets (the schedule's loss function). Gradients are
-averaged over micro-batches (each parameter's once, after the schedule), so they equal
-the whole batch's mean loss gradient. `step` returns that mean loss on every member.
-A parameter read by stages on different members (a tied embedding) has its gradient
-summed over them after the schedule's backward.
-
-With `data` (the data-parallel axis, when no ZeRO state takes the gradients) the runner
-also averages the gradients over it, as DDP under torch's PipelineStage does: each stage's
-parameters are bucketed in the order its backward finishes them
-(`autopar.runtime.buckets`), and the buckets are armed for the stage's last micro-batch's
-backward, so their all-reduces overlap it (and the pipeline's drain on the later stages)
-rather than following the schedule; the micro-batch mean is taken in the same pass.
-"""
+"""Run the stages of `autopar.passes.pipeline.split_stages` under a torch.distributed.pipelining
+schedule (GPipe, 1F1B, interleaved 1F1B, zero-bubble): gradients averaged over the
+micro-batches (and over dp when no ZeRO takes them), tied parameters summed over the
+members holding a copy."""
 
 from __future__ import annotations
 
@@ -34,9 +15,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
+from autopar.kernels.collectives import AxisGroup
 from autopar.passes.pipeline import Stages
 from autopar.runtime.buckets import GradientBuckets, average_gradients
-from autopar.kernels.collectives import AxisGroup
 from autopar.runtime.mesh import shared_group
 
 __all__ = ["PipelineRunner", "stage_count", "stage_owner"]
@@ -117,14 +98,13 @@ class PipelineRunner:
         self._buckets = self._data_buckets() if self.data is not None else None
 
     def _data_buckets(self) -> list | None:
-        """Per stage of this member, its parameters' data-parallel buckets (None: reduce
-        after the schedule instead: under zero-bubble, whose weight pass writes .grad
-        without autograd's accumulation hooks, or when two of this member's stages share a
-        parameter)."""
+        """Per stage of this member, its parameters' data-parallel buckets; None (reduce
+        after the schedule) under zero-bubble, whose W pass fires no accumulation hooks,
+        or when two of this member's stages share a parameter."""
         if self.schedule_name == "zero_bubble":
             return None
         per_stage = []
-        for j, k in enumerate(self.mine):
+        for k in self.mine:
             graphs = [self.stages.modules[k]] + \
                 ([self.stages.loss] if k == len(self.stages.modules) - 1 else [])
             names = [node.target for m in graphs for node in m.graph.nodes
@@ -136,11 +116,9 @@ class PipelineRunner:
         return [GradientBuckets(params, self.data) for params in per_stage]
 
     def _prepare(self, inputs: tuple) -> None:
-        """Build the schedule for this micro-batch shape. The stages get example inputs and
-        outputs (every stage run once on the first micro-batch, on every member, with the
-        communication log off), so torch does not infer shapes by running them inside the
-        schedule: that run's collectives would be logged, and integer inputs would be made
-        up."""
+        """Build the schedule for this micro-batch shape, with example inputs and outputs
+        from one run of every stage (comm log off), so torch infers no shapes inside the
+        schedule (its collectives would be logged, its integer inputs made up)."""
         micro = tuple(t[:t.shape[0] // self.microbatches] for t in inputs)
         shapes = tuple(tuple(t.shape) for t in micro)
         if shapes == self._shapes:
@@ -193,6 +171,12 @@ class PipelineRunner:
     def _weights_done(self, j: int) -> None:
         if self.weights_done is not None:
             self.weights_done(j)
+
+    def held_modules(self) -> list[tuple[int, torch.nn.Module]]:
+        """(stage index, module) of this member's stages, then (n, the loss) on the last."""
+        n = len(self.stages.modules)
+        return [(k, self.stages.modules[k]) for k in self.mine] + \
+            ([(n, self.stages.loss)] if self.last_owner == self.group.rank else [])
 
     def param_owners(self) -> dict[str, int]:
         """Parameter attribute -> the member whose stages train it (the lowest, for a tied
@@ -287,16 +271,9 @@ class _Stage(PipelineStage):
 
 
 class _SplitBackwardStage(_Stage):
-    """A stage whose micro-batches' saved activations are released right after their
-    weight-gradient pass (W).
-
-    Under zero-bubble the input-gradient pass (I) keeps the autograd graph for W, and W
-    walks only the part of it that leads to the weights: the tensors saved by the rest
-    (the input-gradient-only ops) stay referenced to the end of the step, about 40% of a
-    block's activations per micro-batch here. Every micro-batch's forward saves through
-    its own box (outer saved-tensor hooks, such as a memory probe's, still see each
-    tensor); W empties the box, so the stage holds what the schedule says it holds.
-    """
+    """A zero-bubble stage that frees a micro-batch's saved activations right after its
+    weight-gradient pass (W): the input-gradient pass keeps the whole autograd graph, and W
+    walks only part of it, so each forward saves through a box that W empties."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

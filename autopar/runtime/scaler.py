@@ -1,20 +1,6 @@
-"""Dynamic loss scaling for fp16 training (Micikevicius et al. 2018, "Mixed Precision
-Training", §3.2): multiply the loss by a scale before the backward so that small gradients
-survive fp16's narrow range, divide the gradients by it before they are used, and adapt
-the scale to the largest value that does not overflow.
-
-fp16 keeps 5 exponent bits: values below about 6e-8 flush to zero and values above 65504
-overflow to inf. Gradients of a language model are mostly far below 1, so unscaled many
-of them would vanish in the 16-bit backward. The scale starts high (2**16); a step whose
-gradients hold an inf or a nan anywhere in the world is skipped (no optimizer step, the
-gradients dropped) and the scale halved; after `growth_interval` steps in a row without
-overflow it is doubled, to find the largest safe scale again as gradients shrink.
-
-The scaler itself does no communication: `unscale_` takes the function that sums a
-tensor over every rank (the engine's), because a rank holds only its shards (tensor-
-parallel slices, ZeRO pieces, pipeline stages) and all ranks must skip the same steps.
-Scales are powers of two, so scaling and unscaling are exact in fp32.
-"""
+"""Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training", §3.2):
+the loss is scaled before the backward; a step whose gradients overflow on any rank is
+skipped and the scale halved; it doubles after `growth_interval` clean steps."""
 
 from __future__ import annotations
 
@@ -22,7 +8,8 @@ import torch
 
 
 class LossScaler:
-    """The current loss scale and its update rule; see the module docstring."""
+    """The current loss scale and its update rule (starts at 2**16; scales are powers of two,
+    so unscaling is exact)."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):

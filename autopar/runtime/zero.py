@@ -1,38 +1,7 @@
-"""ZeRO stages 1 and 2 over the data-parallel axis: each replica keeps 1/dp of the
-optimizer state (stage 1), and of the gradients (stage 2).
-
-Rajbhandari et al. 2019 (ZeRO, §5.1 "P_os"): every data-parallel rank holds the whole
-parameters and computes whole gradients, but updates only its shard of every parameter
-with its optimizer, then the ranks all-gather the updated shards. The optimizer's state
-(Adam's two moments) is built for the shards only, so it is 1/dp per rank.
-
-Layout: each parameter is flattened, padded to a multiple of dp and cut into dp equal
-pieces; rank r owns piece r of every parameter. One buffer holds, rank after rank, the
-pieces of all parameters, so a step is one reduce-scatter of the gradients (each rank
-receives the sum of its pieces) and one all-gather of the updated pieces: the bytes of
-a data-parallel all-reduce, split in its two halves (Rajbhandari et al. §7.2.1).
-
-Stage 2 (§5.2 "P_os+g") reduce-scatters gradients during the backward, in buckets: the
-parameters, in the reverse of their order (roughly the order the backward finishes
-them), are grouped into buckets of at most `BUCKET_BYTES` (padded); a post-accumulate-
-grad hook counts each parameter of a bucket as done, and the last one sends the whole
-bucket in one reduce-scatter and frees its whole gradients (§5.2's "bucketization").
-Whole gradients pile up to one bucket at most, instead of to the whole model; one
-collective per bucket instead of per parameter keeps the step near DDP's (measured in
-benchmarks/bench_peers.py). The bytes are stage 1's, sent during the backward.
-
-The optimizer the user's factory builds runs on the shards (one `nn.Parameter` per
-parameter, in the same order), so element-wise optimizers (SGD, Adam, AdamW, weight
-decay) give exactly the unsharded update.
-
-Offload (Ren et al. 2021, ZeRO-Offload §4): with `offload=True` the pieces are not views
-of the parameters but copies on the host (pinned when the parameters are on a GPU): the
-optimizer and its state live there and the step runs on the CPU. The reduced gradient
-pieces go down to the host (piece bytes per step) and the updated pieces come back up to
-be all-gathered: the device keeps parameters and gradients only. With one data-parallel
-rank (ZeRO-Offload's single-GPU case) the one piece is the whole parameter and no
-collective runs.
-"""
+"""ZeRO stages 1 and 2 over dp (Rajbhandari et al. 2019, §5.1-5.2): each rank steps its 1/dp
+piece of every parameter (a reduce-scatter of the gradients, an all-gather of the pieces;
+stage 2 reduce-scatters in buckets during the backward), optionally on the host
+(ZeRO-Offload, Ren et al. 2021, §4)."""
 
 from __future__ import annotations
 
@@ -70,15 +39,9 @@ class ShardedOptimizerState:
             self._make_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes, stages)
 
     def _make_buckets(self, bucket_bytes: int, stages) -> None:
-        """Buckets of consecutive parameters (last first) up to `bucket_bytes`; a bucket
-        is sent once each of its parameters has accumulated its gradient (a post-
-        accumulate-grad hook counts them). Under a pipeline (`stages`: this rank's stages'
-        parameters) a bucket holds one stage's parameters and is sent when the stage has
-        finished a micro-batch's weight gradients (`stage_done`: torch's zero-bubble W
-        pass writes .grad without autograd's accumulation, so no hook would fire); a
-        parameter two of this rank's stages read (a tied embedding under ZB-V) is a bucket
-        of its own, sent once both stages have added to it. Either way each bucket is
-        sent once per backward (per micro-batch under a pipeline)."""
+        """Buckets of consecutive parameters (last first) up to `bucket_bytes`, each sent
+        once all its gradients are made; under a pipeline one stage's parameters per bucket,
+        sent at `stage_done` (a parameter two stages share is a bucket of its own)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         groups = [[index[id(p)] for p in ps if id(p) in index] for ps in stages] \
             if stages is not None else [list(range(len(self.params)))]
@@ -194,7 +157,7 @@ class ShardedOptimizerState:
         p0 = self.params[0]
         buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)
         offset = 0
-        for i, (p, k) in enumerate(zip(self.params, self.chunks)):
+        for p, k in zip(self.params, self.chunks):
             if p.grad is not None:
                 write_padded(buf[:, offset:offset + k], p.grad)
                 p.grad = None

@@ -1,42 +1,7 @@
-"""ZeRO stage 3 over the data-parallel axis: parameters, gradients and optimizer state all
-kept as 1/dp pieces, whole parameters gathered layer by layer just before use.
-
-Rajbhandari et al. 2019 (ZeRO, §5.3 "P_os+g+p"): each rank stores piece r of every
-parameter. Before a layer runs, its parameters are all-gathered; after its last use they
-are dropped. The backward gathers them again where an op needs them, and reduce-scatters
-the layer's gradients into the pieces. Per step that is 1.5x a data-parallel all-reduce
-(two all-gathers and one reduce-scatter of the parameters' bytes, §7.2.1).
-
-Why graph-level and not FSDP2. The engine runs rewritten fx graphs whose parameters are
-the tensor-parallel slices the plan chose, read by get_attr nodes; there are no
-submodules left to wrap with `fully_shard`, and FSDP2 would shard the slices with DTensor
-on a mesh the tensor, sequence and 2D/2.5D/3D kernels do not know. Here the rewrite is one
-pass over the graph the planner already reasons about: each layer (the planner's unit, the
-node meta's `layer`) gets one gather node in front of its first use, so the gather is as
-wide as one layer, as FSDP2's per-module group is, and composes with every tensor mode
-unchanged because it only sees local slices. benchmarks/bench_peers.py measures it
-beside FSDP2 on the same model and world.
-
-Memory. A gathered layer lives in one flat buffer; the graph's code frees its values
-after their last use, and autograd would keep whatever an op saves for its backward
-(a matmul keeps its weight). A saved-tensor hook replaces any saved tensor that lies in a
-gathered buffer by (layer, size, stride, offset) and, in the backward, re-gathers the
-layer the first time one of its saved tensors is needed; the layer's gather node's own
-backward runs after every use of its outputs, and drops that buffer after reduce-
-scattering the gradients. So at any time a rank holds its pieces plus the layers being
-computed (and the one prefetched). The forward's last layer is the backward's first, so
-its buffer is kept for it rather than dropped and gathered again (FSDP2 treats its root
-the same way).
-
-Prefetch. Each gather is issued asynchronously one layer ahead: the forward, when it
-waits for layer i, starts layer i+1's all-gather; the backward, when it re-gathers a
-layer, starts the next one in the order the backward needed them at the first step.
-Which layers the backward needs again is a property of the ops (an embedding's backward
-needs only the indices): the first step records it, and `backward_gathers` reports it.
-Each layer's reduce-scatter is issued asynchronously too, and the pieces' gradients land
-when the backward ends (under a pipeline it runs inside the backward, whose zero-bubble
-weight pass takes the gradients from autograd).
-"""
+"""ZeRO stage 3 over dp (Rajbhandari et al. 2019, §5.3): parameters, gradients and optimizer
+state kept as 1/dp pieces; a graph pass gathers each layer's parameters before its first use
+(prefetching the next), the backward gathers them again where saved tensors need them, and
+each layer's gradients are reduce-scattered into the pieces."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Pipeline stages balanced by cost, and the per-layer choice of strategy along the chain.
-
-Both are dynamic programs over the layer chain:
-
-- ``balance``: split layers into k contiguous stages minimising the slowest stage
-  (dp[j][s] = min_i max(dp[i][s-1], cost(i..j))), vectorised over i with numpy.
-- ``choose_states``: pick one state per layer minimising the sum of layer times, the
-  conversions between neighbours with different layouts, and ``price`` x activation
-  bytes (a Lagrange multiplier that trades time for memory); a Viterbi pass with numpy.
-"""
+"""Pipeline stages balanced by cost (`balance`, `balance_within`: a bisection on the
+slowest stage) and the per-layer state along the chain (`choose_states`: a Viterbi pass
+trading time for activation bytes by a Lagrange multiplier)."""
 
 from __future__ import annotations
 
@@ -17,13 +10,9 @@ import numpy as np
 
 
 def balance(costs, k: int) -> list[int]:
-    """Stage index of each layer: ``k`` contiguous stages, the slowest as fast as possible.
-
-    Parametric search: the smallest bottleneck B for which cutting greedily (each stage
-    takes layers while it stays within B) needs at most k stages, found by bisection on B;
-    exact (it gives the bottleneck of ``balance_dp``) and O(k log n) per probe, so the
-    search can afford it for every candidate. Every stage gets at least one layer.
-    """
+    """Stage index of each layer: ``k`` contiguous stages (each of one layer at least), the
+    slowest as fast as possible. Exact (``balance_dp``'s bottleneck): a bisection on it,
+    each probe cutting greedily in O(k log n)."""
     costs = [float(c) for c in costs]
     n = len(costs)
     if k <= 1:
@@ -35,16 +24,22 @@ def balance(costs, k: int) -> list[int]:
         prefix.append(prefix[-1] + c)
     total = prefix[-1]
 
-    def cuts(limit: float):
-        out, start = [], 0
+    right = bisect.bisect_right
+
+    def cuts(limit: float, ends: list | None = None) -> bool:
+        """Whether greedy stages within ``limit`` number k or fewer (their ends into `ends`)."""
+        reach, start, used = limit * (1 + 1e-12), 0, 0
         while start < n:
-            end = bisect.bisect_right(prefix, prefix[start] + limit * (1 + 1e-12)) - 1
-            end = max(end, start + 1)
-            out.append(end)
+            end = right(prefix, prefix[start] + reach) - 1
+            if end <= start:
+                end = start + 1
+            used += 1
+            if used > k:
+                return False
+            if ends is not None:
+                ends.append(end)
             start = end
-            if len(out) > k:
-                return None
-        return out
+        return True
 
     lo = max(max(costs), total / k)
     hi = lo + max(costs)
@@ -52,11 +47,12 @@ def balance(costs, k: int) -> list[int]:
         if hi - lo <= 1e-9 * hi:
             break
         mid = (lo + hi) / 2
-        if cuts(mid) is None:
-            lo = mid
-        else:
+        if cuts(mid):
             hi = mid
-    ends = cuts(hi)
+        else:
+            lo = mid
+    ends: list = []
+    cuts(hi, ends)
     # give every stage at least one layer: split the last stages' tails if greedy used fewer
     while len(ends) < k:
         widest = max(range(len(ends)), key=lambda s: ends[s] - (ends[s - 1] if s else 0))
@@ -73,22 +69,10 @@ def balance(costs, k: int) -> list[int]:
 
 
 def balance_within(costs, weights, capacity, k: int) -> list[int] | None:
-    """Stage index of each layer: ``k`` contiguous stages, the slowest as fast as possible,
-    with stage s holding at most ``capacity[s]`` of ``weights[s]`` (per layer, the bytes
-    that layer costs on stage s: its parameters and optimizer state, and its activations
-    times the micro-batches stage s keeps in flight). None when no split fits.
-
-    The same parametric search as ``balance`` on the bottleneck B, with memory as a second
-    per-stage limit, each B checked by cutting greedily from the last stage: a stage takes
-    layers off the end while its time stays within B and its bytes within its capacity,
-    leaving one layer for each earlier stage. That fits whenever any split does when, as in
-    a 1F1B pipeline, a layer costs no more bytes on a later stage (later stages keep fewer
-    micro-batches in flight) and the stages have the same capacity: a feasible split's
-    last stage is a suffix of the greedy one's, and what the greedy leaves is a prefix of
-    what that split leaves, which its earlier stages can hold (a layer moved to a later
-    stage costs no more). Cutting greedily from the first stage instead is wrong: it fills
-    stage 0 and pushes a layer with many activations onto a stage that holds more of them.
-    """
+    """``balance`` with stage s holding at most ``capacity[s]`` of ``weights[s]`` (per layer,
+    its bytes on stage s); None when no split fits. Each probe cuts greedily from the last
+    stage, which is exact when later stages hold no more per layer (1F1B's in-flight
+    micro-batches fall along the pipeline) and capacities are equal."""
     costs = np.asarray(costs, dtype=float)
     weights = np.asarray(weights, dtype=float)  # [k, n]
     n = len(costs)

@@ -14,38 +14,42 @@ import time
 
 import torch
 
-from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
+from autopar.cost.layer import LayerChain
 from autopar.cost.model import tensor_modes
 from autopar.cost.precision import precision_of
+from autopar.cost.step import chain_of
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
+from autopar.modes import (
+    CONTIGUOUS,
+    GRID_MODES,
+    INTERLEAVED,
+    MEGATRON_SP,
+    NO_RECOMPUTE,
+    NO_SP,
+    ONE_F_ONE_B,
+    RING,
+    RUNTIME,
+    TP_1D,
+    TP_25D,
+)
 from autopar.plans import LayerPlan, PipelinePlan, Plan, ZeroPlan
-from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, \
-    divisors, host_capacity
+from autopar.search import why
+from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
 from autopar.world import World, local_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-# What the runtime executes today; parallelize searches only these.
-EXECUTABLE = {"tp_modes": ("1d", "2d", "2.5d", "3d"), "axes": ("pp", "dp", "tp", "cp"),
-              "cp_with_tp": "1d",  # cp beside 1D tensor parallelism without Megatron-SP
-              "recompute": ("none",), "zero": (0, 1, 2, 3), "zero_with_pp": (0, 1, 2, 3),
-              "sp": ("megatron",),
-              "schedules": ("gpipe", "1f1b", "interleaved", "zero_bubble"), "offload": True,
-              # without a pipeline a replica's batch runs in one pass: micro-batches (and
-              # ZeRO-2/3's per-micro-batch collectives) come with pp > 1 only
-              "accumulation": False}
+__all__ = ["DTYPES", "candidate_plan", "chain_of", "executable_candidates", "model_flops",
+           "pipeline_stages", "plan", "prepare", "search", "to_plan"]
 
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
             repeat: dict[str, int] | None = None, tokens_per_sample: int | None = None,
             tp_sizes=(), layers: tuple[int, int] | None = None) -> LayerChain:
-    """Trace `model` and read the cost of each kind of layer (once per kind).
-
-    `layers=(traced, real)`: the model was built with `traced` copies of its repeated block
-    where the real one has `real` (see autopar.models.workload); the chain counts `real`.
-    """
+    """Trace `model` and read the cost of each kind of layer (once per kind); `layers=(traced,
+    real)`: `traced` copies of the repeated block stand for `real` (autopar.models.workload)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     traced = trace(model, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target,
@@ -60,34 +64,21 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
     return chain_of(traced, tokens_per_sample, tp_sizes, repeat)
 
 
-def chain_of(traced, tokens_per_sample: int, tp_sizes=(), repeat: dict[str, int] | None = None) \
-        -> LayerChain:
-    """The layer chain of a training trace, with each kind's costs at every tensor size."""
-    chain = layer_chain(traced, repeat=repeat, tokens_per_sample=tokens_per_sample)
-    chain.refused = add_tensor_parallel(traced, chain, sorted({1, *tp_sizes}))
-    chain.traced = traced
-    chain.names = _names(traced, repeat or {})
-    return chain
-
-
 def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: int,
                     microbatches: int) -> list[int]:
-    """The stage of each layer of `traced` (a training trace) for a plan that names a
-    pipeline but not its stages: the planner's split for exactly this plan (its mesh,
-    tensor mode, schedule and micro-batches fixed), balanced by predicted time under each
-    stage's memory limit, on the plan's hardware profile (this machine's when the plan
-    names none). When nothing fits memory the time-balanced split of the closest
-    candidate is taken."""
+    """The stage of each layer of `traced` for a plan that names a pipeline but not its
+    stages: the planner's split for exactly this plan, on its profile (this machine's when
+    it names none); the closest candidate's when nothing fits memory."""
     world = plan.world if isinstance(plan.world, World) else \
         World(devices=math.prod(plan.mesh.values()), device=local_device())
     chain = chain_of(traced, tokens_per_sample, (plan.mesh["tp"],))
     pipe = plan.pipeline
     constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
                               tp=plan.mesh["tp"], schedule=pipe.schedule, zero=0,
-                              recompute="none", offload=False,
+                              recompute=NO_RECOMPUTE, offload=False,
                               tp_mode=plan.grid_mode() if plan.mesh["tp"] > 1 else None,
                               microbatches=microbatches,
-                              chunks=pipe.chunks if pipe.schedule == "interleaved" else None,
+                              chunks=pipe.chunks if pipe.schedule == INTERLEAVED else None,
                               sp=plan.sequence_mode if plan.mesh["cp"] > 1 else None)
     options = Options(global_batch=global_batch, dtype="fp32", top=1)
     result = Search(chain, world, options, constraints).run()
@@ -118,26 +109,11 @@ def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
                     f"{real_count}.")
 
 
-def _names(traced, repeat: dict[str, int]) -> list[str]:
-    """Layer names of the real model: a traced `blocks.1` standing for 95 blocks becomes
-    blocks.1 ... blocks.95."""
-    out = []
-    for layer in traced.layers:
-        count = repeat.get(layer.name, 1)
-        m = re.match(r"^(.*\.)(\d+)$", layer.name)
-        if count > 1 and m:
-            start = int(m.group(2))
-            out.extend(f"{m.group(1)}{start + k}" for k in range(count))
-        else:
-            out.extend([layer.name] * count)
-    return out
-
-
 def search(chain: LayerChain, world: World, *, global_batch: int, constraints=None,
            dtype: str = "bf16", attention_kernel: str = "flash", executable: bool = False,
            top: int = 5, progress=None) -> SearchResult:
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
-                      executable=EXECUTABLE if executable else None, top=top)
+                      executable=RUNTIME if executable else None, top=top)
     if not executable:
         return Search(chain, world, options, constraints).run(progress)
     return _executable_search(chain, world, options, constraints, progress)
@@ -147,11 +123,23 @@ def _grids(world: int) -> list:
     """The multi-dimensional grids a tensor group of this world can form: (mode, depth)."""
     out = []
     for tp in (d for d in range(4, world + 1) if world % d == 0):
-        for mode in tensor_modes(tp, ("2d", "2.5d", "3d")):
-            grid = (mode.name, mode.d if mode.name == "2.5d" else None)
+        for mode in tensor_modes(tp, GRID_MODES):
+            grid = (mode.name, mode.d if mode.name == TP_25D else None)
             if grid not in out:
                 out.append(grid)
     return out
+
+
+def _narrowed(options: Options, grid, sp_seq: int | None) -> Options:
+    """`options` restricted to 1D layers and at most one grid (mode, 2.5D depth), with
+    Megatron-SP where the runtime can split this model's sequence (`sp_seq`)."""
+    caps = options.executable
+    modes = (TP_1D,) + ((grid[0],) if grid else ())
+    caps = dataclasses.replace(
+        caps, tp_modes=tuple(m for m in caps.tp_modes if m in modes),
+        tp_depth=grid[1] if grid else None,
+        sequence_parallel=caps.sequence_parallel if sp_seq else ())
+    return dataclasses.replace(options, executable=caps, sp_seq=sp_seq)
 
 
 def _sequence_parallel_length(chain: LayerChain, world: int) -> int | None:
@@ -179,10 +167,10 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
     start = time.perf_counter()
     results, first, errors = [], None, []
     sp_seq = _sequence_parallel_length(chain, world.devices)
+    state_costs: dict = {}  # the 1D layers' states priced once for every grid
     for grid in [None] + _grids(world.devices):
-        opt = dataclasses.replace(options, executable={**options.executable, "grid": grid,
-                                                       "sp_seq": sp_seq})
-        search = Search(chain, world, opt, constraints)
+        opt = _narrowed(options, grid, sp_seq)
+        search = Search(chain, world, opt, constraints, state_costs)
         first = first or search
         try:
             results.append(search.run(progress if grid is None else None))
@@ -201,38 +189,32 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
             seen.add(key)
             alternatives.append((cand, first._reason(cand, best)))
     return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
-                        time.perf_counter() - start, results[0].left_out,
+                        time.perf_counter() - start, why.not_executable(options.executable),
                         options.attention_kernel, results[0].precision)
 
 
 def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
                           dtype: str = "fp32", attention_kernel: str = "flash",
                           constraints=None) -> list[Candidate]:
-    """Every plan `parallelize` can execute that the executable search prices, fastest
-    predicted first: the union over the grids the runtime runs (1D alone, and 1D with each
-    grid, as `search(executable=True)` searches them, and each grid again with every block
-    in it, so a grid the dynamic program would never pick is there too) and over
-    Megatron-SP off and on, of every mesh, cp mode, micro-batch size, pipeline schedule,
-    ZeRO stage and offload (`Search.every`, no bound). Each layer's tensor mode otherwise
-    comes from the search's dynamic program. Candidates alike in `describe()` are one;
-    those that do not fit memory are kept (`fits` says which), so a caller sees the whole
-    space."""
+    """Every plan `parallelize` can execute that the executable search prices, fastest first
+    and none skipped by a bound (`Search.every`): over 1D alone and with each grid (and each
+    grid on every block), Megatron-SP off and on; alike `describe()`s are one, misfits kept."""
     base = Constraints.of(constraints)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
-                      executable=EXECUTABLE, top=1)
+                      executable=RUNTIME, top=1)
     sp_seq = _sequence_parallel_length(chain, world.devices)
-    sps = [base.sp] if base.sp is not None else ["none", "megatron"]
+    sps = [base.sp] if base.sp is not None else [NO_SP, MEGATRON_SP]
     spaces = [(None, base.tp_mode)]
     for grid in _grids(world.devices):
         spaces += [(grid, base.tp_mode)] + ([(grid, grid[0])] if base.tp_mode is None else [])
     seen: dict[str, Candidate] = {}
+    state_costs: dict = {}
     for grid, tp_mode in spaces:
-        opt = dataclasses.replace(options, executable={**EXECUTABLE, "grid": grid,
-                                                       "sp_seq": sp_seq})
+        opt = _narrowed(options, grid, sp_seq)
         for sp in sps:
             fixed = dataclasses.replace(base, sp=sp, tp_mode=tp_mode)
             try:
-                found = Search(chain, world, opt, fixed).every()
+                found = Search(chain, world, opt, fixed, state_costs).every()
             except PlanError:  # nothing under this grid, tensor mode and sp
                 continue
             for cand in found:
@@ -252,15 +234,9 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
          loss_fn=None, example_target=None, dtype: str | None = None,
          attention_kernel: str = "flash", executable: bool = False, top: int = 5,
          repeat: dict[str, int] | None = None, progress=None, seq: int | None = None) -> Plan:
-    """The fastest plan for `model` on `world` that fits memory.
-
-    `model`: a module, or a transformers config directory or config.json (built on meta, two
-    blocks traced; example_inputs None, `seq` tokens, default the config's context length).
-    `world`: an int (devices of the default profile) or a World. `constraints`: any subset
-    of {tp, pp, dp, cp, tp_mode, sp, zero, offload, recompute, microbatches,
-    micro_batch_size, schedule} fixed. `global_batch` defaults to the example batch.
-    `executable=True` restricts the search to what `parallelize` runs today.
-    """
+    """The fastest plan for `model` (a module, or a transformers config path with
+    example_inputs None and `seq` tokens) on `world` (devices, or a World) that fits memory;
+    `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today."""
     world = world if isinstance(world, World) else World(devices=world)
     layers = None
     if isinstance(model, (str, os.PathLike)):
@@ -297,7 +273,7 @@ def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch:
             dtype: str, total_s: float) -> Plan:
     best = result.best
     if best is None:
-        raise PlanError(_nothing_fits(result, world))
+        raise PlanError(why.nothing_fits(result, world))
     from autopar.report.predicted import plan_report
 
     made = _plan_of(best, chain, world, result, global_batch, dtype, total_s)
@@ -305,38 +281,11 @@ def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch:
     return made
 
 
-def _nothing_fits(result: SearchResult, world: World) -> str:
-    if not result.alternatives:
-        return f"no plan exists for this model on {world.devices} devices."
-    closest, _ = min(result.alternatives, key=lambda a: a[0].memory_per_device)
-    need = closest.memory_per_device
-    cap = world.profile.memory_bytes * 0.92
-    if need <= cap:  # fits the device, not the host its offloaded state goes to
-        host = host_capacity(world.profile, world.per_node, world.devices)
-        return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
-                f"{closest.describe()}, offloads {closest.host_per_device / 2 ** 30:.1f} GiB "
-                f"per device to the host, which has {host / 2 ** 30:.1f} GiB per device (the "
-                "profile's host_memory_bytes per node over its devices); use more devices "
-                "(`autopar explain --min-devices` finds the fewest) or a profile with more host "
-                "memory.")
-    per_device_scale = need / cap
-    return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
-            f"{closest.describe()}, needs {need / 2 ** 30:.1f} GiB per device of "
-            f"{cap / 2 ** 30:.1f} GiB usable; about "
-            f"{_round_up(world.devices * per_device_scale, world.per_node)} devices would be "
-            "needed (a world of that size; `autopar explain --min-devices` finds the fewest).")
-
-
-def _round_up(x: float, k: int) -> int:
-    n = int(-(-x // 1))
-    return -(-n // k) * k
-
-
 def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchResult,
              global_batch: int, dtype: str, total_s: float) -> Plan:
     block_states = [s for s, lt in zip(best.states, chain.layers()) if lt.is_block] or best.states
     main = max(block_states, key=lambda s: (block_states.count(s), str(s.mode)))
-    layers = [LayerPlan(name, tp_mode=str(state.mode.name) if state.mode.size > 1 else "1d",
+    layers = [LayerPlan(name, tp_mode=str(state.mode.name) if state.mode.size > 1 else TP_1D,
                         sp=state.sp, recompute=state.recompute, stage=stage)
               for name, state, stage in zip(chain.names, best.states, best.stages)]
     flops = model_flops(chain, global_batch)
@@ -369,17 +318,17 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                    "precision": result.precision.to_json() if result.precision else None}
     sequence_mode = best.cp_mode if mesh["cp"] > 1 else None
     # ring attention's zigzag layout needs 2 x cp chunks; else the contiguous one
-    sequence_layout = "contiguous" if sequence_mode == "ring" and \
+    sequence_layout = CONTIGUOUS if sequence_mode == RING and \
         chain.tokens_per_sample % (2 * mesh["cp"]) else None
     plan = Plan(mesh=dict(mesh), tp_mode=main.mode.name, tp_depth=main.mode.d if
-                main.mode.name == "2.5d" else 1,
-                sequence_parallel=all(s.sp == "megatron" for s in best.states
-                                      if s.mode.name == "1d" and s.mode.size > 1)
-                and main.sp == "megatron",
+                main.mode.name == TP_25D else 1,
+                sequence_parallel=all(s.sp == MEGATRON_SP for s in best.states
+                                      if s.mode.name == TP_1D and s.mode.size > 1)
+                and main.sp == MEGATRON_SP,
                 sequence_mode=sequence_mode,
                 sequence_layout=sequence_layout,
                 layers=layers,
-                pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else "1f1b",
+                pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else ONE_F_ONE_B,
                                       microbatches=best.microbatches, chunks=best.chunks,
                                       micro_batch_size=best.micro_batch),
                 zero=ZeroPlan(stage=best.zero, offload=best.offload),

@@ -34,18 +34,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MULTI_D = ("2d", "2.5d", "3d")
-_PHYSICAL = {"2d": ("tp_i", "tp_j"), "2.5d": ("tp_k", "tp_i", "tp_j"),
-             "3d": ("tp_b", "tp_a", "tp_c")}
-_COMPOSITE = {"2d": {},
-              "2.5d": {"tp_ki": ("tp_k", "tp_i")},
-              "3d": {"tp_ba": ("tp_b", "tp_a"), "tp_bc": ("tp_b", "tp_c"),
+from autopar.modes import GRID_MODES, TP, TP_1D, TP_2D, TP_3D, TP_25D
+
+MULTI_D = GRID_MODES
+_PHYSICAL = {TP_2D: ("tp_i", "tp_j"), TP_25D: ("tp_k", "tp_i", "tp_j"),
+             TP_3D: ("tp_b", "tp_a", "tp_c")}
+_COMPOSITE = {TP_2D: {},
+              TP_25D: {"tp_ki": ("tp_k", "tp_i")},
+              TP_3D: {"tp_ba": ("tp_b", "tp_a"), "tp_bc": ("tp_b", "tp_c"),
                      "tp_ab": ("tp_a", "tp_b"), "tp_cb": ("tp_c", "tp_b")}}
 # The grids of each mode, as the axis names of the roles of autopar.kernels.multid's Grid
 # classes: Grid2D(row, col), Grid2p5D(row, col, dep), Grid3D(input, weight, output).
-GRIDS = {"2d": (("tp_j", "tp_i"),),
-         "2.5d": (("tp_j", "tp_i", "tp_k"),),
-         "3d": (("tp_a", "tp_b", "tp_c"), ("tp_c", "tp_b", "tp_a"))}
+GRIDS = {TP_2D: (("tp_j", "tp_i"),),
+         TP_25D: (("tp_j", "tp_i", "tp_k"),),
+         TP_3D: (("tp_a", "tp_b", "tp_c"), ("tp_c", "tp_b", "tp_a"))}
 
 
 @dataclass(frozen=True)
@@ -61,18 +63,18 @@ class TensorMesh:
     composites: dict = field(default_factory=dict, compare=False, hash=False)
 
     @staticmethod
-    def one_d(axis: str = "tp", size: int = 1) -> TensorMesh:
-        return TensorMesh("1d", ((axis, size),))
+    def one_d(axis: str = TP, size: int = 1) -> TensorMesh:
+        return TensorMesh(TP_1D, ((axis, size),))
 
     @staticmethod
     def for_mode(mode: str, size: int, depth: int = 1) -> TensorMesh:
         """The mesh of `size` tensor ranks in `mode` (sizes already checked by the plan)."""
         if mode not in MULTI_D:
-            return TensorMesh.one_d("tp", size)
-        if mode == "3d":
+            return TensorMesh.one_d(TP, size)
+        if mode == TP_3D:
             q = round(size ** (1 / 3))
             sizes = (q, q, q)
-        elif mode == "2.5d":
+        elif mode == TP_25D:
             q = math.isqrt(size // depth)
             sizes = (depth, q, q)
         else:
@@ -80,7 +82,7 @@ class TensorMesh:
             sizes = (q, q)
         physical = _PHYSICAL[mode]
         composites = dict(_COMPOSITE[mode])
-        composites["tp"] = physical
+        composites[TP] = physical
         return TensorMesh(mode, tuple(zip(physical, sizes)), composites)
 
     # ----------------------------------------------------------------- axes
@@ -151,13 +153,13 @@ def role_spec(mode: str, grid: tuple[str, ...], role: str) -> dict[int, tuple[st
     The table of `autopar.kernels.multid` (tests check the two agree): roles x, ids, y,
     target, weight ([out, in]), bias, norm, embedding ([vocab, hidden]).
     """
-    if mode == "3d":
+    if mode == TP_3D:
         inp, wgt, out = grid
         batch, hidden, out_grid = (wgt, inp), out, (out, wgt, inp)
         weight, bias = {0: (inp, wgt), 1: (out,)}, {0: (inp,)}
     else:
         row, col = grid[0], grid[1]
-        batch = (grid[2], col) if mode == "2.5d" else (col,)
+        batch = (grid[2], col) if mode == TP_25D else (col,)
         hidden, out_grid = row, grid
         weight, bias = {0: (row,), 1: (col,)}, {0: (row,)}
     table = {"x": {0: batch, -1: (hidden,)}, "ids": {0: batch}, "weight": weight,
@@ -169,18 +171,18 @@ def role_spec(mode: str, grid: tuple[str, ...], role: str) -> dict[int, tuple[st
 
 def grid_size_error(mode: str, size: int, depth: int = 1) -> str | None:
     """The sentence refusing a tensor size that is no grid of `mode`, or None when it is one."""
-    if mode == "2d":
+    if mode == TP_2D:
         if _is_power(size, 2):
             return None
         lo, hi = _neighbours(size, lambda q: q * q)
         return f"2d needs a square tensor size; {size} is not one: use {_either(lo, hi)}."
-    if mode == "2.5d":
+    if mode == TP_25D:
         if depth >= 1 and size % depth == 0 and _is_power(size // depth, 2):
             return None
         lo, hi = _neighbours(size, lambda q: q * q * depth)
         return (f"2.5d with depth {depth} needs a tensor size of q x q x {depth}; {size} is not "
                 f"one: use {_either(lo, hi)}, or a depth that divides {size} and leaves a square.")
-    if mode == "3d":
+    if mode == TP_3D:
         if _is_power(size, 3):
             return None
         lo, hi = _neighbours(size, lambda q: q ** 3)

@@ -8,6 +8,7 @@ the planner never offers it (one check, two callers).
 from __future__ import annotations
 
 from autopar.graph.analysis import OpKind
+from autopar.modes import TP_1D
 
 
 def indivisible(traced, solution, nodes=None) -> str | None:
@@ -19,8 +20,8 @@ def indivisible(traced, solution, nodes=None) -> str | None:
         return None
     kept = [(node, node.meta["autopar"]) for node, strategy in solution.strategies.items()
             if strategy.name == "replicate" and solution.modes.get(
-                node.meta["autopar"].layer) == "1d" and (nodes is None or node in nodes)]
-    for node, info in kept:
+                node.meta["autopar"].layer) == TP_1D and (nodes is None or node in nodes)]
+    for _, info in kept:
         if info.kind is OpKind.ATTENTION and int(info.shape[1]) % size:
             heads = int(info.shape[1])
             ok = [d for d in range(1, heads + 1) if heads % d == 0]

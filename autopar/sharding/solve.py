@@ -19,12 +19,14 @@ import torch.fx as fx
 
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
-from autopar.graph.trace import TracedGraph
+from autopar.graph.ir import TracedGraph
+from autopar.modes import CONTIGUOUS, CP, TP_1D
 from autopar.sharding.axes import TensorMesh
-from autopar.sharding.catalog import RuleContext, _batch_like, decide, tensor_inputs
+from autopar.sharding.catalog import decide
 from autopar.sharding.layout import Layout, divisible
 from autopar.sharding.redistribute import Step, steps_between
-from autopar.sharding.strategy import CommOp, Need, Strategy
+from autopar.sharding.rules.context import RuleContext, batch_like, tensor_inputs
+from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
 _MAX_PASSES = 6
 
@@ -58,7 +60,7 @@ class Solution:
     sp_layers: frozenset = frozenset()  # layers run with Megatron sequence parallelism
     seq: int | None = None  # tokens per sample, the size of the sequence dim they split
     sp_failures: dict = field(default_factory=dict)  # layer -> why it is not sequence-split
-    sequence_layout: str = "contiguous"  # how tokens split over cp lie ("zigzag" or not)
+    sequence_layout: str = CONTIGUOUS  # how tokens split over cp lie ("zigzag" or not)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -82,12 +84,12 @@ class Solution:
 
 
 def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
-          modes: dict[str, str] | None = None, default_mode: str = "1d",
+          modes: dict[str, str] | None = None, default_mode: str = TP_1D,
           fixed_params: dict[str, Layout] | None = None,
           mesh: TensorMesh | None = None,
           sequence_parallel: bool | set | frozenset = False,
           sequence_mode: str | None = None,
-          sequence_layout: str = "contiguous") -> Solution:
+          sequence_layout: str = CONTIGUOUS) -> Solution:
     """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
 
     `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
@@ -124,7 +126,7 @@ def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
             break
         hints.update(new_hints)
     solution.hints = hints
-    solution.sequence_layout = sequence_layout if mesh.sizes.get("cp", 1) > 1 else "contiguous"
+    solution.sequence_layout = sequence_layout if mesh.sizes.get(CP, 1) > 1 else CONTIGUOUS
     if solution.sp_failures:
         why = "; ".join(f"{layer}: {reason}" for layer, reason in
                         sorted(solution.sp_failures.items()))
@@ -138,8 +140,8 @@ def _sp_layers(sequence_parallel, layer_modes: dict[str, str], size: int) -> fro
     if size == 1 or not sequence_parallel:
         return frozenset()
     if sequence_parallel is True:
-        return frozenset(n for n, m in layer_modes.items() if m == "1d")
-    return frozenset(n for n in sequence_parallel if layer_modes.get(n, "1d") == "1d")
+        return frozenset(n for n, m in layer_modes.items() if m == TP_1D)
+    return frozenset(n for n in sequence_parallel if layer_modes.get(n, TP_1D) == TP_1D)
 
 
 def tokens_per_sample(traced: TracedGraph) -> int | None:
@@ -149,7 +151,7 @@ def tokens_per_sample(traced: TracedGraph) -> int | None:
         if node.op != "placeholder":
             continue
         shape = node.meta["autopar"].shape
-        if shape is None or len(shape) < 2 or len(shape) > 3 or not _batch_like(shape[0]):
+        if shape is None or len(shape) < 2 or len(shape) > 3 or not batch_like(shape[0]):
             return None
         size = sympy.sympify(shape[1])
         return int(size) if size.is_number else None
@@ -158,7 +160,7 @@ def tokens_per_sample(traced: TracedGraph) -> int | None:
 
 def cp_sequence_input(shape, seq: int) -> bool:
     """Whether a graph input is split on dim 1 over cp: [batch, seq, ...] inputs and targets."""
-    return shape is not None and len(shape) >= 2 and _batch_like(shape[0]) and \
+    return shape is not None and len(shape) >= 2 and batch_like(shape[0]) and \
         sympy.sympify(shape[1]) == seq
 
 
@@ -172,13 +174,13 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
     requires_grad: dict[fx.Node, bool] = {}
     grad_summed: set = set()
     sp_failures: dict = {}
-    cp_seq = tokens_per_sample(traced) if mesh.sizes.get("cp", 1) > 1 else None
+    cp_seq = tokens_per_sample(traced) if mesh.sizes.get(CP, 1) > 1 else None
     for node in traced.graph.nodes:
         info = node.meta["autopar"]
         if node.op == "placeholder":
             layouts[node] = Layout.replicated(len(info.shape)) if info.shape is not None else None
             if cp_seq is not None and cp_sequence_input(info.shape, cp_seq):
-                layouts[node] = layouts[node].with_shard(1, "cp")
+                layouts[node] = layouts[node].with_shard(1, CP)
             requires_grad[node] = False
             continue
         if node.op == "get_attr":
@@ -196,7 +198,7 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
             strategies[node] = _check_symbolic(node, layouts, mesh)
             continue
         else:
-            ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, "1d"), layouts, hints,
+            ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, TP_1D), layouts, hints,
                               new_hints, mesh=mesh, requires_grad=requires_grad,
                               sp=info.layer in sp_layers, seq=seq, grad_summed=grad_summed,
                               sp_failures=sp_failures, sequence_mode=sequence_mode)
@@ -255,8 +257,6 @@ def _requires_grad(node: fx.Node, inputs, requires_grad) -> bool:
 
 
 def _bytes(node: fx.Node):
-    import sympy
-
     info = node.meta["autopar"]
     item = torch.empty((), dtype=info.dtype).element_size()
     return sympy.Mul(*info.shape) * item
@@ -273,8 +273,8 @@ def _check_symbolic(node: fx.Node, layouts, mesh: TensorMesh) -> Strategy:
             if isinstance(layout, Layout) else None
         if shard is not None:
             size = src.meta["autopar"].shape[dim]
-            if shard.groups == 1 and _batch_like(size):
-                return Strategy("symbolic", {}, None, rewrite="global_size",
+            if shard.groups == 1 and batch_like(size):
+                return Strategy("symbolic", {}, None, rewrite=Rewrite.GLOBAL_SIZE,
                                 args={"parts": mesh.size(shard.axis)})
             raise PlanError(f"{node.name} reads the size of dimension {dim} of {src.name}, which "
                             f"is split over '{shard.axis}'; use a fixed size in the model or "

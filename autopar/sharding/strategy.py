@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import sympy
 import torch.fx as fx
@@ -16,11 +17,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 class CommOp:
     """One collective of one training step: its kind, mesh axis, phase and payload bytes.
 
-    Payload bytes are those each rank of the axis logs (`autopar.kernels.collectives`): the
-    all-reduced, broadcast or reduced tensor, the all-gathered output, the reduce-scattered
-    input, each as one rank holds it. With a single tensor axis that is the whole tensor on
-    the axis; when other axes split it too, it is the share left after their splits. They
-    are sympy expressions in the batch symbol, so one plan prices every micro-batch size.
+    Bytes are what each rank of the axis logs (`autopar.kernels.collectives`), as a sympy
+    expression in the batch symbol so one plan prices every micro-batch size.
     """
 
     op: str
@@ -37,9 +35,8 @@ class CommOp:
 class Need:
     """The layout an op needs of one input.
 
-    `sum_grads`: the op uses the whole input on every rank to compute a split result, so the
-    gradient each rank computes for that input is a partial sum that must be all-reduced:
-    True for the rule's own axis, or the tuple of axes whose ranks hold partial gradients.
+    `sum_grads`: each rank's gradient of the input is a partial sum to all-reduce, over the
+    rule's own axis (True) or over the axes named.
     """
 
     layout: Layout
@@ -52,6 +49,25 @@ class Need:
         return tuple(self.sum_grads or ())
 
 
+class Rewrite(str, Enum):
+    """The sharded form the rewrite pass gives an op; `autopar.passes.tensor_parallel`
+    holds one handler per member."""
+
+    LOCAL_SIZES = "local_sizes"  # a view's, expand's or split's sizes divided by the ranks
+    ROW_LINEAR = "row_linear"  # linear on the local input features, then all-reduced
+    PARTIAL_LINEAR = "partial_linear"  # the same left a partial sum (sequence parallelism)
+    VOCAB_EMBEDDING = "vocab_parallel_embedding"
+    VOCAB_CROSS_ENTROPY = "vocab_parallel_cross_entropy"
+    GRID_LINEAR = "grid_linear"  # the 2D, 2.5D and 3D kernels of autopar.kernels.multid
+    GRID_NORM = "grid_norm"
+    GRID_CROSS_ENTROPY = "grid_cross_entropy"  # also the token-split loss over cp
+    PARTIAL_MEAN = "partial_mean"  # a mean over a split dim, divided by its ranks
+    GLOBAL_SIZE = "global_size"  # a size read from a split batch dim, scaled back to global
+    SEQUENCE_ATTENTION = "sequence_attention"  # ring or Ulysses attention over cp
+    STREAM_DROPOUT = "stream_dropout"  # dropout on the random stream its layout calls for
+    STREAM_ATTENTION = "stream_attention"  # attention dropout on that stream
+
+
 @dataclass
 class Strategy:
     """How one op runs on the mesh, as chosen by its catalog rule."""
@@ -60,6 +76,6 @@ class Strategy:
     needs: dict[fx.Node, Need]
     out: Layout | list | None
     comm: list[CommOp] = field(default_factory=list)  # collectives run inside the op
-    rewrite: str | None = None  # the sharded form the rewrite pass gives the op
+    rewrite: Rewrite | None = None  # the sharded form the rewrite pass gives the op
     note: str = ""  # why, for explain (e.g. an op with no catalog entry)
     args: dict = field(default_factory=dict)  # what the rewrite needs (grid axes, eps, ...)

@@ -1,0 +1,194 @@
+"""Step pricing: a training step's memory, gradient sync, optimizer and pipeline seconds.
+
+The search prices its candidates with these functions and the reports reprice a plan with
+them, so a plan's detail adds up to the figure that chose it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from autopar.cost.comm import collective_time, placements
+from autopar.cost.hardware import Hardware
+from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
+from autopar.cost.precision import Precision
+from autopar.cost.schedule import in_flight, stage_count, step_time, time_shared
+from autopar.modes import CP, DP, NO_PIPELINE, PP, TP
+
+USABLE_MEMORY = 0.92  # the rest goes to the framework, kernels' workspaces, fragmentation
+
+
+def chain_of(traced, tokens_per_sample: int, tp_sizes=(), repeat: dict[str, int] | None = None) \
+        -> LayerChain:
+    """The layer chain of a training trace, with each kind's costs at every tensor size."""
+    chain = layer_chain(traced, repeat=repeat, tokens_per_sample=tokens_per_sample)
+    chain.refused = add_tensor_parallel(traced, chain, sorted({1, *tp_sizes}))
+    chain.traced = traced
+    chain.names = layer_names(traced, repeat or {})
+    return chain
+
+
+def layer_names(traced, repeat: dict[str, int]) -> list[str]:
+    """Layer names of the real model: a traced `blocks.1` standing for 95 blocks becomes
+    blocks.1 ... blocks.95."""
+    out = []
+    for layer in traced.layers:
+        count = repeat.get(layer.name, 1)
+        m = re.match(r"^(.*\.)(\d+)$", layer.name)
+        if count > 1 and m:
+            start = int(m.group(2))
+            out.extend(f"{m.group(1)}{start + k}" for k in range(count))
+        else:
+            out.extend([layer.name] * count)
+    return out
+
+
+def state_factors(precision: Precision, replicas: int, zero: int,
+                  offload: bool) -> tuple[float, float, float]:
+    """Bytes of (parameters, gradients, master + optimizer state) a device holds per byte of
+    its layers' weights: ZeRO-1/2/3 shard optimizer, gradients, parameters over the replicas
+    (Rajbhandari et al. 2019, §5); offload moves master and moments to the host."""
+    w = precision.weights
+    return (1 / (replicas if zero == 3 else 1),
+            precision.gradients / w / (replicas if zero >= 2 else 1),
+            0.0 if offload else (precision.master + precision.optimizer) / w
+            / (replicas if zero else 1))
+
+
+def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
+                   offload: bool, in_flight, precision: Precision, workspace: float = 0.0) -> dict:
+    """Bytes per device by kind (arrays over the pipeline ranks). Buffers: the biggest
+    layer's flat buffers, twice for data-parallel sync and twice more for ZeRO-3's gathers,
+    plus the largest transient `workspace` of one layer."""
+    weights, grads, optim = state_factors(precision, replicas, zero, offload)
+    buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
+                           + (2 * biggest if zero == 3 else 0.0) + workspace)
+    return dict(parameters=params_dev * weights, gradients=params_dev * grads,
+                optimizer=params_dev * optim, buffers=buffers, activations=acts_dev * in_flight)
+
+
+def host_bytes(param_bytes: float, replicas: int, zero: int, offload: bool,
+               precision: Precision) -> float:
+    """Bytes one device offloads to its host: its ZeRO shard's `Precision.offloaded`."""
+    if not offload:
+        return 0.0
+    return param_bytes / precision.weights * precision.offloaded / (replicas if zero else 1)
+
+
+def host_capacity(hw: Hardware, per_node: int, devices: int) -> float:
+    """Host memory one device may offload to: its node's share."""
+    return hw.host_memory_bytes / max(1, min(per_node, devices))
+
+
+def optimizer_time(param_bytes: float, replicas: int, zero: int, offload: bool,
+                   precision: Precision, hw: Hardware) -> float:
+    """Seconds of one device's optimizer step: its shard's `step_bytes` at memory bandwidth,
+    or, offloaded, gradient down, weights up and the step over the host link."""
+    elements = param_bytes / precision.weights / (replicas if zero else 1)
+    if offload:
+        return elements * (precision.gradients + precision.weights + precision.step_bytes) \
+            / hw.host_bandwidth
+    return elements * precision.step_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
+
+
+def dp_wire_bytes(param_bytes: float, replicas: int, zero: int) -> float:
+    """Bytes one device sends to sync its gradients (ring all-reduce or reduce-scatter +
+    all-gather), half again under ZeRO-3, which also gathers for the backward."""
+    if replicas <= 1:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * param_bytes * (1.5 if zero == 3 else 1)
+
+
+def dp_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units: int = 1,
+            cache: dict | None = None) -> float:
+    """Seconds of one device's gradient sync over `m` micro-batches (Rajbhandari et al.
+    2019): ZeRO-3 gathers and reduce-scatters layer by layer, `units` layers each paying
+    its own latency. `cache`: seconds by parameter bytes, for this `grad_pl` only."""
+    if grad_pl.size <= 1:
+        return 0.0
+    if zero == 3 and units > 1:
+        return units * dp_time(param_bytes / units, zero, m, grad_pl, hw, cache=cache)
+    hit = cache.get(param_bytes) if cache is not None else None
+    if hit is None:
+        hit = tuple(collective_time(op, param_bytes, grad_pl, hw)
+                    for op in ("all_reduce", "reduce_scatter", "all_gather"))
+        if cache is not None:
+            cache[param_bytes] = hit
+    ar, rs, ag = hit
+    return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * ag)}[zero]
+
+
+def stage_transfer(layers, stage_of, b: int, pl: dict, hw: Hardware) -> tuple[float, float]:
+    """(seconds, bytes) of one transfer between pipeline stages: each rank's 1/(tp x cp)
+    slice of the biggest activation crossing a stage boundary (Narayanan et al. 2021 §4.1)."""
+    crossing = [layers[i].boundary(b) for i in range(len(stage_of) - 1)
+                if stage_of[i] != stage_of[i + 1]]
+    return crossing_transfer(max(crossing) if crossing else None, pl, hw)
+
+
+def crossing_transfer(biggest: float | None, pl: dict, hw: Hardware) -> tuple[float, float]:
+    """`stage_transfer` of the biggest activation crossing a boundary (None: none does)."""
+    if biggest is None:
+        return 0.0, 0.0
+    nbytes = biggest / (pl["tp"].size * pl["cp"].size)
+    return collective_time("p2p", nbytes, pl["pp"], hw), nbytes
+
+
+def conversion_s(boundary_bytes: float, pl: dict, hw: Hardware) -> float:
+    """Seconds to hand a layer's output to a neighbour of another layout: an all-gather over
+    tp of this rank's cp share of it."""
+    if pl["tp"].size <= 1:
+        return 0.0
+    return collective_time("all_gather", boundary_bytes / max(1, pl["cp"].size), pl["tp"], hw)
+
+
+def in_flight_of(schedule: str, pp: int, v: int, m: int) -> np.ndarray:
+    """Micro-batches whose activations each pipeline rank holds at its peak."""
+    if pp == 1:
+        return np.ones(1)
+    return np.array(in_flight(schedule, pp, m, v))
+
+
+def pipeline_time(layer_time, device_of, stage_of, pp: int, v: int, m: int, schedule: str,
+                  hw: Hardware, transfer: float = 0.0) -> tuple[float, float, np.ndarray]:
+    """(step seconds of the pipeline, bubble seconds, per-rank seconds per micro-batch);
+    `transfer`: seconds of one activation crossing a stage boundary."""
+    dev = np.bincount(device_of, weights=layer_time, minlength=pp)
+    if pp > 1:  # forward and backward cross each boundary, interleaving v times as many
+        dev = dev + 2 * v * transfer
+    slowest = float(dev.max())
+    if pp == 1 or schedule == NO_PIPELINE:
+        total = m * slowest
+    elif hw.compute_share < 1:
+        # ranks time-sharing fewer cores (CPU): a waiting rank's cores go to the busy ones
+        stage_s = np.bincount(stage_of, weights=layer_time,
+                              minlength=stage_count(schedule, pp, v)) + 2 * transfer
+        total = time_shared(schedule, pp, m, stage_s, hw.compute_share, v)
+    else:  # closed forms of autopar.cost.schedule (checked against its simulation)
+        total = step_time(schedule, pp, m, dev.tolist(), v)
+    return total, max(0.0, total - m * slowest), dev
+
+
+def grad_placement(mesh: dict, per_node: int):
+    """Where the gradient sync runs: the dp x cp replicas of a tensor rank."""
+    return placements({TP: mesh[TP], "dpcp": mesh[DP] * mesh[CP], PP: mesh[PP]},
+                      (TP, "dpcp", PP), per_node)["dpcp"]
+
+
+def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, transfer: float,
+               grad_pl, hw: Hardware, schedule: str, v: int, m: int, zero: int,
+               offload: bool, precision: Precision, cache: dict | None = None) -> dict:
+    """Seconds of one step by part: the pipeline (its bubble, each rank's seconds per
+    micro-batch), the gradient sync and the optimizer of the rank holding most weights.
+    `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds."""
+    pp = len(params_dev)
+    pipe, bubble, dev = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
+                                      transfer)
+    worst = float(params_dev.max())
+    replicas = grad_pl.size
+    dp_s = dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache)
+    optimizer_s = optimizer_time(worst, replicas, zero, offload, precision, hw)
+    return {"step_s": pipe + dp_s + optimizer_s, "pipeline_s": pipe, "bubble_s": bubble,
+            "per_rank_s": dev, "dp_s": dp_s, "optimizer_s": optimizer_s}

@@ -1,0 +1,164 @@
+"""Expert parallelism for the dropless MoE layer: experts split over an `ep` axis, tokens sent
+to their experts' ranks by all-to-all with variable sizes, and back.
+
+`MoE` is `autopar.models.moe.SparseMoE` (router, sorted dispatch, SwiGLU experts, combine in
+slot order) with its E experts split over the members of an `AxisGroup`: member r holds
+experts r*E/ep ... (r+1)*E/ep - 1. Each member routes its own tokens, sorts the token-expert
+pairs by expert and then (GShard, Lepikhin et al. 2020; dropless as Megablocks, Gale et al.
+2022, so no capacity factor and no dropped token):
+
+1. all-to-all of the per-expert row counts (E/ep integers to each member);
+2. all-to-all of the rows with those split sizes (`all_to_all_single`, which gloo runs with
+   uneven splits in torch 2.13);
+3. the received rows, grouped by source member, regrouped by local expert; the experts run;
+4. the inverse regrouping and the inverse all-to-all; the combine on the token's own member.
+
+The backward of each row all-to-all is the inverse all-to-all of the gradients (`_AllToAllV`),
+so expert weight gradients are sums over every token of the group, as on one device. The
+balance loss is taken from counts and probabilities summed over `aux_group` (the ranks that
+split the batch), so it equals the one-device value over the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.models.moe import Routing, SparseMoE, balance_loss, balance_stats, is_eager
+
+EP = "ep"  # the expert axis; moves to autopar.modes when the planner learns it
+
+
+def axis_group(group, axis: str = EP) -> AxisGroup | None:
+    """An AxisGroup for `group`: an AxisGroup (returned as is), a torch process group (logged
+    to a fresh CommLog) or None."""
+    if group is None or isinstance(group, AxisGroup):
+        return group
+    return AxisGroup(axis, dist.get_world_size(group), dist.get_rank(group), group, CommLog())
+
+
+def all_to_all_v(g: AxisGroup, x: torch.Tensor, send: list[int], recv: list[int],
+                 phase: str) -> torch.Tensor:
+    """Rows send[j] of x (in member order) go to member j; the rows received from members
+    0..size-1 (recv[j] from j) are concatenated. Logs op "all_to_all" with the bytes this rank
+    sends (its whole buffer, its own share included, as `AxisGroup.all_to_all` logs)."""
+    start = time.perf_counter()
+    x = x.contiguous()
+    g.log.add("all_to_all", g.axis, x.numel() * x.element_size(), phase)
+    if g.size == 1:
+        return x
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send,
+                           group=g.group)
+    g.log.took(start)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Dispatch rows by variable all-to-all; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup, send: list[int], recv: list[int]):
+        ctx.g, ctx.send, ctx.recv = g, send, recv
+        return all_to_all_v(g, x, send, recv, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_v(ctx.g, grad, ctx.recv, ctx.send, "backward"), None, None, None
+
+
+class _SumOverBatch(torch.autograd.Function):
+    """All-reduce (sum) of statistics over the ranks that split the batch. The backward sums
+    the gradients as well: the exact derivative when the objective adds the ranks' losses,
+    and, under data parallelism's mean of losses and of gradients, what makes a loss that
+    every rank computes on the global sums get the one-device gradient."""
+
+    @staticmethod
+    def forward(ctx, x, g: AxisGroup):
+        ctx.g = g
+        return g.all_reduce(x.clone(), "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.g.all_reduce(grad.clone(), "backward"), None
+
+
+def global_balance_loss(routing: Routing, group: AxisGroup | None = None) -> torch.Tensor:
+    """Switch Transformer's balance loss (Fedus et al. 2021, eq. 4) from counts and
+    probabilities summed over `group`: the one-device value over the whole batch."""
+    stats = balance_stats(routing)
+    if group is not None:
+        stats = _SumOverBatch.apply(stats, group)
+    return balance_loss(stats)
+
+
+def _expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """counts [P, L] (rows from member s for local expert e, received member-major) -> the
+    permutation that lists the rows expert-major, members in order within each expert."""
+    members, local = counts.shape
+    segment = torch.repeat_interleave(torch.arange(members * local, device=counts.device),
+                                      counts.reshape(-1))
+    key = (segment % local) * members + segment // local
+    return torch.argsort(key, stable=True)
+
+
+class MoE(SparseMoE):
+    """Dropless top-k MoE (SwiGLU experts [E, ...]) with its experts split over `ep`.
+
+    `ep`: an AxisGroup, a torch process group or None (one device: every expert here).
+    `aux_group`: the ranks the batch is split over, for the balance loss (default: `ep`).
+    Weights: the router and shared experts whole on every member, w1/w3/w2 the E/ep local
+    experts. `last_tokens_per_expert`: rows each local expert computed in the last forward;
+    `last_routed`: this rank's tokens per expert (all E) in that forward. With ep > 1 it
+    runs eagerly only: the split sizes of its all-to-all are data (plans trace `SparseMoE`).
+    """
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *, ep=None,
+                 aux_group=None, **options):
+        ep = axis_group(ep)
+        size = 1 if ep is None else ep.size
+        if experts % size:
+            raise ValueError(f"{experts} experts do not split over ep={size} ranks; choose an "
+                             "expert-parallel size that divides the number of experts.")
+        super().__init__(hidden, ffn, experts, top_k, local_experts=experts // size, **options)
+        self.ep = ep
+        self.aux_group = ep if aux_group is None else axis_group(aux_group)
+        self.first_expert = 0 if ep is None else ep.rank * (experts // size)
+        self.last_routed: torch.Tensor | None = None
+
+    @classmethod
+    def shard(cls, full: SparseMoE, ep, aux_group=None) -> MoE:
+        """This member's part of a whole layer: router and shared experts copied, the local
+        experts' slices of w1, w3, w2."""
+        hidden, ffn = full.w1.size(2), full.w1.size(1)
+        shared = full.shared_expert.w1.out_features if full.shared_expert is not None else 0
+        with torch.device(full.w1.device):
+            out = cls(hidden, ffn, full.num_experts, full.top_k, ep=ep, aux_group=aux_group,
+                      score=full.score, normalize=full.normalize, shared_ffn=shared)
+        out = out.to(full.w1.dtype)
+        local = slice(out.first_expert, out.first_expert + out.w1.size(0))
+        state = {k: (v[local] if k in ("w1", "w3", "w2") else v)
+                 for k, v in full.state_dict().items()}
+        out.load_state_dict(state)
+        return out
+
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if is_eager(xs):
+            self.last_routed = counts.detach().clone()
+        if self.ep is None or self.ep.size == 1:
+            return super().run_experts(xs, counts)
+        ep, local = self.ep, self.w1.size(0)
+        by_member = counts.view(ep.size, local)  # (P, L) rows this rank sends
+        received = ep.all_to_all(by_member, 0, 0, "forward")  # (P, L) rows it will get
+        send, recv = by_member.sum(1).tolist(), received.sum(1).tolist()
+        xr = _AllToAllV.apply(xs, ep, send, recv)  # member-major
+        order = _expert_major(received)
+        ye = super().run_experts(xr.index_select(0, order), received.sum(0))
+        yr = ye.index_select(0, torch.argsort(order))
+        return _AllToAllV.apply(yr, ep, recv, send)
+
+    def balance_loss(self, routing: Routing) -> torch.Tensor:
+        return global_balance_loss(routing, self.aux_group)

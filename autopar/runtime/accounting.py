@@ -1,0 +1,82 @@
+"""The bytes one train_step of an engine sends, per collective, axis and layer, from its plan
+(what `engine.comm_log` measures byte for byte)."""
+
+from __future__ import annotations
+
+import sympy
+
+from autopar.errors import PlanError
+from autopar.graph.trace import BATCH
+from autopar.modes import DP
+from autopar.passes.precision import comm_factors
+from autopar.runtime.measure import STEP
+
+
+def predicted_comm(engine, global_batch: int) -> dict[tuple[str, str], int]:
+    """Bytes per (collective, axis): the layers summed."""
+    out: dict[tuple[str, str], int] = {}
+    for (op, axis, _), nbytes in predicted_comm_by_layer(engine, global_batch).items():
+        out[(op, axis)] = out.get((op, axis), 0) + nbytes
+    return out
+
+
+def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, str], int]:
+    """Bytes per (collective, axis, layer); what the step sends outside the graph (the
+    gradient sync, ZeRO, the world's norms) is under layer STEP."""
+    if engine.train_solution is None:
+        raise PlanError("the training graph is traced at the first train_step; call it first.")
+    pipeline = engine.pipeline
+    local = global_batch // engine.groups[DP].size
+    mine = engine.pipeline_layers() if pipeline is not None else None
+    # a pipeline runs every collective once per micro-batch, at the micro-batch's size
+    runs = pipeline.microbatches if pipeline is not None else 1
+    layer_of = {n.name: n.meta["autopar"].layer for n in engine.train_graph.graph.nodes}
+    by_layer: dict[tuple[str, str, str], int] = {}
+    # under bf16/fp16 the model part's collectives move 16-bit values
+    for c, factor in comm_factors(engine.train_solution, engine.compute_dtype):
+        if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
+            continue
+        key = (c.op, c.axis, layer_of.get(c.where) or STEP)
+        nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
+        by_layer[key] = by_layer.get(key, 0) + nbytes
+    for (op, axis), nbytes in {**_data_parallel(engine, runs), **_world(engine)}.items():
+        key = (op, axis, STEP)
+        by_layer[key] = by_layer.get(key, 0) + nbytes
+    return by_layer
+
+
+def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
+    """The gradient sync over dp, then the loss's all-reduce."""
+    if engine.groups[DP].size == 1:
+        return {}
+    zero = engine.zero
+    if zero is not None and zero.stage == 3:
+        # each layer gathered for its forward, again where its backward needs it (an
+        # embedding's does not), its gradients reduce-scattered (per micro-batch)
+        once = sum(zero.unit_bytes(u) for u in engine.train_units)
+        gathers = runs * sum(zero.gather_bytes(u) for u in engine.train_units) + \
+            sum(zero.gather_bytes(u) for u in zero.backward_gathers or ())
+        return {("all_reduce", DP): 4, ("reduce_scatter", DP): runs * once,
+                ("all_gather", DP): gathers}
+    if zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
+        # (stage 2 under a pipeline reduce-scatters each micro-batch's gradients)
+        sends = runs if zero.stage == 2 else 1
+        return {("all_reduce", DP): 4, ("reduce_scatter", DP): sends * zero.padded_bytes(),
+                ("all_gather", DP): zero.padded_bytes()}
+    grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.trained()
+                     if p.requires_grad)
+    return {("all_reduce", DP): grad_bytes + 4}
+
+
+def _world(engine) -> dict[tuple[str, str], int]:
+    """The scalars summed over the whole world: norms and fp16's overflow flag."""
+    world = 0
+    if engine.max_grad_norm is not None:  # the squared norm
+        world += 8
+    optimizer = engine.optimizer
+    if optimizer is not None and getattr(optimizer, "whole_norms", None) == \
+            engine.grads.whole_norms:  # LAMB/LARS: two vectors of squared norms per group
+        world += 2 * len(optimizer.param_groups) * 8 * len(engine.params.norm_index)
+    if engine.scaler is not None:  # fp16: the overflow flag
+        world += 4
+    return {("all_reduce", "world"): world} if world else {}

@@ -1,0 +1,156 @@
+"""This rank's gradients after the backward: data-parallel averaging, global norms over
+every shard (clipping, LAMB/LARS trust ratios) and fp16's overflow check."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.runtime.buckets import average_gradients
+from autopar.runtime.params import ShardedParams
+from autopar.runtime.zero import ShardedOptimizerState
+from autopar.runtime.zero3 import ZeroThree
+
+
+def zero_sharded(plan_zero, dp_size: int) -> bool:
+    """Whether the optimizer runs on ZeRO's pieces: over two or more dp ranks, or
+    offloaded (one rank's piece is then the whole parameter, on the host)."""
+    return plan_zero.stage >= 1 and (dp_size > 1 or plan_zero.offload)
+
+
+def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None):
+    """The ZeRO state a plan's `zero` asks for over dp: the optimizer runs on this rank's
+    pieces (stage 2 under a pipeline: `stages`, each stage's parameters)."""
+    if plan_zero.stage == 3:
+        return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype)
+    return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
+                                 offload=plan_zero.offload, stages=stages)
+
+
+class Gradients:
+    """The gradient path of one engine; `zero`, `pipeline` and `buckets` are set as the
+    engine builds them (ZeRO state, a PipelineRunner, plain dp's GradientBuckets)."""
+
+    def __init__(self, params: ShardedParams, dp: AxisGroup, log: CommLog):
+        self.params, self.dp, self.log = params, dp, log
+        self.zero = None
+        self.pipeline = None
+        self.buckets = None
+
+    def trained(self) -> list[nn.Parameter]:
+        """The local parameters this rank trains (under a pipeline: its stages')."""
+        return self.pipeline.parameters() if self.pipeline is not None else \
+            self.params.parameters()
+
+    def held(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """(gradient, its local parameter) for every gradient this rank's optimizer steps
+        on: ZeRO pieces, or its (stages') whole local parameters."""
+        if self.zero is not None:
+            return [(s.grad, p) for s, p in zip(self.zero.shards, self.zero.params)
+                    if s.grad is not None]
+        return [(p.grad, p) for p in self.trained() if p.grad is not None]
+
+    def average(self) -> None:
+        """The mean over dp (ZeRO: of this rank's pieces only)."""
+        if self.zero is not None:  # (one rank, offloaded: the host copies)
+            self.zero.reduce_gradients()
+            return
+        if self.dp.size == 1 or (self.pipeline is not None and self.pipeline.data is not None):
+            return  # (a pipeline without ZeRO averaged over dp in its step)
+        if self.buckets is not None:
+            self.buckets.finish()
+            return
+        average_gradients(self.params.parameters(), self.dp)
+
+    def drop(self, optimizer) -> None:
+        """Forget a skipped step's gradients: the parameters' and the ZeRO pieces'."""
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        for p in self.trained():
+            p.grad = None
+        for piece in getattr(self.zero, "shards", ()):
+            piece.grad = None
+
+    def step(self, optimizer, scaler, max_norm: float | None) -> float | None:
+        """Clip and step, unless fp16 overflowed on some rank (then every rank skips);
+        returns the global norm when clipping (inf for a skipped step)."""
+        if self.overflowed(scaler):
+            self.drop(optimizer)
+            return float("inf") if max_norm is not None else None
+        norm = self.clip(max_norm) if max_norm is not None else None
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            self.zero.gather_parameters()
+        return norm
+
+    def with_norms(self, optimizer):
+        """The optimizer, given whole-parameter norms when it asks (autopar.optim's LAMB
+        and LARS)."""
+        if optimizer is not None and hasattr(optimizer, "whole_norms"):
+            optimizer.whole_norms = self.whole_norms
+        return optimizer
+
+    def sum_over_world(self, vec: torch.Tensor) -> torch.Tensor:
+        """Sum `vec` over every rank in place (logged as an all-reduce on axis 'world')."""
+        self.log.add("all_reduce", "world", vec.numel() * vec.element_size(), "step")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vec)
+        return vec
+
+    def copies(self, param: nn.Parameter) -> int:
+        """On how many ranks the same gradient values of `param` lie: over the tensor axes,
+        over dp (not under ZeRO, whose pieces differ) and over pipeline ranks sharing it."""
+        copies = self.params.tensor_copies(param)
+        if self.zero is None:
+            copies *= self.dp.size
+        if self.pipeline is not None:
+            copies *= self.pipeline.copies(param)
+        return copies
+
+    def squares_once(self, t: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        """This rank's share of the squared norm of `t` (a piece of `param` or of its
+        gradient), so that the sum over the world counts each value once."""
+        return t.detach().double().pow(2).sum() / self.copies(param)
+
+    def clip(self, max_norm: float) -> float:
+        """Scale every gradient by max_norm / (global norm + 1e-6) when below 1, as
+        torch.nn.utils.clip_grad_norm_ does on one device; returns the global norm."""
+        grads = self.held()
+        total = torch.zeros(1, dtype=torch.float64)
+        for grad, param in grads:
+            total += self.squares_once(grad, param)
+        norm = float(self.sum_over_world(total).sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for grad, _ in grads:
+                grad.mul_(coef)
+        return norm
+
+    def overflowed(self, scaler) -> bool:
+        """fp16: unscale the held gradients and say whether any rank's hold an inf or a nan
+        (updates the scale); False without a scaler."""
+        if scaler is None:
+            return False
+        overflow = scaler.unscale_([g for g, _ in self.held()], self.sum_over_world)
+        scaler.update(overflow)
+        return overflow
+
+    def whole_norms(self, params, tensors) -> list[torch.Tensor]:
+        """For each optimizer parameter (a slice or a ZeRO piece of one), the norm of the
+        whole tensor `tensors[i]` is this rank's piece of (autopar.optim's LAMB and LARS)."""
+        owner = {id(s): p for s, p in zip(self.zero.shards, self.zero.params)} \
+            if self.zero is not None else {}
+        index = self.params.norm_index
+        slots = []
+        vec = torch.zeros(len(index), dtype=torch.float64)
+        for param, t in zip(params, tensors):
+            local = owner.get(id(param), param)
+            slot = index[self.params.name_of(local)]
+            vec[slot] += self.squares_once(t, local)
+            slots.append(slot)
+        self.sum_over_world(vec)
+        return [vec[slot].sqrt() for slot in slots]

@@ -1,0 +1,179 @@
+"""Why a candidate lost, why nothing fits, and what the runtime cannot execute: the search's
+sentences."""
+
+from __future__ import annotations
+
+import math
+
+from autopar.cost.hardware import GiB
+from autopar.cost.step import USABLE_MEMORY, host_capacity
+from autopar.modes import (
+    CP,
+    GRID_MODES,
+    MEGATRON_SP,
+    PP,
+    RECOMPUTE,
+    TP_1D,
+    TP_MODES,
+    ZERO_STAGES,
+    Capabilities,
+)
+from autopar.search.space import divisors
+
+
+def lost(cand, winner, capacity: float, host: float) -> str:
+    """Why `cand` is not the plan: short of device or host memory, or slower and by what."""
+    if not cand.fits and cand.host_per_device > host:
+        return (f"host memory short by {(cand.host_per_device - host) / GiB:.1f}"
+                f" GiB per device ({cand.host_per_device / GiB:.1f} GiB offloaded, "
+                f"{host / GiB:.1f} GiB of host memory per device)")
+    if not cand.fits:
+        over = cand.memory_per_device - capacity
+        return (f"out of memory by {over / GiB:.1f} GiB per device "
+                f"({cand.memory_per_device / GiB:.1f} GiB needed, "
+                f"{capacity / GiB:.1f} GiB usable)")
+    if winner is None:
+        return "fits"
+    pct = 100 * (cand.step_time / winner.step_time - 1)
+    why = []
+    if cand.bubble_s > winner.bubble_s * 1.2 + 1e-9:
+        why.append(f"pipeline bubble {cand.bubble_s:.3f} s")
+    if cand.comm_s > winner.comm_s * 1.2 + 1e-9:
+        why.append(f"tensor/sequence comm {cand.comm_s:.3f} s")
+    if cand.dp_comm_s > winner.dp_comm_s * 1.2 + 1e-9:
+        why.append(f"data-parallel sync {cand.dp_comm_s:.3f} s")
+    if cand.compute_s > winner.compute_s * 1.05:
+        why.append(f"compute {cand.compute_s:.3f} s")
+    return f"{pct:.1f}% slower" + (f" ({', '.join(why)})" if why else "")
+
+
+def no_mesh(c, chain, world: int, n_blocks: int) -> str:
+    """Why no mesh of `world` devices meets the constraints `c`."""
+    fixed = {k: v for k, v in vars(c).items() if k in ("tp", "pp", "dp", "cp") and v is not None}
+    blocks = n_blocks or 1
+    tiles = world % math.prod(fixed.values()) == 0
+    if tiles and fixed.get("pp", 1) > blocks:
+        return (f"pp {fixed['pp']} needs at least {fixed['pp']} blocks to put one on each "
+                f"stage, but the model has {blocks}; use pp "
+                f"{max(d for d in divisors(world) if d <= blocks)} or less.")
+    if tiles and fixed.get("cp", 1) > 1:
+        seq = chain.tokens_per_sample
+        return (f"cp {fixed['cp']} splits the sequence over {fixed['cp']} ranks, but this "
+                f"model has " + (f"a sequence of {seq} tokens, which it does not divide"
+                                 if any(lt.attention for lt in chain.types) else
+                                 "no attention to split") + "; choose another cp size.")
+    if fixed:
+        prod = math.prod(fixed.values())
+        near = divisors(world)
+        return (f"the fixed sizes {fixed} (product {prod}) cannot tile a world of {world} "
+                f"devices; each size must divide {world} and their product must too "
+                f"(divisors: {', '.join(map(str, near[:12]))}"
+                f"{', ...' if len(near) > 12 else ''}).")
+    return f"no way to split this model over {world} devices."
+
+
+def no_leaf(space, meshes, global_batch: int) -> str:
+    """Why no micro-batch and schedule of any mesh left meets the constraints."""
+    gb, c = global_batch, space.c
+    dps = sorted({m["dp"] for m in meshes})
+    split = [m for m in meshes if gb % m["dp"] == 0]
+    refused_1d = space.refused_tensor_sizes_1d()
+    refused = {m["tp"]: refused_1d[m["tp"]] for m in split if m["tp"] in refused_1d}
+    if split and all(m["tp"] in refused and all(mode.name == TP_1D for mode in
+                                                space.tp_modes(m["tp"])) for m in split):
+        tp = split[0]["tp"]
+        other = sorted({m["dp"] for m in meshes} - {m["dp"] for m in split})
+        return (f"tensor size {tp} cannot split this model: {refused[tp]}" +
+                (f"; or give a global batch that is a multiple of {other[0]} (data "
+                 "parallelism)." if other else "."))
+    m_fixed = c.microbatches
+    if split and m_fixed is not None and all((gb // m["dp"]) % m_fixed for m in split):
+        m = split[0]
+        per = gb // m["dp"]
+        return (f"microbatches {m_fixed} does not divide the {per} sample(s) per "
+                f"data-parallel replica (global batch {gb} over dp {m['dp']}); use a number "
+                f"of micro-batches that divides {per}, or a global batch that is a multiple "
+                f"of {m_fixed * m['dp']}.")
+    if split and all(m["pp"] > 1 for m in split):
+        m = min(split, key=lambda m: m["pp"])
+        per_replica = gb // m["dp"]
+        return (f"every mesh left has a pipeline, and none gets as many micro-batches as "
+                f"stages: with pp {m['pp']} and dp {m['dp']} each replica has "
+                f"{per_replica} sample(s) for {m['pp']} stages; use a global batch of at "
+                f"least {m['pp'] * m['dp']}, or fewer stages (pp).")
+    if split:
+        tp = split[0]["tp"]
+        return (f"no micro-batch size fits the constraints: the global batch {gb} over dp "
+                f"{split[0]['dp']} gives {gb // split[0]['dp']} sample(s) per replica; "
+                "relax microbatches or the tensor mode (2D/2.5D/3D split the micro-batch "
+                "too)" + (f", as 1d cannot split tensor size {tp} ({refused[tp]})"
+                          if tp in refused else "") + ".")
+    return (f"the global batch {gb} does not split over any data-parallel size this world "
+            f"allows ({', '.join(map(str, dps[:10]))}); use a batch that is a multiple of "
+            f"{dps[0]}" + (f" or fix dp to a divisor of {gb}" if len(dps) > 1 else "") + ".")
+
+
+def not_executable(caps: Capabilities) -> list[str]:
+    """What a runtime of these capabilities cannot execute yet, in words."""
+    out = []
+    if CP not in caps.axes:
+        out.append("sequence parallelism over a cp axis (Ulysses, ring)")
+    elif not caps.cp_with_tp:
+        out.append("a cp axis combined with tensor parallelism")
+    else:
+        beside = [m.upper() for m in TP_MODES if m not in caps.cp_with_tp]
+        if beside or not caps.cp_with_megatron_sp:
+            out.append("a cp axis combined with " + " or ".join(
+                ([f"{'/'.join(beside)} tensor parallelism"] if beside else [])
+                + ([] if caps.cp_with_megatron_sp else ["Megatron-SP"])))
+    modes = [m for m in GRID_MODES if m not in caps.tp_modes]
+    if modes:
+        out.append("/".join(modes) + " tensor parallelism")
+    if MEGATRON_SP not in caps.sequence_parallel:
+        out.append("Megatron sequence parallelism")
+    rc = [r for r in RECOMPUTE[1:] if r not in caps.recompute]
+    if rc:
+        out.append("/".join(rc) + " recomputation")
+    zero = [z for z in ZERO_STAGES[1:] if z not in caps.zero]
+    if zero:
+        out.append("ZeRO stage " + "/".join(map(str, zero)))
+    with_pp = [z for z in caps.zero if z and z not in caps.zero_with_pp]
+    if with_pp:
+        out.append("ZeRO stage " + "/".join(map(str, with_pp)) + " together with a pipeline")
+    if not caps.offload:
+        out.append("optimizer offload")
+    if not caps.accumulation:
+        out.append("gradient accumulation over micro-batches when pp is 1 (a replica's batch "
+                   "runs in one pass)")
+    out = [w + ": the runtime cannot execute it yet" for w in out]
+    if PP not in caps.axes:
+        out.insert(0, "pipeline parallelism (pp > 1): runs from a plan that names it "
+                      "(pipeline=dict(size=...)); this search does not choose it yet")
+    return out
+
+
+def nothing_fits(result, world) -> str:
+    """Why the search found no plan that fits, and how many devices would do."""
+    if not result.alternatives:
+        return f"no plan exists for this model on {world.devices} devices."
+    closest, _ = min(result.alternatives, key=lambda a: a[0].memory_per_device)
+    need = closest.memory_per_device
+    cap = world.profile.memory_bytes * USABLE_MEMORY
+    if need <= cap:  # fits the device, not the host its offloaded state goes to
+        host = host_capacity(world.profile, world.per_node, world.devices)
+        return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
+                f"{closest.describe()}, offloads {closest.host_per_device / 2 ** 30:.1f} GiB "
+                f"per device to the host, which has {host / 2 ** 30:.1f} GiB per device (the "
+                "profile's host_memory_bytes per node over its devices); use more devices "
+                "(`autopar explain --min-devices` finds the fewest) or a profile with more host "
+                "memory.")
+    return (f"no plan fits in memory on {world.devices} x {world.device}: the closest, "
+            f"{closest.describe()}, needs {need / 2 ** 30:.1f} GiB per device of "
+            f"{cap / 2 ** 30:.1f} GiB usable; about "
+            f"{_round_up(world.devices * (need / cap), world.per_node)} devices would be "
+            "needed (a world of that size; `autopar explain --min-devices` finds the fewest).")
+
+
+def _round_up(x: float, k: int) -> int:
+    n = int(-(-x // 1))
+    return -(-n // k) * k

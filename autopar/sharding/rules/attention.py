@@ -1,0 +1,153 @@
+"""Attention split by heads or batch (no communication), or on the sequence over cp:
+ring attention (Li et al. 2021) or Ulysses (Jacobs et al. 2023)."""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.errors import PlanError
+from autopar.graph.masks import is_causal_mask, too_large
+from autopar.modes import CP, RING, ULYSSES
+from autopar.sharding.layout import Layout, divisible
+from autopar.sharding.rules.context import (
+    RuleContext,
+    itemsize,
+    out_layouts,
+    rep,
+    replicate,
+    shard_dim,
+    splits,
+)
+from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
+
+aten = torch.ops.aten
+
+
+def attention(ctx: RuleContext) -> Strategy:
+    """Split by heads (dim 1) or by batch (dim 0): each rank attends with whole heads of
+    whole sequences, no communication."""
+    q, k, v = ctx.node.args[:3]
+    mask = ctx.node.args[3] if len(ctx.node.args) > 3 else ctx.node.kwargs.get("attn_mask")
+    dims = [shard_dim(ctx, n) for n in (q, k, v)]
+    if ctx.axis == CP and any(d == 2 for d in dims):
+        return sequence_attention(ctx, q, k, v, mask)
+    d = next((d for d in dims if d in (0, 1)), None)
+    if d is None or not all(splits(ctx.shape(n)[d], ctx.size) for n in (q, k, v)):
+        return replicate(ctx)
+    needs = {n: Need(rep(n).with_shard(d, ctx.axis)) for n in (q, k, v)}
+    if isinstance(mask, fx.Node):
+        mshape = ctx.shape(mask)
+        split_mask = len(mshape) == 4 and mshape[d] != 1
+        needs[mask] = Need(rep(mask).with_shard(d, ctx.axis) if split_mask else rep(mask))
+    out = Layout.replicated(len(ctx.info.shape)).with_shard(d, ctx.axis)
+    return Strategy("heads" if d == 1 else "batch", needs, out)
+
+
+_SDPA_ARGS = {  # target -> positions of (attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    aten.scaled_dot_product_attention.default: (3, 4, 5, 6, 7),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (None, 3, 4, None, None),
+}
+
+
+def _arg(node: fx.Node, pos, name: str, default):
+    if pos is not None and len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
+    """q, k, v split on the sequence dim (2) over `cp`: ring attention or Ulysses
+    (`autopar.kernels.sequence`), with the collectives the kernel logs. Dropout and masks
+    other than is_causal (or a mask equal to it, `autopar.graph.masks`) are not supported:
+    the sequence is gathered instead."""
+    node = ctx.node
+    positions = _SDPA_ARGS.get(node.target)
+    mode = ctx.sequence_mode or RING
+    if positions is None:
+        return replicate(ctx, note=f"{node.target} has no sequence-parallel kernel; ran with "
+                                   "the sequence gathered")
+    pm, pd, pc, ps, pg = positions
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        mask = node.kwargs.get("attn_mask")
+        scale = node.kwargs.get("scale")
+        gqa = False
+    else:
+        scale = _arg(node, ps, "scale", None)
+        gqa = bool(_arg(node, pg, "enable_gqa", False))
+    dropout_p = _arg(node, pd, "dropout_p", 0.0)
+    causal = bool(_arg(node, pc, "is_causal", False))
+    if isinstance(mask, fx.Node) and not causal and len(ctx.shape(q)) == 4 and \
+            ctx.shape(q)[2] == ctx.shape(k)[2] and is_causal_mask(mask):
+        causal, mask = True, None  # a causal mask built from positions (transformers' models)
+    if isinstance(mask, fx.Node) and too_large(mask):
+        return replicate(ctx, note=f"the attention mask of {node.name} is too large to check "
+                                   "for causality; ran with the sequence gathered (pass "
+                                   "is_causal=True instead of a causal mask)")
+    if isinstance(mask, fx.Node) or dropout_p:
+        return replicate(ctx, note="sequence-parallel attention takes no mask or dropout; "
+                                   "ran with the sequence gathered")
+    c = ctx.size
+    shapes = [ctx.shape(n) for n in (q, k, v)]
+    if not all(divisible(sh[2], c) for sh in shapes):
+        return replicate(ctx)
+    full = ctx.all_layouts
+    sizes = ctx.sizes
+
+    # the split the other axis's attention rule puts on batch or heads (all of q, k, v alike)
+    other = None
+    for n in (q, k, v):
+        lay = full.get(n)
+        for s in (lay.shards if isinstance(lay, Layout) else ()):
+            if s.axis != CP and s.dim in (0, 1) and s.groups == 1 and other is None:
+                other = s
+    if other is not None and not all(splits(sh[other.dim], sizes[other.axis]) for sh in shapes):
+        other = None
+
+    def per_rank(n: fx.Node) -> tuple[sympy.Expr, int]:
+        """Bytes of this rank's block of n (every axis's split) and its heads per rank."""
+        lay = rep(n).with_shard(2, CP)
+        heads = int(ctx.shape(n)[1])
+        if other is not None:
+            lay = lay.with_shard(other.dim, other.axis)
+            heads //= sizes[other.axis] if other.dim == 1 else 1
+        return ctx.local_bytes(n, lay), heads
+
+    (qb, h), (kb, hkv), (vb, _) = (per_rank(n) for n in (q, k, v))
+    ob = qb * sympy.sympify(ctx.shape(v)[3]) / sympy.sympify(ctx.shape(q)[3])
+    grads = [bool(ctx.requires_grad.get(n)) for n in (q, k, v)]
+    comm = []
+    if mode == ULYSSES:
+        if h % c:
+            per_rank_note = " per tensor rank" if h != int(shapes[0][1]) else ""
+            raise PlanError(f"Ulysses splits the {h} attention heads{per_rank_note} "
+                            f"of {ctx.info.module or ctx.info.layer} over sequence size {c}, and "
+                            f"{h} does not divide by {c}; use mode='ring', or a sequence size "
+                            f"that divides {h}.")
+        f = c // math.gcd(hkv, c)
+        for b in (qb, f * kb, f * vb, ob):
+            comm.append(CommOp("all_to_all", CP, "forward", b, node.name))
+        if ctx.requires_grad.get(node, any(grads)):
+            comm.append(CommOp("all_to_all", CP, "backward", ob, node.name))
+            for b, g in zip((qb, f * kb, f * vb), grads):
+                if g:
+                    comm.append(CommOp("all_to_all", CP, "backward", b, node.name))
+    elif c > 1:
+        kv = kb + vb
+        comm += [CommOp("p2p", CP, "forward", kv, node.name) for _ in range(c - 1)]
+        if ctx.requires_grad.get(node, any(grads)):
+            comm += [CommOp("p2p", CP, "backward", kv, node.name) for _ in range(c - 1)]
+            if grads[1] or grads[2]:  # dk, dv accumulators: float32 for 16-bit inputs
+                item = itemsize(k.meta["autopar"].dtype)
+                acc = kv * sympy.Rational(max(4, item), item)
+                comm += [CommOp("p2p", CP, "backward", acc, node.name, accumulator=True)
+                         for _ in range(c)]
+    needs = {n: Need(rep(n).with_shard(2, CP)) for n in (q, k, v)}
+    out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)).with_shard(2, CP)
+                       if len(shape) == 4 else Layout.replicated(len(shape)))
+    return Strategy("sequence", needs, out, comm=comm, rewrite=Rewrite.SEQUENCE_ATTENTION,
+                    args={"sequence": {"mode": mode, "is_causal": causal, "scale": scale,
+                                       "enable_gqa": gqa}})

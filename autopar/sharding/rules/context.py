@@ -1,0 +1,251 @@
+"""What a catalog rule sees of the op it decides (`RuleContext`), and the helpers every rule
+family shares: the replicated and follow strategies, tensor inputs, byte counts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.graph.analysis import NodeInfo, OpKind
+from autopar.graph.ir import BATCH
+from autopar.sharding.axes import TensorMesh
+from autopar.sharding.layout import Layout, divisible
+from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
+
+
+@dataclass
+class RuleContext:
+    """What a rule may ask about the op it is deciding."""
+
+    node: fx.Node
+    axis: str
+    size: int  # ranks on the axis
+    mode: str  # the layer's tensor-parallel mode
+    layouts: dict  # node -> Layout (or list for multi-output ops); params absent while free
+    hints: dict  # node name -> ("groups", g) | ("replicate",)
+    new_hints: dict  # filled by rules that need a producer to choose differently
+    mesh: TensorMesh | None = None  # every tensor axis and its size (None: `axis` only)
+    requires_grad: dict = field(default_factory=dict)  # node -> whether autograd tracks it
+    # Megatron sequence parallelism (1D layers only): `sp` when this op's layer runs it,
+    # `seq` the tokens per sample (the size of the sequence dim), `grad_summed` the values
+    # whose gradient a gather_sum_grads before them already sums (a view feeding column
+    # linears), `sp_failures` layer -> why an op there could not be sequence-split.
+    sp: bool = False
+    seq: int | None = None
+    grad_summed: set = field(default_factory=set)
+    sp_failures: dict = field(default_factory=dict)
+    sequence_mode: str | None = None  # "ring" | "ulysses" when the mesh has a cp axis
+
+    def seq_dim(self, node: fx.Node | None = None) -> int | None:
+        """The sequence dim of a [batch, ..., sequence, ..., hidden] value (of this op's output
+        by default): the first dim after the batch and before the last of size `seq`."""
+        if self.seq is None:
+            return None
+        shape = self.shape(node) if node is not None else self.info.shape
+        if shape is None or len(shape) < 3 or not batch_like(shape[0]):
+            return None
+        for d in range(1, len(shape) - 1):
+            if sympy.sympify(shape[d]) == self.seq:
+                return d
+        return None
+
+    def sp_fail(self, why: str) -> None:
+        self.sp_failures.setdefault(self.info.layer, f"{self.node.name} {why}")
+
+    def sequence_split(self, x: fx.Node) -> Layout | None:
+        """x split on its sequence dim over this axis (Megatron-SP), or None with the reason
+        recorded when x has no sequence dim or it does not divide."""
+        d = self.seq_dim(x)
+        if d is None:
+            self.sp_fail(f"reads a partial sum of shape {tuple(self.shape(x))} with no "
+                         f"sequence dim of {self.seq} tokens")
+            return None
+        if not divisible(self.shape(x)[d], self.size):
+            self.sp_fail(f"has a sequence of {self.shape(x)[d]} tokens, which does not split "
+                         f"over {self.size} ranks")
+            return None
+        return Layout.replicated(len(self.shape(x))).with_shard(d, self.axis)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Ranks on every tensor axis a layout may use."""
+        return self.mesh.sizes if self.mesh is not None else {self.axis: self.size}
+
+    @property
+    def all_layouts(self) -> Mapping:
+        """Every value's layout on every axis, even in a context restricted to one axis."""
+        return self.layouts.full if isinstance(self.layouts, _Restricted) else self.layouts
+
+    def on_axis(self, axis: str) -> RuleContext:
+        """The same op seen on one axis: layouts restricted to it, `size` its ranks."""
+        size = self.sizes.get(axis, self.size)
+        return replace(self, axis=axis, size=size, layouts=_Restricted(self.layouts, axis))
+
+    def local_bytes(self, node: fx.Node, layout: Layout | None = None) -> sympy.Expr:
+        """Bytes of the block of `node` one rank holds under `layout` (its own by default)."""
+        info = node.meta["autopar"]
+        layout = layout if layout is not None else self.layouts.get(node)
+        n = sympy.Mul(*info.shape)
+        if isinstance(layout, Layout):
+            n = n / layout.parts(self.sizes)
+        return n * itemsize(info.dtype)
+
+    @property
+    def info(self) -> NodeInfo:
+        return self.node.meta["autopar"]
+
+    def layout(self, node: fx.Node):
+        """The layout of a value; a parameter no op has placed yet reads as replicated."""
+        if node not in self.layouts and node.op == "get_attr":
+            return Layout.replicated(len(self.shape(node)))
+        return self.layouts.get(node)
+
+    def placed(self, node: fx.Node) -> Layout | None:
+        """A parameter's layout once an earlier op fixed it, else None."""
+        return self.layouts.get(node)
+
+    def shape(self, node: fx.Node) -> tuple:
+        return node.meta["autopar"].shape
+
+    def hint(self):
+        return self.hints.get(self.node.name)
+
+    def bytes_of(self, node: fx.Node) -> sympy.Expr:
+        info = node.meta["autopar"]
+        return sympy.Mul(*info.shape) * itemsize(info.dtype)
+
+    def comm(self, op: str, node: fx.Node, phase: str = "forward") -> CommOp:
+        return CommOp(op, self.axis, phase, self.bytes_of(node), self.node.name)
+
+    def comm_on(self, op: str, axis: str, nbytes, phase: str = "forward", times=1) -> \
+            list[CommOp]:
+        """One collective of `nbytes` on `axis` run `times` times (as one record)."""
+        return [CommOp(op, axis, phase, nbytes * times, self.node.name)]
+
+    def ask_producer(self, node: fx.Node, hint: tuple) -> bool:
+        """Ask the linear layer that produced `node` to lay its output out differently."""
+        source = _producing_linear(node)
+        if source is None or self.hints.get(source.name) == hint:
+            return False
+        self.new_hints[source.name] = hint
+        return True
+
+
+class _Restricted(Mapping):
+    """A read-only view of a layouts dict with every layout restricted to one axis."""
+
+    def __init__(self, layouts, axis: str):
+        self._layouts, self._axis = layouts, axis
+
+    @property
+    def full(self):
+        return self._layouts
+
+    def __getitem__(self, node):
+        return _restrict(self._layouts[node], self._axis)
+
+    def __iter__(self):
+        return iter(self._layouts)
+
+    def __len__(self):
+        return len(self._layouts)
+
+    def __contains__(self, node):
+        return node in self._layouts
+
+
+def _restrict(layout, axis: str):
+    if isinstance(layout, Layout):
+        return layout.restricted((axis,))
+    if isinstance(layout, list):
+        return [_restrict(v, axis) for v in layout]
+    return layout
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element of `dtype` (0 for a value without one)."""
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued nodes among an op's arguments, in order, each once."""
+    seen: dict[fx.Node, None] = {}
+    for a in _flatten(node):
+        if isinstance(a, fx.Node) and a.meta.get("autopar") and a.meta["autopar"].shape is not None:
+            seen.setdefault(a, None)
+    return list(seen)
+
+
+def _flatten(node: fx.Node) -> list:
+    out = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def _producing_linear(node: fx.Node) -> fx.Node | None:
+    while node is not None:
+        kind = node.meta["autopar"].kind
+        if kind is OpKind.LINEAR:
+            return node
+        if kind not in (OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.DROPOUT):
+            return None
+        inputs = tensor_inputs(node)
+        node = inputs[0] if len(inputs) >= 1 else None
+    return None
+
+
+def rep(node: fx.Node) -> Layout:
+    """The replicated layout of a value."""
+    return Layout.replicated(len(node.meta["autopar"].shape))
+
+
+def out_layouts(ctx: RuleContext, layout_fn: Callable[[tuple], Layout]):
+    """`layout_fn` of the op's output shape, or of each output of a multi-output op."""
+    val = ctx.node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return [layout_fn(tuple(v.shape)) if isinstance(v, torch.Tensor) else None for v in val]
+    if ctx.info.shape is None:
+        return None
+    return layout_fn(ctx.info.shape)
+
+
+def replicate(ctx: RuleContext, note: str = "") -> Strategy:
+    """Every input whole on every rank; the op runs unchanged."""
+    needs = {n: Need(rep(n)) for n in tensor_inputs(ctx.node)}
+    out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)))
+    return Strategy("replicate", needs, out, note=note)
+
+
+def follow(ctx: RuleContext, x: fx.Node, out: Layout, name: str = "follow",
+           rewrite: Rewrite | None = None) -> Strategy:
+    """One tensor input keeps its layout; the others (weights, masks) stay replicated."""
+    needs = {n: Need(rep(n)) for n in tensor_inputs(ctx.node) if n is not x}
+    needs[x] = Need(ctx.layout(x))
+    return Strategy(name, needs, out, rewrite=rewrite)
+
+
+def splits(size, parts: int) -> bool:
+    """A size splits into `parts` when it divides, or when it is a whole multiple of the batch
+    (the engine refuses batches the batch split does not divide)."""
+    return divisible(size, parts) or batch_like(size)
+
+
+def batch_like(size) -> bool:
+    """Whether a size is a positive whole multiple of the batch symbol."""
+    size = sympy.sympify(size)
+    ratio = sympy.simplify(size / BATCH)
+    return size.free_symbols == {BATCH} and ratio.is_number and ratio.is_integer \
+        and bool(ratio > 0)
+
+
+def shard_dim(ctx: RuleContext, node: fx.Node) -> int | None:
+    """The dim `node` is split on over the rule's axis, in one block; else None."""
+    layout = ctx.layout(node)
+    shard = layout.shard_on(ctx.axis) if layout is not None else None
+    return shard.dim if shard is not None and shard.groups == 1 else None
+
