@@ -39,7 +39,6 @@ Prints two tables and writes benchmarks/results/fidelity.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -51,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench_megatron import predict as megatron_predict  # noqa: E402
+from gloo_world import write_and_judge  # noqa: E402
 
 from autopar.cost.hardware import load_hardware  # noqa: E402
 from autopar.models import workload  # noqa: E402
@@ -402,21 +402,15 @@ def main() -> int:
             if c["ratio"] > OPTIMISM_BAR:
                 print(f"  {c['model']} x{c['gpus']} {c['device']}: {c['ratio']:.2f}x the best "
                       f"published MFU; {_justified(c)}")
-    out_dir = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "fidelity.json"), "w") as f:
-        json.dump({"tolerance_percent": args.tolerance, "mean_abs_error_percent": mae,
-                   "held_out_mean_abs_error_percent": held_mae,
-                   "worst_abs_error_percent": abs(worst["error_percent"]),
-                   "runs": [asdict(run) for run in RUNS], "rows": rows,
-                   "best_published": [{"model": k[0], "device": k[1], "mfu": v[0], "hfu": v[1],
-                                       "source": v[2]} for k, v in BEST_PUBLISHED.items()],
-                   "optimism": checks}, f, indent=2)
-    bad = [r["name"] for r in rows if abs(r["error_percent"]) > args.tolerance]
-    if bad:
-        print(f"off by more than {args.tolerance:.0f}%: {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_and_judge(
+        "fidelity.json",
+        {"tolerance_percent": args.tolerance, "mean_abs_error_percent": mae,
+         "held_out_mean_abs_error_percent": held_mae,
+         "worst_abs_error_percent": abs(worst["error_percent"]),
+         "runs": [asdict(run) for run in RUNS], "rows": rows,
+         "best_published": [{"model": k[0], "device": k[1], "mfu": v[0], "hfu": v[1],
+                             "source": v[2]} for k, v in BEST_PUBLISHED.items()],
+         "optimism": checks}, rows, "name", args.tolerance)
 
 
 if __name__ == "__main__":

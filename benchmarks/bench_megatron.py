@@ -16,13 +16,14 @@ off by more than the tolerance (the issue's bar is 15%).
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from gloo_world import write_and_judge  # noqa: E402
 
 from autopar.models import workload  # noqa: E402
 from autopar.models.zoo import MEGATRON_TABLE1  # noqa: E402
@@ -89,20 +90,15 @@ def main() -> int:
     mean_abs = sum(abs(r["error_percent"]) for r in rows) / len(rows)
     print(f"worst |error| {abs(worst['error_percent']):.1f}% ({worst['model']}), "
           f"mean |error| {mean_abs:.1f}%, bar {args.tolerance:.0f}%")
-    out_dir = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "megatron.json"), "w") as f:
-        json.dump({"source": "Narayanan et al. 2021, arXiv 2104.04473, Table 1",
-                   "flops": "Eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), V=51200, s=2048",
-                   "device": "a100-80gb", "per_node": 8, "attention_kernel": "unfused",
-                   "tolerance_percent": args.tolerance,
-                   "worst_abs_error_percent": abs(worst["error_percent"]),
-                   "mean_abs_error_percent": mean_abs, "rows": rows}, f, indent=2)
-    bad = [r["model"] for r in rows if abs(r["error_percent"]) > args.tolerance]
-    if bad:
-        print(f"off by more than {args.tolerance:.0f}%: {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_and_judge(
+        "megatron.json",
+        {"source": "Narayanan et al. 2021, arXiv 2104.04473, Table 1",
+         "flops": "Eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), V=51200, s=2048",
+         "device": "a100-80gb", "per_node": 8, "attention_kernel": "unfused",
+         "tolerance_percent": args.tolerance,
+         "worst_abs_error_percent": abs(worst["error_percent"]),
+         "mean_abs_error_percent": mean_abs, "rows": rows},
+        rows, "model", args.tolerance)
 
 
 if __name__ == "__main__":

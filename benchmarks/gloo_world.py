@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,19 @@ def results_path(name: str) -> str:
     out_dir = os.path.join(ROOT, "benchmarks", "results")
     os.makedirs(out_dir, exist_ok=True)
     return os.path.join(out_dir, name)
+
+
+def write_and_judge(name: str, data: dict, rows: list[dict], label: str,
+                    tolerance: float) -> int:
+    """Write `data` to benchmarks/results/<name>; 1 (naming them) if any row's
+    error_percent is beyond `tolerance`, else 0: a benchmark's exit status."""
+    with open(results_path(name), "w") as f:
+        json.dump(data, f, indent=2)
+    bad = [r[label] for r in rows if abs(r["error_percent"]) > tolerance]
+    if bad:
+        print(f"off by more than {tolerance:.0f}%: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _entry(rank: int, port: int, world: int, fn, args) -> None:

@@ -14,6 +14,7 @@ drops `lm_head.weight`) is read under any of them.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 import os
@@ -55,7 +56,7 @@ def convertible(stored: torch.dtype, wanted: torch.dtype) -> bool:
     return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
 
 
-class WeightSource:
+class WeightSource(abc.ABC):
     """Stored weights by name; subclasses say how a list of blocks of one key is read."""
 
     def __init__(self, where: str, entries: dict[str, Entry],
@@ -161,11 +162,14 @@ class WeightSource:
         parts = self.read(name, [tuple(b) for b in blocks], dtype)
         return _join(parts, [len(r) for r in per_dim])
 
+    @abc.abstractmethod
     def _read_blocks(self, key: str, blocks: list[Block]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The stored tensor `key`'s regions `blocks`, read from the source."""
 
     def close(self) -> None:
-        """Release open files (a source is also a context manager)."""
+        """Release open files (a source is also a context manager); nothing to release by
+        default (a mapping holds no file)."""
+        return None
 
     def __enter__(self) -> WeightSource:
         return self
