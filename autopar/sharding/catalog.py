@@ -4,7 +4,8 @@ A rule (`autopar.sharding.rules`) looks at the layouts of an op's inputs and ret
 `Strategy`: the layout each input must have, the output layout, the collectives the op runs
 and the sharded form (`Rewrite`) the rewrite pass gives it. The cost model prices that
 entry, the rewrite emits it and explain prints it. Rules are found by op kind, or by target
-for ops the analysis leaves unclassified; an op with no entry runs replicated, with a note.
+for ops the analysis leaves unclassified, in the tables each family fills as it registers
+(`rules.registry.decides`); an op with no entry runs replicated, with a note.
 
 Modes: "1d" (Megatron), "2d", "2.5d" and "3d" (`rules.grid`), and "replicate". Generic
 rules are written for one axis: on a layout split over several, `decide` runs the rule once
@@ -15,67 +16,23 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from autopar.graph.analysis import OpKind
 from autopar.modes import CP
+from autopar.sharding import rules  # noqa: F401  (importing it registers every family's rules)
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.layout import Layout
-from autopar.sharding.rules.attention import attention
 from autopar.sharding.rules.context import RuleContext, replicate, tensor_inputs
-from autopar.sharding.rules.grid import grid_embedding, grid_linear, grid_loss, grid_norm
-from autopar.sharding.rules.linear import linear, matmul
-from autopar.sharding.rules.norm import norm
-from autopar.sharding.rules.pointwise import (
-    concat,
-    dropout,
-    elementwise,
-    narrow,
-    reduction,
-    softmax,
-)
+from autopar.sharding.rules.registry import MODE_RULES, RULES, TARGET_RULES, Rule
 from autopar.sharding.rules.tokens import with_tokens
 from autopar.sharding.rules.views import view
-from autopar.sharding.rules.vocab import embedding, loss
 from autopar.sharding.strategy import Need, Rewrite, Strategy
 
 __all__ = ["MODE_RULES", "RULES", "TARGET_RULES", "RuleContext", "decide", "tensor_inputs"]
 
 aten = torch.ops.aten
-
-Rule = Callable[[RuleContext], Strategy]
-
-# In a 2D, 2.5D or 3D layer these kinds take the grid rule of `rules.grid`.
-MODE_RULES: dict[OpKind, Rule] = {
-    OpKind.LINEAR: grid_linear,
-    OpKind.NORM: grid_norm,
-    OpKind.EMBEDDING: grid_embedding,
-    OpKind.LOSS: grid_loss,
-}
-
-RULES: dict[OpKind, Rule] = {
-    OpKind.LINEAR: linear,
-    OpKind.EMBEDDING: embedding,
-    OpKind.NORM: norm,
-    OpKind.ATTENTION: attention,
-    OpKind.MATMUL: matmul,
-    OpKind.SOFTMAX: softmax,
-    OpKind.LOSS: loss,
-    OpKind.DROPOUT: dropout,
-    OpKind.REDUCTION: reduction,
-    OpKind.ELEMENTWISE: elementwise,
-    OpKind.VIEW: view,
-}
-
-
-# Ops the analysis does not classify (OpKind.OTHER), known to the catalog by their target.
-TARGET_RULES: dict[object, Rule] = {
-    aten.cat.default: concat,
-    aten.narrow.default: narrow,
-}
 
 
 def decide(ctx: RuleContext) -> Strategy:

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
+from autopar.graph.analysis import OpKind
 from autopar.graph.masks import is_causal_mask, too_large
 from autopar.modes import CP, RING, ULYSSES
 from autopar.sharding.layout import Layout, divisible
@@ -22,11 +23,13 @@ from autopar.sharding.rules.context import (
     shard_dim,
     splits,
 )
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
 aten = torch.ops.aten
 
 
+@decides(OpKind.ATTENTION)
 def attention(ctx: RuleContext) -> Strategy:
     """Split by heads (dim 1) or by batch (dim 0): each rank attends with whole heads of
     whole sequences, no communication."""

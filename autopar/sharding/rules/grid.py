@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.graph.analysis import OpKind
 from autopar.modes import TP_3D, TP_25D
 from autopar.sharding.axes import GRIDS, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.rules.context import RuleContext, batch_like, itemsize, replicate
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.rules.vocab import cross_entropy_args
 from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
@@ -60,6 +62,7 @@ def _pick_grid(ctx: RuleContext, x: fx.Node, w: fx.Node | None = None,
     return grids[scores.index(max(scores))]
 
 
+@decides(OpKind.LINEAR, grid=True)
 def grid_linear(ctx: RuleContext) -> Strategy:
     """linear / Conv1D on the grid: SUMMA (2D, 2.5D) or gather-multiply-reduce-scatter (3D)."""
     node = ctx.node
@@ -135,6 +138,7 @@ def grid_linear(ctx: RuleContext) -> Strategy:
                     args={"mode": ctx.mode, "grid": grid, "transposed": transposed})
 
 
+@decides(OpKind.NORM, grid=True)
 def grid_norm(ctx: RuleContext) -> Strategy:
     """LayerNorm / RMSNorm over a hidden dim split on one axis: statistics all-reduced over
     it, weight and bias gradients over the axes that split the other dims."""
@@ -180,6 +184,7 @@ def grid_norm(ctx: RuleContext) -> Strategy:
                           "replicas": replicas, "eps": eps, "params": (weight, bias)})
 
 
+@decides(OpKind.EMBEDDING, grid=True)
 def grid_embedding(ctx: RuleContext) -> Strategy:
     """The table split on hidden like activations: no forward communication; where the ids
     are split on batch, the table's gradient is summed over the batch-splitting axis."""
@@ -201,6 +206,7 @@ def grid_embedding(ctx: RuleContext) -> Strategy:
     return Strategy(f"{ctx.mode} embedding", needs, out)
 
 
+@decides(OpKind.LOSS, grid=True)
 def grid_loss(ctx: RuleContext) -> Strategy:
     """Cross-entropy on logits split like a linear's output (batch and vocabulary): the
     vocabulary-parallel kernel, then the loss sum and count summed over the batch split."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from autopar.graph.analysis import OpKind
 from autopar.modes import TP_1D
 from autopar.sharding.layout import Layout, divisible
 from autopar.sharding.rules.context import RuleContext, rep, replicate, shard_dim
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import Need, Rewrite, Strategy
 
 aten = torch.ops.aten
 
 
+@decides(OpKind.LINEAR)
 def linear(ctx: RuleContext) -> Strategy:
     """Megatron 1D: a column split when the input is whole, a row split when it is split."""
     node = ctx.node
@@ -61,6 +64,7 @@ def linear(ctx: RuleContext) -> Strategy:
     return replicate(ctx, note=f"output features {w_shape[out_dim]} do not split over "
                                f"{ctx.size} ranks")
 
+@decides(OpKind.MATMUL)
 def matmul(ctx: RuleContext) -> Strategy:
     """Activation x activation: batch dims split alike, or rows of one operand, or columns."""
     node = ctx.node

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from autopar.graph.analysis import OpKind
 from autopar.sharding.rules.context import RuleContext, follow, replicate
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import Need, Strategy
 
 aten = torch.ops.aten
 
 
+@decides(OpKind.NORM)
 def norm(ctx: RuleContext) -> Strategy:
     """Statistics over the last dims: fine while those dims are whole."""
     x = ctx.node.args[0]

@@ -6,13 +6,16 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.graph.analysis import OpKind
 from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.rules.context import RuleContext, follow, rep, replicate, tensor_inputs
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import Need, Rewrite, Strategy
 
 aten = torch.ops.aten
 
 
+@decides(OpKind.SOFTMAX)
 def softmax(ctx: RuleContext) -> Strategy:
     """Along a whole dim: the input's split kept; a split softmax dim is gathered."""
     x, dim = ctx.node.args[0], ctx.node.args[1]
@@ -23,6 +26,7 @@ def softmax(ctx: RuleContext) -> Strategy:
     return follow(ctx, x, layout)
 
 
+@decides(OpKind.DROPOUT)
 def dropout(ctx: RuleContext) -> Strategy:
     """Same random stream where the tensor is whole on the axis, a rank's own where split."""
     x = ctx.node.args[0]
@@ -36,6 +40,7 @@ def dropout(ctx: RuleContext) -> Strategy:
     return strategy
 
 
+@decides(OpKind.REDUCTION)
 def reduction(ctx: RuleContext) -> Strategy:
     """Sum or mean: a split on a kept dim stays, a sum over the split dim is a partial sum."""
     node = ctx.node
@@ -73,6 +78,7 @@ _LINEAR_UNARY = (aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.clone.
                  aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default)
 
 
+@decides(OpKind.ELEMENTWISE)
 def elementwise(ctx: RuleContext) -> Strategy:
     """Broadcasting ops: inputs follow the first split input, partial sums only add up."""
     node = ctx.node
@@ -115,6 +121,7 @@ def elementwise(ctx: RuleContext) -> Strategy:
     return Strategy("follow", needs, out.with_shard(target_shard.dim, ctx.axis,
                                                     target_shard.groups))
 
+@decides(aten.cat.default)
 def concat(ctx: RuleContext) -> Strategy:
     """Joining tensors along `dim`: a split elsewhere is kept as it is, with no communication.
 
@@ -147,6 +154,7 @@ def concat(ctx: RuleContext) -> Strategy:
                                f"is split over '{ctx.axis}'; inputs gathered")
 
 
+@decides(aten.narrow.default)
 def narrow(ctx: RuleContext) -> Strategy:
     """A window of one dimension: a split elsewhere is kept; a split window is gathered."""
     x, dim = ctx.node.args[0], ctx.node.args[1]

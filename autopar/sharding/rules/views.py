@@ -19,6 +19,7 @@ from autopar.sharding.rules.context import (
     rep,
     replicate,
 )
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import Need, Rewrite, Strategy
 
 aten = torch.ops.aten
@@ -33,6 +34,7 @@ _SHAPE_ONLY = _IDENTITY_VIEWS | _RESHAPES | {aten.transpose.int, aten.permute.de
                                              aten.squeeze.dim, aten.squeeze.dims}
 
 
+@decides(OpKind.VIEW)
 def view(ctx: RuleContext) -> Strategy:
     """Shape-only ops carry the split dimension along, or gather when they cannot."""
     node = ctx.node

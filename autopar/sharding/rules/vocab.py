@@ -6,14 +6,17 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.graph.analysis import OpKind
 from autopar.modes import TP_1D
 from autopar.sharding.layout import Layout, divisible
 from autopar.sharding.rules.context import RuleContext, itemsize, rep, replicate, shard_dim
+from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
 aten = torch.ops.aten
 
 
+@decides(OpKind.EMBEDDING)
 def embedding(ctx: RuleContext) -> Strategy:
     """Vocabulary-parallel lookup: each rank owns a slice of the rows, the sum is all-reduced."""
     w, idx = ctx.node.args[0], ctx.node.args[1]
@@ -41,6 +44,7 @@ def cross_entropy_args(node: fx.Node) -> tuple:
     return weight, reduction, ignore, smoothing
 
 
+@decides(OpKind.LOSS)
 def loss(ctx: RuleContext) -> Strategy:
     """Vocabulary-parallel cross-entropy: max, sum of exponentials and target logit all-reduced."""
     node = ctx.node
