@@ -22,6 +22,7 @@ from autopar.modes import (
     GRID_MODES,
     LAYER_SP,
     MEGATRON_SP,
+    MESH_SIZES,
     NO_RECOMPUTE,
     NO_SP,
     PP,
@@ -175,7 +176,7 @@ def _from_factory(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
 
 def constraints_of(args) -> dict:
     out = {}
-    for name in ("tp", "pp", "dp", "cp", "zero", "microbatches", "schedule"):
+    for name in (*_sizes(), "zero", "microbatches", "schedule"):
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value
@@ -341,7 +342,8 @@ def fill_defaults(args) -> None:
             setattr(args, name, recorded.get(name, default))
 
 
-def _add_plan_arguments(p) -> None:
+def add_plan_arguments(p) -> None:
+    """The arguments explain and search share (a mesh size flag per `modes.MESH_SIZES`)."""
     p.add_argument("model", help="zoo name (gpt3-175b, llama2-7b, ...), zoo spec "
                                  "(gpt:layers=..,hidden=..,heads=..), a transformers config "
                                  "directory or config.json, or package.module:factory / "
@@ -356,10 +358,8 @@ def _add_plan_arguments(p) -> None:
                                              "the --plan file's")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16, or the --plan file's")
-    p.add_argument("--tp", type=int)
-    p.add_argument("--pp", type=int)
-    p.add_argument("--dp", type=int)
-    p.add_argument("--cp", type=int)
+    for size in MESH_SIZES:
+        p.add_argument(_flag(size.axis), type=int, help=size.help)
     p.add_argument("--tp-mode", choices=TP_MODES)
     p.add_argument("--sp", choices=LAYER_SP + SEQUENCE_MODES)
     p.add_argument("--zero", type=int, choices=ZERO_STAGES)
@@ -388,7 +388,12 @@ def _add_plan_arguments(p) -> None:
                    help="how many runner-up plans to keep, with why each lost")
 
 
-_POSITIVE = ("world", "per_node", "batch", "seq", "tp", "pp", "dp", "cp", "microbatches", "top")
+_POSITIVE = ("world", "per_node", "batch", "seq", "microbatches", "top")  # and each mesh size
+
+
+def _sizes() -> tuple[str, ...]:
+    """The mesh sizes a user may fix (--tp, --pp, ...): one per `modes.MESH_SIZES` entry."""
+    return tuple(size.axis for size in MESH_SIZES)
 
 
 def _flag(name: str) -> str:
@@ -398,7 +403,7 @@ def _flag(name: str) -> str:
 def validate_args(args) -> None:
     """Refuse a flag of the wrong range, or flags that contradict each other, before any
     work (loading, searching, calibrating), naming the flag, its value and what works."""
-    for name in _POSITIVE:
+    for name in (*_POSITIVE, *_sizes()):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise AutoparError(f"{_flag(name)} {value} is out of range; give a whole number "
@@ -455,8 +460,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_plan_arguments(sub.add_parser("explain", help="plan a model on a world and explain it"))
-    _add_plan_arguments(sub.add_parser("search", help="search the best plan and write it (-o)"))
+    add_plan_arguments(sub.add_parser("explain", help="plan a model on a world and explain it"))
+    add_plan_arguments(sub.add_parser("search", help="search the best plan and write it (-o)"))
     from autopar.cost import calibrate
 
     calibrate.add_parser(sub)

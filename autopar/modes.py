@@ -9,8 +9,29 @@ from dataclasses import dataclass
 # Mesh axes. ORDER is the device order, innermost first: tensor ranks are neighbours
 # (one NVLink domain), then context, data and pipeline ranks.
 PP, DP, CP, TP = "pp", "dp", "cp", "tp"
-AXES = (PP, DP, CP, TP)
+AXES = (PP, DP, CP, TP)  # the world's factorisation: their sizes multiply to the world
 ORDER = (TP, CP, DP, PP)
+
+
+@dataclass(frozen=True)
+class MeshSize:
+    """A mesh size a user may fix: the command line's `--<axis>` flag (help text and all)
+    and the search constraint of the same name."""
+
+    axis: str
+    help: str
+
+
+# Every size the command line offers and the search takes as a constraint, in the order
+# `--help` lists them. Distinct from AXES: an axis laid inside others (not a factor of the
+# world) has a size here and no place in AXES. A new axis is one entry: the flag, its
+# range check and its pass-through to the search follow.
+MESH_SIZES = (
+    MeshSize(TP, "tensor-parallel size (with --tp-mode: 1d, or a 2D/2.5D/3D grid)"),
+    MeshSize(PP, "pipeline stages"),
+    MeshSize(DP, "data-parallel size (ZeRO shards over it)"),
+    MeshSize(CP, "context-parallel size: the sequence split over it (with --sp ulysses|ring)"),
+)
 
 # Tensor parallelism: Megatron 1D, SUMMA 2D (Xu et al. 2021), Tesseract 2.5D (Wang et al.
 # 2021) and 3D (Bian et al. 2021).

@@ -242,3 +242,21 @@ def test_offload_can_be_forced_on_and_off(capsys):
     on = _json(capsys, ["explain", SMALL, "--world", "8", "--zero", "1", "--offload",
                         "--format", "json"])
     assert on["zero"]["offload"] is True
+
+
+def test_a_mesh_size_in_the_vocabulary_gets_its_flag_check_and_constraint(monkeypatch, capsys):
+    """An axis added to modes.MESH_SIZES needs no edit here: its flag, its range check and
+    its constraint follow."""
+    import argparse
+
+    from autopar import cli
+    from autopar.modes import MESH_SIZES, MeshSize
+
+    monkeypatch.setattr(cli, "MESH_SIZES", (*MESH_SIZES, MeshSize("xp", "a test axis")))
+    parser = argparse.ArgumentParser()
+    cli.add_plan_arguments(parser)
+    assert "a test axis" in parser.format_help()
+    args = parser.parse_args([SMALL, "--xp", "3", "--tp", "2"])
+    assert cli.constraints_of(args) == {"xp": 3, "tp": 2}
+    with pytest.raises(cli.AutoparError, match="--xp 0 is out of range"):
+        cli.validate_args(parser.parse_args([SMALL, "--xp", "0"]))

@@ -12,10 +12,12 @@ import math
 
 from autopar.cost.schedule import simulate, stage_count
 from autopar.modes import (
+    AXES,
     FULL,
     MEGATRON_SP,
     NO_RECOMPUTE,
     ONE_F_ONE_B,
+    ORDER,
     SELECTIVE,
     TP_1D,
     TP_2D,
@@ -42,6 +44,7 @@ WORK_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weig
 MEMORY_COLOURS = {"parameters": "#3a6fb0", "gradients": "#e07b39", "optimizer": "#9468a8",
                   "activations": "#4f9d5d", "buffers": "#8e9aa6"}
 AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8"}
+OTHER_AXIS_COLOUR = "#c0504d"  # an axis beyond AXIS_COLOURS (a new mode's) still draws
 STEP_COLOURS = {"compute": "#3a6fb0", "tensor/sequence comm": "#2a9d8f",
                 "pipeline bubble": "#d5dae1", "data-parallel sync": "#e07b39",
                 "optimizer": "#5b6470", "transfers and conversions": "#9468a8"}
@@ -163,12 +166,21 @@ def _time_unit(top: float) -> tuple[float, str]:
 # ----------------------------------------------------------------------------- header
 
 
+
+def _in_order(by_axis: dict, order: tuple) -> list[str]:
+    """The axes of `by_axis` in `order`, then any other (a mode's axis outside the world's
+    factorisation) as they come."""
+    return [a for a in order if a in by_axis] + [a for a in by_axis if a not in order]
+
+
+def _axis_colour(axis: str) -> str:
+    return AXIS_COLOURS.get(axis, OTHER_AXIS_COLOUR)
 def _header(data: dict, model: str | None) -> str:
     world, mesh, pred = data.get("world") or {}, data["mesh"], data["predicted"]
     pipe, zero, tensor = data["pipeline"], data["zero"], data["tensor"]
     search, seq = data.get("search", {}), data.get("sequence") or {}
     capacity = (data.get("memory_capacity") or {}).get("usable_bytes")
-    mesh_text = " ".join(f"{axis}{mesh[axis]}" for axis in ("pp", "dp", "cp", "tp"))
+    mesh_text = " ".join(f"{axis}{mesh[axis]}" for axis in _in_order(mesh, AXES))
     tensor_text = tensor["mode"] + (f" depth {tensor['depth']}" if tensor["mode"] == TP_25D
                                     else "") + (" + Megatron-SP" if tensor["sequence_parallel"]
                                                 else "")
@@ -501,7 +513,7 @@ def _comm_chart(data: dict) -> str:
                        "carries": "tensor and sequence parallelism"},
                 "dp": {"seconds": pred.get("dp_comm_s", 0.0), "bytes": 0, "size": mesh["dp"],
                        "carries": "gradient sync"}}
-    axes = [a for a in ("tp", "cp", "dp", "pp") if a in comm]
+    axes = _in_order(comm, ORDER)
     width, height = (WIDTH - 34 - 14) / 2 - 34, 300
     left, right, head, row = 70, 8, 16, (300 - 16 - 24) / max(1, len(axes))
     plot = width - left - right
@@ -515,7 +527,7 @@ def _comm_chart(data: dict) -> str:
         svg.text(left - 8, y + bar / 2 + 4, f"{axis} x{entry['size']}", 12, "end")
         svg.rect(left, y, plot, bar, "#f1f3f5")
         w = plot * entry["seconds"] / top
-        svg.rect(left, y, w, bar, AXIS_COLOURS[axis],
+        svg.rect(left, y, w, bar, _axis_colour(axis),
                  f"{axis}: {seconds_text(entry['seconds'])} and {size_text(entry['bytes'])} per "
                  f"device per step; {entry.get('carries', '')}")
         if entry["size"] == 1:
@@ -531,7 +543,7 @@ def _comm_chart(data: dict) -> str:
     caption = ("Time each axis's traffic adds to a step (what compute does not hide) and the "
                "bytes one device sends over it." + note)
     return (svg.render("comm", "communication per mesh axis")
-            + _legend((a, AXIS_COLOURS[a]) for a in axes)
+            + _legend((a, _axis_colour(a)) for a in axes)
             + f'<div class="caption">{_esc(caption)}</div>')
 
 
