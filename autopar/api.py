@@ -10,13 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
-from autopar.modes import AXES, CP, DP, PP, TP, TP_1D
+from autopar.modes import CP, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
 from autopar.runtime.agree import check_ranks_agree
 from autopar.runtime.engine import Engine
-from autopar.runtime.mesh import axis_groups, tensor_groups
+from autopar.runtime.mesh import plan_groups
 from autopar.runtime.startup import Startup, check_weights, on_meta
 from autopar.search.planner import pipeline_stages
 from autopar.world import World, local_device
@@ -66,7 +66,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
     start = Startup(model, source, seed, _start_device(example_inputs)) \
         if source is not None or on_meta(model) else None
-    return Engine(model, chosen, _groups(chosen), tuple(example_inputs), loss_fn, optimizer,
+    return Engine(model, chosen, plan_groups(chosen), tuple(example_inputs), loss_fn, optimizer,
                   seed=0 if seed is None else seed,
                   max_grad_norm=max_grad_norm, precision=precision,
                   forward_graph=traced, check_batches=check_batches,
@@ -82,15 +82,6 @@ def _start_device(example_inputs: tuple) -> torch.device:
             return device
     device = example_inputs[0].device
     return torch.device("cpu") if device.type == "meta" else device
-
-
-def _groups(chosen: Plan) -> dict:
-    """Process groups per mesh axis: one DeviceMesh (pp, dp, cp, tp; pp and cp only when
-    split) under 1D tensor parallelism, the grid's groups under 2D, 2.5D and 3D."""
-    tensor = chosen.tensor_mesh()
-    if tensor.mode != TP_1D:
-        return tensor_groups(chosen.mesh[DP], tensor, pp=chosen.mesh[PP])
-    return axis_groups({a: chosen.mesh[a] for a in AXES if a in (DP, TP) or chosen.mesh[a] > 1})
 
 
 def _checked_plan(plan, size: int, world, model, example_inputs: tuple):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import WorldError
 from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.modes import AXES, DP, PP, TP, TP_1D
 from autopar.sharding.axes import TensorMesh
 
 _SHARED: dict = {}  # key -> device mesh or group, for the default group under "world"
@@ -30,6 +31,16 @@ def _device_mesh(device: str, sizes: tuple, names: tuple):
     return shared_group(("mesh", device, sizes, names),
                         lambda: torch.distributed.device_mesh.init_device_mesh(
                             device, sizes, mesh_dim_names=names))
+
+
+def plan_groups(plan) -> dict[str, AxisGroup]:
+    """The process groups a Plan runs on, per mesh axis: one DeviceMesh (pp, dp, cp, tp; pp
+    and cp only when split) under 1D tensor parallelism, the grid's groups under 2D, 2.5D
+    and 3D. A new axis's groups are made here, where every engine gets its groups."""
+    tensor = plan.tensor_mesh()
+    if tensor.mode != TP_1D:
+        return tensor_groups(plan.mesh[DP], tensor, pp=plan.mesh[PP])
+    return axis_groups({a: plan.mesh[a] for a in AXES if a in (DP, TP) or plan.mesh[a] > 1})
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
