@@ -347,7 +347,8 @@ class Search:
                 alt = self._memory_split(leaf, zero, offload)
                 if alt is not None and alt != leaf.stage_of:
                     yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
-                                                          transfer=None), zero, offload)
+                                                          transfer=None, fast=None),
+                                      zero, offload)
 
     def _memory_split(self, leaf, zero, offload) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
@@ -376,9 +377,13 @@ class Search:
         pp = mesh["pp"]
         in_flight = self._in_flight(leaf.schedule, pp, leaf.v, leaf.m)
         chosen = list(prep.fast)
-        device_of = np.asarray(leaf.device_of)
-        params_dev = np.bincount(device_of, weights=prep.params, minlength=pp)
-        acts_dev = np.bincount(device_of, weights=prep.acts, minlength=pp)
+        if leaf.fast is None:
+            device_of = np.asarray(leaf.device_of)
+            leaf.fast = _Fast(device_of,
+                              np.bincount(device_of, weights=prep.params, minlength=pp),
+                              np.bincount(device_of, weights=prep.acts, minlength=pp))
+        device_of, params_dev, acts_dev = leaf.fast.device_of, leaf.fast.params_dev, \
+            leaf.fast.acts_dev
         total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
                                     in_flight)
         params, moved = prep.params, False
@@ -397,13 +402,18 @@ class Search:
             total, parts = self._memory(leaf, params_dev, acts_dev, biggest, zero, offload,
                                         in_flight)
             moved = chosen != prep.fast
+        fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
         heaviest = int(np.argmax(params_dev))
         units = int(np.count_nonzero((device_of == heaviest) & (params > 0)))  # holding any
-        step = step_parts(prep.path_time(chosen), device_of, leaf.stage_of, params_dev,
-                          units, transfer=self._transfer(leaf), grad_pl=leaf.grad_pl, hw=self.hw,
-                          schedule=leaf.schedule, v=leaf.v, m=leaf.m, zero=zero,
-                          offload=offload, precision=self.precision, cache=leaf.dp_cache)
+        pipeline = leaf.fast.pipeline if fast else None
+        step = step_parts(prep.layer_time if fast else prep.path_time(chosen), device_of,
+                          leaf.stage_of, params_dev, units, transfer=self._transfer(leaf),
+                          grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
+                          m=leaf.m, zero=zero, offload=offload, precision=self.precision,
+                          cache=leaf.dp_cache, pipeline=pipeline)
+        if fast:
+            leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         worst = float(params_dev.max())
         replicas = mesh["dp"] * mesh["cp"]
         host = host_bytes(worst, replicas, zero, offload, self.precision)
@@ -456,6 +466,17 @@ class _Leaf:
     stage_of: list | None = None
     device_of: list | None = None
     transfer: float | None = None  # seconds of one stage-boundary crossing
+    fast: _Fast | None = None  # its numbers with every layer in its fastest state
+
+
+@dataclass
+class _Fast:
+    """What a leaf's ZeRO options share while every layer keeps its fastest state."""
+
+    device_of: np.ndarray
+    params_dev: np.ndarray  # parameter bytes per pipeline rank
+    acts_dev: np.ndarray  # activation bytes per micro-batch per pipeline rank
+    pipeline: tuple | None = None  # `pipeline_time` of the fastest path
 
 
 class _Prepared:
