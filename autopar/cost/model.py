@@ -174,12 +174,18 @@ def gemm_time(flops: float, hw: Hardware, dtype: str, shape=None, itemsize: int 
     """Seconds of one matrix multiplication of ``flops``: the math at the efficiency curve,
     plus, where the profile prices it (``gemm_operand_traffic``) and ``shape`` (local
     M, K, N) is known, the HBM time of its operands and result (:func:`gemm_traffic_s`)."""
+    return _gemm_s(flops, hw, dtype, None if shape is None else
+                   gemm_traffic_s(shape, hw, itemsize))
+
+
+def _gemm_s(flops: float, hw: Hardware, dtype: str, traffic: float | None) -> float:
+    """`gemm_time` given its operand traffic's seconds (None: not priced)."""
     if flops <= 0:
         return 0.0
     eff = hw.gemm_efficiency * flops / (flops + hw.gemm_half_flops)
     sec = flops / (hw.flops(dtype) * eff)
-    if shape is not None:
-        sec += gemm_traffic_s(shape, hw, itemsize)
+    if traffic is not None:
+        sec += traffic
     return max(sec, hw.kernel_floor_s)
 
 
@@ -289,14 +295,16 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     # Compute: GEMMs at their local size (each of the backward's two GEMMs is as large).
     gemm_fwd = gemm_traffic = 0.0
     rows = c * (1 if one_d else mode.batch_split)
+    itemsize = ITEMSIZE.get(dtype, 4)
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
         parts = t if split or not one_d else 1
         local = g.flops(batch) / (parts * c)
         shape = local_gemm_shape(g, batch, parts * c // rows if g.weight else 1,
                                  rows if g.weight else parts * c)
-        sec = gemm_time(local, hw, dtype, shape, ITEMSIZE.get(dtype, 4))
+        moved = gemm_traffic_s(shape, hw, itemsize)
+        sec = _gemm_s(local, hw, dtype, moved)
         gemm_fwd += sec
-        gemm_traffic += min(sec, gemm_traffic_s(shape, hw, ITEMSIZE.get(dtype, 4)))
+        gemm_traffic += min(sec, moved)
     attn_fwd = attn_ideal = attn_even = 0.0
     attn_each = []
     for a, split in zip(lt.attention, sharded.attention_split if one_d else
