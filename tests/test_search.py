@@ -5,6 +5,7 @@ planner gives at the scale it is built for.
 """
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -606,3 +607,50 @@ def test_ring_plans_take_the_zigzag_layout_where_2cp_divides_the_sequence(small,
     plan = planner.to_plan(chain, world, res, 6, "bf16", 0.0)
     assert plan.mesh["cp"] == 3 and plan.cp_layout() == layout
     assert Plan.from_json(plan.to_json()).cp_layout() == layout
+
+
+def _priced_states(chain):
+    """Every (layer kind, state, micro-batch, cp mode) the search prices on 8 ranks under
+    tp 1, 2 (1D) and 4 (1D, 2D) with and without 2-way context parallelism."""
+    from autopar.cost.comm import placements
+    from autopar.cost.model import RECOMPUTE, Context, LayerState, tensor_modes
+    from autopar.modes import ORDER
+
+    hw = load_hardware("a100-80gb")
+    for tp, cp, cp_mode in ((1, 1, None), (2, 1, None), (4, 1, None), (2, 2, "ring"),
+                            (2, 2, "ulysses"), (4, 2, "ring")):
+        pl = placements({"pp": 1, "dp": 8 // (tp * cp), "cp": cp, "tp": tp}, ORDER, 4)
+        for b in (1, 2, 4):
+            for lt in chain.types:
+                for mode in tensor_modes(tp):
+                    if b % mode.batch_split or (mode.name == "1d" and tp not in lt.sharded):
+                        continue
+                    for sp in ("none", "megatron"):
+                        yield functools.partial(Context, hw, "bf16", pl["tp"], pl["cp"],
+                                                cp_mode), \
+                            lt, [LayerState(mode, sp, r) for r in RECOMPUTE], b
+
+
+def test_a_shared_context_prices_each_state_as_a_fresh_one(small):
+    """The states of one layout share their compute and collectives through the Context's
+    memo: pricing them in one Context gives exactly what a fresh Context per state does."""
+    from autopar.cost.model import state_cost
+
+    for make, lt, states, b in _priced_states(small):
+        shared = make()
+        for state in states:
+            assert state_cost(lt, state, b, shared) == state_cost(lt, state, b, make())
+
+
+def test_recomputing_never_speeds_a_layout_nor_changes_its_bytes_held(small):
+    """The search bounds a leaf from each layout's least-recomputing state alone
+    (`_least_recompute`): recomputation only adds time (compute and rerun collectives),
+    and parameters and workspace do not depend on it."""
+    from autopar.cost.model import state_cost
+
+    for make, lt, states, b in _priced_states(small):
+        ctx = make()
+        none, selective, full = (state_cost(lt, s, b, ctx) for s in states)
+        assert none.time <= selective.time <= full.time
+        assert none.params == selective.params == full.params
+        assert none.workspace == selective.workspace == full.workspace

@@ -123,8 +123,8 @@ class Context:
     # kernel the profile measured (attention_kernels, e.g. "flash1")
     attention_kernel: str = "flash"
     tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
-    # collective prices already worked out under this context: the states of one layer
-    # differ only in recompute and ask for the same collectives
+    # collective and layer-layout prices already worked out under this context: the states
+    # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def coll(self, op: str, nbytes: float, placement: Placement) -> float:
@@ -134,6 +134,15 @@ class Context:
         if hit is None:
             hit = self._memo[key] = _coll(op, nbytes, placement, self.hw)
         return hit
+
+    def of_layer(self, key: tuple, lt: LayerType, price):
+        """``price()``, memoised under ``key`` for the layer kind ``lt`` (held by identity:
+        a layer kind is priced from its own numbers, and a new one never hits)."""
+        key = (id(lt), *key)
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not lt:
+            hit = self._memo[key] = (lt, price())
+        return hit[1]
 
 
 @dataclass
@@ -165,12 +174,18 @@ def gemm_time(flops: float, hw: Hardware, dtype: str, shape=None, itemsize: int 
     """Seconds of one matrix multiplication of ``flops``: the math at the efficiency curve,
     plus, where the profile prices it (``gemm_operand_traffic``) and ``shape`` (local
     M, K, N) is known, the HBM time of its operands and result (:func:`gemm_traffic_s`)."""
+    return _gemm_s(flops, hw, dtype, None if shape is None else
+                   gemm_traffic_s(shape, hw, itemsize))
+
+
+def _gemm_s(flops: float, hw: Hardware, dtype: str, traffic: float | None) -> float:
+    """`gemm_time` given its operand traffic's seconds (None: not priced)."""
     if flops <= 0:
         return 0.0
     eff = hw.gemm_efficiency * flops / (flops + hw.gemm_half_flops)
     sec = flops / (hw.flops(dtype) * eff)
-    if shape is not None:
-        sec += gemm_traffic_s(shape, hw, itemsize)
+    if traffic is not None:
+        sec += traffic
     return max(sec, hw.kernel_floor_s)
 
 
@@ -246,27 +261,52 @@ def _coll(op: str, nbytes: float, placement: Placement, hw: Hardware) -> float:
     return collective_time(op, nbytes, placement, hw)
 
 
-def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
-    """Price one layer kind under one state for a micro-batch of ``batch`` samples."""
-    mode, hw, dtype = state.mode, ctx.hw, ctx.dtype
+@dataclass(frozen=True)
+class _LayoutCost:
+    """What one layer kind costs under one layout (tensor mode and sequence parallelism),
+    whatever it recomputes: the states of a layout share all of it."""
+
+    gemm_fwd: float
+    gemm_traffic: float
+    attn_each: tuple  # per attention core: forward seconds on the busiest cp rank
+    attn_fwd: float
+    attn_ideal: float
+    attn_even: float
+    mem_roof: float
+    mem_fwd: float
+    forward: float
+    tp_comm: tuple  # 1D: (forward phase, seconds, wire bytes) per collective, in order
+
+
+def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
+                 ctx: Context) -> _LayoutCost:
+    """`_LayoutCost` of ``lt`` (memoised in ``ctx`` by the layer object's identity)."""
+    return ctx.of_layer(("layout", mode, sp, batch), lt,
+                        lambda: _price_layout(lt, mode, sp, batch, ctx))
+
+
+def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
+                  ctx: Context) -> _LayoutCost:
+    hw, dtype = ctx.hw, ctx.dtype
     t = mode.size
     c = ctx.cp.size
     sharded = lt.sharded[t if mode.name == "1d" else 1]
     one_d = mode.name == "1d"
-    sp = state.sp == "megatron" and one_d and t > 1
     # Compute: GEMMs at their local size (each of the backward's two GEMMs is as large).
     gemm_fwd = gemm_traffic = 0.0
     rows = c * (1 if one_d else mode.batch_split)
+    itemsize = ITEMSIZE.get(dtype, 4)
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
         parts = t if split or not one_d else 1
         local = g.flops(batch) / (parts * c)
         shape = local_gemm_shape(g, batch, parts * c // rows if g.weight else 1,
                                  rows if g.weight else parts * c)
-        sec = gemm_time(local, hw, dtype, shape, ITEMSIZE.get(dtype, 4))
+        moved = gemm_traffic_s(shape, hw, itemsize)
+        sec = _gemm_s(local, hw, dtype, moved)
         gemm_fwd += sec
-        gemm_traffic += min(sec, gemm_traffic_s(shape, hw, ITEMSIZE.get(dtype, 4)))
+        gemm_traffic += min(sec, moved)
     attn_fwd = attn_ideal = attn_even = 0.0
-    attn_each = []  # per attention core: forward seconds on the busiest cp rank
+    attn_each = []
     for a, split in zip(lt.attention, sharded.attention_split if one_d else
                         [True] * len(lt.attention)):
         parts = (t if split or not one_d else 1) * c
@@ -296,24 +336,45 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     mem_kernels = max(0, lt.kernels - len(lt.gemms) - len(lt.attention))
     mem_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
     forward = gemm_fwd + attn_fwd + mem_fwd
-    backward = 2 * forward
-    recompute = {"none": 0.0, "selective": attn_fwd, "full": forward}[state.recompute]
-    # Communication inside the layer (not overlapped with its compute).
-    comm = comm_bytes = 0.0
+    tp_comm = []
     if one_d and t > 1:
         for op, phase, nbytes in sharded.comm:
             n = nbytes(batch) / c
-            reruns = 2 if phase == "forward" and state.recompute == "full" else 1
             if sp and op == "all_reduce" and lt.is_block:
                 # Megatron-SP: each all-reduce around a tensor-parallel region becomes a
                 # reduce-scatter into the sequence-split region and an all-gather out of it
                 sec = ctx.coll("reduce_scatter", n, ctx.tp) + ctx.coll("all_gather", n, ctx.tp)
             else:
                 sec = ctx.coll(op, n, ctx.tp)
+            tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
+    return _LayoutCost(gemm_fwd, gemm_traffic, tuple(attn_each), attn_fwd, attn_ideal,
+                       attn_even, mem_roof, mem_fwd, forward, tuple(tp_comm))
+
+
+def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
+    """Price one layer kind under one state for a micro-batch of ``batch`` samples."""
+    mode = state.mode
+    t = mode.size
+    c = ctx.cp.size
+    sharded = lt.sharded[t if mode.name == "1d" else 1]
+    one_d = mode.name == "1d"
+    sp = state.sp == "megatron" and one_d and t > 1
+    lay = _layout_cost(lt, mode, sp, batch, ctx)
+    attn_fwd, forward = lay.attn_fwd, lay.forward
+    backward = 2 * forward
+    recompute = {"none": 0.0, "selective": attn_fwd, "full": forward}[state.recompute]
+    # Communication inside the layer (not overlapped with its compute).
+    comm = comm_bytes = 0.0
+    if one_d and t > 1:
+        full = state.recompute == "full"
+        for forward_phase, sec, wire in lay.tp_comm:
+            reruns = 2 if forward_phase and full else 1
             comm += reruns * sec
-            comm_bytes += reruns * _wire_bytes(op, n, t)
+            comm_bytes += reruns * wire
     elif t > 1:
-        sec, nbytes = _multi_d_comm(lt, mode, batch / c, ctx, state.recompute == "full")
+        full = state.recompute == "full"
+        sec, nbytes = ctx.of_layer(("multi-d", mode, batch, full), lt,
+                                   lambda: _multi_d_comm(lt, mode, batch / c, ctx, full))
         comm += sec
         comm_bytes += nbytes
     cp_comm = cp_bytes = 0.0
@@ -321,7 +382,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects = {}
     workspace = 0.0
     if c > 1 and lt.attention:
-        ring = _context_comm(lt, mode, batch, ctx, attn_each, rerun)
+        ring = ctx.of_layer(("cp", mode, sp, batch, rerun), lt, lambda: _context_comm(
+            lt, mode, batch, ctx, list(lay.attn_each), rerun))
         cp_bytes, workspace = ring.nbytes, ring.workspace
         cp_comm = ring.exposed + ring.contention
         comm += cp_comm
@@ -329,12 +391,12 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         effects["cp ring hops exposed"] = ring.exposed if ctx.cp_mode == "ring" else 0.0
         effects["collectives' SM contention"] = ring.contention
     a_runs = 3 + rerun
-    effects["attention on short sequences"] = a_runs * (attn_even - attn_ideal)
-    effects["causal imbalance (contiguous cp)"] = a_runs * (attn_fwd - attn_even)
+    effects["attention on short sequences"] = a_runs * (lay.attn_even - lay.attn_ideal)
+    effects["causal imbalance (contiguous cp)"] = a_runs * (attn_fwd - lay.attn_even)
     runs = 3 + (state.recompute == "full")
-    effects["GEMM operand traffic"] = runs * gemm_traffic
-    effects["memory-bound ops"] = runs * mem_roof
-    effects["kernel launch floor"] = runs * (mem_fwd - mem_roof)  # beyond their bytes' time
+    effects["GEMM operand traffic"] = runs * lay.gemm_traffic
+    effects["memory-bound ops"] = runs * lay.mem_roof
+    effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
     # Memory: activations kept for backward, parameters held.
     if state.recompute == "full":
         acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)

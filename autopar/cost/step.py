@@ -179,13 +179,18 @@ def grad_placement(mesh: dict, per_node: int):
 
 def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, transfer: float,
                grad_pl, hw: Hardware, schedule: str, v: int, m: int, zero: int,
-               offload: bool, precision: Precision, cache: dict | None = None) -> dict:
+               offload: bool, precision: Precision, cache: dict | None = None,
+               pipeline: tuple | None = None) -> dict:
     """Seconds of one step by part: the pipeline (its bubble, each rank's seconds per
     micro-batch), the gradient sync and the optimizer of the rank holding most weights.
-    `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds."""
+    `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds;
+    `pipeline`: `pipeline_time` of these arguments when already known (ZeRO options of one
+    leaf share it)."""
     pp = len(params_dev)
-    pipe, bubble, dev = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
-                                      transfer)
+    if pipeline is None:
+        pipeline = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
+                                 transfer)
+    pipe, bubble, dev = pipeline
     worst = float(params_dev.max())
     replicas = grad_pl.size
     dp_s = dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache)

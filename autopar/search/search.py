@@ -8,7 +8,9 @@ and ties to the first, so every rank computes the same plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import heapq
 import itertools
 import time
@@ -19,7 +21,7 @@ import numpy as np
 from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import Context, state_cost
+from autopar.cost.model import RECOMPUTE, Context, state_cost
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
@@ -139,6 +141,10 @@ class Search:
     def run(self, progress=None) -> SearchResult:
         """Price every leaf's lower bound, then evaluate leaves best bound first until the
         bound passes the k-th best plan found (branch and bound: exact for the top k)."""
+        with _collector_paused():
+            return self._run(progress)
+
+    def _run(self, progress) -> SearchResult:
         start = time.perf_counter()
         meshes, leaves = self._all_leaves(progress)
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
@@ -181,12 +187,13 @@ class Search:
     def every(self, progress=None) -> list[Candidate]:
         """Every candidate of the space, in leaf order, none skipped by a bound (for
         benchmarks and for checking `run`)."""
-        _, leaves = self._all_leaves(progress)
-        out = []
-        for leaf in leaves:
-            for cand in self._evaluate(leaf):
-                self.candidates += 1
-                out.append(cand)
+        with _collector_paused():
+            _, leaves = self._all_leaves(progress)
+            out = []
+            for leaf in leaves:
+                for cand in self._evaluate(leaf):
+                    self.candidates += 1
+                    out.append(cand)
         return out
 
     def _all_leaves(self, progress=None) -> tuple[list[dict], list]:
@@ -231,8 +238,8 @@ class Search:
             if not states:
                 self._cost_cache[key] = None
                 return None
-            per_type.append((states, self._state_costs_of(lt, states, b, ctx, ctx_key)))
-        prep = self._cost_cache[key] = _Prepared(self, per_type, pl, b)
+            per_type.append((lt, states))
+        prep = self._cost_cache[key] = _Prepared(self, per_type, pl, b, (ctx, ctx_key))
         return prep
 
     def _state_costs_of(self, lt, states, b: int, ctx, ctx_key) -> list:
@@ -347,7 +354,8 @@ class Search:
                 alt = self._memory_split(leaf, zero, offload)
                 if alt is not None and alt != leaf.stage_of:
                     yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
-                                                          transfer=None), zero, offload)
+                                                          transfer=None, fast=None),
+                                      zero, offload)
 
     def _memory_split(self, leaf, zero, offload) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
@@ -376,9 +384,13 @@ class Search:
         pp = mesh["pp"]
         in_flight = self._in_flight(leaf.schedule, pp, leaf.v, leaf.m)
         chosen = list(prep.fast)
-        device_of = np.asarray(leaf.device_of)
-        params_dev = np.bincount(device_of, weights=prep.params, minlength=pp)
-        acts_dev = np.bincount(device_of, weights=prep.acts, minlength=pp)
+        if leaf.fast is None:
+            device_of = np.asarray(leaf.device_of)
+            leaf.fast = _Fast(device_of,
+                              np.bincount(device_of, weights=prep.params, minlength=pp),
+                              np.bincount(device_of, weights=prep.acts, minlength=pp))
+        device_of, params_dev, acts_dev = leaf.fast.device_of, leaf.fast.params_dev, \
+            leaf.fast.acts_dev
         total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
                                     in_flight)
         params, moved = prep.params, False
@@ -387,7 +399,7 @@ class Search:
             for d in range(pp):
                 if total[d] > self.capacity:
                     budget = (self.capacity - fixed[d]) / in_flight[d]
-                    prep.fit(chosen, np.flatnonzero(device_of == d).tolist(), budget)
+                    prep.fit(chosen, leaf.fast.layers_of(d), budget)
             acts = prep.take(prep.act_table, chosen)
             acts_dev = np.bincount(device_of, weights=acts, minlength=pp)
             # a layer that changed layout holds its parameters differently too
@@ -397,13 +409,18 @@ class Search:
             total, parts = self._memory(leaf, params_dev, acts_dev, biggest, zero, offload,
                                         in_flight)
             moved = chosen != prep.fast
+        fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
         heaviest = int(np.argmax(params_dev))
         units = int(np.count_nonzero((device_of == heaviest) & (params > 0)))  # holding any
-        step = step_parts(prep.path_time(chosen), device_of, leaf.stage_of, params_dev,
-                          units, transfer=self._transfer(leaf), grad_pl=leaf.grad_pl, hw=self.hw,
-                          schedule=leaf.schedule, v=leaf.v, m=leaf.m, zero=zero,
-                          offload=offload, precision=self.precision, cache=leaf.dp_cache)
+        pipeline = leaf.fast.pipeline if fast else None
+        step = step_parts(prep.layer_time if fast else prep.path_time(chosen), device_of,
+                          leaf.stage_of, params_dev, units, transfer=self._transfer(leaf),
+                          grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
+                          m=leaf.m, zero=zero, offload=offload, precision=self.precision,
+                          cache=leaf.dp_cache, pipeline=pipeline)
+        if fast:
+            leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         worst = float(params_dev.max())
         replicas = mesh["dp"] * mesh["cp"]
         host = host_bytes(worst, replicas, zero, offload, self.precision)
@@ -456,28 +473,66 @@ class _Leaf:
     stage_of: list | None = None
     device_of: list | None = None
     transfer: float | None = None  # seconds of one stage-boundary crossing
+    fast: _Fast | None = None  # its numbers with every layer in its fastest state
+
+
+@dataclass
+class _Fast:
+    """What a leaf's ZeRO options share while every layer keeps its fastest state."""
+
+    device_of: np.ndarray
+    params_dev: np.ndarray  # parameter bytes per pipeline rank
+    acts_dev: np.ndarray  # activation bytes per micro-batch per pipeline rank
+    pipeline: tuple | None = None  # `pipeline_time` of the fastest path
+    _layers: dict = field(default_factory=dict)
+
+    def layers_of(self, rank: int) -> list[int]:
+        """The layers pipeline rank ``rank`` holds, in order."""
+        hit = self._layers.get(rank)
+        if hit is None:
+            hit = self._layers[rank] = np.flatnonzero(self.device_of == rank).tolist()
+        return hit
 
 
 class _Prepared:
     """One tp/cp placement and micro-batch: per-layer state costs along the chain."""
 
-    def __init__(self, search: Search, per_type, pl, b):
+    def __init__(self, search: Search, kinds, pl, b, context):
+        """``kinds``: (layer kind, its states) in chain-type order; ``context``: the cost
+        Context and its key. The lower bound prices only each layout's state with the least
+        recomputation, its fastest (recomputing adds compute and reruns collectives, never
+        takes any away) and with the same parameters and workspace; `build` the rest."""
         order = search.chain.order
         self.search = search
-        self.per_type = per_type
+        self.kinds, self.context = kinds, context
+        self.per_type = [(states, [None] * len(states)) for _, states in kinds]
         self.order = order
         self.pl, self.b = pl, b
-        counts = np.bincount(order, minlength=len(per_type))
-        fastest = [min(c.time for c in costs) for _, costs in per_type]
+        least = [self._price(_least_recompute(states), t) for t, (_, states) in
+                 enumerate(kinds)]
+        counts = np.bincount(order, minlength=len(kinds))
+        fastest = [min(c.time for c in costs) for costs in least]
         self.min_total = float(np.dot(counts, fastest))
         self.min_single = max(fastest[t] for t in set(order))
         self.min_params = float(np.dot(counts, [min(c.params for c in costs)
-                                                for _, costs in per_type]))
-        self.workspace = max((c.workspace for _, costs in per_type for c in costs), default=0.0)
+                                                for costs in least]))
+        self.workspace = max((c.workspace for costs in least for c in costs), default=0.0)
         self.built = False
         self._stages: dict = {}
         self._layouts: dict = {}
-        self.state_rows = [per_type[t][0] for t in order]  # per layer: its kind's states
+        self.state_rows = [states for _, states in kinds]
+        self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
+
+    def _price(self, which, t: int) -> list:
+        """The costs of kind ``t``'s states at the indices ``which``, each priced once."""
+        lt, states = self.kinds[t]
+        costs = self.per_type[t][1]
+        todo = [k for k in which if costs[k] is None]
+        ctx, ctx_key = self.context
+        for k, c in zip(todo, self.search._state_costs_of(lt, [states[k] for k in todo],
+                                                          self.b, ctx, ctx_key)):
+            costs[k] = c
+        return [costs[k] for k in which]
 
     def build(self) -> _Prepared:
         """The chain arrays, the fastest path and its numbers: only for leaves that are
@@ -485,6 +540,8 @@ class _Prepared:
         if self.built:
             return self
         self.built = True
+        for t, (_, states) in enumerate(self.kinds):
+            self._price(range(len(states)), t)
         search, per_type, order, pl, b = self.search, self.per_type, self.order, self.pl, self.b
         self.t_layers = [np.array([c.time for c in per_type[t][1]]) for t in order]
         self.mem_layers = [np.array([c.activations for c in per_type[t][1]]) for t in order]
@@ -607,6 +664,16 @@ class _Prepared:
             spare = used + spare - best[1]
 
 
+def _least_recompute(states) -> list[int]:
+    """Per layout, the index of its state with the least recomputation, in state order."""
+    best: dict = {}
+    for k, s in enumerate(states):
+        rank = RECOMPUTE.index(s.recompute)
+        if s.layout not in best or rank < best[s.layout][0]:
+            best[s.layout] = (rank, k)
+    return sorted(k for _, k in best.values())
+
+
 def _counts(options, times, mems, n, budget):
     """Exact cheapest assignment of ``options`` (state indices) to ``n`` identical layers
     within ``budget`` bytes: enumerate the counts of all options but the two cheapest in
@@ -691,6 +758,22 @@ def _compositions(n, k):
     for first in range(n + 1):
         for tail in _compositions(n - first, k - 1):
             yield (first, *tail)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while the search runs. The search makes
+    many short-lived containers, and each full collection they trigger walks every object
+    the process holds (torch alone keeps some 400k alive): about a quarter of the search's
+    time. Reference counting still frees what the search drops; the few cycles it leaves
+    are collected once the collector runs again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _mesh_key(mesh) -> tuple:
