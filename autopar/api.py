@@ -10,13 +10,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
+from autopar.kernels.moe_layers import expert_layers
 from autopar.modes import AXES, CP, DP, PP, TP, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
 from autopar.runtime.agree import check_ranks_agree
 from autopar.runtime.engine import Engine
-from autopar.runtime.mesh import axis_groups, tensor_groups
+from autopar.runtime.mesh import axis_groups, expert_groups, tensor_groups
 from autopar.runtime.startup import Startup, check_weights, on_meta
 from autopar.search.planner import pipeline_stages
 from autopar.world import World, local_device
@@ -58,7 +59,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
             if chosen is None:
                 chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
                 _check_executable(chosen)
-            traced = traced or Engine.trace_for(model, tuple(example_inputs))
+            traced = traced or Engine.trace_for(model, tuple(example_inputs), chosen)
         except Exception as e:  # noqa: BLE001
             failure = e
     # one small all-gather: every rank stops here together when any rank failed above, or
@@ -89,8 +90,11 @@ def _groups(chosen: Plan) -> dict:
     split) under 1D tensor parallelism, the grid's groups under 2D, 2.5D and 3D."""
     tensor = chosen.tensor_mesh()
     if tensor.mode != TP_1D:
-        return tensor_groups(chosen.mesh[DP], tensor, pp=chosen.mesh[PP])
-    return axis_groups({a: chosen.mesh[a] for a in AXES if a in (DP, TP) or chosen.mesh[a] > 1})
+        groups = tensor_groups(chosen.mesh[DP], tensor, pp=chosen.mesh[PP])
+    else:
+        groups = axis_groups({a: chosen.mesh[a] for a in AXES
+                              if a in (DP, TP) or chosen.mesh[a] > 1})
+    return {**groups, **expert_groups(groups[DP], chosen.ep)}
 
 
 def _checked_plan(plan, size: int, world, model, example_inputs: tuple):
@@ -100,14 +104,15 @@ def _checked_plan(plan, size: int, world, model, example_inputs: tuple):
         return None, None
     chosen, traced = _resolve_plan(plan, size, world), None
     _check_executable(chosen)
+    expert_layers(model, chosen)  # experts that do not split over ep, a bad top-k
     if chosen.tensor_mesh().mode != TP_1D:  # dims the grid splits, checked on the graph
-        traced = Engine.trace_for(model, example_inputs)
+        traced = Engine.trace_for(model, example_inputs, chosen)
         check_grid_dims(traced, chosen, chosen.tensor_mesh())
     if chosen.mesh[CP] > 1:  # the sequence must split over cp
-        traced = traced or Engine.trace_for(model, example_inputs)
+        traced = traced or Engine.trace_for(model, example_inputs, chosen)
         check_context_dims(traced, chosen)
     if chosen.sequence_parallel_layers():  # the sequence must split over tp
-        traced = traced or Engine.trace_for(model, example_inputs)
+        traced = traced or Engine.trace_for(model, example_inputs, chosen)
         check_sequence_dims(traced, chosen)
     return chosen, traced
 

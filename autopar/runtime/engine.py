@@ -15,7 +15,9 @@ from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
-from autopar.modes import CP, DP, PP, RING, TP, TP_1D
+from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
+from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.passes.experts import expert_weights, place_expert_layers
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -69,13 +71,19 @@ class Engine(nn.Module):
         self.params = ShardedParams(self.mesh, {a: groups[a].rank for a in self.mesh.physical},
                                     model, start)  # start: a meta model's or weights= values
         self.grads = Gradients(self.params, self._dp, self.comm_log)
+        self.moe_layers = expert_layers(model, plan)  # MoE layers split over ep (ep > 1)
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
             start.expect_zero(plan.zero, self._dp, self._pp.size)
         self.forward_graph = forward_graph if forward_graph is not None else \
-            self.trace_for(model, example_inputs)
+            self.trace_for(model, example_inputs, plan)
+        if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
+            graph = self.forward_graph
+            self.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
+                                      groups[EP])
+            self.grads.split_experts(groups[EDP], groups[EP].size)
         check_graph(self.forward_graph, plan, self.mesh)
         self.batches = batches.Batches(example_inputs, self.forward_graph, plan, self.mesh,
                                        self._dp, self._cp, self._device)
@@ -105,10 +113,11 @@ class Engine(nn.Module):
 
     # ------------------------------------------------------------------ building
     @staticmethod
-    def trace_for(model: nn.Module, example_inputs: tuple):
+    def trace_for(model: nn.Module, example_inputs: tuple, plan: Plan | None = None):
         """The inference graph the engine starts from (parallelize checks a plan on it)."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        return trace(model, _blank(example_inputs, device), train=False)
+        with opaque_moe(model, expert_layers(model, plan)):
+            return trace(model, _blank(example_inputs, device), train=False)
 
     def _solve(self, traced, fixed) -> Solution:
         cp = self._cp.size > 1
@@ -122,6 +131,8 @@ class Engine(nn.Module):
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
         gm = apply_solution(traced.gm, solution, coords=None)
+        if self.moe_layers:
+            gm = place_expert_layers(gm)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
@@ -143,8 +154,9 @@ class Engine(nn.Module):
         if self.loss_fn is None:
             raise PlanError("train_step needs a loss_fn; pass loss_fn=... to autopar.parallelize.")
         at = next((p.device for p in self._model.parameters()), self._device)  # meta too
-        self.train_graph = trace(self._model, _blank(inputs, at), loss_fn=self.loss_fn,
-                                 example_target=_blank((target,), at)[0], train=True)
+        with opaque_moe(self._model, self.moe_layers):
+            self.train_graph = trace(self._model, _blank(inputs, at), loss_fn=self.loss_fn,
+                                     example_target=_blank((target,), at)[0], train=True)
         fixed = {t: self.params.layout_for(p) for t, p in self.forward_graph.params.items()
                  if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
@@ -159,7 +171,7 @@ class Engine(nn.Module):
         if self.zero is not None and self.zero.stage == 3:
             self.train_units = self.zero.rewrite(self.train_gm)
         if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
-            self.grads.buckets = GradientBuckets(self.params.parameters(), self._dp)
+            self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
 
     def _wire_pipeline(self) -> None:
         """Cut the training graph into stages; ZeRO shards this rank's stages' parameters."""
@@ -192,7 +204,7 @@ class Engine(nn.Module):
         pipeline stage's parameters, for stage 2's per-micro-batch reduction)."""
         self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._dp,
                                                 self._optimizer_factory, self.compute_dtype,
-                                                stages)
+                                                stages, experts=self.grads)
         if self.zero.stage == 3:  # the graphs gather each layer's parameters
             self.zero.rewrite(self.forward_gm)
         self.optimizer = self.grads.with_norms(self.zero.optimizer)
@@ -266,6 +278,21 @@ class Engine(nn.Module):
         out = self.forward_gm(*self.batches.tokens(inputs, self.forward_graph))
         if self.zero is not None and self.zero.stage == 3:
             self.zero.drain()
+        return out
+
+    def expert_load(self) -> dict[str, dict]:
+        """The routing the last step (or forward) took, per MoE layer split over ep: `routed`,
+        this rank's token-expert assignments per expert (all E; summed over the data ranks it
+        is the step's tokens per expert), `computed`, the rows this rank's experts ran (E/ep,
+        from `first_expert` on). Empty without an ep axis."""
+        gm = self.train_gm if self.train_gm is not None else self.forward_gm
+        out = {}
+        for module in gm.modules():
+            kernel = module.kernel if isinstance(module, ExpertLayer) else None
+            if kernel is not None and kernel.last_routed is not None:
+                out[module.name] = {"routed": kernel.last_routed.tolist(),
+                                    "computed": kernel.last_tokens_per_expert.tolist(),
+                                    "first_expert": kernel.first_expert}
         return out
 
     # ------------------------------------------------------------------ accounting, state

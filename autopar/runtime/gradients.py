@@ -10,7 +10,7 @@ from torch import nn
 from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.runtime.buckets import average_gradients
 from autopar.runtime.params import ShardedParams
-from autopar.runtime.zero import ShardedOptimizerState
+from autopar.runtime.zero import ExpertDataZero, ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
 
 
@@ -20,11 +20,22 @@ def zero_sharded(plan_zero, dp_size: int) -> bool:
     return plan_zero.stage >= 1 and (dp_size > 1 or plan_zero.offload)
 
 
-def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None):
+def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None,
+              experts=None):
     """The ZeRO state a plan's `zero` asks for over dp: the optimizer runs on this rank's
-    pieces (stage 2 under a pipeline: `stages`, each stage's parameters)."""
+    pieces (stage 2 under a pipeline: `stages`, each stage's parameters). `experts`: a
+    Gradients whose expert weights are cut over their expert-data group instead."""
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype)
+    if experts is not None and experts.edp is not None:
+        params = list(params)
+        is_expert = experts.params.is_expert
+        data = ShardedOptimizerState([p for p in params if not is_expert(p)], dp, None,
+                                     plan_zero.stage, offload=plan_zero.offload)
+        mine = ShardedOptimizerState([p for p in params if is_expert(p)], experts.edp, None,
+                                     plan_zero.stage, offload=plan_zero.offload,
+                                     divisor=experts.ep_size)
+        return ExpertDataZero(data, mine, factory)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
                                  offload=plan_zero.offload, stages=stages)
 
@@ -38,6 +49,19 @@ class Gradients:
         self.zero = None
         self.pipeline = None
         self.buckets = None
+        self.edp: AxisGroup | None = None  # with an ep axis: the expert-data group ...
+        self.ep_size = 1  # ... and the ep size
+
+    def split_experts(self, edp: AxisGroup, ep_size: int) -> None:
+        """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data ranks
+        holding the same experts, not over dp. Each rank's expert gradient already sums the
+        tokens of its ep group (the all-to-all's backward), so the sum over edp covers every
+        data rank once and is divided by dp = edp x ep, as dp's mean of the rest is."""
+        self.edp, self.ep_size = edp, ep_size
+
+    def data_parameters(self) -> list[nn.Parameter]:
+        """The local parameters averaged over dp (all but the experts under an ep axis)."""
+        return [p for p in self.params.parameters() if not self.params.is_expert(p)]
 
     def trained(self) -> list[nn.Parameter]:
         """The local parameters this rank trains (under a pipeline: its stages')."""
@@ -59,10 +83,17 @@ class Gradients:
             return
         if self.dp.size == 1 or (self.pipeline is not None and self.pipeline.data is not None):
             return  # (a pipeline without ZeRO averaged over dp in its step)
+        if self.edp is not None:
+            experts = [p for p in self.params.parameters()
+                       if self.params.is_expert(p) and p.grad is not None]
+            if self.edp.size > 1:
+                average_gradients(experts, self.edp, divisor=self.ep_size)
+            for p in experts if self.edp.size == 1 else ():  # ep = dp: nothing to send
+                p.grad /= self.ep_size
         if self.buckets is not None:
             self.buckets.finish()
             return
-        average_gradients(self.params.parameters(), self.dp)
+        average_gradients(self.data_parameters(), self.dp)
 
     def drop(self, optimizer) -> None:
         """Forget a skipped step's gradients: the parameters' and the ZeRO pieces'."""
@@ -106,7 +137,7 @@ class Gradients:
         over dp (not under ZeRO, whose pieces differ) and over pipeline ranks sharing it."""
         copies = self.params.tensor_copies(param)
         if self.zero is None:
-            copies *= self.dp.size
+            copies *= self.edp.size if self.params.is_expert(param) else self.dp.size
         if self.pipeline is not None:
             copies *= self.pipeline.copies(param)
         return copies
