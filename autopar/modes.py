@@ -89,6 +89,6 @@ RUNTIME = Capabilities(
     # per-micro-batch collectives) come with pp > 1 only
     accumulation=False,
     expert_with_cp=False,  # the expert group lies inside dp alone
-    expert_zero=(0, 1, 2),
+    expert_zero=(0, 1, 2, 3),
     expert_with_pp=False,
 )

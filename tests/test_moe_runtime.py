@@ -165,6 +165,20 @@ def test_zoo_moe_with_tensor_2_equals_one_device(pool4):
     _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zoo_moe_with_zero_equals_one_device(pool4, stage):
+    # experts' pieces over their expert-data group (2 ranks), the rest over dp (4)
+    results = pool4.run(_train, "moe-tiny", dict(expert=2, zero=dict(stage=stage)))
+    _check(results, 64, 2)
+    axes = {(op, axis) for op, axis, _, _ in results[0]["log"]}
+    assert {("reduce_scatter", "edp"), ("all_gather", "edp"), ("reduce_scatter", "dp")} <= axes
+
+
+def test_qwen2_moe_with_zero_3_and_tensor_2_equals_one_device(pool4):
+    _check(pool4.run(_train, "hf-qwen2-moe", dict(expert=2, tensor=2, zero=dict(stage=3))),
+           32, 2)
+
+
 # ----------------------------------------------------------------------------------------
 # One process: the substituted layers, the plan, the refusals
 # ----------------------------------------------------------------------------------------

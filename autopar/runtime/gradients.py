@@ -10,8 +10,9 @@ from torch import nn
 from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.runtime.buckets import average_gradients
 from autopar.runtime.params import ShardedParams
-from autopar.runtime.zero import ExpertDataZero, ShardedOptimizerState
+from autopar.runtime.zero import ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
+from autopar.runtime.zero_experts import expert_zero
 
 
 def zero_sharded(plan_zero, dp_size: int) -> bool:
@@ -25,17 +26,11 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     """The ZeRO state a plan's `zero` asks for over dp: the optimizer runs on this rank's
     pieces (stage 2 under a pipeline: `stages`, each stage's parameters). `experts`: a
     Gradients whose expert weights are cut over their expert-data group instead."""
+    if experts is not None and experts.edp is not None:
+        return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
+                           experts.params.is_expert, factory, compute_dtype)
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype)
-    if experts is not None and experts.edp is not None:
-        params = list(params)
-        is_expert = experts.params.is_expert
-        data = ShardedOptimizerState([p for p in params if not is_expert(p)], dp, None,
-                                     plan_zero.stage, offload=plan_zero.offload)
-        mine = ShardedOptimizerState([p for p in params if is_expert(p)], experts.edp, None,
-                                     plan_zero.stage, offload=plan_zero.offload,
-                                     divisor=experts.ep_size)
-        return ExpertDataZero(data, mine, factory)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
                                  offload=plan_zero.offload, stages=stages)
 

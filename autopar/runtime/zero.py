@@ -193,31 +193,6 @@ class ShardedOptimizerState:
             shard.grad = None
 
 
-class ExpertDataZero:
-    """ZeRO-1/2 beside an expert axis: the experts' pieces cut over their expert-data group
-    (whose sum, divided by dp = edp x ep, is the mean), the other parameters' over dp; one
-    optimizer steps both sets of pieces."""
-
-    def __init__(self, data: ShardedOptimizerState, experts: ShardedOptimizerState, factory):
-        self.parts = (data, experts)
-        self.stage, self.offload, self.dp = data.stage, data.offload, data.dp
-        self.params = data.params + experts.params
-        self.shards = data.shards + experts.shards
-        self.optimizer = factory(self.shards) if factory is not None else None
-
-    def padded_bytes(self) -> int:
-        """The dp pieces' bytes (the experts' travel on the edp axis)."""
-        return self.parts[0].padded_bytes()
-
-    def reduce_gradients(self) -> None:
-        for part in self.parts:
-            part.reduce_gradients()
-
-    def gather_parameters(self) -> None:
-        for part in self.parts:
-            part.gather_parameters()
-
-
 def write_padded(dst: torch.Tensor, grad: torch.Tensor) -> None:
     """Write a gradient, flattened, into `dst` ([dp, k] columns of a zeroed buffer: row r
     is rank r's piece), the last piece's tail left as the zero padding."""
