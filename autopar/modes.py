@@ -90,5 +90,5 @@ RUNTIME = Capabilities(
     accumulation=False,
     expert_with_cp=False,  # the expert group lies inside dp alone
     expert_zero=(0, 1, 2, 3),
-    expert_with_pp=False,
+    expert_with_pp=True,
 )

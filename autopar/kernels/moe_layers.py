@@ -256,14 +256,17 @@ def _stand_in(module: nn.Module, spec: MoESpec, key: int):
 class ExpertLayer(Bound):
     """An `autopar::moe` node of a rewritten graph: the kernel with its experts split over
     the ep axis and its balance loss over the data ranks. forward(x, gate, *experts,
-    *shared) -> (out, loss); `kernel.last_routed` / `last_tokens_per_expert` hold the last
-    eager step's routing (this rank's tokens per expert; rows its experts computed)."""
+    *shared) -> (out, loss). `routed` and `computed` add up the routing of the forwards
+    since `reset_load` (every micro-batch of a step): this rank's token-expert assignments
+    per expert [E], and the rows its own experts computed [E/ep]."""
 
     def __init__(self, spec: MoESpec, name: str, with_aux: bool):
         super().__init__(EP)
         self.spec, self.name, self.with_aux = spec, name, with_aux
         # kept out of the module tree: its meta weights are never used (the graph passes them)
         self.__dict__["kernel"] = spec.kernel()
+        self.routed: torch.Tensor | None = None
+        self.computed: torch.Tensor | None = None
 
     def bind(self, groups: dict[str, AxisGroup]) -> None:
         super().bind(groups)
@@ -272,8 +275,19 @@ class ExpertLayer(Bound):
     def extra_repr(self) -> str:
         return f"{self.name}, experts={self.spec.experts}, top_k={self.spec.top_k}, axis={EP}"
 
+    def reset_load(self) -> None:
+        """Forget the routing counted so far (the engine calls it as a step begins)."""
+        self.routed = self.computed = None
+
     def forward(self, x, gate, *weights):
         n = len(self.spec.expert_weights)
-        return run(self.kernel, self.spec, x, gate, list(weights[:n]), list(weights[n:]),
-                   self.with_aux)
+        self.kernel.last_routed = None
+        out = run(self.kernel, self.spec, x, gate, list(weights[:n]), list(weights[n:]),
+                  self.with_aux)
+        k = self.kernel
+        if k.last_routed is not None and self._g().log.enabled:  # (not a shape probe)
+            self.routed = k.last_routed if self.routed is None else self.routed + k.last_routed
+            done = k.last_tokens_per_expert
+            self.computed = done if self.computed is None else self.computed + done
+        return out
 

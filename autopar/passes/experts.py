@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from autopar.errors import PlanError
 from autopar.kernels.moe_layers import MOE_OP, ExpertLayer, spec_for
 
 
@@ -23,6 +24,16 @@ def expert_weights(gm: fx.GraphModule) -> set[str]:
                 w = w.args[0]
             out.add(w.target)
     return out
+
+
+def check_balance_per_batch(gm: fx.GraphModule, microbatches: int) -> None:
+    """A balance loss in the objective is taken over the whole batch, so the batch must run
+    in one pass: refused with micro-batches, which would each take their own."""
+    if microbatches > 1 and any(node.args[5] for node in moe_nodes(gm)):
+        raise PlanError(f"the model's MoE balance loss is taken over the whole batch, but the "
+                        f"pipeline runs it in {microbatches} micro-batches that would each take "
+                        "their own; use microbatches=1 or leave the balance loss out of the "
+                        "loss.")
 
 
 def place_expert_layers(gm: fx.GraphModule) -> fx.GraphModule:

@@ -17,7 +17,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
 from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
-from autopar.passes.experts import expert_weights, place_expert_layers
+from autopar.passes.experts import check_balance_per_batch, expert_weights, place_expert_layers
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -165,6 +165,7 @@ class Engine(nn.Module):
         self.global_batch = int(target.shape[0]) * self._dp.size
         self._model = None
         if self._pp.size > 1:
+            check_balance_per_batch(self.train_graph.gm, self.plan.pipeline.microbatches)
             self._wire_pipeline()
             return
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
@@ -176,10 +177,12 @@ class Engine(nn.Module):
     def _wire_pipeline(self) -> None:
         """Cut the training graph into stages; ZeRO shards this rank's stages' parameters."""
         # without ZeRO the runner averages over dp too, overlapped with the last backward
+        # (with experts split over ep, Gradients.average takes dp and edp after the schedule)
+        averages = not zero_sharded(self.plan.zero, self._dp.size) and not self.moe_layers
         runner, self.stage_of_layer = build_pipeline(
             self.plan, self.train_graph, self.train_gm, self._pp, self._dp, self.global_batch,
-            self._device, self.fetch_pipeline_weights,
-            None if zero_sharded(self.plan.zero, self._dp.size) else self._dp, self.stage_planner)
+            self._device, self.fetch_pipeline_weights, self._dp if averages else None,
+            self.stage_planner)
         self.pipeline = self.grads.pipeline = runner
         self._weights = PipelineWeights(runner, self.params, self.train_graph, self._pp)
         for k, module in runner.held_modules():
@@ -227,6 +230,8 @@ class Engine(nn.Module):
         """One optimizer step on a global batch; the loss equals the single-device loss."""
         inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
         self.recorder.begin_step(self.comm_log)
+        for layer in self._expert_layers():
+            layer.reset_load()
         *local_inputs, local_target = self.batches.local(inputs + (targets,))
         self.ensure_train_graph(tuple(local_inputs), local_target)
         *local_inputs, local_target = self.batches.tokens(
@@ -275,25 +280,26 @@ class Engine(nn.Module):
         """Inference on the whole batch on every rank; outputs are whole on every rank."""
         inputs = self.batches.for_forward(inputs)
         self.fetch_pipeline_weights()
+        for layer in self._expert_layers():
+            layer.reset_load()
         out = self.forward_gm(*self.batches.tokens(inputs, self.forward_graph))
         if self.zero is not None and self.zero.stage == 3:
             self.zero.drain()
         return out
 
     def expert_load(self) -> dict[str, dict]:
-        """The routing the last step (or forward) took, per MoE layer split over ep: `routed`,
-        this rank's token-expert assignments per expert (all E; summed over the data ranks it
-        is the step's tokens per expert), `computed`, the rows this rank's experts ran (E/ep,
-        from `first_expert` on). Empty without an ep axis."""
-        gm = self.train_gm if self.train_gm is not None else self.forward_gm
-        out = {}
-        for module in gm.modules():
-            kernel = module.kernel if isinstance(module, ExpertLayer) else None
-            if kernel is not None and kernel.last_routed is not None:
-                out[module.name] = {"routed": kernel.last_routed.tolist(),
-                                    "computed": kernel.last_tokens_per_expert.tolist(),
-                                    "first_expert": kernel.first_expert}
-        return out
+        """The routing the last step (or forward) took, per MoE layer split over ep that ran
+        on this rank: `routed`, this rank's token-expert assignments per expert (all E;
+        summed over the data ranks, the step's tokens per expert), `computed`, the rows this
+        rank's experts ran (E/ep, from `first_expert` on), over all micro-batches. Empty
+        without an ep axis."""
+        return {m.name: {"routed": m.routed.tolist(), "computed": m.computed.tolist(),
+                         "first_expert": m.kernel.first_expert}
+                for m in self._expert_layers() if m.routed is not None}
+
+    def _expert_layers(self) -> list[ExpertLayer]:
+        graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
+        return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 
     # ------------------------------------------------------------------ accounting, state
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
@@ -349,6 +355,7 @@ class Engine(nn.Module):
         `keep` are kept); every rank calls it. Returns the checkpoint's directory."""
         from autopar.runtime.checkpoint import save
 
+        self._refuse_expert_checkpoint()
         return save(self, path, keep=keep)
 
     def load(self, path) -> str:
@@ -356,7 +363,14 @@ class Engine(nn.Module):
         its step directories). Every rank calls it; returns the checkpoint's directory."""
         from autopar.runtime.checkpoint import load
 
+        self._refuse_expert_checkpoint()
         return load(self, path)
+
+    def _refuse_expert_checkpoint(self) -> None:
+        if self.moe_layers:
+            raise PlanError("sharded checkpoints do not yet describe experts split over an ep "
+                            "axis; save whole weights with engine.export(dir) (parallelize "
+                            "loads them with weights=dir) or train without expert=.")
 
 
 def _stacked(outer, inner):

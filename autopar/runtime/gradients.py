@@ -56,7 +56,7 @@ class Gradients:
 
     def data_parameters(self) -> list[nn.Parameter]:
         """The local parameters averaged over dp (all but the experts under an ep axis)."""
-        return [p for p in self.params.parameters() if not self.params.is_expert(p)]
+        return [p for p in self.trained() if not self.params.is_expert(p)]
 
     def trained(self) -> list[nn.Parameter]:
         """The local parameters this rank trains (under a pipeline: its stages')."""
@@ -79,7 +79,7 @@ class Gradients:
         if self.dp.size == 1 or (self.pipeline is not None and self.pipeline.data is not None):
             return  # (a pipeline without ZeRO averaged over dp in its step)
         if self.edp is not None:
-            experts = [p for p in self.params.parameters()
+            experts = [p for p in self.trained()
                        if self.params.is_expert(p) and p.grad is not None]
             if self.edp.size > 1:
                 average_gradients(experts, self.edp, divisor=self.ep_size)
