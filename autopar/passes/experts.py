@@ -26,14 +26,15 @@ def expert_weights(gm: fx.GraphModule) -> set[str]:
     return out
 
 
-def check_balance_per_batch(gm: fx.GraphModule, microbatches: int) -> None:
-    """A balance loss in the objective is taken over the whole batch, so the batch must run
-    in one pass: refused with micro-batches, which would each take their own."""
-    if microbatches > 1 and any(node.args[5] for node in moe_nodes(gm)):
-        raise PlanError(f"the model's MoE balance loss is taken over the whole batch, but the "
-                        f"pipeline runs it in {microbatches} micro-batches that would each take "
-                        "their own; use microbatches=1 or leave the balance loss out of the "
-                        "loss.")
+def check_balance_loss(gm: fx.GraphModule) -> None:
+    """Under a pipeline: a balance loss in the objective is refused (each stage's layers
+    would add theirs to a sum that travels between stages, and micro-batches would each
+    take their own, where one device takes it over the whole batch)."""
+    if any(node.args[5] for node in moe_nodes(gm)):
+        raise PlanError("the model's MoE balance loss is a sum over layers over the whole "
+                        "batch, which a pipeline would split into stages and micro-batches; "
+                        "leave the balance loss out of the loss, or drop pipeline= from the "
+                        "plan.")
 
 
 def place_expert_layers(gm: fx.GraphModule) -> fx.GraphModule:

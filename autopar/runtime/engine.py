@@ -17,7 +17,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
 from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
-from autopar.passes.experts import check_balance_per_batch, expert_weights, place_expert_layers
+from autopar.passes.experts import check_balance_loss, expert_weights, place_expert_layers
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -165,7 +165,7 @@ class Engine(nn.Module):
         self.global_batch = int(target.shape[0]) * self._dp.size
         self._model = None
         if self._pp.size > 1:
-            check_balance_per_batch(self.train_graph.gm, self.plan.pipeline.microbatches)
+            check_balance_loss(self.train_graph.gm)
             self._wire_pipeline()
             return
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
