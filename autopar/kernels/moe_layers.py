@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -196,8 +197,9 @@ def expert_layers(model: nn.Module, plan) -> dict[str, MoESpec]:
 _SPECS: dict[int, MoESpec] = {}  # an op's spec id -> spec (op arguments are scalars only)
 
 
-def _register(spec: MoESpec) -> int:
-    key = hash(spec)
+def spec_key(spec: MoESpec) -> int:
+    """The op's integer name for `spec` (the same in every process), registered."""
+    key = int(hashlib.sha256(repr(spec).encode()).hexdigest()[:15], 16)
     _SPECS[key] = spec
     return key
 
@@ -234,7 +236,7 @@ def opaque_moe(model: nn.Module, layers: dict[str, MoESpec]):
     try:
         for name, spec in layers.items():
             module = model.get_submodule(name)
-            module.forward = _stand_in(module, spec, _register(spec))
+            module.forward = _stand_in(module, spec, spec_key(spec))
             patched.append(module)
         yield
     finally:
