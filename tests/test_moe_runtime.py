@@ -85,13 +85,14 @@ def _relative(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _train(name: str, plan: dict, steps: int = 5) -> dict:
-    """On every rank: autopar under `plan` and one device, side by side."""
+def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> dict:
+    """On every rank: autopar under `plan` (and `precision`) and one device in fp32, side by
+    side."""
     model, idx, target, loss_fn = build(name)
     reference = copy.deepcopy(model)
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                 optimizer=opt, plan=plan)
+                                 optimizer=opt, plan=plan, precision=precision)
     ref_opt = opt(reference.parameters())
     losses, log, load = [], [], {}
     for step in range(steps):
@@ -112,10 +113,11 @@ def _train(name: str, plan: dict, steps: int = 5) -> dict:
             "log": log, "load": load, "held": engine.parameter_bytes()}
 
 
-def _ep_rows_bytes(load: dict, hidden: int) -> int:
+def _ep_rows_bytes(load: dict, hidden: int, itemsize: int = 4) -> int:
     """Forward all-to-all bytes the measured routing implies on one rank: the rows it sends
-    (its tokens' assignments) and the rows its experts return, 4 bytes a value."""
-    return sum((sum(v["routed"]) + sum(v["computed"])) * hidden * 4 for v in load.values())
+    (its tokens' assignments) and the rows its experts return."""
+    return sum((sum(v["routed"]) + sum(v["computed"])) * hidden * itemsize
+               for v in load.values())
 
 
 def _check(results: list[dict], hidden: int, ep: int) -> None:
@@ -230,6 +232,15 @@ def test_exported_experts_start_another_expert_plan(pool4, tmp_path):
     for r in pool4.run(_export_and_start_from_it, str(tmp_path / "export")):
         assert r["keys"] and r["error"] == 0.0
         assert r["refusal"].startswith("sharded checkpoints do not yet describe experts")
+
+
+def test_mixtral_in_bf16_dispatches_bf16_rows(pool4):
+    # bf16 compute on fp32 masters against fp32 on one device: bf16's rounding apart
+    for r in pool4.run(_train, "hf-mixtral", dict(expert=2), 5, "bf16"):
+        assert r["loss"] <= 1e-3 and r["weights"] <= 1e-2, (r["loss"], r["weights"])
+        forward = sum(b for op, axis, phase, b in r["log"]
+                      if (op, axis, phase) == ("all_to_all", "ep", "forward"))
+        assert forward == _ep_rows_bytes(r["load"], 32, itemsize=2) + 2 * 4 * 8
 
 
 # ----------------------------------------------------------------------------------------

@@ -131,10 +131,10 @@ class Engine(nn.Module):
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
         gm = apply_solution(traced.gm, solution, coords=None)
-        if self.moe_layers:
-            gm = place_expert_layers(gm)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
+        if self.moe_layers:
+            gm = place_expert_layers(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
         shard_parameters(gm, {t: self.params.slice_for(traced.gm, p, solution.params.get(t))
