@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
+from autopar.kernels.moe_layers import expert_layers
 from autopar.modes import CP, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
@@ -58,7 +59,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
             if chosen is None:
                 chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
                 _check_executable(chosen)
-            traced = traced or Engine.trace_for(model, tuple(example_inputs))
+            traced = traced or Engine.trace_for(model, tuple(example_inputs), chosen)
         except Exception as e:  # noqa: BLE001
             failure = e
     # one small all-gather: every rank stops here together when any rank failed above, or
@@ -91,14 +92,15 @@ def _checked_plan(plan, size: int, world, model, example_inputs: tuple):
         return None, None
     chosen, traced = _resolve_plan(plan, size, world), None
     _check_executable(chosen)
+    expert_layers(model, chosen)  # experts that do not split over ep, a bad top-k
     if chosen.tensor_mesh().mode != TP_1D:  # dims the grid splits, checked on the graph
-        traced = Engine.trace_for(model, example_inputs)
+        traced = Engine.trace_for(model, example_inputs, chosen)
         check_grid_dims(traced, chosen, chosen.tensor_mesh())
     if chosen.mesh[CP] > 1:  # the sequence must split over cp
-        traced = traced or Engine.trace_for(model, example_inputs)
+        traced = traced or Engine.trace_for(model, example_inputs, chosen)
         check_context_dims(traced, chosen)
     if chosen.sequence_parallel_layers():  # the sequence must split over tp
-        traced = traced or Engine.trace_for(model, example_inputs)
+        traced = traced or Engine.trace_for(model, example_inputs, chosen)
         check_sequence_dims(traced, chosen)
     return chosen, traced
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 PP, DP, CP, TP = "pp", "dp", "cp", "tp"
 AXES = (PP, DP, CP, TP)  # the world's factorisation: their sizes multiply to the world
 ORDER = (TP, CP, DP, PP)
+# The expert axis is no factor of the world: MoE experts are split over ep ranks that lie
+# inside the data ranks (Megatron-Core, DeepSpeed-MoE), neighbours first; the data ranks that
+# hold the same experts form the expert-data axis, over which expert gradients are averaged.
+EP, EDP = "ep", "edp"
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ class Capabilities:
     offload_zero3_single_rank: bool = True  # ZeRO-3 offload with one data-parallel rank
     accumulation: bool = True  # micro-batches without a pipeline
     tp_depth: int | None = None  # the one 2.5D depth a plan's grid layers take (None: any)
+    expert: bool = True  # an ep axis: MoE experts split over data ranks
+    expert_with_cp: bool = True  # ep beside a cp axis (ep dividing dp x cp)
+    expert_zero: tuple[int, ...] = ZERO_STAGES  # ZeRO stages that run beside an ep axis
+    expert_with_pp: bool = True  # ep beside a pipeline
 
 
 # What the planner can price: everything.
@@ -101,4 +109,7 @@ RUNTIME = Capabilities(
     # without a pipeline a replica's batch runs in one pass: micro-batches (and ZeRO-2/3's
     # per-micro-batch collectives) come with pp > 1 only
     accumulation=False,
+    expert_with_cp=False,  # the expert group lies inside dp alone
+    expert_zero=(0, 1, 2, 3),
+    expert_with_pp=True,
 )

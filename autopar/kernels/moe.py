@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.models.moe import Routing, SparseMoE, balance_loss, balance_stats, is_eager
-
-EP = "ep"  # the expert axis; moves to autopar.modes when the planner learns it
+from autopar.modes import EP
 
 
 def axis_group(group, axis: str = EP) -> AxisGroup | None:

@@ -17,6 +17,7 @@ from autopar.modes import (
     AXES,
     CP,
     DP,
+    EP,
     LAYER_SP,
     MEGATRON_SP,
     NO_RECOMPUTE,
@@ -39,7 +40,7 @@ from autopar.world import World
 
 __all__ = ["LayerPlan", "PipelinePlan", "Plan", "ZeroPlan", "cp_layout"]
 REPLICATE = "replicate"  # a layer's tensor mode when it runs whole on every rank
-_TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data"}
+_TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data", "expert"}
 
 
 @dataclass
@@ -67,7 +68,8 @@ class ZeroPlan:
 
 @dataclass
 class Plan:
-    """How a model is split over a world. `mesh` sizes multiply to the world size."""
+    """How a model is split over a world. `mesh` sizes multiply to the world size; `ep`
+    (given as mesh["ep"] or ep=) splits MoE experts over ranks inside dp x cp."""
 
     mesh: dict = field(default_factory=lambda: {PP: 1, DP: 1, CP: 1, TP: 1})
     tp_mode: str = TP_1D
@@ -88,11 +90,15 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # the planner's full report (per-kind costs), kept in memory only; see explain()
     detail: dict | None = field(default=None, repr=False, compare=False)
+    ep: int = 1  # expert-parallel size: no factor of the world, it divides dp x cp
 
     def __post_init__(self):
-        if not isinstance(self.mesh, dict) or set(self.mesh) - set(AXES):
-            raise PlanError(f"a plan's mesh maps axis names ({', '.join(AXES)}) to sizes, such "
-                            f"as {{\"dp\": 2, \"tp\": 4}}, not {self.mesh!r}.")
+        if not isinstance(self.mesh, dict) or set(self.mesh) - set(AXES + (EP,)):
+            raise PlanError(f"a plan's mesh maps axis names ({', '.join(AXES + (EP,))}) to "
+                            f"sizes, such as {{\"dp\": 2, \"tp\": 4}}, not {self.mesh!r}.")
+        if EP in self.mesh:  # the JSON's spelling: kept apart, as ep is no factor of the world
+            self.mesh = dict(self.mesh)
+            self.ep = self.mesh.pop(EP)
         for axis, v in self.mesh.items():
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise PlanError(f"mesh axis '{axis}' has size {v!r}; every axis needs a whole "
@@ -134,9 +140,28 @@ class Plan:
             _choice(f"tensor mode of layer {lp.name}", lp.tp_mode, TP_MODES + (REPLICATE,))
             _choice(f"recompute of layer {lp.name}", lp.recompute, RECOMPUTE)
             _choice(f"sp of layer {lp.name}", lp.sp, LAYER_SP)
+        self.check_expert()
         if self.world is not None and self.world.devices != self.world_size:
             raise PlanError(f"the plan's mesh {self._mesh_text()} uses {self.world_size} devices "
                             f"but the world has {self.world.devices}.")
+
+    def check_expert(self) -> None:
+        """ep must be a whole number dividing the data (and context) ranks it lies inside."""
+        _int(self.ep, "expert size")
+        data = self.mesh[DP] * self.mesh[CP]
+        if data % self.ep:
+            raise PlanError(f"expert size {self.ep} does not divide the data x sequence ranks "
+                            f"({self.mesh[DP]} x {self.mesh[CP]} = {data}) that hold the experts; "
+                            f"choose an expert size dividing {data}.")
+
+    def check_experts(self, experts: int, top_k: int, where: str = "the model") -> None:
+        """An MoE layer of `experts` experts, `top_k` per token, under this plan's ep."""
+        if not 1 <= top_k <= experts:
+            raise PlanError(f"{where} routes each token to top_k={top_k} experts but has "
+                            f"{experts}; top_k must be between 1 and the number of experts.")
+        if experts % self.ep:
+            raise PlanError(f"{where} has {experts} experts, which do not split over expert "
+                            f"size {self.ep}; choose an expert size dividing {experts}.")
 
     def _mesh_text(self) -> str:
         return " x ".join(f"{a}{v}" for a, v in self.mesh.items() if v > 1) or "1 device"
@@ -221,9 +246,29 @@ class Plan:
                 not runtime.offload_zero3_single_rank:
             out.append("ZeRO-3 offload over one data-parallel rank (no parameter to cut; "
                        "use zero=dict(stage=1, offload=True) to offload the optimizer)")
+        out += self._unsupported_expert(runtime)
         if any(r not in runtime.recompute for r in [self.recompute] +
                [lp.recompute for lp in self.layers]):
             out.append("recomputation")
+        return out
+
+    def _unsupported_expert(self, runtime) -> list[str]:
+        if self.ep == 1:
+            return []
+        if not runtime.expert:
+            return ["expert parallelism (an ep axis)"]
+        out = []
+        if self.mesh[CP] > 1 and not runtime.expert_with_cp:
+            out.append("expert parallelism beside a cp axis (the expert groups lie inside dp; "
+                       "use sequence size 1)")
+        if self.zero.stage not in runtime.expert_zero:
+            out.append(f"ZeRO stage {self.zero.stage} beside expert parallelism (stages "
+                       f"{', '.join(map(str, runtime.expert_zero))} run with an ep axis)")
+        if self.mesh[PP] > 1 and not runtime.expert_with_pp:
+            out.append("expert parallelism beside a pipeline")
+        elif self.mesh[PP] > 1 and self.zero.stage > 0:
+            out.append("ZeRO beside both expert parallelism and a pipeline (drop one of the "
+                       "three)")
         return out
 
     def explain(self, top: int | None = None) -> str:
@@ -242,7 +287,7 @@ class Plan:
         return {
             "version": 1,
             "world": self.world.to_json() if self.world else None,
-            "mesh": dict(self.mesh),
+            "mesh": dict(self.mesh, **({EP: self.ep} if self.ep > 1 else {})),
             "tensor": {"mode": self.tp_mode, "depth": self.tp_depth,
                        "sequence_parallel": self.sequence_parallel},
             "sequence": {"mode": self.sequence_mode, "layout": self.sequence_layout},
@@ -305,6 +350,7 @@ class Plan:
         tensor = _sub(spec, "tensor", {"size", "mode", "depth", "sequence_parallel", "layers"})
         sequence = _sub(spec, "sequence", {"size", "mode", "layout"})
         zero = _sub(spec, "zero", {"stage", "offload"})
+        expert = _sub(spec, "expert", {"size"})
         pp = _int(pipeline.get("size", 1), "pipeline size")
         tp = _int(tensor.get("size", 1), "tensor size")
         cp = _int(sequence.get("size", 1), "sequence size")
@@ -337,7 +383,7 @@ class Plan:
                                          chunks=_int(pipeline.get("chunks", 1), "chunks")),
                    zero=ZeroPlan(stage=_int(zero.get("stage", 0), "zero stage"),
                                  offload=bool(zero.get("offload", False))),
-                   recompute=recompute)
+                   recompute=recompute, ep=_int(expert.get("size", 1), "expert size"))
 
 
 def _sub(spec: dict, key: str, allowed: set) -> dict:

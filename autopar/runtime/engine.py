@@ -15,7 +15,9 @@ from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
-from autopar.modes import CP, DP, PP, RING, TP, TP_1D
+from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
+from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.passes.experts import check_balance_loss, expert_weights, place_expert_layers
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -69,13 +71,19 @@ class Engine(nn.Module):
         self.params = ShardedParams(self.mesh, {a: groups[a].rank for a in self.mesh.physical},
                                     model, start)  # start: a meta model's or weights= values
         self.grads = Gradients(self.params, self._dp, self.comm_log)
+        self.moe_layers = expert_layers(model, plan)  # MoE layers split over ep (ep > 1)
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
             start.expect_zero(plan.zero, self._dp, self._pp.size)
         self.forward_graph = forward_graph if forward_graph is not None else \
-            self.trace_for(model, example_inputs)
+            self.trace_for(model, example_inputs, plan)
+        if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
+            graph = self.forward_graph
+            self.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
+                                      groups[EP])
+            self.grads.split_experts(groups[EDP], groups[EP].size)
         check_graph(self.forward_graph, plan, self.mesh)
         self.batches = batches.Batches(example_inputs, self.forward_graph, plan, self.mesh,
                                        self._dp, self._cp, self._device)
@@ -105,10 +113,11 @@ class Engine(nn.Module):
 
     # ------------------------------------------------------------------ building
     @staticmethod
-    def trace_for(model: nn.Module, example_inputs: tuple):
+    def trace_for(model: nn.Module, example_inputs: tuple, plan: Plan | None = None):
         """The inference graph the engine starts from (parallelize checks a plan on it)."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        return trace(model, _blank(example_inputs, device), train=False)
+        with opaque_moe(model, expert_layers(model, plan)):
+            return trace(model, _blank(example_inputs, device), train=False)
 
     def _solve(self, traced, fixed) -> Solution:
         cp = self._cp.size > 1
@@ -124,6 +133,8 @@ class Engine(nn.Module):
         gm = apply_solution(traced.gm, solution, coords=None)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
+        if self.moe_layers:
+            gm = place_expert_layers(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
         shard_parameters(gm, {t: self.params.slice_for(traced.gm, p, solution.params.get(t))
@@ -143,8 +154,9 @@ class Engine(nn.Module):
         if self.loss_fn is None:
             raise PlanError("train_step needs a loss_fn; pass loss_fn=... to autopar.parallelize.")
         at = next((p.device for p in self._model.parameters()), self._device)  # meta too
-        self.train_graph = trace(self._model, _blank(inputs, at), loss_fn=self.loss_fn,
-                                 example_target=_blank((target,), at)[0], train=True)
+        with opaque_moe(self._model, self.moe_layers):
+            self.train_graph = trace(self._model, _blank(inputs, at), loss_fn=self.loss_fn,
+                                     example_target=_blank((target,), at)[0], train=True)
         fixed = {t: self.params.layout_for(p) for t, p in self.forward_graph.params.items()
                  if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
@@ -153,21 +165,24 @@ class Engine(nn.Module):
         self.global_batch = int(target.shape[0]) * self._dp.size
         self._model = None
         if self._pp.size > 1:
+            check_balance_loss(self.train_graph.gm)
             self._wire_pipeline()
             return
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
         if self.zero is not None and self.zero.stage == 3:
             self.train_units = self.zero.rewrite(self.train_gm)
         if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
-            self.grads.buckets = GradientBuckets(self.params.parameters(), self._dp)
+            self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
 
     def _wire_pipeline(self) -> None:
         """Cut the training graph into stages; ZeRO shards this rank's stages' parameters."""
         # without ZeRO the runner averages over dp too, overlapped with the last backward
+        # (with experts split over ep, Gradients.average takes dp and edp after the schedule)
+        averages = not zero_sharded(self.plan.zero, self._dp.size) and not self.moe_layers
         runner, self.stage_of_layer = build_pipeline(
             self.plan, self.train_graph, self.train_gm, self._pp, self._dp, self.global_batch,
-            self._device, self.fetch_pipeline_weights,
-            None if zero_sharded(self.plan.zero, self._dp.size) else self._dp, self.stage_planner)
+            self._device, self.fetch_pipeline_weights, self._dp if averages else None,
+            self.stage_planner)
         self.pipeline = self.grads.pipeline = runner
         self._weights = PipelineWeights(runner, self.params, self.train_graph, self._pp)
         for k, module in runner.held_modules():
@@ -192,7 +207,7 @@ class Engine(nn.Module):
         pipeline stage's parameters, for stage 2's per-micro-batch reduction)."""
         self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._dp,
                                                 self._optimizer_factory, self.compute_dtype,
-                                                stages)
+                                                stages, experts=self.grads)
         if self.zero.stage == 3:  # the graphs gather each layer's parameters
             self.zero.rewrite(self.forward_gm)
         self.optimizer = self.grads.with_norms(self.zero.optimizer)
@@ -215,6 +230,8 @@ class Engine(nn.Module):
         """One optimizer step on a global batch; the loss equals the single-device loss."""
         inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
         self.recorder.begin_step(self.comm_log)
+        for layer in self._expert_layers():
+            layer.reset_load()
         *local_inputs, local_target = self.batches.local(inputs + (targets,))
         self.ensure_train_graph(tuple(local_inputs), local_target)
         *local_inputs, local_target = self.batches.tokens(
@@ -263,10 +280,26 @@ class Engine(nn.Module):
         """Inference on the whole batch on every rank; outputs are whole on every rank."""
         inputs = self.batches.for_forward(inputs)
         self.fetch_pipeline_weights()
+        for layer in self._expert_layers():
+            layer.reset_load()
         out = self.forward_gm(*self.batches.tokens(inputs, self.forward_graph))
         if self.zero is not None and self.zero.stage == 3:
             self.zero.drain()
         return out
+
+    def expert_load(self) -> dict[str, dict]:
+        """The routing the last step (or forward) took, per MoE layer split over ep that ran
+        on this rank: `routed`, this rank's token-expert assignments per expert (all E;
+        summed over the data ranks, the step's tokens per expert), `computed`, the rows this
+        rank's experts ran (E/ep, from `first_expert` on), over all micro-batches. Empty
+        without an ep axis."""
+        return {m.name: {"routed": m.routed.tolist(), "computed": m.computed.tolist(),
+                         "first_expert": m.kernel.first_expert}
+                for m in self._expert_layers() if m.routed is not None}
+
+    def _expert_layers(self) -> list[ExpertLayer]:
+        graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
+        return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 
     # ------------------------------------------------------------------ accounting, state
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
@@ -322,6 +355,7 @@ class Engine(nn.Module):
         `keep` are kept); every rank calls it. Returns the checkpoint's directory."""
         from autopar.runtime.checkpoint import save
 
+        self._refuse_expert_checkpoint()
         return save(self, path, keep=keep)
 
     def load(self, path) -> str:
@@ -329,7 +363,14 @@ class Engine(nn.Module):
         its step directories). Every rank calls it; returns the checkpoint's directory."""
         from autopar.runtime.checkpoint import load
 
+        self._refuse_expert_checkpoint()
         return load(self, path)
+
+    def _refuse_expert_checkpoint(self) -> None:
+        if self.moe_layers:
+            raise PlanError("sharded checkpoints do not yet describe experts split over an ep "
+                            "axis; save whole weights with engine.export(dir) (parallelize "
+                            "loads them with weights=dir) or train without expert=.")
 
 
 def _stacked(outer, inner):

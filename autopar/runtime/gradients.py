@@ -12,6 +12,7 @@ from autopar.runtime.buckets import average_gradients
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.zero import ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
+from autopar.runtime.zero_experts import expert_zero
 
 
 def zero_sharded(plan_zero, dp_size: int) -> bool:
@@ -20,9 +21,14 @@ def zero_sharded(plan_zero, dp_size: int) -> bool:
     return plan_zero.stage >= 1 and (dp_size > 1 or plan_zero.offload)
 
 
-def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None):
+def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None,
+              experts=None):
     """The ZeRO state a plan's `zero` asks for over dp: the optimizer runs on this rank's
-    pieces (stage 2 under a pipeline: `stages`, each stage's parameters)."""
+    pieces (stage 2 under a pipeline: `stages`, each stage's parameters). `experts`: a
+    Gradients whose expert weights are cut over their expert-data group instead."""
+    if experts is not None and experts.edp is not None:
+        return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
+                           experts.params.is_expert, factory, compute_dtype)
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
@@ -38,6 +44,19 @@ class Gradients:
         self.zero = None
         self.pipeline = None
         self.buckets = None
+        self.edp: AxisGroup | None = None  # with an ep axis: the expert-data group ...
+        self.ep_size = 1  # ... and the ep size
+
+    def split_experts(self, edp: AxisGroup, ep_size: int) -> None:
+        """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data ranks
+        holding the same experts, not over dp. Each rank's expert gradient already sums the
+        tokens of its ep group (the all-to-all's backward), so the sum over edp covers every
+        data rank once and is divided by dp = edp x ep, as dp's mean of the rest is."""
+        self.edp, self.ep_size = edp, ep_size
+
+    def data_parameters(self) -> list[nn.Parameter]:
+        """The local parameters averaged over dp (all but the experts under an ep axis)."""
+        return [p for p in self.trained() if not self.params.is_expert(p)]
 
     def trained(self) -> list[nn.Parameter]:
         """The local parameters this rank trains (under a pipeline: its stages')."""
@@ -59,10 +78,17 @@ class Gradients:
             return
         if self.dp.size == 1 or (self.pipeline is not None and self.pipeline.data is not None):
             return  # (a pipeline without ZeRO averaged over dp in its step)
+        if self.edp is not None:
+            experts = [p for p in self.trained()
+                       if self.params.is_expert(p) and p.grad is not None]
+            if self.edp.size > 1:
+                average_gradients(experts, self.edp, divisor=self.ep_size)
+            for p in experts if self.edp.size == 1 else ():  # ep = dp: nothing to send
+                p.grad /= self.ep_size
         if self.buckets is not None:
             self.buckets.finish()
             return
-        average_gradients(self.params.parameters(), self.dp)
+        average_gradients(self.data_parameters(), self.dp)
 
     def drop(self, optimizer) -> None:
         """Forget a skipped step's gradients: the parameters' and the ZeRO pieces'."""
@@ -106,7 +132,7 @@ class Gradients:
         over dp (not under ZeRO, whose pieces differ) and over pipeline ranks sharing it."""
         copies = self.params.tensor_copies(param)
         if self.zero is None:
-            copies *= self.dp.size
+            copies *= self.edp.size if self.params.is_expert(param) else self.dp.size
         if self.pipeline is not None:
             copies *= self.pipeline.copies(param)
         return copies

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import WorldError
 from autopar.kernels.collectives import AxisGroup, CommLog
-from autopar.modes import AXES, DP, PP, TP, TP_1D
+from autopar.modes import AXES, DP, EDP, EP, PP, TP, TP_1D
 from autopar.sharding.axes import TensorMesh
 
 _SHARED: dict = {}  # key -> device mesh or group, for the default group under "world"
@@ -39,8 +39,11 @@ def plan_groups(plan) -> dict[str, AxisGroup]:
     and 3D. A new axis's groups are made here, where every engine gets its groups."""
     tensor = plan.tensor_mesh()
     if tensor.mode != TP_1D:
-        return tensor_groups(plan.mesh[DP], tensor, pp=plan.mesh[PP])
-    return axis_groups({a: plan.mesh[a] for a in AXES if a in (DP, TP) or plan.mesh[a] > 1})
+        groups = tensor_groups(plan.mesh[DP], tensor, pp=plan.mesh[PP])
+    else:
+        groups = axis_groups({a: plan.mesh[a] for a in AXES
+                              if a in (DP, TP) or plan.mesh[a] > 1})
+    return {**groups, **expert_groups(groups[DP], plan.ep)}
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
@@ -119,3 +122,29 @@ def _composite_group(axis: str, comps: tuple, names: tuple, ranks: torch.Tensor,
         raise RuntimeError(f"the process group of axis '{axis}' ranks this process {rank}, but "
                            f"the kernels expect index {index} (components {comps})")
     return AxisGroup(axis, mesh.size(axis), rank, mine, log)
+
+
+def expert_groups(dp: AxisGroup, ep: int) -> dict[str, AxisGroup]:
+    """The expert axis inside dp: ep groups of `ep` neighbouring dp ranks (the ranks that
+    split the experts), and the expert-data groups of the dp ranks holding the same experts
+    (dp rank d has ep index d % ep and expert-data index d // ep). Collective: every rank
+    learns every dp group, so all create the same groups in the same order."""
+    if ep == 1:
+        return {EP: AxisGroup(EP, 1, 0, None, dp.log), EDP: dp}
+    if dp.size % ep:
+        raise WorldError(f"expert size {ep} does not divide the {dp.size} data-parallel ranks.")
+    mine = tuple(dist.get_process_group_ranks(dp.group))
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    dp_groups = sorted(set(rows))
+    ep_rows = [row[i:i + ep] for row in dp_groups for i in range(0, len(row), ep)]
+    edp_rows = [row[i::ep] for row in dp_groups for i in range(ep)]
+    made = shared_group(("experts", tuple(ep_rows), tuple(edp_rows)), lambda: (
+        [dist.new_group(list(r)) for r in ep_rows], [dist.new_group(list(r)) for r in edp_rows]))
+    me = dist.get_rank()
+    out = {}
+    for axis, rows_, groups in ((EP, ep_rows, made[0]), (EDP, edp_rows, made[1])):
+        row, group = next((r, g) for r, g in zip(rows_, groups, strict=True) if me in r)
+        out[axis] = AxisGroup(axis, len(row), row.index(me), group if len(row) > 1 else None,
+                              dp.log)
+    return out

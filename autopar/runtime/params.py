@@ -32,6 +32,23 @@ class ShardedParams:
         self.untraced: dict[str, torch.Tensor] = {}  # state no graph reads, kept whole
         self._key_of: dict[int, int] | None = None
         self._norm_index: dict[str, int] | None = None
+        self.experts: frozenset[str] = frozenset()  # names of stacked expert weights ...
+        self.ep = None  # ... split on dim 0 over this AxisGroup
+
+    def split_experts(self, names: set[str], ep) -> None:
+        """Stacked expert weights (`names`, [E, ...]) keep only this rank's E/ep experts."""
+        self.experts, self.ep = frozenset(names), ep
+
+    def is_expert(self, local: torch.Tensor) -> bool:
+        return self.ep is not None and self.name_of(local) in self.experts
+
+    def _own_experts(self, names: tuple, local: torch.Tensor) -> torch.Tensor:
+        if self.ep is None or names[0] not in self.experts:
+            return local
+        n = local.size(0) // self.ep.size
+        data = local.detach()[self.ep.rank * n:(self.ep.rank + 1) * n].clone()
+        return nn.Parameter(data, requires_grad=local.requires_grad) \
+            if isinstance(local, nn.Parameter) else data
 
     def slice_for(self, gm, pinfo, layout: Layout | None) -> torch.Tensor:
         """This rank's slice of one traced parameter or buffer, cut at the first read."""
@@ -39,14 +56,15 @@ class ShardedParams:
         if key not in self.local:
             full = operator.attrgetter(pinfo.target)(gm)
             if key in self._ready:
-                self.local[key] = self._ready.pop(key)
+                self.local[key] = self._own_experts(pinfo.names, self._ready.pop(key))
                 self.names[key], self.layouts[key] = pinfo.names, layout
                 self._key_of = self._norm_index = None
                 return self.local[key]
             if full.device.type == "meta":
                 raise PlanError(f"parameter {pinfo.names[0]} is on the meta device; "
                                 "parallelize needs real weights (autopar.plan works on meta).")
-            self.local[key] = local_slice(full, layout, self.coords, self.mesh)
+            self.local[key] = self._own_experts(
+                pinfo.names, local_slice(full, layout, self.coords, self.mesh))
             self.names[key], self.layouts[key] = pinfo.names, layout
             self._key_of = self._norm_index = None
         elif self.layouts[key] != layout:
@@ -139,6 +157,8 @@ class ShardedParams:
             i = zero.index_of(local) if _pieces_only(zero) else None
             numel = local.numel() if i is None else zero.numels[i]  # (ZeRO-3: whole)
             nbytes = numel * local.element_size()
+            if self.ep is not None and names[0] in self.experts:
+                parts *= self.ep.size
             out[names[0]] = (nbytes, nbytes * parts)
         return out
 
@@ -167,6 +187,8 @@ class ShardedParams:
                 for shard in layout.shards:  # composites: minor component first
                     for axis, steps in reversed(shard_steps(shard, self.mesh)):
                         value = groups[axis].all_gather(value, shard.dim, steps, "state")
+            if self.ep is not None and names[0] in self.experts:  # every rank's experts
+                value = self.ep.all_gather(value, 0, 1, "state")
             for name in names:
                 if name in keep:
                     yield name, value.clone()

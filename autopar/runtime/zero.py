@@ -16,9 +16,10 @@ BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded b
 class ShardedOptimizerState:
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory, stage: int = 1,
                  bucket_bytes: int | None = None, offload: bool = False,
-                 stages: list[list[nn.Parameter]] | None = None):
+                 stages: list[list[nn.Parameter]] | None = None, divisor: int = 1):
         self.params = [p for p in params if p.requires_grad]
         self.dp, self.stage = dp, stage
+        self.divisor = divisor  # the mean is the sum over dp / (dp.size * divisor)
         self.numels = [p.numel() for p in self.params]
         self.chunks = [-(-n // dp.size) for n in self.numels]
         self.total = sum(self.chunks)  # this rank's piece of every parameter, in elements
@@ -125,7 +126,7 @@ class ShardedOptimizerState:
         for members, work, mine in self._reducing:
             if work is not None:
                 work.wait()
-            mine /= self.dp.size
+            mine /= self.dp.size * self.divisor
             col = 0
             for i in members:
                 piece, shard = self._to_shard(mine[col:col + self.lengths[i]]), self.shards[i]
@@ -165,7 +166,7 @@ class ShardedOptimizerState:
         # (one data-parallel rank: offload alone, no collective)
         mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward") \
             if self.dp.size > 1 else buf.reshape(-1)
-        mine /= self.dp.size
+        mine /= self.dp.size * self.divisor
         offset = 0
         for shard, k, length in zip(self.shards, self.chunks, self.lengths):
             shard.grad = self._to_shard(mine[offset:offset + length])

@@ -37,9 +37,12 @@ class ZeroThree:
     stage = 3
 
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
-                 offload: bool = False, compute_dtype: torch.dtype | None = None):
+                 offload: bool = False, compute_dtype: torch.dtype | None = None,
+                 divisor: int = 1, prefix: str = "zero3_gather"):
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
+        self.prefix = prefix  # of its gather modules' names in a graph
+        self.divisor = divisor  # the mean is the sum over dp / (dp.size * divisor)
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.chunks = [-(-n // dp.size) for n in self.numels]
@@ -110,7 +113,7 @@ class ZeroThree:
         order = [self._unit(layer, sorted(per_param)) for layer, per_param in uses.items()]
         for k, (layer, per_param) in enumerate(uses.items()):
             members, u = sorted(per_param), order[k]
-            name = f"zero3_gather_{u}"
+            name = f"{self.prefix}_{u}"
             if not hasattr(gm, name):  # prefetches the graph's next layer when it runs
                 gm.add_submodule(name, _GatherLayer(
                     self, u, order[k + 1] if k + 1 < len(order) else None))
@@ -234,7 +237,7 @@ class ZeroThree:
 
     def _pieces(self, u: int, which: list[bool], mine: torch.Tensor) -> list:
         """Unit u's reduce-scattered sums, as each member's piece of the mean over dp."""
-        mine = mine / self.dp.size
+        mine = mine / (self.dp.size * self.divisor)
         out, col = [], 0
         for i, present in zip(self.units[u].members, which):
             piece = mine[col:col + self.lengths[i]]
