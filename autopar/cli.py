@@ -175,7 +175,7 @@ def _from_factory(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
 
 def constraints_of(args) -> dict:
     out = {}
-    for name in ("tp", "pp", "dp", "cp", "zero", "microbatches", "schedule"):
+    for name in ("tp", "pp", "dp", "cp", "ep", "zero", "microbatches", "schedule"):
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value
@@ -192,6 +192,7 @@ def constraints_of(args) -> dict:
 
         fixed = Plan.load(args.plan)
         out.update({axis: size for axis, size in fixed.mesh.items()})
+        out["ep"] = fixed.expert
         out.update(tp_mode=fixed.tp_mode, zero=fixed.zero.stage, offload=fixed.zero.offload,
                    recompute=fixed.recompute)
         if fixed.recompute == NO_RECOMPUTE and any(lp.recompute != NO_RECOMPUTE
@@ -360,6 +361,7 @@ def _add_plan_arguments(p) -> None:
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--cp", type=int)
+    p.add_argument("--ep", type=int, help="experts over ep ranks inside dp x cp (MoE models)")
     p.add_argument("--tp-mode", choices=TP_MODES)
     p.add_argument("--sp", choices=LAYER_SP + SEQUENCE_MODES)
     p.add_argument("--zero", type=int, choices=ZERO_STAGES)
@@ -388,7 +390,8 @@ def _add_plan_arguments(p) -> None:
                    help="how many runner-up plans to keep, with why each lost")
 
 
-_POSITIVE = ("world", "per_node", "batch", "seq", "tp", "pp", "dp", "cp", "microbatches", "top")
+_POSITIVE = ("world", "per_node", "batch", "seq", "tp", "pp", "dp", "cp", "ep", "microbatches",
+             "top")
 
 
 def _flag(name: str) -> str:

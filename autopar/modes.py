@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # Mesh axes. ORDER is the device order, innermost first: tensor ranks are neighbours
 # (one NVLink domain), then context, data and pipeline ranks.
 PP, DP, CP, TP = "pp", "dp", "cp", "tp"
+EP = "ep"
 AXES = (PP, DP, CP, TP)
 ORDER = (TP, CP, DP, PP)
 

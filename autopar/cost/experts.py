@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from autopar.cost.comm import Placement, collective_time
@@ -24,35 +25,40 @@ from autopar.models.moe import route
 # on unit-RMS inputs (the RMSNorm before the MoE at initialisation).
 INIT_STD = 0.02
 SEED = 0
-TRIALS = 2
-MAX_SAMPLED = 1 << 21  # token-expert scores drawn per trial, at most (8 MiB of float32)
+SAMPLED_TOKENS = 65536  # tokens routed to measure each expert's share of the rows
+DRAWS = 256  # micro-batches drawn from those shares per imbalance
 
 
-@functools.lru_cache(maxsize=256)
-def routing_imbalance(experts: int, top_k: int, ep: int, tokens: int, hidden: int) -> float:
-    """Rows the busiest of `ep` ranks receives over the mean, for `tokens` tokens of one ep
-    group's micro-batch routed top-`top_k` of `experts`, measured on the zoo router at
-    initialisation: gate weights W [hidden, experts] drawn N(0, INIT_STD) (seeded), inputs of
-    unit RMS, so the logits are N(0, WᵀW) per token; `autopar.models.moe.route` picks the
-    experts, rank r holds experts r·E/ep ... (r+1)·E/ep - 1 (as `autopar.kernels.moe.MoE`).
-    Mean of max/mean over TRIALS draws. With more than MAX_SAMPLED scores per draw the draw
-    has fewer tokens, which overstates the imbalance (fewer tokens fluctuate more).
-
-    A trained router with a balance loss routes less uniformly than at initialisation; this
-    is the imbalance that remains with nothing learnt, a lower bound."""
-    if ep <= 1 or tokens <= 0:
-        return 1.0
+@functools.lru_cache(maxsize=64)
+def expert_shares(experts: int, top_k: int, hidden: int) -> tuple[float, ...]:
+    """Each expert's share of the token-expert rows, measured by routing SAMPLED_TOKENS tokens
+    through the zoo router at initialisation: gate weights W [hidden, experts] drawn
+    N(0, INIT_STD) (seeded), inputs of unit RMS, so a token's logits are N(0, WᵀW);
+    `autopar.models.moe.route` picks its top_k. A narrow router's gate columns differ in
+    norm, so its experts differ in share; a wide one's are near 1/E."""
     gen = torch.Generator().manual_seed(SEED)
     w = torch.randn(hidden, experts, generator=gen, dtype=torch.float64) * INIT_STD
     scale = torch.linalg.cholesky(w.T @ w + 1e-12 * torch.eye(experts, dtype=torch.float64))
-    n = max(1, min(tokens, MAX_SAMPLED // experts))
-    ratios = []
-    for _ in range(TRIALS):
-        logits = torch.randn(n, experts, generator=gen) @ scale.T.float()
-        chosen = route(logits, top_k).experts.reshape(-1)
-        per_rank = torch.bincount(chosen // (experts // ep), minlength=ep).double()
-        ratios.append(float(per_rank.max() / per_rank.mean()))
-    return sum(ratios) / len(ratios)
+    logits = torch.randn(SAMPLED_TOKENS, experts, generator=gen) @ scale.T.float()
+    chosen = route(logits, top_k).experts.reshape(-1)
+    counts = torch.bincount(chosen, minlength=experts).double()
+    return tuple((counts / counts.sum()).tolist())
+
+
+@functools.lru_cache(maxsize=1024)
+def routing_imbalance(experts: int, top_k: int, ep: int, tokens: int, hidden: int) -> float:
+    """Rows the busiest of `ep` ranks receives over the mean when one ep group routes `tokens`
+    tokens top-`top_k` of `experts`: rank r holds experts r·E/ep ... (r+1)·E/ep - 1 (as
+    `autopar.kernels.moe.MoE`), its share of the rows is its experts' `expert_shares`, and
+    DRAWS micro-batches of tokens·top_k rows are drawn from those shares (multinomial,
+    seeded); the mean over the draws of max/mean. A trained router with a balance loss is
+    not bound to its initial shares: this is the imbalance with nothing learnt yet."""
+    if ep <= 1 or tokens <= 0:
+        return 1.0
+    shares = np.asarray(expert_shares(experts, top_k, hidden)).reshape(ep, -1).sum(1)
+    rows = np.random.default_rng(SEED).multinomial(tokens * top_k, shares / shares.sum(),
+                                                    size=DRAWS)
+    return float((rows.max(1) / rows.mean(1)).mean())
 
 
 def group_tokens(moe: Experts, batch: float, cp: int, ep: int) -> int:
@@ -77,6 +83,13 @@ def dispatch_bytes(moe: Experts, batch: float, cp: int) -> float:
     return moe.rows(batch) / cp
 
 
+def alltoall_count(reruns: int = 1) -> int:
+    """All-to-alls of one MoE layer per micro-batch: the row counts, dispatch and combine per
+    forward run (`reruns`: 2 under full recomputation), and the mirrors of dispatch and
+    combine backward (which reuse the counts)."""
+    return 3 * reruns + 2
+
+
 def alltoall_s(moe: Experts, batch: float, cp: int, placement: Placement, hw: Hardware,
                imbalance: float, reruns: int = 1) -> tuple[float, float, int]:
     """(seconds, bytes sent, all-to-alls) of one MoE layer's dispatch per micro-batch over
@@ -94,4 +107,4 @@ def alltoall_s(moe: Experts, batch: float, cp: int, placement: Placement, hw: Ha
     sent = (ep - 1) / ep
     seconds = reruns * (2 * row_s + count_s) + 2 * row_s
     nbytes = sent * (reruns * (2 * rows + counts) + 2 * rows)
-    return seconds, nbytes, 3 * reruns + 2
+    return seconds, nbytes, alltoall_count(reruns)

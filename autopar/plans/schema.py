@@ -17,6 +17,7 @@ from autopar.modes import (
     AXES,
     CP,
     DP,
+    EP,
     LAYER_SP,
     MEGATRON_SP,
     NO_RECOMPUTE,
@@ -88,8 +89,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # the planner's full report (per-kind costs), kept in memory only; see explain()
     detail: dict | None = field(default=None, repr=False, compare=False)
+    # experts split over ep ranks inside the dp x cp ranks ("ep" in the JSON mesh; not a
+    # factor of the world)
+    expert: int = 1
 
     def __post_init__(self):
+        if isinstance(self.mesh, dict) and EP in self.mesh:
+            self.mesh = dict(self.mesh)
+            self.expert = self.mesh.pop(EP)
         if not isinstance(self.mesh, dict) or set(self.mesh) - set(AXES):
             raise PlanError(f"a plan's mesh maps axis names ({', '.join(AXES)}) to sizes, such "
                             f"as {{\"dp\": 2, \"tp\": 4}}, not {self.mesh!r}.")
@@ -126,6 +133,10 @@ class Plan:
             raise PlanError(f"sequence_parallel must be true or false, not "
                             f"{self.sequence_parallel!r}.")
         _int(self.tp_depth, "tensor depth")
+        _int(self.expert, "expert-parallel size (mesh ep)")
+        if (self.mesh[DP] * self.mesh[CP]) % self.expert:
+            raise PlanError(f"ep={self.expert} must divide the data-parallel ranks dp x cp = "
+                            f"{self.mesh[DP] * self.mesh[CP]}; choose an ep that divides it.")
         _int(self.pipeline.microbatches, "pipeline microbatches")
         _int(self.pipeline.chunks, "pipeline chunks")
         if self.pipeline.micro_batch_size is not None:
@@ -242,7 +253,7 @@ class Plan:
         return {
             "version": 1,
             "world": self.world.to_json() if self.world else None,
-            "mesh": dict(self.mesh),
+            "mesh": dict(self.mesh, **({EP: self.expert} if self.expert > 1 else {})),
             "tensor": {"mode": self.tp_mode, "depth": self.tp_depth,
                        "sequence_parallel": self.sequence_parallel},
             "sequence": {"mode": self.sequence_mode, "layout": self.sequence_layout},

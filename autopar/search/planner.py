@@ -296,6 +296,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
         "compute_s": best.compute_s,
         "comm_s": best.comm_s + best.dp_comm_s,
         "tp_comm_s": best.comm_s,
+        "ep_comm_s": best.ep_comm_s,
         "dp_comm_s": best.dp_comm_s,
         "bubble_s": best.bubble_s,
         "optimizer_s": best.optimizer_s,
@@ -333,7 +334,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                                       micro_batch_size=best.micro_batch),
                 zero=ZeroPlan(stage=best.zero, offload=best.offload),
                 recompute=main.recompute, world=world, predicted=predicted, search=search_info,
-                notes=_notes(chain))
+                notes=_notes(chain), expert=best.ep)
     return plan
 
 
