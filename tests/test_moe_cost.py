@@ -5,13 +5,23 @@ all-to-alls on the ep axis, the routing imbalance and the ep axis in the search.
 from __future__ import annotations
 
 import functools
+import json
 
+import numpy as np
 import pytest
 
+from autopar.cost.comm import Placement
 from autopar.cost.experts import alltoall_s, routing_imbalance, tokens_per_expert
+from autopar.cost.model import Context, LayerState, TensorMode, state_cost
+from autopar.cost.precision import precision_of
+from autopar.cost.step import expert_split, memory_by_kind
+from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
 from autopar.models import get_config, workload
-from autopar.search.planner import model_flops, prepare
+from autopar.plans import Plan
+from autopar.search.planner import model_flops, prepare, search, to_plan
+from autopar.search.space import divisors
+from autopar.world import World
 
 
 @functools.cache
@@ -64,9 +74,6 @@ def test_routing_imbalance_is_measured_and_shrinks_with_tokens():
 
 
 def test_all_to_alls_per_moe_layer_and_tokens_per_expert():
-    from autopar.cost.comm import Placement
-    from autopar.world import World
-
     _, chain = _chain("mixtral-8x7b", 1024)
     moe = next(lt.experts for lt in chain.types if lt.experts is not None)
     hw = World(devices=8).profile
@@ -81,3 +88,73 @@ def test_all_to_alls_per_moe_layer_and_tokens_per_expert():
 def test_config_counts_mixtral_active_parameters():
     cfg = get_config("mixtral-8x7b")
     assert _active_matmul_params(cfg) == pytest.approx(12.75e9, rel=0.01)
+
+
+@functools.cache
+def _mixtral_64():
+    """Mixtral-8x7B planned on 64 A100s at its 32k context, global batch 8 (explain's default)."""
+    w = workload("mixtral-8x7b", batch=1)
+    chain = prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                    tp_sizes=divisors(64), layers=(w.traced_layers, w.layers))
+    return chain, World(devices=64)
+
+
+def test_mixtral_on_64_devices_chooses_an_expert_axis():
+    chain, world = _mixtral_64()
+    result = search(chain, world, global_batch=8)
+    best = result.best
+    assert best.ep > 1 and (best.mesh["dp"] * best.mesh["cp"]) % best.ep == 0
+    plan = to_plan(chain, world, result, 8, "bf16", 0.0)
+    data = plan.to_json()
+    assert data["mesh"]["ep"] == best.ep and plan.world_size == 64
+    again = Plan.from_json(json.loads(json.dumps(data)))
+    assert again.expert == best.ep and again.mesh == plan.mesh
+    e = plan.detail["experts"]
+    assert e["experts_per_rank"] == 8 // best.ep and e["routing_imbalance"] > 1.0
+    assert e["all_to_alls_per_step"] > 0 and plan.detail["comm_by_axis"]["ep"]["bytes"] > 0
+    assert "experts     8 per MoE layer" in plan.explain()
+
+
+def test_experts_over_ep_hold_one_ep_th_of_the_expert_weights_and_zero_shards_them():
+    chain, world = _mixtral_64()
+    block = next(lt for lt in chain.types if lt.experts is not None)
+    moe, hw = block.experts, world.profile
+    mesh = {"pp": 1, "dp": 8, "cp": 1, "tp": 1}
+    split = expert_split(mesh, 4, 8)
+    one = Placement(1, 1)
+    state = LayerState(TensorMode("1d", 1))
+    alone = state_cost(block, state, 1, Context(hw, "bf16", one, one))
+    split4 = state_cost(block, state, 1, Context(hw, "bf16", one, one, ep=split.dispatch))
+    assert alone.expert_params == moe.param_bytes and split4.expert_params == moe.param_bytes / 4
+    assert alone.params - split4.params == pytest.approx(moe.param_bytes * 3 / 4)
+    assert alone.ep_comm == 0 and split4.ep_comm > 0 and split4.comm > alone.comm
+    assert split4.workspace >= 2 * moe.rows(1)  # the rows received and sent back
+    # ZeRO-1 shards the experts' master and moments over the 2 ranks holding the same experts
+    precision = precision_of(chain.param_dtype, executable=False)
+    dense = np.array([alone.params - alone.expert_params])
+    experts = np.array([split4.expert_params])
+    parts = memory_by_kind(dense + experts, np.zeros(1), 0.0, 8, 1, False, np.ones(1), precision,
+                           experts_dev=experts, split=split)
+    optim = (precision.master + precision.optimizer) / precision.weights
+    assert parts["optimizer"][0] == pytest.approx(optim * (dense[0] / 8 + experts[0] / 2))
+    assert parts["parameters"][0] == pytest.approx(dense[0] + experts[0])
+
+
+@pytest.mark.parametrize("model, constraints, words", [
+    ("gpt-tiny", dict(ep=2), "no mixture-of-experts layer"),
+    ("moe-tiny", dict(ep=3), "8 experts do not split over ep=3"),
+    ("moe-tiny", dict(ep=4, dp=2, pp=2, tp=1, cp=1), "must divide the data-parallel ranks"),
+])
+def test_a_fixed_ep_no_mesh_can_take_is_one_sentence(model, constraints, words):
+    w = workload(model, batch=4)
+    chain = prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                    tp_sizes=(1, 2, 4), layers=(w.traced_layers, w.layers))
+    with pytest.raises(PlanError, match=words):
+        search(chain, World(devices=4), global_batch=4, constraints=constraints)
+
+
+def test_a_plan_refuses_an_ep_that_does_not_divide_its_data_ranks():
+    with pytest.raises(PlanError, match="ep=4 must divide the data-parallel ranks"):
+        Plan(mesh={"dp": 2, "tp": 2, "ep": 4})
+    assert Plan(mesh={"dp": 4, "ep": 4}).to_json()["mesh"]["ep"] == 4
+    assert "ep" not in Plan(mesh={"dp": 4}).to_json()["mesh"]
