@@ -19,6 +19,7 @@ from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
 from autopar.models import get_config, workload
 from autopar.plans import Plan
+from autopar.report.html import plan_html
 from autopar.search.planner import model_flops, prepare, search, to_plan
 from autopar.search.space import divisors
 from autopar.world import World
@@ -113,6 +114,8 @@ def test_mixtral_on_64_devices_chooses_an_expert_axis():
     assert e["experts_per_rank"] == 8 // best.ep and e["routing_imbalance"] > 1.0
     assert e["all_to_alls_per_step"] > 0 and plan.detail["comm_by_axis"]["ep"]["bytes"] > 0
     assert "experts     8 per MoE layer" in plan.explain()
+    page = plan_html(plan.detail, "mixtral-8x7b")
+    assert '<table id="experts">' in page and f"ep{best.ep}" in page
 
 
 def test_experts_over_ep_hold_one_ep_th_of_the_expert_weights_and_zero_shards_them():

@@ -90,6 +90,7 @@ def plan_html(data: dict, model: str | None = None) -> str:
             '<div class="pair">' + _section("Memory per device", _memory_chart(data))
             + _section("Communication by mesh axis", _comm_chart(data)) + "</div>",
             _section("Alternatives that lost", _alternatives(data)),
+            *([_section("Expert layout", _experts_table(data))] if data.get("experts") else []),
             _section("Layers by kind", _kinds_table(data))]
     notes = _notes(data)
     if notes:
@@ -168,7 +169,8 @@ def _header(data: dict, model: str | None) -> str:
     pipe, zero, tensor = data["pipeline"], data["zero"], data["tensor"]
     search, seq = data.get("search", {}), data.get("sequence") or {}
     capacity = (data.get("memory_capacity") or {}).get("usable_bytes")
-    mesh_text = " ".join(f"{axis}{mesh[axis]}" for axis in ("pp", "dp", "cp", "tp"))
+    mesh_text = " ".join(f"{axis}{mesh[axis]}" for axis in ("pp", "dp", "cp", "tp", "ep")
+                         if axis in mesh)
     tensor_text = tensor["mode"] + (f" depth {tensor['depth']}" if tensor["mode"] == TP_25D
                                     else "") + (" + Megatron-SP" if tensor["sequence_parallel"]
                                                 else "")
@@ -564,6 +566,28 @@ def _alternatives(data: dict) -> str:
             '<th class="num">step</th><th class="num">vs chosen</th>'
             '<th class="num">memory / device</th><th>why it lost</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>")
+
+
+def _experts_table(data: dict) -> str:
+    """The MoE layers' experts over the ep axis, tokens per expert and all-to-all traffic."""
+    e = data["experts"]
+    rows = [("experts per MoE layer (top-k)", f"{e['experts']} (top-{e['top_k']}), "
+             f"{e['moe_layers']} layers"),
+            ("expert-parallel size ep", e["ep"]),
+            ("experts per rank", e["experts_per_rank"]),
+            ("expert weights per rank", size_text(e["expert_param_bytes_per_rank"])),
+            ("tokens per expert per micro-batch (predicted, balanced)",
+             f"{e['tokens_per_expert_per_microbatch']:,.0f}"),
+            ("on the busiest rank (x routing imbalance)",
+             f"{e['tokens_per_expert_busiest']:,.0f} (x{e['routing_imbalance']:.3f}, "
+             f"{e['imbalance_source']})"),
+            ("all-to-alls on ep per step (slowest rank)", e["all_to_alls_per_step"]),
+            ("all-to-all bytes sent / seconds per step",
+             f"{size_text(e['all_to_all_bytes_per_step'])} / "
+             f"{seconds_text(e['all_to_all_s_per_step'])}")]
+    return ('<table id="experts"><tbody>' + "".join(
+        f"<tr><td>{_esc(k)}</td><td class=\"num\">{_esc(v)}</td></tr>" for k, v in rows)
+        + "</tbody></table>")
 
 
 def _kinds_table(data: dict) -> str:
