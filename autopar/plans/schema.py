@@ -235,6 +235,8 @@ class Plan:
         if any(r not in runtime.recompute for r in [self.recompute] +
                [lp.recompute for lp in self.layers]):
             out.append("recomputation")
+        if self.expert > 1 and EP not in runtime.axes:
+            out.append("expert parallelism (mesh ep)")
         return out
 
     def explain(self, top: int | None = None) -> str:
