@@ -41,7 +41,8 @@ WORK_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weig
               "sync": "data-parallel sync", "optimizer": "optimizer step"}
 MEMORY_COLOURS = {"parameters": "#3a6fb0", "gradients": "#e07b39", "optimizer": "#9468a8",
                   "activations": "#4f9d5d", "buffers": "#8e9aa6"}
-AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8"}
+AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8",
+                "ep": "#c2477a"}
 STEP_COLOURS = {"compute": "#3a6fb0", "tensor/sequence comm": "#2a9d8f",
                 "pipeline bubble": "#d5dae1", "data-parallel sync": "#e07b39",
                 "optimizer": "#5b6470", "transfers and conversions": "#9468a8"}
@@ -503,7 +504,7 @@ def _comm_chart(data: dict) -> str:
                        "carries": "tensor and sequence parallelism"},
                 "dp": {"seconds": pred.get("dp_comm_s", 0.0), "bytes": 0, "size": mesh["dp"],
                        "carries": "gradient sync"}}
-    axes = [a for a in ("tp", "cp", "dp", "pp") if a in comm]
+    axes = [a for a in ("tp", "cp", "ep", "dp", "pp") if a in comm]
     width, height = (WIDTH - 34 - 14) / 2 - 34, 300
     left, right, head, row = 70, 8, 16, (300 - 16 - 24) / max(1, len(axes))
     plot = width - left - right
