@@ -74,7 +74,7 @@ def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: in
     chain = chain_of(traced, tokens_per_sample, (plan.mesh["tp"],))
     pipe = plan.pipeline
     constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
-                              tp=plan.mesh["tp"], schedule=pipe.schedule, zero=0,
+                              tp=plan.mesh["tp"], ep=plan.expert, schedule=pipe.schedule, zero=0,
                               recompute=NO_RECOMPUTE, offload=False,
                               tp_mode=plan.grid_mode() if plan.mesh["tp"] > 1 else None,
                               microbatches=microbatches,
