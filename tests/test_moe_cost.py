@@ -161,3 +161,16 @@ def test_a_plan_refuses_an_ep_that_does_not_divide_its_data_ranks():
         Plan(mesh={"dp": 2, "tp": 2, "ep": 4})
     assert Plan(mesh={"dp": 4, "ep": 4}).to_json()["mesh"]["ep"] == 4
     assert "ep" not in Plan(mesh={"dp": 4}).to_json()["mesh"]
+
+
+def test_the_command_line_fixes_ep(capsys, tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["search", "moe-tiny", "--world", "4", "--ep", "2", "-o", str(out)]) == 0
+    assert "ep=2 (experts over ep ranks" in capsys.readouterr().out
+    saved = Plan.load(out)
+    assert saved.expert == 2 and saved.world_size == 4
+    assert saved.unsupported() == ["expert parallelism (mesh ep)"]
+    assert main(["explain", "moe-tiny", "--world", "4", "--ep", "3"]) == 2
+    assert "8 experts do not split over ep=3" in capsys.readouterr().err
