@@ -193,6 +193,7 @@ def constraints_of(args) -> dict:
 
         fixed = Plan.load(args.plan)
         out.update({axis: size for axis, size in fixed.mesh.items()})
+        out["ep"] = fixed.ep
         out.update(tp_mode=fixed.tp_mode, zero=fixed.zero.stage, offload=fixed.zero.offload,
                    recompute=fixed.recompute)
         if fixed.recompute == NO_RECOMPUTE and any(lp.recompute != NO_RECOMPUTE

@@ -35,6 +35,7 @@ MESH_SIZES = (
     MeshSize(PP, "pipeline stages"),
     MeshSize(DP, "data-parallel size (ZeRO shards over it)"),
     MeshSize(CP, "context-parallel size: the sequence split over it (with --sp ulysses|ring)"),
+    MeshSize(EP, "expert-parallel size: MoE experts split over ep ranks inside dp x cp"),
 )
 
 # Tensor parallelism: Megatron 1D, SUMMA 2D (Xu et al. 2021), Tesseract 2.5D (Wang et al.
@@ -95,6 +96,7 @@ class Capabilities:
     expert_with_cp: bool = True  # ep beside a cp axis (ep dividing dp x cp)
     expert_zero: tuple[int, ...] = ZERO_STAGES  # ZeRO stages that run beside an ep axis
     expert_with_pp: bool = True  # ep beside a pipeline
+    expert_zero_with_pp: tuple[int, ...] = ZERO_STAGES  # ZeRO stages beside ep and a pipeline
 
 
 # What the planner can price: everything.
@@ -112,4 +114,5 @@ RUNTIME = Capabilities(
     expert_with_cp=False,  # the expert group lies inside dp alone
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
+    expert_zero_with_pp=(0,),  # experts averaged after the schedule, outside ZeRO's hooks
 )

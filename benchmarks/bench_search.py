@@ -410,7 +410,8 @@ def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, 
     loads, which = np.unique(worst, return_inverse=True)
     points = 0
     for zero, offload in zeros:
-        leaf = SimpleNamespace(mesh=mesh, prep=SimpleNamespace(workspace=priced.workspace))
+        leaf = SimpleNamespace(mesh=mesh, prep=SimpleNamespace(workspace=priced.workspace),
+                               split=None)  # dense models: no expert axis
         total, _ = search._memory(leaf, params_dev, acts_dev, biggest, zero, offload, in_flight)
         peak = total.max(axis=1)
         sync = np.array([search._dp_time(float(w), zero, m, grad_pl) + optimizer_time(

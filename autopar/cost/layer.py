@@ -64,6 +64,23 @@ class Gemm:
     k: int
     n: int
     weight: bool
+    # a grouped matmul over token-expert rows (MoE): `groups` experts' K x N weights, each
+    # row multiplied by its own expert's, so FLOPs are those of the active (top-k) experts
+    expert: bool = False
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A layer's mixture-of-experts feed-forward: `count` experts, `top_k` per token."""
+
+    count: int
+    top_k: int
+    hidden: int  # width of one dispatched row
+    params: int  # elements of every expert's weights
+    param_bytes: int
+    rows: Lin  # bytes of the token-expert rows one micro-batch dispatches (whole batch)
+    tokens: Lin  # tokens one micro-batch routes (whole batch)
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,7 @@ class LayerType:
     dtype_bytes: int
     sharded: dict[int, Sharded] = field(default_factory=dict)
     kernels: int = 0  # device kernels of its forward (one per op that is not a view)
+    experts: Experts | None = None  # its MoE feed-forward, if it has one
 
     @property
     def is_block(self) -> bool:
@@ -197,6 +215,48 @@ def _gemm(node) -> Gemm:
     return Gemm(Lin.of(flops), int(k), int(n), weight)
 
 
+def _grouped_gemm(node) -> Gemm:
+    """`aten._grouped_mm(rows [R, K], weights [E, K, N], offs)`: each of the R token-expert
+    rows times its expert's K x N weight, 2·R·K·N FLOPs in all."""
+    rows, w = node.args[0], node.args[1]
+    k = rows.meta["autopar"].shape[-1]
+    groups, _, n = w.meta["autopar"].shape
+    return Gemm(Lin.of(2 * _numel(node.meta["autopar"].shape) * k), int(k), int(n), True,
+                expert=True, groups=int(groups))
+
+
+def _expert_weights(node) -> list:
+    """The parameters (get_attr nodes) a grouped matmul's weight operand is a view of."""
+    out, todo = [], [node.args[1]]
+    while todo:
+        a = todo.pop()
+        if a.op == "get_attr":
+            out.append(a)
+        elif a.meta["autopar"].kind is OpKind.VIEW:
+            todo.extend(a.all_input_nodes)
+    return out
+
+
+def _experts(traced: TracedGraph, grouped: list) -> Experts | None:
+    """The MoE of a layer from its grouped matmuls and its router's top-k, if any."""
+    if not grouped:
+        return None
+    weights = {a.target: traced.params[a.target] for g in grouped for a in _expert_weights(g)
+               if a.target in traced.params}
+    params = sum(int(_numel(p.shape)) for p in weights.values())
+    param_bytes = sum(int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+                      for p in weights.values())
+    first = grouped[0]
+    rows = first.args[0].meta["autopar"]
+    count = int(first.args[1].meta["autopar"].shape[0])
+    topk = next((n for n in first.graph.nodes if n.target is torch.ops.aten.topk.default and
+                 n.meta["autopar"].layer == first.meta["autopar"].layer), None)
+    top_k = int(topk.args[1]) if topk is not None else 1
+    return Experts(count, top_k, int(rows.shape[-1]), params, param_bytes,
+                   Lin.of(_nbytes(rows.shape, rows.dtype)), Lin.of(_numel(rows.shape[:-1]))
+                   .scale(1 / top_k))
+
+
 def _attention(node) -> Attention:
     q, k, v = node.args[:3]
     qs, ks, vs = (x.meta["autopar"].shape for x in (q, k, v))
@@ -267,6 +327,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
     param_bytes = params = kernels = 0
     dtype_bytes = 0
     seen_inputs = set()
+    grouped = []
     for node in layer.nodes:
         info = node.meta["autopar"]
         if node.op == "get_attr":
@@ -281,6 +342,9 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
         kernels += info.kind not in _FREE
         if info.kind in (OpKind.LINEAR, OpKind.MATMUL):
             gemms.append(_gemm(node))
+        elif info.kind is OpKind.GROUPED_MM:
+            gemms.append(_grouped_gemm(node))
+            grouped.append(node)
         elif info.kind is OpKind.ATTENTION:
             attention.append(_attention(node))
         elif info.kind not in _FREE:
@@ -293,7 +357,8 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
                 seen_inputs.add(a)
                 inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
-                     params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels)
+                     params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels,
+                     experts=_experts(traced, grouped))
 
 
 def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:
@@ -414,7 +479,7 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
         layout = solution.layouts.get(node)
         split = _split(layout) or (solution.strategies.get(node) is not None and any(
             _split(solution.layouts.get(a)) for a in _tensor_args(node)))
-        if info.kind in (OpKind.LINEAR, OpKind.MATMUL):
+        if info.kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.GROUPED_MM):
             gemm_split.append(split)
         elif info.kind is OpKind.ATTENTION:
             attention_split.append(split)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
+from autopar.cost import experts as moe_cost
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
@@ -45,6 +46,9 @@ EFFECTS = {
                             "hides only behind the attention step beside it",
     "collectives' SM contention": "overlapped collectives hold comm_sm_share of the SMs "
                                   "(NCCL runs one thread block per channel)",
+    "expert routing imbalance": "the busiest rank of an ep group computes and receives "
+                                "routing_imbalance x the mean rows (measured on the router "
+                                "at initialisation, autopar.cost.experts); the others wait",
 }
 
 TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
@@ -123,6 +127,7 @@ class Context:
     # kernel the profile measured (attention_kernels, e.g. "flash1")
     attention_kernel: str = "flash"
     tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
+    ep: Placement | None = None  # the expert-parallel groups (None: experts on every rank)
     # collective and layer-layout prices already worked out under this context: the states
     # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -164,6 +169,12 @@ class StateCost:
     # ideal device, for explain: see EFFECTS
     effects: dict = field(default_factory=dict)
     workspace: float = 0.0  # transient bytes while the layer runs (ring K/V receive buffers)
+    # expert parallelism: the all-to-alls on the ep axis (included in comm / comm_bytes) and
+    # the bytes of expert weights held (included in params), which ZeRO shards over the
+    # expert-data group instead of every replica
+    ep_comm: float = 0.0
+    ep_comm_bytes: float = 0.0
+    expert_params: float = 0.0
 
     @property
     def time(self) -> float:
@@ -276,6 +287,10 @@ class _LayoutCost:
     mem_fwd: float
     forward: float
     tp_comm: tuple  # 1D: (forward phase, seconds, wire bytes) per collective, in order
+    ep: int  # expert-parallel size of this layer's experts (1: none, or no experts)
+    imbalance: float  # the busiest ep rank's rows over the mean (1.0 without ep)
+    expert_fwd: float  # the grouped expert GEMMs' forward seconds on the busiest ep rank
+    expert_even: float  # ... were the routing balanced
 
 
 def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
@@ -296,7 +311,17 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     gemm_fwd = gemm_traffic = 0.0
     rows = c * (1 if one_d else mode.batch_split)
     itemsize = ITEMSIZE.get(dtype, 4)
+    ep = ctx.ep.size if ctx.ep is not None and lt.experts is not None else 1
+    imbalance = moe_cost.imbalance_of(lt.experts, batch, c, ep) if ep > 1 else 1.0
+    expert_fwd = expert_even = 0.0
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
+        if g.expert:  # the catalog runs grouped matmuls replicated over tp
+            sec, even, traffic_s = _expert_gemm(g, batch, c, ep, imbalance, hw, dtype)
+            gemm_fwd += sec
+            gemm_traffic += traffic_s
+            expert_fwd += sec
+            expert_even += even
+            continue
         parts = t if split or not one_d else 1
         local = g.flops(batch) / (parts * c)
         shape = local_gemm_shape(g, batch, parts * c // rows if g.weight else 1,
@@ -348,7 +373,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                 sec = ctx.coll(op, n, ctx.tp)
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
     return _LayoutCost(gemm_fwd, gemm_traffic, tuple(attn_each), attn_fwd, attn_ideal,
-                       attn_even, mem_roof, mem_fwd, forward, tuple(tp_comm))
+                       attn_even, mem_roof, mem_fwd, forward, tuple(tp_comm), ep, imbalance,
+                       expert_fwd, expert_even)
 
 
 def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
@@ -397,6 +423,22 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["GEMM operand traffic"] = runs * lay.gemm_traffic
     effects["memory-bound ops"] = runs * lay.mem_roof
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
+    ep_comm = ep_bytes = expert_params = 0.0
+    ep, imbalance = lay.ep, lay.imbalance
+    if lt.experts is not None:
+        expert_params = lt.experts.param_bytes / ep
+        if ep > 1:
+            reruns = 2 if state.recompute == "full" else 1
+            ep_comm, ep_bytes, _ = moe_cost.alltoall_s(lt.experts, batch, c, ctx.ep, ctx.hw,
+                                                       imbalance, reruns)
+            comm += ep_comm
+            comm_bytes += ep_bytes
+            a2a_even = moe_cost.alltoall_s(lt.experts, batch, c, ctx.ep, ctx.hw, 1.0, reruns)[0]
+            effects["expert routing imbalance"] = runs * (lay.expert_fwd - lay.expert_even) + \
+                ep_comm - a2a_even
+            # the rows received and the expert outputs sent back, held while the layer runs
+            workspace = max(workspace, 2 * imbalance *
+                            moe_cost.dispatch_bytes(lt.experts, batch, c))
     # Memory: activations kept for backward, parameters held.
     if state.recompute == "full":
         acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)
@@ -412,14 +454,35 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         if mode.name == "3d":
             acts += _gathered_3d(lt, mode, batch)
     acts /= c
+    # grouped matmuls run replicated over tp in every mode: each rank holds its E/ep experts
+    expert_whole = lt.experts.param_bytes if lt.experts is not None else 0
     if one_d:
-        params = sharded.param_bytes
+        params = sharded.param_bytes - expert_whole
     elif mode.name == "2.5d":
-        params = lt.param_bytes / (mode.q * mode.q)
+        params = (lt.param_bytes - expert_whole) / (mode.q * mode.q)
     else:
-        params = lt.param_bytes / t
+        params = (lt.param_bytes - expert_whole) / t
+    params += expert_params
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
-                     cp_comm, cp_bytes, effects, workspace)
+                     cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params)
+
+
+def _expert_gemm(g: Gemm, batch: float, cp: int, ep: int, imbalance: float, hw: Hardware,
+                 dtype: str) -> tuple[float, float, float]:
+    """(seconds, seconds under balanced routing, operand-traffic seconds) of one grouped
+    expert matmul on the busiest rank: its tokens' rows (1/cp of the micro-batch's) times
+    `imbalance` under ep, one kernel over E/ep local experts whose weights it reads once each."""
+    itemsize = ITEMSIZE.get(dtype, 4)
+
+    def seconds(share: float) -> tuple[float, float]:
+        flops = g.flops(batch) / cp * share
+        m = flops / (2 * g.k * g.n)
+        traffic = gemm_traffic_s((m, g.k, g.n), hw, itemsize) + gemm_traffic_s(
+            (0, g.k, g.n), hw, itemsize) * (g.groups / ep - 1)
+        return gemm_time(flops, hw, dtype) + traffic, traffic
+
+    sec, traffic = seconds(imbalance)
+    return sec, seconds(1.0)[0], traffic
 
 
 def _gathered_3d(lt: LayerType, mode: TensorMode, batch: float) -> float:
@@ -429,7 +492,7 @@ def _gathered_3d(lt: LayerType, mode: TensorMode, batch: float) -> float:
     q, e = mode.q, lt.dtype_bytes
     extra = 0.0
     for g in lt.gemms:
-        if g.weight:
+        if g.weight and not g.expert:
             m = g.flops(batch) / (2 * g.k * g.n)
             extra += (m * g.k + g.k * g.n) * e * (1 / q ** 2 - 1 / q ** 3)
     return extra
@@ -466,7 +529,7 @@ def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     group = _group(mode, ctx)
     seconds = nbytes_total = 0.0
     for g in lt.gemms:
-        if not g.weight:
+        if not g.weight or g.expert:
             continue
         m = g.flops(batch) / (2 * g.k * g.n)  # tokens
         mk, kn, mn = m * g.k * e, g.k * g.n * e, m * g.n * e

@@ -7,15 +7,16 @@ them, so a plan's detail adds up to the figure that chose it.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.cost.comm import collective_time, placements
+from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
 from autopar.cost.precision import Precision
 from autopar.cost.schedule import in_flight, stage_count, step_time, time_shared
-from autopar.modes import CP, DP, NO_PIPELINE, PP, TP
+from autopar.modes import CP, DP, EP, NO_PIPELINE, PP, TP
 
 USABLE_MEMORY = 0.92  # the rest goes to the framework, kernels' workspaces, fragmentation
 
@@ -57,16 +58,49 @@ def state_factors(precision: Precision, replicas: int, zero: int,
             / (replicas if zero else 1))
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Experts split over `ep` ranks inside the dp x cp replicas (Megatron-Core, DeepSpeed-MoE):
+    `dispatch`, the ep groups (consecutive replicas, after tp); `data`, the dp x cp / ep ranks
+    holding the same experts, which sync their gradients and over which ZeRO shards them."""
+
+    ep: int
+    dispatch: Placement
+    data: Placement
+
+    @property
+    def replicas(self) -> int:
+        return self.data.size
+
+
+def expert_split(mesh: dict, ep: int, per_node: int) -> ExpertSplit:
+    """Where the ep groups and the expert-data groups of `mesh` sit (ep divides dp x cp)."""
+    replicas = mesh[DP] * mesh[CP]
+    pl = placements({TP: mesh[TP], EP: ep, DP: replicas // ep, PP: mesh[PP]}, (TP, EP, DP, PP),
+                    per_node)
+    return ExpertSplit(ep, pl[EP], pl[DP])
+
+
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
-                   offload: bool, in_flight, precision: Precision, workspace: float = 0.0) -> dict:
+                   offload: bool, in_flight, precision: Precision, workspace: float = 0.0,
+                   experts_dev=None, split: ExpertSplit | None = None) -> dict:
     """Bytes per device by kind (arrays over the pipeline ranks). Buffers: the biggest
     layer's flat buffers, twice for data-parallel sync and twice more for ZeRO-3's gathers,
-    plus the largest transient `workspace` of one layer."""
+    plus the largest transient `workspace` of one layer. Under expert parallelism (`split`)
+    the `experts_dev` bytes among `params_dev` take ZeRO's factors over the expert-data
+    group instead of every replica."""
     weights, grads, optim = state_factors(precision, replicas, zero, offload)
     buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
                            + (2 * biggest if zero == 3 else 0.0) + workspace)
-    return dict(parameters=params_dev * weights, gradients=params_dev * grads,
-                optimizer=params_dev * optim, buffers=buffers, activations=acts_dev * in_flight)
+    if split is None or experts_dev is None:
+        dense, experts, factors = params_dev, 0.0, (0.0, 0.0, 0.0)
+    else:
+        dense, experts = params_dev - experts_dev, experts_dev
+        factors = state_factors(precision, split.replicas, zero, offload)
+    return dict(parameters=dense * weights + experts * factors[0],
+                gradients=dense * grads + experts * factors[1],
+                optimizer=dense * optim + experts * factors[2], buffers=buffers,
+                activations=acts_dev * in_flight)
 
 
 def host_bytes(param_bytes: float, replicas: int, zero: int, offload: bool,
@@ -180,12 +214,14 @@ def grad_placement(mesh: dict, per_node: int):
 def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, transfer: float,
                grad_pl, hw: Hardware, schedule: str, v: int, m: int, zero: int,
                offload: bool, precision: Precision, cache: dict | None = None,
-               pipeline: tuple | None = None) -> dict:
+               pipeline: tuple | None = None, experts_dev=None,
+               split: ExpertSplit | None = None) -> dict:
     """Seconds of one step by part: the pipeline (its bubble, each rank's seconds per
     micro-batch), the gradient sync and the optimizer of the rank holding most weights.
     `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds;
     `pipeline`: `pipeline_time` of these arguments when already known (ZeRO options of one
-    leaf share it)."""
+    leaf share it). Under expert parallelism (`split`) that rank's `experts_dev` bytes sync
+    over the expert-data group and step on its ZeRO shard."""
     pp = len(params_dev)
     if pipeline is None:
         pipeline = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
@@ -193,7 +229,14 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
     pipe, bubble, dev = pipeline
     worst = float(params_dev.max())
     replicas = grad_pl.size
-    dp_s = dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache)
-    optimizer_s = optimizer_time(worst, replicas, zero, offload, precision, hw)
+    if split is not None and experts_dev is not None:
+        experts = float(experts_dev[int(np.argmax(params_dev))])
+        worst -= experts
+        dp_s = dp_time(experts, zero, m, split.data, hw, units=max(1, units))
+        optimizer_s = optimizer_time(experts, split.replicas, zero, offload, precision, hw)
+    else:
+        dp_s = optimizer_s = 0.0
+    dp_s += dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache)
+    optimizer_s += optimizer_time(worst, replicas, zero, offload, precision, hw)
     return {"step_s": pipe + dp_s + optimizer_s, "pipeline_s": pipe, "bubble_s": bubble,
             "per_rank_s": dev, "dp_s": dp_s, "optimizer_s": optimizer_s}

@@ -27,6 +27,7 @@ class OpKind(enum.Enum):
     OUTPUT = "output"
     LINEAR = "linear"  # matmul with a weight operand: linear, addmm on a parameter
     MATMUL = "matmul"  # activation x activation
+    GROUPED_MM = "grouped_mm"  # experts' matmuls over rows grouped by expert (MoE)
     ATTENTION = "attention"
     NORM = "norm"
     EMBEDDING = "embedding"
@@ -200,6 +201,8 @@ def _kind(node: fx.Node, traced: TracedGraph) -> OpKind:
         return OpKind.LINEAR
     if target in _MATMUL or target is aten.addmm.default:
         return OpKind.MATMUL
+    if target is aten._grouped_mm.default:
+        return OpKind.GROUPED_MM
     if target is aten.scaled_dot_product_attention.default:
         return OpKind.ATTENTION
     if target in _NORM:

@@ -266,7 +266,7 @@ class Plan:
                        f"{', '.join(map(str, runtime.expert_zero))} run with an ep axis)")
         if self.mesh[PP] > 1 and not runtime.expert_with_pp:
             out.append("expert parallelism beside a pipeline")
-        elif self.mesh[PP] > 1 and self.zero.stage > 0:
+        elif self.mesh[PP] > 1 and self.zero.stage not in runtime.expert_zero_with_pp:
             out.append("ZeRO beside both expert parallelism and a pipeline (drop one of the "
                        "three)")
         return out

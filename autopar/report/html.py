@@ -43,7 +43,8 @@ WORK_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weig
               "sync": "data-parallel sync", "optimizer": "optimizer step"}
 MEMORY_COLOURS = {"parameters": "#3a6fb0", "gradients": "#e07b39", "optimizer": "#9468a8",
                   "activations": "#4f9d5d", "buffers": "#8e9aa6"}
-AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8"}
+AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8",
+                "ep": "#c2477a"}
 OTHER_AXIS_COLOUR = "#c0504d"  # an axis beyond AXIS_COLOURS (a new mode's) still draws
 STEP_COLOURS = {"compute": "#3a6fb0", "tensor/sequence comm": "#2a9d8f",
                 "pipeline bubble": "#d5dae1", "data-parallel sync": "#e07b39",
@@ -93,6 +94,7 @@ def plan_html(data: dict, model: str | None = None) -> str:
             '<div class="pair">' + _section("Memory per device", _memory_chart(data))
             + _section("Communication by mesh axis", _comm_chart(data)) + "</div>",
             _section("Alternatives that lost", _alternatives(data)),
+            *([_section("Expert layout", _experts_table(data))] if data.get("experts") else []),
             _section("Layers by kind", _kinds_table(data))]
     notes = _notes(data)
     if notes:
@@ -175,6 +177,8 @@ def _in_order(by_axis: dict, order: tuple) -> list[str]:
 
 def _axis_colour(axis: str) -> str:
     return AXIS_COLOURS.get(axis, OTHER_AXIS_COLOUR)
+
+
 def _header(data: dict, model: str | None) -> str:
     world, mesh, pred = data.get("world") or {}, data["mesh"], data["predicted"]
     pipe, zero, tensor = data["pipeline"], data["zero"], data["tensor"]
@@ -576,6 +580,28 @@ def _alternatives(data: dict) -> str:
             '<th class="num">step</th><th class="num">vs chosen</th>'
             '<th class="num">memory / device</th><th>why it lost</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>")
+
+
+def _experts_table(data: dict) -> str:
+    """The MoE layers' experts over the ep axis, tokens per expert and all-to-all traffic."""
+    e = data["experts"]
+    rows = [("experts per MoE layer (top-k)", f"{e['experts']} (top-{e['top_k']}), "
+             f"{e['moe_layers']} layers"),
+            ("expert-parallel size ep", e["ep"]),
+            ("experts per rank", e["experts_per_rank"]),
+            ("expert weights per rank", size_text(e["expert_param_bytes_per_rank"])),
+            ("tokens per expert per micro-batch (predicted, balanced)",
+             f"{e['tokens_per_expert_per_microbatch']:,.0f}"),
+            ("on the busiest rank (x routing imbalance)",
+             f"{e['tokens_per_expert_busiest']:,.0f} (x{e['routing_imbalance']:.3f}, "
+             f"{e['imbalance_source']})"),
+            ("all-to-alls on ep per step (slowest rank)", e["all_to_alls_per_step"]),
+            ("all-to-all bytes sent / seconds per step",
+             f"{size_text(e['all_to_all_bytes_per_step'])} / "
+             f"{seconds_text(e['all_to_all_s_per_step'])}")]
+    return ('<table id="experts"><tbody>' + "".join(
+        f"<tr><td>{_esc(k)}</td><td class=\"num\">{_esc(v)}</td></tr>" for k, v in rows)
+        + "</tbody></table>")
 
 
 def _kinds_table(data: dict) -> str:

@@ -30,13 +30,15 @@ from autopar.cost.step import (
     USABLE_MEMORY,
     conversion_s,
     dp_wire_bytes,
+    expert_split,
     host_bytes,
     host_capacity,
     in_flight_of,
     memory_by_kind,
     stage_transfer,
 )
-from autopar.modes import CP, DP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
+from autopar.modes import CP, DP, EP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
+from autopar.report.experts import expert_layout, expert_lines
 
 if TYPE_CHECKING:  # annotations only: report sits below plans
     from autopar.plans import Plan
@@ -74,8 +76,10 @@ def pricing_context(plan: Plan, world=None, dtype: str | None = None) -> Context
     where given)."""
     world = world or plan.world
     pl = placements(plan.mesh, ORDER, world.per_node)
+    ep = expert_split(plan.mesh, plan.ep, world.per_node).dispatch if plan.ep > 1 \
+        else None
     return Context(world.profile, dtype or plan.search.get("dtype", "bf16"), pl[TP], pl[CP],
-                   plan.sequence_mode, plan.search.get("attention_kernel", "flash"))
+                   plan.sequence_mode, plan.search.get("attention_kernel", "flash"), ep=ep)
 
 
 def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,
@@ -132,8 +136,12 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     replicas = mesh[DP] * mesh[CP]
     biggest = max((c.params for c in costs), default=0.0)
     precision = plan_precision(plan, chain)
+    split = expert_split(mesh, plan.ep, world.per_node) if plan.ep > 1 else None
+    experts_dev = np.bincount(device_of, weights=[c.expert_params for c in costs],
+                              minlength=pp)
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
-                           held, precision, max((c.workspace for c in costs), default=0.0))
+                           held, precision, max((c.workspace for c in costs), default=0.0),
+                           experts_dev, split)
     per_rank = np.bincount(device_of, weights=[c.time + t for c, t in zip(costs, conv)],
                            minlength=pp)
     ranks = [{"rank": r, "stages": [s["stage"] for s in stages if s["rank"] == r],
@@ -145,8 +153,10 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     if dp_comm_s is None:
         dp_comm_s = plan.predicted.get("dp_comm_s", 0.0)
     comm = {
-        "tp": {"seconds": m * sum(costs[i].comm - costs[i].cp_comm + conv[i] for i in slow),
-               "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes for i in slow),
+        "tp": {"seconds": m * sum(costs[i].comm - costs[i].cp_comm - costs[i].ep_comm + conv[i]
+                                  for i in slow),
+               "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes -
+                                costs[i].ep_comm_bytes for i in slow),
                "carries": "tensor-parallel collectives inside layers and layout conversions"},
         "cp": {"seconds": m * sum(costs[i].cp_comm for i in slow),
                "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
@@ -160,8 +170,12 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
                "carries": "activations forward and their gradients backward between stages"},
     }
+    if plan.ep > 1:
+        comm[EP] = {"seconds": m * sum(costs[i].ep_comm for i in slow),
+                    "bytes": m * sum(costs[i].ep_comm_bytes for i in slow),
+                    "carries": "MoE token dispatch and combine (all-to-alls, counts first)"}
     for axis, entry in comm.items():
-        entry["size"] = mesh[axis]
+        entry["size"] = mesh.get(axis, plan.ep)
     capacity = {"device_bytes": int(hw.memory_bytes),
                 "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
                 "host_bytes_per_node": int(hw.host_memory_bytes),
@@ -173,7 +187,8 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
                 "priced_as": how} for name, how in EFFECTS.items()]
     return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
-            "effects": [e for e in effects if e["seconds"] > 0]}
+            "effects": [e for e in effects if e["seconds"] > 0],
+            "experts": expert_layout(plan, chain, costs, slow, m, b)}
 
 
 def conversions(layers, states: list[LayerState], b: int, pl: dict, hw) -> list[float]:
@@ -279,7 +294,8 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"autopar plan for {world['devices']} x {world['device']} ({world['per_node']} per node)",
         *_model_line(data.get("model")),
         f"  mesh        pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} tp={mesh['tp']}"
-        f"  (tp innermost: tensor groups sit inside a node first)",
+        + (f" ep={mesh['ep']} (experts over ep ranks inside dp x cp)" if mesh.get("ep", 1) > 1
+           else "") + "  (tp innermost: tensor groups sit inside a node first)",
         f"  tensor      {data['tensor']['mode']}"
         + (f" depth {data['tensor']['depth']}" if data['tensor']['mode'] == TP_25D else "")
         + (", Megatron sequence parallel" if data["tensor"]["sequence_parallel"] else "")
@@ -291,6 +307,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"  ZeRO        stage {zero['stage']}" + (" with optimizer offload" if zero["offload"]
                                                    else ""),
         f"  recompute   {data['recompute']}",
+        *expert_lines(data),
         "",
         f"  predicted step {pred['step_time_s']:.3f} s = pipeline/compute "
         f"{pred['compute_s']:.3f} s + tensor comm {pred['tp_comm_s']:.3f} s + bubble "

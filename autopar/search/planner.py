@@ -74,7 +74,7 @@ def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: in
     chain = chain_of(traced, tokens_per_sample, (plan.mesh["tp"],))
     pipe = plan.pipeline
     constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
-                              tp=plan.mesh["tp"], schedule=pipe.schedule, zero=0,
+                              tp=plan.mesh["tp"], ep=plan.ep, schedule=pipe.schedule, zero=0,
                               recompute=NO_RECOMPUTE, offload=False,
                               tp_mode=plan.grid_mode() if plan.mesh["tp"] > 1 else None,
                               microbatches=microbatches,
@@ -296,6 +296,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
         "compute_s": best.compute_s,
         "comm_s": best.comm_s + best.dp_comm_s,
         "tp_comm_s": best.comm_s,
+        "ep_comm_s": best.ep_comm_s,
         "dp_comm_s": best.dp_comm_s,
         "bubble_s": best.bubble_s,
         "optimizer_s": best.optimizer_s,
@@ -333,7 +334,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                                       micro_batch_size=best.micro_batch),
                 zero=ZeroPlan(stage=best.zero, offload=best.offload),
                 recompute=main.recompute, world=world, predicted=predicted, search=search_info,
-                notes=_notes(chain))
+                notes=_notes(chain), ep=best.ep)
     return plan
 
 

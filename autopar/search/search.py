@@ -26,10 +26,12 @@ from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
     USABLE_MEMORY,
+    ExpertSplit,
     conversion_s,
     crossing_transfer,
     dp_time,
     dp_wire_bytes,
+    expert_split,
     grad_placement,
     host_bytes,
     host_capacity,
@@ -81,13 +83,16 @@ class Candidate:
     comm_bytes_per_device: float = 0.0
     fits: bool = True
     host_per_device: float = 0.0  # bytes offloaded to the host per device (ZeRO-Offload)
+    ep: int = 1  # experts split over ep ranks inside the dp x cp ranks
+    ep_comm_s: float = 0.0  # of comm_s: the all-to-alls on the ep axis
 
     def describe(self) -> str:
         m = self.mesh
         modes = sorted({str(s.mode) for s in self.states if s.mode.size > 1}) or ["-"]
         rc = sorted({s.recompute for s in self.states})
         sp = sorted({s.sp for s in self.states} - {NO_SP})
-        parts = [f"pp{m['pp']} dp{m['dp']} cp{m['cp']} tp{m['tp']}", f"tp {'/'.join(modes)}"]
+        parts = [f"pp{m['pp']} dp{m['dp']} cp{m['cp']} tp{m['tp']}"
+                 + (f" ep{self.ep}" if self.ep > 1 else ""), f"tp {'/'.join(modes)}"]
         if sp:
             parts.append("sp " + "/".join(sp))
         if self.cp_mode:
@@ -154,7 +159,7 @@ class Search:
         for j, leaf in enumerate(leaves):
             if progress and j % 64 == 0:
                 progress(len(meshes) + j * len(meshes) // len(leaves), 2 * len(meshes))
-            key = _mesh_key(leaf.mesh)
+            key = _mesh_key(leaf.mesh) + (leaf.split.ep if leaf.split is not None else 1,)
             if len(top) >= self.opt.top and leaf.bound >= -top[0][0]:
                 bounds.setdefault(key, leaf)
                 continue
@@ -206,6 +211,8 @@ class Search:
             self.left_out.extend(why.not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(why.no_mesh(self.c, self.chain, world, len(self.blocks)))
+        if self.c.ep not in (None, 1):
+            self._check_ep(meshes)
         leaves = []
         for i, mesh in enumerate(meshes):
             if progress:
@@ -215,21 +222,42 @@ class Search:
             raise PlanError(why.no_leaf(self.space, meshes, self.opt.global_batch))
         return meshes, leaves
 
+    def _check_ep(self, meshes) -> None:
+        """One sentence for a fixed ep no mesh can take."""
+        ep, counts = self.c.ep, self.space.expert_counts()
+        if not counts:
+            raise PlanError(f"ep={ep} splits experts, but the model has no mixture-of-experts "
+                            "layer; drop ep.")
+        if any(n % ep for n in counts):
+            raise PlanError(f"{min(counts)} experts do not split over ep={ep} ranks; choose an "
+                            "expert-parallel size that divides the number of experts.")
+        if self.opt.executable is not None and not any(self.space.ep_sizes(m) for m in meshes):
+            raise PlanError(f"ep={ep}: the runtime runs an expert axis inside the data-parallel "
+                            "ranks alone (no cp axis beside it), and no mesh of this world with "
+                            f"these constraints has dp divisible by {ep}; fix dp to a multiple "
+                            f"of {ep} and cp to 1.")
+        if not any(self.space.ep_sizes(m) for m in meshes):
+            raise PlanError(f"ep={ep} must divide the data-parallel ranks dp x cp, and no mesh "
+                            "of this world with these constraints has dp x cp divisible by "
+                            f"{ep}; fix dp (or cp) to a multiple of {ep}.")
+
     def _reason(self, cand: Candidate, winner: Candidate | None) -> str:
         return why.lost(cand, winner, self.capacity, self.host_capacity)
 
     # ------------------------------------------------------------------ leaves
-    def _prepared(self, mesh, pl, cp_mode, b):
-        """Costs of every layer state for this tp/cp placement and micro-batch (shared by
+    def _prepared(self, mesh, pl, cp_mode, b, split=None):
+        """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
         all pp x dp); None where some layer has no state."""
-        key = (mesh["tp"], pl["tp"], pl["cp"], cp_mode, b)
+        ep_pl = split.dispatch if split is not None else None
+        key = (mesh["tp"], pl["tp"], pl["cp"], cp_mode, b, ep_pl)
         if key in self._cost_cache:
             return self._cost_cache[key]
-        ctx_key = (pl["tp"], pl["cp"], cp_mode)
+        ctx_key = (pl["tp"], pl["cp"], cp_mode, ep_pl)
         ctx = self._contexts.get(ctx_key)
         if ctx is None:
             ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"],
-                                                    cp_mode, self.opt.attention_kernel)
+                                                    cp_mode, self.opt.attention_kernel,
+                                                    ep=ep_pl)
         per_type = []
         beside_cp = mesh["cp"] > 1
         for lt in self.chain.types:
@@ -267,37 +295,41 @@ class Search:
         grad_pl = grad_placement(mesh, self.world.per_node)
         dp_cache = self._dp_cache(grad_pl)
         out = []
-        for cp_mode in self.space.cp_modes(mesh, heads):
-            for b in micro:
-                prep = self._prepared(mesh, pl, cp_mode, b)
-                if prep is None or not zeros:
+        splits = [expert_split(mesh, e, self.world.per_node) if e > 1 else None
+                  for e in self.space.ep_sizes(mesh)]
+        for cp_mode, split, b in itertools.product(self.space.cp_modes(mesh, heads), splits,
+                                                   micro):
+            prep = self._prepared(mesh, pl, cp_mode, b, split)
+            leaf_zeros = zeros if split is None else self.space.expert_zero_options(mesh, zeros)
+            if prep is None or not leaf_zeros:
+                continue
+            m = per_replica // b
+            # lower bound without building the chain: every layer at its fastest state,
+            # stages perfectly balanced, parameters evenly spread (experts' sync left out:
+            # it runs over a smaller group)
+            avg = prep.min_total / pp
+            slowest = max(avg, prep.min_single)
+            dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
+                                      grad_pl, cache=dp_cache) for z, _ in leaf_zeros)
+            for schedule, v in self.space.schedules(pp, m):
+                if pp * v > len(self.chain.order):
                     continue
-                m = per_replica // b
-                # lower bound without building the chain: every layer at its fastest state,
-                # stages perfectly balanced, parameters evenly spread
-                avg = prep.min_total / pp
-                slowest = max(avg, prep.min_single)
-                dp_lb = min(self._dp_time(prep.min_params / pp, z, m, grad_pl, cache=dp_cache)
-                            for z, _ in zeros)
-                for schedule, v in self.space.schedules(pp, m):
-                    if pp * v > len(self.chain.order):
-                        continue
-                    if pp == 1:
-                        pipe = m * slowest
-                    elif schedule == INTERLEAVED:
-                        pipe = m * slowest + (pp - 1) * avg / v
-                    elif schedule == ZERO_BUBBLE:
-                        pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
-                    else:
-                        pipe = (m - 1) * slowest + pp * avg
-                    if pp > 1 and self.hw.compute_share < 1:  # cores shared (time_shared):
-                        # no less than the pipeline's work spread over its cores, nor the
-                        # schedule at a whole core per rank
-                        pipe = max(m * avg, self.hw.compute_share * pipe)
-                    out.append(_Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
-                                     mesh=dict(mesh), pl=pl, grad_pl=grad_pl, cp_mode=cp_mode,
-                                     b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=zeros,
-                                     dp_cache=dp_cache))
+                if pp == 1:
+                    pipe = m * slowest
+                elif schedule == INTERLEAVED:
+                    pipe = m * slowest + (pp - 1) * avg / v
+                elif schedule == ZERO_BUBBLE:
+                    pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
+                else:
+                    pipe = (m - 1) * slowest + pp * avg
+                if pp > 1 and self.hw.compute_share < 1:  # cores shared (time_shared):
+                    # no less than the pipeline's work spread over its cores, nor the
+                    # schedule at a whole core per rank
+                    pipe = max(m * avg, self.hw.compute_share * pipe)
+                out.append(_Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
+                                 mesh=dict(mesh), pl=pl, grad_pl=grad_pl, cp_mode=cp_mode,
+                                 b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=leaf_zeros,
+                                 dp_cache=dp_cache, split=split))
         return out
 
     # ------------------------------------------------------------------ pricing
@@ -369,9 +401,11 @@ class Search:
         capacity = np.full(pp, self.capacity - buffers)
         return balance_within(prep.layer_time, weights, capacity, pp)
 
-    def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight):
+    def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
+                experts_dev=None):
         parts = memory_by_kind(params_dev, acts_dev, biggest, leaf.mesh["dp"] * leaf.mesh["cp"],
-                               zero, offload, in_flight, self.precision, leaf.prep.workspace)
+                               zero, offload, in_flight, self.precision, leaf.prep.workspace,
+                               experts_dev, leaf.split)
         return sum(parts.values()), parts
 
     def _price(self, leaf, zero, offload) -> Candidate:
@@ -391,8 +425,9 @@ class Search:
                               np.bincount(device_of, weights=prep.acts, minlength=pp))
         device_of, params_dev, acts_dev = leaf.fast.device_of, leaf.fast.params_dev, \
             leaf.fast.acts_dev
+        experts_dev = self._experts_dev(leaf, chosen, device_of)
         total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
-                                    in_flight)
+                                    in_flight, experts_dev)
         params, moved = prep.params, False
         if total.max() > self.capacity:
             fixed = total - parts["activations"]
@@ -406,8 +441,9 @@ class Search:
             params = prep.take(prep.param_table, chosen)
             params_dev = np.bincount(device_of, weights=params, minlength=pp)
             biggest = float(params.max()) if len(params) else 0.0
+            experts_dev = self._experts_dev(leaf, chosen, device_of)
             total, parts = self._memory(leaf, params_dev, acts_dev, biggest, zero, offload,
-                                        in_flight)
+                                        in_flight, experts_dev)
             moved = chosen != prep.fast
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
@@ -418,12 +454,20 @@ class Search:
                           leaf.stage_of, params_dev, units, transfer=self._transfer(leaf),
                           grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
                           m=leaf.m, zero=zero, offload=offload, precision=self.precision,
-                          cache=leaf.dp_cache, pipeline=pipeline)
+                          cache=leaf.dp_cache, pipeline=pipeline,
+                          experts_dev=experts_dev, split=leaf.split)
         if fast:
             leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         worst = float(params_dev.max())
         replicas = mesh["dp"] * mesh["cp"]
         host = host_bytes(worst, replicas, zero, offload, self.precision)
+        wire = dp_wire_bytes(worst, replicas, zero)
+        if leaf.split is not None:  # the heaviest rank's experts sync in their own group
+            experts = float(experts_dev[int(np.argmax(params_dev))])
+            host += host_bytes(experts, leaf.split.replicas, zero, offload, self.precision) - \
+                host_bytes(experts, replicas, zero, offload, self.precision)
+            wire += dp_wire_bytes(experts, leaf.split.replicas, zero) - \
+                dp_wire_bytes(experts, replicas, zero)
         slow = int(np.argmax(step["per_rank_s"]))
         on_slow = np.flatnonzero(device_of == slow)
         on_chosen = chosen[on_slow]
@@ -442,17 +486,24 @@ class Search:
             bubble_s=step["bubble_s"], dp_comm_s=step["dp_s"], optimizer_s=step["optimizer_s"],
             memory={k: float(v[worst_dev]) for k, v in parts.items()},
             memory_per_device=float(total.max()),
-            comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table)
-            + dp_wire_bytes(worst, replicas, zero),
+            comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table) + wire,
             fits=bool(total.max() <= self.capacity and host <= self.host_capacity),
-            host_per_device=host), moved
+            host_per_device=host, ep=leaf.split.ep if leaf.split is not None else 1,
+            ep_comm_s=leaf.m * slow_sum(prep.ep_comm_table)), moved
+
+    def _experts_dev(self, leaf, chosen, device_of):
+        """Bytes of expert weights each pipeline rank holds (None without expert parallelism)."""
+        if leaf.split is None:
+            return None
+        experts = leaf.prep.take(leaf.prep.expert_table, chosen)
+        return np.bincount(device_of, weights=experts, minlength=leaf.mesh["pp"])
 
     def _bound_candidate(self, leaf) -> Candidate:
         prep = leaf.prep.build()
         return Candidate(mesh=dict(leaf.mesh), micro_batch=leaf.b, microbatches=leaf.m,
                          schedule=leaf.schedule, chunks=leaf.v, zero=0, offload=False,
                          cp_mode=leaf.cp_mode, states=prep.states_of(prep.fast), stages=[],
-                         step_time=leaf.bound)
+                         step_time=leaf.bound, ep=leaf.split.ep if leaf.split else 1)
 
 
 @dataclass(kw_only=True)
@@ -470,6 +521,7 @@ class _Leaf:
     prep: _Prepared
     zeros: list
     dp_cache: dict  # collective seconds by parameter bytes over grad_pl
+    split: ExpertSplit | None = None  # expert parallelism (None: experts on every rank)
     stage_of: list | None = None
     device_of: list | None = None
     transfer: float | None = None  # seconds of one stage-boundary crossing
@@ -516,6 +568,8 @@ class _Prepared:
         self.min_single = max(fastest[t] for t in set(order))
         self.min_params = float(np.dot(counts, [min(c.params for c in costs)
                                                 for costs in least]))
+        self.min_experts = float(np.dot(counts, [min(c.expert_params for c in costs)
+                                                 for costs in least]))
         self.workspace = max((c.workspace for costs in least for c in costs), default=0.0)
         self.built = False
         self._stages: dict = {}
@@ -566,17 +620,18 @@ class _Prepared:
         layout_ids: dict = {}
         kinds = []
         for states, costs in per_type:
-            table = np.zeros((6, width))
+            table = np.zeros((8, width))
             for k, c in enumerate(costs):
                 table[:, k] = (c.time, c.activations, c.params, c.forward + c.backward +
-                               c.recompute, c.comm, c.comm_bytes)
+                               c.recompute, c.comm, c.comm_bytes, c.expert_params, c.ep_comm)
             layouts = np.full(width, -1)
             layouts[:len(states)] = [layout_ids.setdefault(st.layout, len(layout_ids))
                                      for st in states]
             kinds.append((table, layouts))
         tables = np.stack([kinds[t][0] for t in order])  # (layer, quantity, state)
         self.time_table, self.act_table, self.param_table, self.compute_table, \
-            self.comm_table, self.comm_bytes_table = (tables[:, q, :] for q in range(6))
+            self.comm_table, self.comm_bytes_table, self.expert_table, self.ep_comm_table = (
+                tables[:, q, :] for q in range(8))
         self.layout_table = np.stack([kinds[t][1] for t in order])
         self.gather = np.array([0.0] + [float(c.max()) if c.size else 0.0
                                         for c in self.conv[1:]])

@@ -6,6 +6,7 @@ What a runtime executes comes in as an `autopar.modes.Capabilities`; None prices
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.cost.model import LayerState, TensorMode, tensor_modes
@@ -51,6 +52,7 @@ class Constraints:
     micro_batch_size: int | None = None
     schedule: str | None = None
     chunks: int | None = None  # stages per rank of the interleaved schedule
+    ep: int | None = None  # experts over ep ranks inside the dp x cp ranks (1: replicated)
 
     @classmethod
     def of(cls, value) -> Constraints:
@@ -71,7 +73,7 @@ class Constraints:
 
     def check(self) -> None:
         """Refuse a constraint of the wrong type or out of range, naming it and what works."""
-        for name in ("tp", "pp", "dp", "cp", "microbatches", "micro_batch_size", "chunks"):
+        for name in ("tp", "pp", "dp", "cp", "microbatches", "micro_batch_size", "chunks", "ep"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -219,6 +221,21 @@ class Space:
             state.sp == NO_SP or self.caps.cp_with_megatron_sp)
 
     # ------------------------------------------------------------------ meshes
+    def expert_counts(self) -> set[int]:
+        """The expert counts of the chain's MoE layers (empty for a dense model)."""
+        return {lt.experts.count for lt in self.chain.types if lt.experts is not None}
+
+    def ep_sizes(self, mesh: dict) -> list[int]:
+        """Expert-parallel sizes for `mesh`: divisors of dp x cp that divide every MoE layer's
+        expert count ([1] for a dense model, or where the runtime has no ep axis)."""
+        counts, caps = self.expert_counts(), self.caps
+        if not counts or (caps is not None and (not caps.expert or (
+                mesh["cp"] > 1 and not caps.expert_with_cp) or (
+                mesh["pp"] > 1 and not caps.expert_with_pp))):
+            return [1] if self.c.ep in (None, 1) else []
+        top = math.gcd(mesh["dp"] * mesh["cp"], *counts)
+        return [e for e in divisors(top) if self.c.ep in (None, e)]
+
     def meshes(self, world: int) -> list[dict]:
         """Every mesh pp x dp x cp x tp of `world` this space allows."""
         seq = self.chain.tokens_per_sample
@@ -287,6 +304,14 @@ class Space:
                     continue
                 out.append(option)
         return out
+
+    def expert_zero_options(self, mesh: dict, zeros: list) -> list[tuple[int, bool]]:
+        """The (ZeRO stage, offload) pairs of `zeros` that run beside an ep axis."""
+        caps = self.caps
+        if caps is None:
+            return zeros
+        return [(z, o) for z, o in zeros if z in caps.expert_zero and (
+            mesh["pp"] == 1 or z in caps.expert_zero_with_pp)]
 
     def zero_options(self, mesh: dict) -> list[tuple[int, bool]]:
         """(ZeRO stage, offload) pairs for this mesh."""

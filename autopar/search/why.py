@@ -38,8 +38,10 @@ def lost(cand, winner, capacity: float, host: float) -> str:
     why = []
     if cand.bubble_s > winner.bubble_s * 1.2 + 1e-9:
         why.append(f"pipeline bubble {cand.bubble_s:.3f} s")
-    if cand.comm_s > winner.comm_s * 1.2 + 1e-9:
-        why.append(f"tensor/sequence comm {cand.comm_s:.3f} s")
+    if cand.comm_s - cand.ep_comm_s > (winner.comm_s - winner.ep_comm_s) * 1.2 + 1e-9:
+        why.append(f"tensor/sequence comm {cand.comm_s - cand.ep_comm_s:.3f} s")
+    if cand.ep_comm_s > winner.ep_comm_s * 1.2 + 1e-9:
+        why.append(f"expert all-to-all {cand.ep_comm_s:.3f} s")
     if cand.dp_comm_s > winner.dp_comm_s * 1.2 + 1e-9:
         why.append(f"data-parallel sync {cand.dp_comm_s:.3f} s")
     if cand.compute_s > winner.compute_s * 1.05:

@@ -1,0 +1,60 @@
+"""The expert layout of a plan: experts per rank, tokens per expert (predicted) and the
+all-to-all traffic on the ep axis, for `explain`'s text, JSON (`experts`) and HTML."""
+
+from __future__ import annotations
+
+from autopar.cost import experts as moe_cost
+from autopar.cost.layer import LayerChain
+from autopar.cost.model import StateCost
+from autopar.modes import CP
+
+
+def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[int],
+                  m: int, b: int) -> dict | None:
+    """The `experts` object of the report (None for a dense model): per MoE layer kind its
+    experts, those each rank holds, the rows each expert computes per micro-batch under
+    balanced routing and on the busiest rank (times the measured imbalance), and per step
+    on the slowest pipeline rank the all-to-alls and their bytes and seconds."""
+    moe_layers = [i for i, lt in enumerate(chain.layers()) if lt.experts is not None]
+    if not moe_layers:
+        return None
+    ep, cp = plan.ep, plan.mesh[CP]
+    moe = chain.layers()[moe_layers[0]].experts
+    balanced = moe_cost.tokens_per_expert(moe, b, cp, ep)
+    imbalance = moe_cost.imbalance_of(moe, b, cp, ep)
+    on_slow = [i for i in slow if i in set(moe_layers)]
+    count = sum(moe_cost.alltoall_count(2 if plan.layers[i].recompute == "full" else 1)
+                for i in on_slow) if ep > 1 else 0
+    return {
+        "ep": ep, "experts": moe.count, "top_k": moe.top_k, "moe_layers": len(moe_layers),
+        "experts_per_rank": moe.count // ep,
+        "tokens_per_expert_per_microbatch": balanced,
+        "tokens_per_expert_busiest": balanced * imbalance,
+        "routing_imbalance": imbalance,
+        "imbalance_source": "measured on the router at initialisation (autopar.cost.experts)",
+        "expert_param_bytes_per_rank": int(sum(costs[i].expert_params for i in moe_layers
+                                               if i in set(slow))),
+        "all_to_alls_per_step": m * count,
+        "all_to_all_bytes_per_step": m * sum(costs[i].ep_comm_bytes for i in on_slow),
+        "all_to_all_s_per_step": m * sum(costs[i].ep_comm for i in on_slow),
+    }
+
+
+def expert_lines(data: dict) -> list[str]:
+    """`explain`'s lines of the expert layout."""
+    e = data.get("experts")
+    if not e:
+        return []
+    head = (f"  experts     {e['experts']} per MoE layer (top-{e['top_k']}) over ep={e['ep']}: "
+            f"{e['experts_per_rank']} per rank")
+    tokens = ("              tokens per expert per micro-batch "
+              f"{e['tokens_per_expert_per_microbatch']:.0f} predicted (balanced)")
+    if e["ep"] > 1:
+        tokens += (f", {e['tokens_per_expert_busiest']:.0f} on the busiest rank (routing "
+                   f"imbalance {e['routing_imbalance']:.3f}, {e['imbalance_source']})")
+    lines = [head, tokens]
+    if e["ep"] > 1:
+        lines.append(f"              all-to-all on ep: {e['all_to_alls_per_step']} per step, "
+                     f"{e['all_to_all_bytes_per_step'] / 1024 ** 3:.2f} GiB sent, "
+                     f"{1e3 * e['all_to_all_s_per_step']:.1f} ms on the slowest rank")
+    return lines

@@ -1,0 +1,236 @@
+"""Expert parallelism at world 4 on this machine: ep 4 against the same MoE with every expert
+replicated (data parallel) and against tensor-parallel experts.
+
+    python benchmarks/bench_moe.py [--steps 6] [--tokens 2048] [--skip-measured]
+
+(a) Predicted. The planner prices the zoo spec `SPEC` (global batch `BATCH` of `SEQ` tokens)
+on 4 devices of the `cpu` profile with the mesh fixed three ways: dp 4 with ep 4 (one rank
+per two experts), dp 4 with every expert on every rank, and tp 4. The catalog has no tensor
+rule for a grouped matmul, so under tp 4 the experts run replicated on the 4 tensor ranks
+(the attention and router linears split): the row says so. Columns: step time, memory per
+rank, expert weights per rank, tokens per expert per micro-batch (balanced, and on the
+busiest rank times the routing imbalance the planner measures on its router at
+initialisation, `autopar.cost.experts`) and the all-to-all bytes on ep per step.
+
+(b) Measured, the MoE layer alone on a gloo world of 4 (float32): `autopar.kernels.moe.MoE`
+split over ep = 4 against `autopar.models.moe.SparseMoE` whole on every rank, each rank
+routing its own `--tokens` tokens of unit-variance noise (what the layer sees after its
+RMSNorm at initialisation) through a router initialised as the zoo's (N(0, 0.02)). A step
+is forward, backward and the gradient sync data parallelism needs: every gradient averaged
+over the 4 ranks when experts are replicated; under ep 4 the router's only (each expert
+lives on one rank, so its expert-data group is that rank). Median over `--steps` after one
+warm-up. Expert weight bytes per rank are counted from the layer's tensors. Tokens per
+expert: the rows each expert computed in the last forward (`MoE.last_tokens_per_expert`),
+the busiest rank's rows over the mean beside the planner's prediction for the same sizes.
+Tensor-parallel experts have no kernel (no tensor rule for grouped matmuls), so (b) has no
+tp row.
+
+(c) Measured, the whole model through `autopar.parallelize(..., plan=dict(expert=4))`: runs
+when this checkout's runtime takes the `expert` plan key; otherwise the table prints
+"not run" and why. Nothing is estimated in its place.
+
+Prints the tables and writes benchmarks/results/moe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
+
+from autopar.cost.experts import routing_imbalance  # noqa: E402
+from autopar.errors import PlanError  # noqa: E402
+from autopar.kernels.moe import MoE  # noqa: E402
+from autopar.models import workload  # noqa: E402
+from autopar.models.moe import SparseMoE  # noqa: E402
+from autopar.search.planner import prepare, search, to_plan  # noqa: E402
+from autopar.world import World  # noqa: E402
+
+WORLD = 4
+SPEC = "moe:layers=2,hidden=256,experts=8,top_k=2"
+BATCH, SEQ = 8, 256
+HIDDEN, FFN, EXPERTS, TOP_K = 256, 896, 8, 2  # the spec's MoE layer (ffn 3.5 x hidden)
+PLANS = {  # label -> the fixed part of the plan
+    "ep 4 (dp 4)": dict(dp=4, ep=4, tp=1, pp=1, cp=1),
+    "experts replicated (dp 4)": dict(dp=4, ep=1, tp=1, pp=1, cp=1),
+    "tensor parallel (tp 4)": dict(tp=4, dp=1, pp=1, cp=1, ep=1),
+}
+GiB = 1024 ** 3
+
+
+def predicted() -> list[dict]:
+    """(a): the planner's numbers for each fixed plan."""
+    w = workload(SPEC, batch=1, seq=SEQ)
+    chain = prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                    tp_sizes=(1, 4), layers=(w.traced_layers, w.layers))
+    world = World(devices=WORLD, per_node=WORLD, device="cpu")
+    rows = []
+    for label, fixed in PLANS.items():
+        result = search(chain, world, global_batch=BATCH, constraints=fixed, dtype="fp32")
+        plan = to_plan(chain, world, result, BATCH, "fp32", 0.0)
+        e = plan.detail["experts"]
+        rows.append({"plan": label, "mesh": plan.to_json()["mesh"],
+                     "step_time_s": plan.predicted["step_time_s"],
+                     "memory_per_rank_bytes": plan.predicted["memory_per_device_bytes"],
+                     "expert_weight_bytes_per_rank": e["expert_param_bytes_per_rank"],
+                     "experts_per_rank": e["experts_per_rank"],
+                     "tokens_per_expert": e["tokens_per_expert_per_microbatch"],
+                     "tokens_per_expert_busiest": e["tokens_per_expert_busiest"],
+                     "all_to_all_bytes_per_step": e["all_to_all_bytes_per_step"],
+                     "note": "grouped matmuls run replicated over tp (no tensor rule)"
+                     if fixed["tp"] > 1 else ""})
+    return rows
+
+
+def _layer(ep: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    full = SparseMoE(HIDDEN, FFN, EXPERTS, TOP_K)
+    return MoE.shard(full, dist.group.WORLD) if ep else full
+
+
+def _sync(layer: torch.nn.Module, ep: bool) -> None:
+    """Average the gradients data parallelism shares: all of them with experts replicated,
+    the router's alone under ep = world (each expert's only copy is on its rank)."""
+    for name, p in layer.named_parameters():
+        if ep and name in ("w1", "w2", "w3"):
+            continue
+        dist.all_reduce(p.grad)
+        p.grad /= WORLD
+
+
+def layer_worker(rank: int, steps: int, tokens: int, out_dir: str) -> None:
+    torch.manual_seed(100 + rank)
+    x = torch.randn(tokens, HIDDEN)  # unit variance, as after the RMSNorm at initialisation
+    out = {}
+    for ep in (True, False):
+        layer = _layer(ep)
+        times = []
+        for step in range(steps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            y = layer(x)
+            y.square().mean().backward()
+            _sync(layer, ep)
+            took = time.perf_counter() - start
+            if step:
+                times.append(took)
+            layer.zero_grad(set_to_none=True)
+        experts = sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
+                      if n in ("w1", "w2", "w3"))
+        held = sum(p.numel() * p.element_size() for p in layer.parameters())
+        out["ep" if ep else "replicated"] = {
+            "step_s": statistics.median(times), "expert_weight_bytes": experts,
+            "parameter_and_gradient_bytes": 2 * held,
+            "rows_per_local_expert": layer.last_tokens_per_expert.tolist()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def measured_layer(steps: int, tokens: int) -> dict:
+    """(b): the MoE layer alone on a gloo world of 4."""
+    with tempfile.TemporaryDirectory() as d:
+        run_world(layer_worker, (steps, tokens, d), WORLD)
+        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(WORLD)]
+    out = {}
+    for key in ("ep", "replicated"):
+        per_rank = [r[key] for r in ranks]
+        row = {"step_s": max(r["step_s"] for r in per_rank),
+               "expert_weight_bytes_per_rank": per_rank[0]["expert_weight_bytes"],
+               "parameter_and_gradient_bytes_per_rank": per_rank[0]["parameter_and_gradient_bytes"]}
+        if key == "ep":
+            rows = [sum(r["rows_per_local_expert"]) for r in per_rank]  # rows each rank ran
+            per_expert = [n for r in per_rank for n in r["rows_per_local_expert"]]
+            mean = sum(rows) / WORLD
+            row.update(tokens_per_expert_mean=sum(per_expert) / EXPERTS,
+                       busiest_rank_over_mean=max(rows) / mean,
+                       predicted_tokens_per_expert=tokens * WORLD * TOP_K / EXPERTS,
+                       predicted_busiest_over_mean=routing_imbalance(
+                           EXPERTS, TOP_K, WORLD, tokens * WORLD, HIDDEN))
+        out[key] = row
+    out["expert_weight_bytes_predicted"] = {
+        "ep": 3 * EXPERTS * HIDDEN * FFN * 4 // WORLD, "replicated": 3 * EXPERTS * HIDDEN * FFN * 4}
+    return out
+
+
+def engine_worker(rank: int, out_dir: str) -> None:
+    import autopar
+
+    w = workload(SPEC, batch=BATCH, seq=SEQ)
+    model, _ = autopar.models.build(w.config, batch=BATCH, seq=SEQ)
+    x = torch.randint(0, w.config.vocab_size, (BATCH, SEQ))
+    try:
+        engine = autopar.parallelize(model, WORLD, example_inputs=(x,), loss_fn=lm_loss,
+                                     plan=dict(expert=WORLD))
+    except PlanError as e:
+        result = {"run": False, "why": str(e)}
+    else:
+        engine.train_step(x, x)
+        start = time.perf_counter()
+        engine.train_step(x, x)
+        result = {"run": True, "step_s": time.perf_counter() - start}
+    if rank == 0:
+        with open(os.path.join(out_dir, "engine.json"), "w") as f:
+            json.dump(result, f)
+
+
+def measured_engine() -> dict:
+    """(c): the whole model through parallelize(plan=dict(expert=4)), if the runtime takes it."""
+    with tempfile.TemporaryDirectory() as d:
+        run_world(engine_worker, (d,), WORLD)
+        return json.load(open(os.path.join(d, "engine.json")))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank, (b)")
+    parser.add_argument("--skip-measured", action="store_true")
+    args = parser.parse_args()
+    result = {"spec": SPEC, "world": WORLD, "predicted": predicted()}
+    print(f"(a) predicted: {SPEC}, {WORLD} x cpu, batch {BATCH} x {SEQ} tokens, fp32")
+    print(f"  {'plan':<28} {'step':>9} {'mem/rank':>10} {'experts/rank':>12} "
+          f"{'tok/expert':>10} {'busiest':>8} {'a2a/step':>10}")
+    for r in result["predicted"]:
+        print(f"  {r['plan']:<28} {1e3 * r['step_time_s']:>7.1f}ms "
+              f"{r['memory_per_rank_bytes'] / 2 ** 20:>8.1f}Mi {r['experts_per_rank']:>12} "
+              f"{r['tokens_per_expert']:>10.0f} {r['tokens_per_expert_busiest']:>8.0f} "
+              f"{r['all_to_all_bytes_per_step'] / 2 ** 20:>8.2f}Mi"
+              + (f"  ({r['note']})" if r["note"] else ""))
+    if not args.skip_measured:
+        layer = result["measured_layer"] = measured_layer(args.steps, args.tokens)
+        print(f"\n(b) measured: the MoE layer alone, {WORLD} gloo ranks, {args.tokens} tokens "
+              "per rank, fp32")
+        for key, label in (("ep", "ep 4"), ("replicated", "experts replicated (dp 4)")):
+            r = layer[key]
+            print(f"  {label:<28} step {1e3 * r['step_s']:>7.1f} ms, expert weights per rank "
+                  f"{r['expert_weight_bytes_per_rank'] / 2 ** 20:.2f} MiB (predicted "
+                  f"{layer['expert_weight_bytes_predicted'][key] / 2 ** 20:.2f} MiB)")
+        r = layer["ep"]
+        print(f"  tokens per expert: measured mean {r['tokens_per_expert_mean']:.0f}, predicted "
+              f"{r['predicted_tokens_per_expert']:.0f}; busiest rank / mean: measured "
+              f"{r['busiest_rank_over_mean']:.3f}, predicted {r['predicted_busiest_over_mean']:.3f}")
+        print("  tensor-parallel experts: no kernel (the catalog has no tensor rule for grouped "
+              "matmuls)")
+        engine = result["measured_engine"] = measured_engine()
+        print("\n(c) parallelize(plan=dict(expert=4)): " + (
+            f"step {1e3 * engine['step_s']:.1f} ms" if engine["run"] else
+            f"not run: {engine['why']}"))
+    with open(results_path("moe.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
