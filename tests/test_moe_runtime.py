@@ -94,13 +94,15 @@ def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> di
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
                                  optimizer=opt, plan=plan, precision=precision)
     ref_opt = opt(reference.parameters())
-    losses, log, load = [], [], {}
+    losses, log, load, measured, predicted = [], [], {}, {}, {}
     for step in range(steps):
         engine.comm_log.clear()
         loss = engine.train_step((idx,), target)
         if step == 0:
             log = [(r.op, r.axis, r.phase, r.bytes) for r in engine.comm_log]
             load = engine.expert_load()
+            measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+            predicted = engine.predicted_comm(BATCH)
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(idx), target)
         ref_loss.backward()
@@ -110,7 +112,8 @@ def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> di
     return {"loss": max(losses), "keys_equal": list(full) == list(ref),
             "weights": max(_relative(full[k], ref[k]) for k in ref
                            if ref[k].dtype.is_floating_point),
-            "log": log, "load": load, "held": engine.parameter_bytes()}
+            "log": log, "load": load, "held": engine.parameter_bytes(),
+            "measured": measured, "predicted": predicted}
 
 
 def _ep_rows_bytes(load: dict, hidden: int, itemsize: int = 4) -> int:
@@ -125,6 +128,8 @@ def _check(results: list[dict], hidden: int, ep: int) -> None:
         assert r["loss"] <= TOL, (rank, r["loss"])
         assert r["weights"] <= TOL, (rank, r["weights"])
         assert r["keys_equal"]
+        # every collective's bytes per (op, axis) as predicted from the routing taken
+        assert r["measured"] == r["predicted"], (rank, r["measured"], r["predicted"])
         forward = [b for op, axis, phase, b in r["log"] if op == "all_to_all" and axis == "ep"
                    and phase == "forward"]
         counts = [v for v in r["load"].values()]
