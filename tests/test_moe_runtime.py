@@ -233,6 +233,23 @@ def _export_and_start_from_it(directory: str) -> dict:
             "error": max(float((state[k] - trained[k]).abs().max()) for k in trained)}
 
 
+def _zero_3_from_meta() -> str:
+    cls, config = _hf_config("hf-mixtral")
+    with torch.device("meta"):
+        model = cls(config)
+    try:
+        autopar.parallelize(model, 4, example_inputs=(torch.zeros(2, 8, dtype=torch.long),),
+                            loss_fn=_hf_loss, plan=dict(expert=2, zero=dict(stage=3)))
+    except PlanError as e:
+        return str(e)
+    return "built"
+
+
+def test_zero_3_from_a_meta_model_is_refused(pool4):
+    for message in pool4.run(_zero_3_from_meta):
+        assert message.startswith("a meta model or weights= under ZeRO-3 would cut the experts")
+
+
 def test_exported_experts_start_another_expert_plan(pool4, tmp_path):
     for r in pool4.run(_export_and_start_from_it, str(tmp_path / "export")):
         assert r["keys"] and r["error"] == 0.0
