@@ -94,13 +94,15 @@ def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> di
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
                                  optimizer=opt, plan=plan, precision=precision)
     ref_opt = opt(reference.parameters())
-    losses, log, load = [], [], {}
+    losses, log, load, measured, predicted = [], [], {}, {}, {}
     for step in range(steps):
         engine.comm_log.clear()
         loss = engine.train_step((idx,), target)
         if step == 0:
             log = [(r.op, r.axis, r.phase, r.bytes) for r in engine.comm_log]
             load = engine.expert_load()
+            measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+            predicted = engine.predicted_comm(BATCH)
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(idx), target)
         ref_loss.backward()
@@ -110,7 +112,8 @@ def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> di
     return {"loss": max(losses), "keys_equal": list(full) == list(ref),
             "weights": max(_relative(full[k], ref[k]) for k in ref
                            if ref[k].dtype.is_floating_point),
-            "log": log, "load": load, "held": engine.parameter_bytes()}
+            "log": log, "load": load, "held": engine.parameter_bytes(),
+            "measured": measured, "predicted": predicted}
 
 
 def _ep_rows_bytes(load: dict, hidden: int, itemsize: int = 4) -> int:
@@ -125,6 +128,8 @@ def _check(results: list[dict], hidden: int, ep: int) -> None:
         assert r["loss"] <= TOL, (rank, r["loss"])
         assert r["weights"] <= TOL, (rank, r["weights"])
         assert r["keys_equal"]
+        # every collective's bytes per (op, axis) as predicted from the routing taken
+        assert r["measured"] == r["predicted"], (rank, r["measured"], r["predicted"])
         forward = [b for op, axis, phase, b in r["log"] if op == "all_to_all" and axis == "ep"
                    and phase == "forward"]
         counts = [v for v in r["load"].values()]
@@ -226,6 +231,23 @@ def _export_and_start_from_it(directory: str) -> dict:
     state = again.full_state_dict()
     return {"keys": list(state) == list(trained), "refusal": refusal,
             "error": max(float((state[k] - trained[k]).abs().max()) for k in trained)}
+
+
+def _zero_3_from_meta() -> str:
+    cls, config = _hf_config("hf-mixtral")
+    with torch.device("meta"):
+        model = cls(config)
+    try:
+        autopar.parallelize(model, 4, example_inputs=(torch.zeros(2, 8, dtype=torch.long),),
+                            loss_fn=_hf_loss, plan=dict(expert=2, zero=dict(stage=3)))
+    except PlanError as e:
+        return str(e)
+    return "built"
+
+
+def test_zero_3_from_a_meta_model_is_refused(pool4):
+    for message in pool4.run(_zero_3_from_meta):
+        assert message.startswith("a meta model or weights= under ZeRO-3 would cut the experts")
 
 
 def test_exported_experts_start_another_expert_plan(pool4, tmp_path):

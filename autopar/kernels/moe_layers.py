@@ -262,9 +262,11 @@ class ExpertLayer(Bound):
     since `reset_load` (every micro-batch of a step): this rank's token-expert assignments
     per expert [E], and the rows its own experts computed [E/ep]."""
 
-    def __init__(self, spec: MoESpec, name: str, with_aux: bool):
+    def __init__(self, spec: MoESpec, name: str, with_aux: bool, layer: str | None = None):
         super().__init__(EP)
         self.spec, self.name, self.with_aux = spec, name, with_aux
+        self.layer = layer  # the analysed layer it belongs to (where its bytes are counted)
+        self.runs = 0  # forwards since reset_load (a pipeline's micro-batches)
         # kept out of the module tree: its meta weights are never used (the graph passes them)
         self.__dict__["kernel"] = spec.kernel()
         self.routed: torch.Tensor | None = None
@@ -280,6 +282,7 @@ class ExpertLayer(Bound):
     def reset_load(self) -> None:
         """Forget the routing counted so far (the engine calls it as a step begins)."""
         self.routed = self.computed = None
+        self.runs = 0
 
     def forward(self, x, gate, *weights):
         n = len(self.spec.expert_weights)
@@ -288,6 +291,7 @@ class ExpertLayer(Bound):
                   self.with_aux)
         k = self.kernel
         if k.last_routed is not None and self._g().log.enabled:  # (not a shape probe)
+            self.runs += 1
             self.routed = k.last_routed if self.routed is None else self.routed + k.last_routed
             done = k.last_tokens_per_expert
             self.computed = done if self.computed is None else self.computed + done

@@ -45,7 +45,9 @@ def place_expert_layers(gm: fx.GraphModule) -> fx.GraphModule:
         x, gate, experts, shared, key, with_aux = node.args
         name = f"moe_{i}"
         where = node.meta.get("autopar_module") or name  # the MoE module's path
-        gm.add_submodule(name, ExpertLayer(spec_for(key), where, with_aux))
+        info = node.meta.get("autopar")
+        gm.add_submodule(name, ExpertLayer(spec_for(key), where, with_aux,
+                                           getattr(info, "layer", None)))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (x, gate, *experts, *shared))
         call.meta = dict(node.meta)

@@ -7,7 +7,7 @@ import sympy
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
-from autopar.modes import DP
+from autopar.modes import DP, EDP, EP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
 
@@ -39,10 +39,56 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
         key = (c.op, c.axis, layer_of.get(c.where) or STEP)
         nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
         by_layer[key] = by_layer.get(key, 0) + nbytes
-    for (op, axis), nbytes in {**_data_parallel(engine, runs), **_world(engine)}.items():
+    for (op, axis), nbytes in {**_data_parallel(engine, runs), **_world(engine),
+                               **_expert_data(engine, runs)}.items():
         key = (op, axis, STEP)
         by_layer[key] = by_layer.get(key, 0) + nbytes
+    for key, nbytes in _dispatch(engine).items():
+        by_layer[key] = by_layer.get(key, 0) + nbytes
     return by_layer
+
+
+def _dispatch(engine) -> dict[tuple[str, str, str], int]:
+    """The MoE layers' all-to-alls on ep, from the routing the step took (engine.expert_load:
+    per forward the E counts, int64, then the rows out and back, mirrored in the backward),
+    and their balance statistics' all-reduce over dp (2E + 1 floats, forward and backward)."""
+    out: dict[tuple[str, str, str], int] = {}
+
+    def add(op, axis, layer, nbytes):
+        out[(op, axis, layer)] = out.get((op, axis, layer), 0) + nbytes
+
+    itemsize = engine.compute_dtype.itemsize if engine.compute_dtype is not None else 4
+    for m in engine.expert_layers():
+        if m.routed is None:
+            continue
+        layer, experts = m.layer or STEP, m.spec.experts
+        rows = int(m.routed.sum() + m.computed.sum()) * m.spec.hidden * itemsize
+        add("all_to_all", EP, layer, m.runs * experts * 8 + 2 * rows)
+        if m.with_aux:
+            add("all_reduce", DP, layer, 2 * m.runs * (2 * experts + 1) * 4)
+    return out
+
+
+def _expert_data(engine, runs: int) -> dict[tuple[str, str], int]:
+    """The experts' gradient sync over their expert-data group (with one rank there, only
+    ZeRO-3's gathers and reduce-scatters, which log at any size)."""
+    edp, zero = engine.grads.edp, engine.zero
+    zero3 = zero is not None and zero.stage == 3
+    if edp is None or (edp.size == 1 and not zero3):
+        return {}
+    if zero3:
+        part = zero.parts[1]
+        gathers = runs * sum(part.gather_bytes(u) for u in zero.expert_units) + \
+            sum(part.gather_bytes(u) for u in part.backward_gathers or ())
+        return {("reduce_scatter", EDP): runs * sum(part.unit_bytes(u)
+                                                    for u in zero.expert_units),
+                ("all_gather", EDP): gathers}
+    if zero is not None:
+        part = zero.parts[1]
+        return {("reduce_scatter", EDP): part.padded_bytes(), ("all_gather", EDP):
+                part.padded_bytes()}
+    return {("all_reduce", EDP): sum(p.numel() * p.element_size() for p in
+                                     engine.grads.trained() if engine.params.is_expert(p))}
 
 
 def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
@@ -63,7 +109,7 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
         sends = runs if zero.stage == 2 else 1
         return {("all_reduce", DP): 4, ("reduce_scatter", DP): sends * zero.padded_bytes(),
                 ("all_gather", DP): zero.padded_bytes()}
-    grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.trained()
+    grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.data_parameters()
                      if p.requires_grad)
     return {("all_reduce", DP): grad_bytes + 4}
 

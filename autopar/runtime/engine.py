@@ -75,6 +75,10 @@ class Engine(nn.Module):
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
+        if start is not None and self.moe_layers and plan.zero.stage == 3:
+            raise PlanError("a meta model or weights= under ZeRO-3 would cut the experts over "
+                            "dp, not over their expert-data group; use ZeRO stage 1 or 2 with "
+                            "expert=, or give parallelize the model with its weights.")
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
             start.expect_zero(plan.zero, self._dp, self._pp.size)
         self.forward_graph = forward_graph if forward_graph is not None else \
@@ -230,7 +234,7 @@ class Engine(nn.Module):
         """One optimizer step on a global batch; the loss equals the single-device loss."""
         inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
         self.recorder.begin_step(self.comm_log)
-        for layer in self._expert_layers():
+        for layer in self.expert_layers():
             layer.reset_load()
         *local_inputs, local_target = self.batches.local(inputs + (targets,))
         self.ensure_train_graph(tuple(local_inputs), local_target)
@@ -280,7 +284,7 @@ class Engine(nn.Module):
         """Inference on the whole batch on every rank; outputs are whole on every rank."""
         inputs = self.batches.for_forward(inputs)
         self.fetch_pipeline_weights()
-        for layer in self._expert_layers():
+        for layer in self.expert_layers():
             layer.reset_load()
         out = self.forward_gm(*self.batches.tokens(inputs, self.forward_graph))
         if self.zero is not None and self.zero.stage == 3:
@@ -295,9 +299,10 @@ class Engine(nn.Module):
         without an ep axis."""
         return {m.name: {"routed": m.routed.tolist(), "computed": m.computed.tolist(),
                          "first_expert": m.kernel.first_expert}
-                for m in self._expert_layers() if m.routed is not None}
+                for m in self.expert_layers() if m.routed is not None}
 
-    def _expert_layers(self) -> list[ExpertLayer]:
+    def expert_layers(self) -> list[ExpertLayer]:
+        """The ExpertLayer modules of this rank's graphs (none without an ep axis)."""
         graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
         return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 

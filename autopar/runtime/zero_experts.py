@@ -57,6 +57,7 @@ class ExpertDataZeroThree(ExpertDataZero):
     def __init__(self, data: ZeroThree, experts: ZeroThree, factory):
         super().__init__(data, experts, factory)
         self.numels = data.numels + experts.numels
+        self.expert_units: list[int] = []
 
     def index_of(self, param) -> int | None:
         data, experts = self.parts
@@ -65,8 +66,10 @@ class ExpertDataZeroThree(ExpertDataZero):
         return i if j is None else len(data.params) + j
 
     def rewrite(self, gm) -> list[int]:
+        """The dp part's units, in graph order; the experts' are kept in `expert_units`
+        (those of the last graph rewritten: the training graph's)."""
         order = self.parts[0].rewrite(gm)
-        self.parts[1].rewrite(gm)
+        self.expert_units = self.parts[1].rewrite(gm)
         return order
 
     def unit_bytes(self, u: int) -> int:
