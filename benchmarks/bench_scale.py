@@ -295,7 +295,8 @@ def main():
     from autopar.models import build
 
     meta, _ = build(args.model, batch=args.batch)
-    model_bytes = sum(t.numel() * t.element_size() for t in meta.state_dict().values())
+    unique = {id(t): t for t in list(meta.parameters()) + list(meta.buffers())}
+    model_bytes = sum(t.numel() * t.element_size() for t in unique.values())  # tied: once
     rows, raw = {}, {}
     for row in args.rows:
         if row == SINGLE:
