@@ -1,4 +1,5 @@
-"""Shared by the multi-process benchmarks: a local gloo world and where results go."""
+"""Shared by the multi-process benchmarks: a local gloo (or NCCL) world and where results
+go."""
 
 from __future__ import annotations
 
@@ -40,20 +41,23 @@ def write_and_judge(name: str, data: dict, rows: list[dict], label: str,
     return 0
 
 
-def _entry(rank: int, port: int, world: int, fn, args) -> None:
+def _entry(rank: int, port: int, world: int, fn, args, backend: str = "gloo") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_world(fn, args: tuple, world: int) -> None:
-    """Run fn(rank, *args) on `world` local processes joined in one gloo group."""
+def run_world(fn, args: tuple, world: int, backend: str = "gloo") -> None:
+    """Run fn(rank, *args) on `world` local processes joined in one process group (gloo;
+    "nccl": rank r on cuda:r)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_entry, args=(port, world, fn, args), nprocs=world)
+    mp.spawn(_entry, args=(port, world, fn, args, backend), nprocs=world)

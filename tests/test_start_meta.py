@@ -17,7 +17,8 @@ pool2 = dist_pool_fixture(2)
 
 SPEC = "gpt-tiny"
 PLANS = {"tensor": {"tensor": {"size": 2, "mode": "1d"}},
-         "zero3": {"data": 2, "zero": {"stage": 3}}}
+         "zero3": {"data": 2, "zero": {"stage": 3}},
+         "pipeline": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}
 
 
 def _loss(out, target):
@@ -43,7 +44,16 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def _start_from_meta(plan: dict, seed: int, steps: int = 3) -> dict:
+def _held_bytes(engine) -> int:
+    """Bytes of real storage behind this rank's parameters (placeholders hold one element)."""
+    storages = {StorageWeakRef(p.untyped_storage()).cdata: p.untyped_storage().nbytes()
+                for p in engine.parameters()}
+    return sum(storages.values())
+
+
+def _start_from_meta(plan: dict, seed: int, steps: int = 3, check_start: bool = True) -> dict:
+    """Start `plan` from meta beside the seeded single-device build; `check_start`: compare
+    the whole state right after parallelize (a pipeline then makes every slice)."""
     import autopar
     from autopar.models import build
     from autopar.runtime import startup
@@ -64,15 +74,18 @@ def _start_from_meta(plan: dict, seed: int, steps: int = 3) -> dict:
     try:
         engine = autopar.parallelize(meta, 2, example_inputs=(x[:2],), loss_fn=_loss,
                                      optimizer=opt, plan=plan, seed=seed)
+        held = {"start": _held_bytes(engine)}
+        ref_state = reference.state_dict()
+        full = engine.full_state_dict() if check_start else ref_state
+        differ = [k for k in ref_state if not torch.equal(full[k], ref_state[k])]
+        first = engine.train_step(x, target)  # a pipeline cuts its stages here
+        held["step"] = _held_bytes(engine)
     finally:
         startup.Startup.slices = slices
-    ref_state = reference.state_dict()
-    full = engine.full_state_dict()
-    differ = [k for k in ref_state if not torch.equal(full[k], ref_state[k])]
     ref_opt = opt(reference.parameters())
     losses = []
-    for _ in range(steps):
-        loss = engine.train_step(x, target)
+    for i in range(steps):
+        loss = first if i == 0 else engine.train_step(x, target)
         ref_opt.zero_grad()
         ref_loss = _loss(reference(x), target)
         ref_loss.backward()
@@ -80,6 +93,7 @@ def _start_from_meta(plan: dict, seed: int, steps: int = 3) -> dict:
         losses.append(abs(loss - ref_loss.item()) / ref_loss.item())
     return {"keys": sorted(full) == sorted(ref_state), "differ": differ,
             "loss": max(losses), "peak": live.peak, "zero": type(engine.zero).__name__,
+            "held": held, "mine": engine.pipeline_layers() if engine.pipeline else None,
             "model": sum(t.numel() * t.element_size() for t in ref_state.values())}
 
 
@@ -88,8 +102,23 @@ def test_meta_start_equals_the_seeded_single_device_build(pool2, plan):
     for r in pool2.run(_start_from_meta, PLANS[plan], 5):
         assert r["keys"] and r["differ"] == []
         assert r["loss"] < 1e-5, r["loss"]
-        # a rank's half (its tp slices or ZeRO-3 pieces) plus one module's full values
-        assert 0 < r["peak"] < r["model"], (r["peak"], r["model"])
+        # a rank's half (its tp slices or ZeRO-3 pieces) plus one module's full values;
+        # (a pipeline rank asked for the whole state before its first step makes it all)
+        assert 0 < r["peak"] < r["model"] or plan == "pipeline", (r["peak"], r["model"])
+
+
+def test_a_pipeline_rank_makes_only_its_own_stages_slices(pool2):
+    """Started from meta under pp 2, a rank holds no parameter's values after parallelize
+    and only its stages' once the first step has cut them; it trains as one device does."""
+    first, last = pool2.run(_start_from_meta, PLANS["pipeline"], 5, 3, False)
+    for r in (first, last):
+        assert r["loss"] < 1e-5, r["loss"]
+        assert r["held"]["start"] < 0.01 * r["model"], r["held"]
+        # its stages' slices (the tied embedding on both ends): well under the whole model
+        assert 0 < r["held"]["step"] < 0.75 * r["model"], (r["held"], r["model"])
+        # what it made at once: its stages' slices plus one module's full values
+        assert r["peak"] < 0.75 * r["model"], (r["peak"], r["model"])
+    assert not first["mine"] & last["mine"]
 
 
 def test_weights_replace_a_real_models_values_and_export_keeps_the_last_on_failure(

@@ -81,6 +81,8 @@ class Engine(nn.Module):
                             "expert=, or give parallelize the model with its weights.")
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
             start.expect_zero(plan.zero, self._dp, self._pp.size)
+            # a pipeline rank makes only its stages' slices, once the stages are cut
+            self.params.defer = self._pp.size > 1
         self.forward_graph = forward_graph if forward_graph is not None else \
             self.trace_for(model, example_inputs, plan)
         if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
@@ -188,7 +190,9 @@ class Engine(nn.Module):
             self._device, self.fetch_pipeline_weights, self._dp if averages else None,
             self.stage_planner)
         self.pipeline = self.grads.pipeline = runner
+        self.params.fill(runner.parameters())  # a start's slices of this rank's stages only
         self._weights = PipelineWeights(runner, self.params, self.train_graph, self._pp)
+        self._weights.release()  # the other stages' slices: placeholders until fetched
         for k, module in runner.held_modules():
             instrument(module, self.recorder, k, parameter_probes=False)
         if zero_sharded(self.plan.zero, self._dp.size):
@@ -220,6 +224,8 @@ class Engine(nn.Module):
         """A pipeline rank gets the trained weights of the stages other ranks run."""
         if self._weights is not None:
             self._weights.fetch(self.steps, self.zero)
+        else:  # before the stages are cut: every slice a start deferred, made here
+            self.params.fill()
 
     def pipeline_layers(self) -> set[str]:
         """The layers this pipeline rank's stages run."""

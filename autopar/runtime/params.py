@@ -30,6 +30,10 @@ class ShardedParams:
         self.names: dict[int, tuple] = {}  # key -> its names in the original model
         self.layouts: dict[int, Layout | None] = {}
         self.untraced: dict[str, torch.Tensor] = {}  # state no graph reads, kept whole
+        # a pipeline rank started from meta or weights= makes its parameters' slices once it
+        # knows its stages (`fill`): until then each is a placeholder that holds no data
+        self.defer = False
+        self.deferred: dict[int, tuple] = {}  # key -> (names, full meta tensor, layout)
         self._key_of: dict[int, int] | None = None
         self._norm_index: dict[str, int] | None = None
         self.experts: frozenset[str] = frozenset()  # names of stacked expert weights ...
@@ -87,10 +91,34 @@ class ShardedParams:
         first = not self.local and not self.untraced
         read = {name for names, _, _ in wanted.values() for name in names}
         untraced = [k for k in self.state_keys if k not in read] if first else []
+        if self.defer:
+            for key in [k for k, (_, full, _) in wanted.items() if isinstance(full, nn.Parameter)]:
+                self.deferred[key] = wanted.pop(key)
+                self._ready[key] = self._placeholder(*self.deferred[key][1:])
         if wanted or untraced:
             ready, whole = self.start.slices(wanted, untraced, self.mesh, self.coords)
             self._ready.update(ready)
             self.untraced.update(whole)
+
+    def _placeholder(self, full: torch.Tensor, layout: Layout | None) -> nn.Parameter:
+        """A parameter of this rank's slice's shape that holds one element."""
+        shape = local_slice(full.detach().to("meta"), layout, self.coords, self.mesh).shape
+        device = self.start.device
+        return nn.Parameter(torch.zeros((), dtype=full.dtype, device=device).expand(shape),
+                            requires_grad=full.requires_grad)
+
+    def fill(self, locals_: list[torch.Tensor] | None = None) -> None:
+        """Make the deferred slices of `locals_` (None: every deferred one) in one streamed
+        pass of the start's values; the others stay placeholders."""
+        keys = list(self.deferred) if locals_ is None else \
+            [k for k in (self.key_of.get(id(t)) for t in locals_) if k in self.deferred]
+        if not keys:
+            return
+        ready, _ = self.start.slices({k: self.deferred[k] for k in keys}, [], self.mesh,
+                                     self.coords)
+        for key in keys:
+            self.local[key].data = ready.pop(key).data
+            del self.deferred[key]
 
     def keep_untraced(self, model: nn.Module) -> None:
         """State the graphs never read is kept whole, so full state dicts lose nothing."""

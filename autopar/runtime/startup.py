@@ -15,6 +15,7 @@ from autopar.passes.tensor_parallel import local_slice
 from autopar.runtime.checkpoint import _agree, _rank, _runs
 from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
 from autopar.runtime.gradients import zero_sharded
+from autopar.runtime.host_memory import trim
 from autopar.runtime.materialize import iter_initial_values
 from autopar.runtime.weights import model_entries, open_weights
 
@@ -89,6 +90,7 @@ class Startup:
                         whole[other] = value.clone().to(self.device)
                         left.discard(other)
             del values
+            trim()  # this module's full values: given back, not kept resident
         missing = [wanted[k][0][0] for k in wanted if k not in out] + sorted(left)
         if missing:
             raise WeightsError(f"the initialization of {type(self.model).__name__} gave no "

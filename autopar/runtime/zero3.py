@@ -17,6 +17,9 @@ from torch import nn
 from autopar.kernels.collectives import AxisGroup
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
 
+# gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
+REDUCES_IN_FLIGHT = 1
+
 
 class _Unit:
     """One layer's parameters: which of the engine's parameters, where in its buffer."""
@@ -231,6 +234,10 @@ class ZeroThree:
             work = dist.reduce_scatter_single(mine, buf.reshape(-1), group=self.dp.group,
                                               async_op=True)
             self._reducing.append((u, which, work, mine))
+            # a reduce-scatter in flight holds its whole unit-sized input: at most
+            # REDUCES_IN_FLIGHT of them, or the backward would hold every layer's gradients
+            while len(self._reducing) > REDUCES_IN_FLIGHT:
+                self._land(*self._reducing.pop(0))
             return [None] * len(grads)
         mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
         return self._pieces(u, which, mine)
@@ -246,15 +253,18 @@ class ZeroThree:
             col += self.chunks[i]
         return out
 
+    def _land(self, u: int, which: list[bool], work, mine: torch.Tensor) -> None:
+        """Wait for one overlapped reduce-scatter; add its pieces to the gradients."""
+        work.wait()
+        for i, piece in zip(self.units[u].members, self._pieces(u, which, mine)):
+            if piece is not None:
+                shard = self.shards[i]
+                shard.grad = piece if shard.grad is None else shard.grad + piece
+
     def _land_reduced(self) -> None:
-        """The overlapped reduce-scatters: wait for each, add its pieces to the gradients."""
-        for u, which, work, mine in self._reducing:
-            work.wait()
-            for i, piece in zip(self.units[u].members, self._pieces(u, which, mine)):
-                if piece is not None:
-                    shard = self.shards[i]
-                    shard.grad = piece if shard.grad is None else shard.grad + piece
-        self._reducing.clear()
+        """The overlapped reduce-scatters still in flight, landed in order."""
+        while self._reducing:
+            self._land(*self._reducing.pop(0))
 
     # ------------------------------------------------------------------ saved tensors
     @contextmanager
