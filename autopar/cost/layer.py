@@ -18,6 +18,7 @@ import torch
 
 from autopar.cost.memory import activation_bytes
 from autopar.graph.analysis import OpKind
+from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.sharding.divisible import indivisible
 from autopar.sharding.solve import Solution, solve
@@ -257,6 +258,52 @@ def _experts(traced: TracedGraph, grouped: list) -> Experts | None:
                    .scale(1 / top_k))
 
 
+def _weight_of(node):
+    """The get_attr node a weight argument reads (through the casts a precision pass adds)."""
+    while node.op != "get_attr":
+        node = node.args[0]
+    return node
+
+
+def _moe(traced: TracedGraph, node) -> tuple[list[Gemm], Experts, sympy.Expr]:
+    """One MoE layer traced as the opaque op `autopar::moe(x, gate, experts, shared, key,
+    with_aux)` (its MoESpec registered under `key`): the GEMMs, experts and memory-bound
+    bytes of what the grouped-matmul trace of the same layer holds. T tokens of width H,
+    top-k of E experts of FFN width F: the router [T, H] x [H, E]; three grouped GEMMs (w1,
+    w3: H -> F; w2: F -> H) over the T·k dispatched rows, each row times its own expert's
+    weight (active FLOPs); a shared expert of width F_s (and its [H, 1] gate) on every token.
+    Memory-bound bytes, op by op as the zoo's SparseMoE runs them: the router's fp32
+    scores, softmax and top-k (normalised: their sum and division); sorting the rows by
+    expert, counting them and gathering them; SwiGLU's silu and product on [T·k, F]; the
+    inverse permutation, the fp32 combine weighting and summing the rows, and the cast back;
+    a shared expert's SwiGLU and its sigmoid-gated sum."""
+    spec = described(node.args[MOE_KEY_ARG])
+    x = node.args[0].meta["autopar"]
+    e, k, h, f, fs = spec.experts, spec.top_k, spec.hidden, spec.ffn, spec.shared_ffn
+    t = _numel(x.shape[:-1])
+    rows = t * k
+    gemms = [Gemm(Lin.of(2 * t * h * e), h, e, True)]
+    for kk, n in ((h, f), (h, f), (f, h)):
+        gemms.append(Gemm(Lin.of(2 * rows * kk * n), kk, n, True, expert=True, groups=e))
+    if fs:
+        for kk, n in ((h, fs), (h, fs), (fs, h), (h, 1)):
+            gemms.append(Gemm(Lin.of(2 * t * kk * n), kk, n, True))
+    size = torch.empty((), dtype=x.dtype).element_size()
+    weights = [traced.params[_weight_of(w).target] for w in node.args[2]]
+    params = sum(int(_numel(p.shape)) for p in weights)
+    param_bytes = sum(int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+                      for p in weights)
+    experts = Experts(e, k, h, params, param_bytes, Lin.of(rows * h * size), Lin.of(t))
+    routing = t * e * (size + 4) + 3 * t * e * 4 + \
+        (3 * rows * 4 + 2 * t * 4 if spec.normalize else 0)
+    dispatch = 8 * rows * 8 + 52 * e + t * h * size + rows * 8 + rows * h * size
+    swiglu = 5 * rows * f * size + (5 * t * fs * size + 2 * t * size + 6 * t * h * size
+                                    if fs else 0)
+    combine = 2 * rows * 8 + 2 * rows * h * size + rows * 8 + rows * h * (size + 4) + \
+        2 * rows * h * 4 + rows * 4 + rows * h * 4 + t * h * 4 + t * h * (4 + size)
+    return gemms, experts, routing + dispatch + swiglu + combine
+
+
 def _attention(node) -> Attention:
     q, k, v = node.args[:3]
     qs, ks, vs = (x.meta["autopar"].shape for x in (q, k, v))
@@ -328,6 +375,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
     dtype_bytes = 0
     seen_inputs = set()
     grouped = []
+    moe = None
     for node in layer.nodes:
         info = node.meta["autopar"]
         if node.op == "get_attr":
@@ -345,6 +393,10 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
         elif info.kind is OpKind.GROUPED_MM:
             gemms.append(_grouped_gemm(node))
             grouped.append(node)
+        elif info.kind is OpKind.MOE:
+            moe_gemms, moe, moe_traffic = _moe(traced, node)
+            gemms.extend(moe_gemms)
+            traffic = traffic + moe_traffic
         elif info.kind is OpKind.ATTENTION:
             attention.append(_attention(node))
         elif info.kind not in _FREE:
@@ -358,7 +410,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
                 inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
                      params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels,
-                     experts=_experts(traced, grouped))
+                     experts=moe or _experts(traced, grouped))
 
 
 def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:
@@ -481,6 +533,10 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
             _split(solution.layouts.get(a)) for a in _tensor_args(node)))
         if info.kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.GROUPED_MM):
             gemm_split.append(split)
+        elif info.kind is OpKind.MOE:  # replicated over tp: every rank runs the whole layer
+            moe_gemms, _, moe_traffic = _moe(traced, node)
+            gemm_split.extend([False] * len(moe_gemms))
+            t_repl = t_repl + moe_traffic
         elif info.kind is OpKind.ATTENTION:
             attention_split.append(split)
         elif info.kind not in _FREE:

@@ -82,6 +82,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopar.cost.precision import runtime
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
+from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.sharding.layout import Layout
 
@@ -466,6 +467,8 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
     replaced, kernels = _kernel_saves(solution, micro_batch) if solution is not None else \
         (set(), {})
     out: dict[str, dict] = {layer: dict(keys) for layer, keys in kernels.items()}
+    for node, nbytes in _moe_saves(traced, micro_batch).items():
+        out.setdefault(node.meta["autopar"].layer, {})[("moe", node)] = (nbytes, False)
     for i, saved in enumerate(saved_activations(traced)):
         whole = saved.bytes_at(micro_batch)
         if solution is None or saved.internal:
@@ -500,6 +503,38 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
                 nbytes = _node_bytes(via, micro_batch) * _fraction(need, sizes)
             out.setdefault(op.meta["autopar"].layer, {})[key] = (math.ceil(nbytes),
                                                                   saved.attention_inside)
+    return out
+
+
+def _moe_saves(traced: TracedGraph, micro_batch: int) -> dict[fx.Node, int]:
+    """Bytes autograd saves inside each opaque MoE op (`autopar::moe`, whose fake kernel
+    saves nothing), as the zoo's SparseMoE and autopar's kernel save them in the
+    grouped-matmul trace of the same layer: its input x [T, H] (the router's and shared
+    expert's operand, unless another op saves it); the router's fp32 scores [T, E], top-k
+    indices (int64) and, normalised, its sums and weights; per dispatched row (T·k): its
+    expert (int64), the gathered row [H], SwiGLU's w1 and w3 outputs, silu and product [F],
+    the inverse permutation (int64) and the fp32 expert output [H] the combine weights; the
+    experts' offsets (int32, E); a shared expert's four [T, F_s] values, its fp32 gate and
+    output [T, H]. Replicated over tp (every tensor rank runs the whole layer)."""
+    saved_nodes = {s.node for s in saved_activations(traced) if not s.internal}
+    out = {}
+    for node in traced.gm.graph.nodes:
+        info = node.meta.get("autopar")
+        if info is None or info.kind is not OpKind.MOE:
+            continue
+        spec = described(node.args[MOE_KEY_ARG])
+        x = node.args[0]
+        xi = x.meta["autopar"]
+        size = _itemsize(xi.dtype)
+        t = int(sympy.Mul(*xi.shape[:-1]).subs(BATCH, micro_batch))
+        e, k, h, f, fs = spec.experts, spec.top_k, spec.hidden, spec.ffn, spec.shared_ffn
+        rows = t * k
+        nbytes = 0 if x in saved_nodes else t * h * size
+        nbytes += t * e * 4 + t * k * 8 + (t * 4 + 2 * t * k * 4 if spec.normalize else 0)
+        nbytes += rows * (8 + h * size + 4 * f * size + 8 + h * 4) + e * 4
+        if fs:
+            nbytes += 4 * t * fs * size + t * 4 + t * h * size
+        out[node] = nbytes
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.ir import BATCH, LOSS_MODULE, TracedGraph
+from autopar.graph.opaque import MOE_OP_NAME
 
 aten = torch.ops.aten
 
@@ -28,6 +29,7 @@ class OpKind(enum.Enum):
     LINEAR = "linear"  # matmul with a weight operand: linear, addmm on a parameter
     MATMUL = "matmul"  # activation x activation
     GROUPED_MM = "grouped_mm"  # experts' matmuls over rows grouped by expert (MoE)
+    MOE = "moe"  # one whole MoE layer as the engine traces it: the opaque op autopar::moe
     ATTENTION = "attention"
     NORM = "norm"
     EMBEDDING = "embedding"
@@ -203,6 +205,8 @@ def _kind(node: fx.Node, traced: TracedGraph) -> OpKind:
         return OpKind.MATMUL
     if target is aten._grouped_mm.default:
         return OpKind.GROUPED_MM
+    if isinstance(target, torch._ops.OpOverload) and target.name() == MOE_OP_NAME:
+        return OpKind.MOE  # its MoESpec: graph.opaque.described(node.args[MOE_KEY_ARG])
     if target is aten.scaled_dot_product_attention.default:
         return OpKind.ATTENTION
     if target in _NORM:

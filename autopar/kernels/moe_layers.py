@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.graph.opaque import MOE_OP_NAME, described, register
 from autopar.kernels.collectives import AxisGroup, Bound
 from autopar.kernels.moe import MoE
 from autopar.models.moe import SOFTMAX, SparseMoE
@@ -194,21 +194,17 @@ def expert_layers(model: nn.Module, plan) -> dict[str, MoESpec]:
 # The opaque op and the traced stand-ins
 # ----------------------------------------------------------------------------------------
 
-_SPECS: dict[int, MoESpec] = {}  # an op's spec id -> spec (op arguments are scalars only)
-
-
 def spec_key(spec: MoESpec) -> int:
-    """The op's integer name for `spec` (the same in every process), registered."""
-    key = int(hashlib.sha256(repr(spec).encode()).hexdigest()[:15], 16)
-    _SPECS[key] = spec
-    return key
+    """The op's integer name for `spec` (the same in every process), registered
+    (op arguments are tensors and scalars only; autopar.graph.opaque)."""
+    return register(spec)
 
 
 def spec_for(key: int) -> MoESpec:
-    return _SPECS[key]
+    return described(key)
 
 
-@torch.library.custom_op("autopar::moe", mutates_args=())
+@torch.library.custom_op(MOE_OP_NAME, mutates_args=())
 def moe_op(x: torch.Tensor, gate: torch.Tensor, experts: list[torch.Tensor],
            shared: list[torch.Tensor], spec: int, with_aux: bool
            ) -> tuple[torch.Tensor, torch.Tensor]:

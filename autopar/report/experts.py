@@ -23,7 +23,7 @@ def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[in
     balanced = moe_cost.tokens_per_expert(moe, b, cp, ep)
     imbalance = moe_cost.imbalance_of(moe, b, cp, ep)
     on_slow = [i for i in slow if i in set(moe_layers)]
-    count = sum(moe_cost.alltoall_count(2 if plan.layers[i].recompute == "full" else 1)
+    count = sum(moe_cost.alltoall_count(2 if _recompute(plan, i) == "full" else 1)
                 for i in on_slow) if ep > 1 else 0
     return {
         "ep": ep, "experts": moe.count, "top_k": moe.top_k, "moe_layers": len(moe_layers),
@@ -38,6 +38,12 @@ def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[in
         "all_to_all_bytes_per_step": m * sum(costs[i].ep_comm_bytes for i in on_slow),
         "all_to_all_s_per_step": m * sum(costs[i].ep_comm for i in on_slow),
     }
+
+
+def _recompute(plan, i: int) -> str:
+    """Layer i's recompute mode: its own where the plan lists its layers (the planner's),
+    else the plan's (a runtime plan given as a dict)."""
+    return plan.layers[i].recompute if i < len(plan.layers) else plan.recompute
 
 
 def expert_lines(data: dict) -> list[str]:

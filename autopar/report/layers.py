@@ -58,7 +58,7 @@ def layer_reports(traced: TracedGraph, solution: Solution, micro_batch: int) -> 
             if strategy is None:
                 continue
             if info.kind in (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.ATTENTION, OpKind.LOSS,
-                             OpKind.MATMUL, OpKind.GROUPED_MM, OpKind.OTHER):
+                             OpKind.MATMUL, OpKind.GROUPED_MM, OpKind.MOE, OpKind.OTHER):
                 where = info.module.rsplit(".", 1)[-1] if info.module and \
                     info.module != layer.name else info.kind.value
                 strategies.append(f"{where}: {strategy.name}")

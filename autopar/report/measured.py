@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from autopar.cost.comm import placements
+from autopar.cost.experts import imbalance_of, tokens_per_expert
 from autopar.cost.model import LayerState
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_parts
@@ -18,6 +19,7 @@ from autopar.errors import PlanError
 from autopar.modes import (
     AXES,
     DP,
+    EP,
     MEGATRON_SP,
     NO_PIPELINE,
     NO_RECOMPUTE,
@@ -111,7 +113,39 @@ def measured_report(engine, world: World | None = None) -> dict:
                  "measured_s": rec.step_s / steps},
         "layers": layers,
         "axes": axes,
+        "experts": _experts(engine, pred, exact, steps),
     }
+
+
+def _experts(engine, pred: dict | None, exact: dict, steps: int) -> list[dict]:
+    """Per MoE layer split over ep that ran on this rank: the planner's tokens per expert
+    (balanced routing; its busiest rank's at the routing imbalance the planner prices)
+    beside the routing the last step took (`engine.expert_load()`), and the layer's
+    all-to-all bytes on ep from that routing (`predicted_comm_by_layer`) beside those sent
+    (per step over the measured steps)."""
+    load = engine.expert_load()
+    planned = pred.get("experts", {}) if pred else {}
+    rec = engine.recorder
+    out = []
+    # as expert_load: per module path, the graph that ran last (training after inference)
+    modules = {m.name: m for m in engine.expert_layers() if m.name in load}
+    for module in modules.values():
+        got = load[module.name]
+        layer = module.layer
+        fig = rec.layers.get(layer)
+        routed, computed = sum(got["routed"]), sum(got["computed"])
+        out.append({
+            "layer": layer, "module": module.name, "experts": module.spec.experts,
+            "top_k": module.spec.top_k, "ep": engine.plan.ep,
+            "predicted": dict(planned.get(layer, {}), alltoall_bytes=sum(
+                nbytes for (_, axis, at), nbytes in exact.items()
+                if axis == EP and at == layer)),
+            "measured": dict(got, tokens_per_expert=computed / max(1, len(got["computed"])),
+                             load=computed / routed if routed else None,
+                             alltoall_bytes=(fig.comm_by_axis.get(EP, 0) if fig else 0)
+                             // steps),
+        })
+    return out
 
 
 def _axis(name: str) -> str:
@@ -190,11 +224,29 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
         step = None
     if step is not None:
         out["step_time_s"] = step["step_s"]
+    out["experts"] = _planned_experts(chain, plan, b, m)
     detail = pipeline_detail(plan, chain, states, costs, names=names, stage_of=stage_of,
                              world=world, m=m, b=b,
                              dp_comm_s=step["dp_s"] if step is not None else None)
     out["axes"] = {axis: {"seconds": entry["seconds"]}
                    for axis, entry in detail["comm_by_axis"].items()}
+    return out
+
+
+def _planned_experts(chain, plan, b: int, m: int) -> dict[str, dict]:
+    """Per MoE layer: the rows each expert computes per step under balanced routing (its ep
+    group's tokens, top_k over the experts, every micro-batch of `b` samples), the routing
+    imbalance the planner prices the busiest ep rank at, and that rank's rows per expert."""
+    out = {}
+    ep = plan.ep
+    for lt in chain.types:
+        if lt.experts is None or ep <= 1:
+            continue
+        balanced = m * tokens_per_expert(lt.experts, b, 1, ep)
+        imbalance = imbalance_of(lt.experts, b, 1, ep)
+        for name in lt.names:
+            out[name] = {"tokens_per_expert": balanced, "imbalance": imbalance,
+                         "busiest_tokens_per_expert": balanced * imbalance}
     return out
 
 
@@ -256,4 +308,26 @@ def measured_text(data: dict) -> str:
         lines.append(f"  {a['axis']:<8}{_b(a['predicted']['bytes']):>12}"
                      f"{_b(a['measured']['bytes']):>12}{_t(a['predicted']['seconds']):>11}"
                      f"{_t(a['measured']['seconds']):>11}")
+    if data.get("experts"):
+        lines += ["", "per MoE layer, one step on this rank (rows each expert computed: predicted"
+                  " for balanced routing, and for the busiest ep rank at the planner's "
+                  "imbalance; measured: the last step's routing, engine.expert_load())",
+                  f"  {'layer':<14}{'experts':>8}{'rows/expert pred':>18}{'busiest':>9}"
+                  f"{'meas':>9}{'load':>7}{'a2a bytes pred':>16}{'meas':>10}"]
+        for e in data["experts"]:
+            p, mm = e["predicted"], e["measured"]
+            busiest = p.get("busiest_tokens_per_expert")
+            load = "-" if mm["load"] is None else f"x{mm['load']:.2f}"
+            lines.append(
+                f"  {e['layer']:<14}{e['experts']:>5}/{e['ep']:<2}"
+                f"{_n(p.get('tokens_per_expert')):>18}{_n(busiest):>9}"
+                f"{_n(mm['tokens_per_expert']):>9}"
+                f"{load:>7}"
+                f"{_b(p['alltoall_bytes']):>16}{_b(mm['alltoall_bytes']):>10}")
+            lines.append(f"  {'':<14}routed here per expert {mm['routed']}; computed by experts "
+                         f"{mm['first_expert']}.. {mm['computed']}")
     return "\n".join(lines)
+
+
+def _n(value) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from autopar.cost.memory import StateBytes
-from autopar.modes import STEP
+from autopar.modes import EDP, STEP
 
 _COMPUTE = ("call_function", "call_module", "call_method")
 
@@ -30,6 +30,7 @@ class LayerFigures:
     comm_bytes: int = 0
     comm_s: float = 0.0
     backward_timed: bool = True  # False: some segment had no backward tick of its own
+    comm_by_axis: dict = field(default_factory=dict)  # mesh axis -> bytes of comm_bytes
 
 
 @dataclass
@@ -149,12 +150,14 @@ class Recorder:
                 self.layers.setdefault(name, LayerFigures()).saved_bytes += nbytes
         if counted:
             for r, sec in zip(log.records[self._log_mark:], log.seconds[self._log_mark:]):
-                # the gradient sync, ZeRO and the world's norms belong to the step, even
-                # when a hook sends them while some layer's backward runs
-                layer = STEP if r.layer is None or r.axis in ("dp", "world") else r.layer
+                # the gradient sync (the experts' over edp too), ZeRO and the world's norms
+                # belong to the step, even when a hook sends them while some layer's
+                # backward runs
+                layer = STEP if r.layer is None or r.axis in ("dp", EDP, "world") else r.layer
                 fig = self.layers.setdefault(layer, LayerFigures())
                 fig.comm_bytes += r.bytes
                 fig.comm_s += sec
+                fig.comm_by_axis[r.axis] = fig.comm_by_axis.get(r.axis, 0) + r.bytes
                 axis = self.axes.setdefault(r.axis, [0, 0.0])
                 axis[0] += r.bytes
                 axis[1] += sec

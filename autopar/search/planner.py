@@ -73,11 +73,8 @@ def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: in
         World(devices=math.prod(plan.mesh.values()), device=local_device())
     chain = chain_of(traced, tokens_per_sample, (plan.mesh["tp"],))
     pipe = plan.pipeline
-    # the engine traces an MoE layer as one opaque op (passes.experts), which the chain
-    # prices as no expert layer: the split then balances the rest, at no ep
-    ep = plan.ep if any(lt.experts is not None for lt in chain.types) else None
     constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
-                              tp=plan.mesh["tp"], ep=ep, schedule=pipe.schedule, zero=0,
+                              tp=plan.mesh["tp"], ep=plan.ep, schedule=pipe.schedule, zero=0,
                               recompute=NO_RECOMPUTE, offload=False,
                               tp_mode=plan.grid_mode() if plan.mesh["tp"] > 1 else None,
                               microbatches=microbatches,
