@@ -164,31 +164,57 @@ def measured_layer(steps: int, tokens: int) -> dict:
     return out
 
 
-def engine_worker(rank: int, out_dir: str) -> None:
+ENGINE_PLANS = (("ep 4", dict(expert=WORLD)),
+                ("experts replicated (dp 4)", dict(zero=dict(stage=0))))
+
+
+def engine_worker(rank: int, out_dir: str, steps: int) -> None:
+    import resource
+
     import autopar
 
     w = workload(SPEC, batch=BATCH, seq=SEQ)
-    model, _ = autopar.models.build(w.config, batch=BATCH, seq=SEQ)
+    torch.manual_seed(0)  # the same global batch on every rank
     x = torch.randint(0, w.config.vocab_size, (BATCH, SEQ))
-    try:
-        engine = autopar.parallelize(model, WORLD, example_inputs=(x,), loss_fn=lm_loss,
-                                     plan=dict(expert=WORLD))
-    except PlanError as e:
-        result = {"run": False, "why": str(e)}
-    else:
-        engine.train_step(x, x)
-        start = time.perf_counter()
-        engine.train_step(x, x)
-        result = {"run": True, "step_s": time.perf_counter() - start}
+    result = {}
+    for label, plan in ENGINE_PLANS:
+        model, _ = autopar.models.build(w.config, batch=BATCH, seq=SEQ)  # on meta
+        try:  # seed: both rows start from the same weights, so their losses agree
+            engine = autopar.parallelize(model, WORLD, example_inputs=(x,), loss_fn=lm_loss,
+                                         plan=plan, seed=0)
+        except PlanError as e:
+            result[label] = {"run": False, "why": str(e)}
+            continue
+        engine.train_step(x, x.roll(-1, 1))
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = engine.train_step(x, x.roll(-1, 1))
+            times.append(time.perf_counter() - start)
+        held = sum(p.numel() * p.element_size() for p in engine.parameters())
+        load = engine.expert_load()
+        routed = {name: torch.tensor(v["routed"]) for name, v in load.items()}
+        for t in routed.values():
+            dist.all_reduce(t)  # tokens per expert over the global batch
+        row = {"run": True, "step_s": statistics.median(times), "loss": loss,
+               "parameter_bytes": held,
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "tokens_per_expert": {k: v.tolist() for k, v in routed.items()}}
+        rows = [None] * WORLD
+        dist.all_gather_object(rows, row)
+        result[label] = {**row, "parameter_bytes": max(r["parameter_bytes"] for r in rows),
+                         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rows)}
+        del engine
     if rank == 0:
         with open(os.path.join(out_dir, "engine.json"), "w") as f:
             json.dump(result, f)
 
 
-def measured_engine() -> dict:
-    """(c): the whole model through parallelize(plan=dict(expert=4)), if the runtime takes it."""
+def measured_engine(steps: int) -> dict:
+    """(c): the whole model through parallelize, ep 4 beside experts replicated."""
     with tempfile.TemporaryDirectory() as d:
-        run_world(engine_worker, (d,), WORLD)
+        run_world(engine_worker, (d, steps), WORLD)
         return json.load(open(os.path.join(d, "engine.json")))
 
 
@@ -223,10 +249,24 @@ def main() -> int:
               f"{r['busiest_rank_over_mean']:.3f}, predicted {r['predicted_busiest_over_mean']:.3f}")
         print("  tensor-parallel experts: no kernel (the catalog has no tensor rule for grouped "
               "matmuls)")
-        engine = result["measured_engine"] = measured_engine()
-        print("\n(c) parallelize(plan=dict(expert=4)): " + (
-            f"step {1e3 * engine['step_s']:.1f} ms" if engine["run"] else
-            f"not run: {engine['why']}"))
+        engine = result["measured_engine"] = measured_engine(args.steps)
+        print(f"\n(c) the whole model through parallelize, {WORLD} gloo ranks, batch {BATCH} x "
+              f"{SEQ}, median of {args.steps} steps (max over ranks for bytes)")
+        for label, _ in ENGINE_PLANS:
+            r = engine[label]
+            if not r["run"]:
+                print(f"  {label:<28} not run: {r['why']}")
+                continue
+            print(f"  {label:<28} step {1e3 * r['step_s']:>7.1f} ms, parameters per rank "
+                  f"{r['parameter_bytes'] / 2 ** 20:.2f} MiB, peak RSS "
+                  f"{r['peak_rss_bytes'] / 2 ** 30:.2f} GiB, loss {r['loss']:.6f}")
+            expected = BATCH * SEQ * TOP_K / EXPERTS
+            for name, counts in r["tokens_per_expert"].items():
+                local = EXPERTS // WORLD  # rank r holds experts r*local ... (r+1)*local - 1
+                ranks = [sum(counts[i:i + local]) for i in range(0, EXPERTS, local)]
+                print(f"    {name}: tokens per expert {counts} (balanced: {expected:.0f}; "
+                      f"busiest expert / mean {max(counts) / expected:.3f}, busiest ep rank / "
+                      f"mean {max(ranks) / (expected * local):.3f})")
     with open(results_path("moe.json"), "w") as f:
         json.dump(result, f, indent=2)
     return 0

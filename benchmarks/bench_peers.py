@@ -41,7 +41,12 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import lm_loss, results_path, run_world  # noqa: E402
+from gloo_world import (  # noqa: E402
+    dtensor_tensor_parallel,
+    lm_loss,
+    results_path,
+    run_world,
+)
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=64"
 # row -> (what runs, its peer's row)
@@ -120,11 +125,6 @@ def _tensor_engines(world: int, batch: int) -> dict:
     (q, k, v, gate, up) and RowwiseParallel (o, down) on every block: each rank trains on
     the whole batch, heads split over the ranks."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     import autopar
 
@@ -134,15 +134,7 @@ def _tensor_engines(world: int, batch: int) -> dict:
                                  loss_fn=lm_loss, optimizer=adamw,
                                  plan={"tensor": {"size": world, "mode": "1d"}})
     mesh = init_device_mesh("cpu", (world,))
-    dt = copy.deepcopy(model)
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()}
-    for block in dt.blocks:
-        parallelize_module(block, mesh, plan)
-        block.attention.n_head //= world  # the heads this rank computes
-        block.attention.n_kv_head //= world
+    dt = dtensor_tensor_parallel(copy.deepcopy(model), mesh, world)
     return {"autopar tensor 1d": functools.partial(engine.train_step, x, y),
             "DTensor TP": _eager_step(dt, adamw(dt.parameters()), x, y, float)}
 

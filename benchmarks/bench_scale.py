@@ -32,7 +32,6 @@ Writes benchmarks/results/scale.json; exits 1 when a goal is not met.
 
 import argparse
 import functools
-import gc
 import json
 import os
 import resource
@@ -45,7 +44,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import lm_loss, results_path, run_world  # noqa: E402
+from gloo_world import live_tensor_bytes, lm_loss, results_path, run_world  # noqa: E402
 
 MODEL = "gpt:layers=30,hidden=1024,heads=16,vocab=16384,seq=64"
 ZERO3, TP, PP_TP, FSDP2, SINGLE = "zero3", "tp", "pp_tp", "fsdp2", "single"
@@ -78,24 +77,6 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (ru_maxrss, KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every real tensor storage the garbage collector reaches, each once."""
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
-                continue
-            storage = obj.untyped_storage()
-            key = storage.data_ptr()
-        except (RuntimeError, ReferenceError, NotImplementedError):
-            continue  # no storage of its own (DTensor: its local tensor counts)
-        if key and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
 
 
 def _batch(spec: str, batch: int):

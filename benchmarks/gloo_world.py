@@ -3,6 +3,7 @@ go."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -61,3 +62,41 @@ def run_world(fn, args: tuple, world: int, backend: str = "gloo") -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_entry, args=(port, world, fn, args, backend), nprocs=world)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every real tensor storage the garbage collector reaches, each once."""
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                continue
+            storage = obj.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, ReferenceError, NotImplementedError):
+            continue  # no storage of its own (DTensor: its local tensor counts)
+        if key and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def dtensor_tensor_parallel(model, mesh, world: int):
+    """The zoo LLaMA's blocks split by DTensor's `parallelize_module` the Megatron way
+    (Colwise q, k, v and w1, w3; Rowwise wo and w2), each rank computing its heads."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh, plan)
+        block.attention.n_head //= world  # the heads this rank computes
+        block.attention.n_kv_head //= world
+    return model

@@ -38,7 +38,13 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import lm_loss, results_path, run_world  # noqa: E402
+from gloo_world import (  # noqa: E402
+    dtensor_tensor_parallel,
+    live_tensor_bytes,
+    lm_loss,
+    results_path,
+    run_world,
+)
 
 # separate q, k, v projections: what DTensor's ColwiseParallel splits by heads
 MODEL = "llama:layers=4,hidden=256,heads=8,kv_heads=8,ffn=688,vocab=2048,seq=64"
@@ -179,39 +185,17 @@ def _memory_row(world, device, spec, adamw) -> dict:
         measured, what = torch.cuda.max_memory_allocated(device) - base, \
             "max_memory_allocated"
     else:
-        measured, what = _live_tensor_bytes(), "live tensor bytes after the steps"
+        measured, what = live_tensor_bytes(), "live tensor bytes after the steps"
     predicted = int(plan.predicted["memory_per_device_bytes"])
     return {"check": "memory", "name": f"meta start, zero3 {world}",
             "value": memory_ratio(measured, predicted), "measured": measured,
             "predicted": predicted, "what": what}
 
 
-def _live_tensor_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
-                continue
-            storage = obj.untyped_storage()
-            key = storage.data_ptr()
-        except (RuntimeError, ReferenceError, NotImplementedError):
-            continue
-        if key and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
 def _peer_steps(world, device, spec, adamw) -> dict:
     """FSDP2 and DTensor tensor-parallel steps on the same model and batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     model, x, y = _model(spec, device)
     rank, n = dist.get_rank(), BATCH // world
@@ -223,15 +207,7 @@ def _peer_steps(world, device, spec, adamw) -> dict:
     steps = {"FSDP2": functools.partial(_eager_step, fsdp, adamw(fsdp.parameters()), *mine,
                                         device)}
     mesh = init_device_mesh(device.type, (world,))
-    dt = copy.deepcopy(model)
-    tp_plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-               "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-               "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-               "feed_forward.w2": RowwiseParallel()}
-    for block in dt.blocks:
-        parallelize_module(block, mesh, tp_plan)
-        block.attention.n_head //= world  # the heads this rank computes
-        block.attention.n_kv_head //= world
+    dt = dtensor_tensor_parallel(copy.deepcopy(model), mesh, world)
     steps["DTensor TP"] = functools.partial(_eager_step, dt, adamw(dt.parameters()), x, y,
                                             device)
     return steps
