@@ -94,6 +94,13 @@ def _runs(layout, mesh, coords: dict[str, int], shape: tuple[int, ...]) -> list[
     return runs
 
 
+def expert_runs(runs: list, parts: int, index: int) -> list:
+    """The runs of a stacked expert weight after the ep cut: the `index`-th of `parts`
+    equal blocks of the positions dim 0's `runs` hold (ShardedParams' own experts)."""
+    m = sum(n for _, n in runs[0]) // parts
+    return [_merge(_take(runs[0], index * m, m))] + [list(r) for r in runs[1:]]
+
+
 def _take(runs: list, start: int, length: int) -> list:
     """The global runs of local positions [start, start + length) of a dim held as `runs`."""
     out, pos = [], 0
@@ -258,28 +265,43 @@ def _geometry(engine, local: torch.Tensor):
     params = engine.params
     layout = params.layout_of(local)
     shape = _whole_shape(_local_shape(engine, local), layout, params.mesh)
-    return _runs(layout, params.mesh, params.coords, shape), shape
+    if not params.is_expert(local):
+        return _runs(layout, params.mesh, params.coords, shape), shape
+    # a stacked expert weight: this ep rank's block of experts of its tensor slice
+    ep = params.ep
+    shape = (shape[0] * ep.size,) + tuple(shape[1:])
+    return expert_runs(_runs(layout, params.mesh, params.coords, shape), ep.size, ep.rank), \
+        shape
 
 
 def _local_shape(engine, local: torch.Tensor) -> tuple[int, ...]:
     """A local slice's shape, also while ZeRO-3 keeps only its pieces (and has emptied
     the whole parameter)."""
-    zero = engine.zero
-    if zero is not None and hasattr(zero, "shapes"):
-        for p, shape in zip(zero.params, zero.shapes):
-            if p is local:
-                return tuple(shape)
+    for part in _zero_parts(engine.zero):
+        if hasattr(part, "shapes"):
+            for p, shape in zip(part.params, part.shapes):
+                if p is local:
+                    return tuple(shape)
     return tuple(local.shape)
+
+
+def _zero_parts(zero) -> tuple:
+    """The ZeRO states that cut pieces, each over its own group: one, or beside an expert
+    axis the dp part and the experts' edp part (runtime.zero_experts)."""
+    if zero is None:
+        return ()
+    return tuple(getattr(zero, "parts", (zero,)))
 
 
 def _pieces(engine) -> dict[int, tuple[torch.Tensor, int]]:
     """id(local parameter) -> (this rank's ZeRO piece of it, the piece's first flat
-    position in the slice), when ZeRO shards the optimizer."""
-    zero = engine.zero
-    if zero is None:
-        return {}
-    r = zero.dp.rank
-    return {id(p): (s, r * k) for p, s, k in zip(zero.params, zero.shards, zero.chunks)}
+    position in the slice), when ZeRO shards the optimizer (an expert's piece is cut over
+    its expert-data group, the rest's over dp)."""
+    out = {}
+    for part in _zero_parts(engine.zero):
+        r = part.dp.rank
+        out.update({id(p): (s, r * k) for p, s, k in zip(part.params, part.shards, part.chunks)})
+    return out
 
 
 def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:

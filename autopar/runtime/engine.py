@@ -366,7 +366,6 @@ class Engine(nn.Module):
         `keep` are kept); every rank calls it. Returns the checkpoint's directory."""
         from autopar.runtime.checkpoint import save
 
-        self._refuse_expert_checkpoint()
         return save(self, path, keep=keep)
 
     def load(self, path) -> str:
@@ -374,14 +373,7 @@ class Engine(nn.Module):
         its step directories). Every rank calls it; returns the checkpoint's directory."""
         from autopar.runtime.checkpoint import load
 
-        self._refuse_expert_checkpoint()
         return load(self, path)
-
-    def _refuse_expert_checkpoint(self) -> None:
-        if self.moe_layers:
-            raise PlanError("sharded checkpoints do not yet describe experts split over an ep "
-                            "axis; save whole weights with engine.export(dir) (parallelize "
-                            "loads them with weights=dir) or train without expert=.")
 
 
 def _stacked(outer, inner):
