@@ -329,21 +329,81 @@ def test_expert_checkpoint_loads_under_another_plan(pool4, tmp_path, saved, load
                        if v.dtype.is_floating_point) <= TOL
 
 
-def _zero_3_from_meta() -> str:
+def _meta_start(plan: dict, weights: str | None, seed: int = 3, steps: int = 3) -> dict:
+    """Mixtral built on meta and started under `plan` from `weights` (a save_pretrained
+    directory) or, without, from its own initialization under `seed`, beside one device
+    (from_pretrained, or the same construction seeded alike) over AdamW steps."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     cls, config = _hf_config("hf-mixtral")
+    if weights is not None:
+        reference = cls.from_pretrained(weights)
+    else:
+        torch.manual_seed(seed)
+        reference = cls(config)
     with torch.device("meta"):
-        model = cls(config)
-    try:
-        autopar.parallelize(model, 4, example_inputs=(torch.zeros(2, 8, dtype=torch.long),),
-                            loss_fn=_hf_loss, plan=dict(expert=2, zero=dict(stage=3)))
-    except PlanError as e:
-        return str(e)
-    return "built"
+        meta = cls(config)
+    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+    engine = autopar.parallelize(meta, 4, example_inputs=(torch.zeros(2, 8, dtype=torch.long),),
+                                 loss_fn=_hf_loss, optimizer=opt, plan=plan, weights=weights,
+                                 seed=None if weights is not None else seed)
+    # what a rank keeps: ZeRO-3's pieces (the experts' over edp), no whole parameter
+    zero = engine.zero
+    held = sum({StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes()
+                for t in list(engine.parameters()) + list(getattr(zero, "shards", ()))
+                }.values())
+    experts = zero.parts[1] if zero is not None else None
+    ref_state = reference.state_dict()
+    full = engine.full_state_dict()
+    differ = [k for k in ref_state if not torch.equal(full[k], ref_state[k])]
+    ref_opt = opt(reference.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = _batch(s)
+        loss = engine.train_step((x,), y)
+        ref_opt.zero_grad()
+        ref_loss = _hf_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        losses.append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
+    full, ref_state = engine.full_state_dict(), reference.state_dict()
+    return {"keys": list(full) == list(ref_state), "differ": differ, "loss": max(losses),
+            "weights": max(_relative(full[k], v) for k, v in ref_state.items()
+                           if v.dtype.is_floating_point),
+            "held": held, "model": sum(t.numel() * t.element_size()
+                                       for t in ref_state.values()),
+            "expert_pieces": [s.numel() for s in experts.shards] if experts else None,
+            "experts": [ref_state[engine.params.name_of(p)].numel() for p in experts.params]
+            if experts else None}
 
 
-def test_zero_3_from_a_meta_model_is_refused(pool4):
-    for message in pool4.run(_zero_3_from_meta):
-        assert message.startswith("a meta model or weights= under ZeRO-3 would cut the experts")
+def _check_meta_start(results: list[dict], pieces: int = 4) -> None:
+    """As one device; under ZeRO-3 each rank holds its 1/`pieces` of each expert weight."""
+    for r in results:
+        assert r["keys"] and r["differ"] == [], r["differ"]
+        assert r["loss"] <= TOL and r["weights"] <= TOL, (r["loss"], r["weights"])
+        if r["experts"] is None:
+            continue
+        # each expert weight: a quarter (ep 2, edp 2) on every rank, every rank its own
+        assert r["experts"] and all(pieces * k == n for k, n in zip(r["expert_pieces"],
+                                                                   r["experts"]))
+        assert r["held"] <= r["model"] / pieces + 1024, (r["held"], r["model"])
+
+
+def test_zero_3_from_pretrained_weights_equals_from_pretrained(pool4, tmp_path):
+    model, _, _, _ = build("hf-mixtral")
+    model.save_pretrained(tmp_path / "pretrained", save_original_format=False)
+    _check_meta_start(pool4.run(_meta_start, dict(expert=2, zero=dict(stage=3)),
+                                str(tmp_path / "pretrained")))
+
+
+@pytest.mark.parametrize("plan, pieces", [
+    (dict(expert=2, zero=dict(stage=3)), 4),
+    (dict(expert=2, tensor=2, zero=dict(stage=3)), 2),  # experts whole over tp, edp 1
+    (dict(expert=2, pipeline=dict(size=2, microbatches=2)), None),
+])
+def test_a_meta_model_with_experts_equals_the_seeded_build(pool4, plan, pieces):
+    _check_meta_start(pool4.run(_meta_start, plan, None), pieces)
 
 
 def test_exported_experts_start_another_expert_plan(pool4, tmp_path):

@@ -75,12 +75,9 @@ class Engine(nn.Module):
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
-        if start is not None and self.moe_layers and plan.zero.stage == 3:
-            raise PlanError("a meta model or weights= under ZeRO-3 would cut the experts over "
-                            "dp, not over their expert-data group; use ZeRO stage 1 or 2 with "
-                            "expert=, or give parallelize the model with its weights.")
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
-            start.expect_zero(plan.zero, self._dp, self._pp.size)
+            start.expect_zero(plan.zero, self._dp, self._pp.size,
+                              groups[EDP] if self.moe_layers else None)
             # a pipeline rank makes only its stages' slices, once the stages are cut
             self.params.defer = self._pp.size > 1
         self.forward_graph = forward_graph if forward_graph is not None else \

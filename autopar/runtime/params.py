@@ -46,8 +46,15 @@ class ShardedParams:
     def is_expert(self, local: torch.Tensor) -> bool:
         return self.ep is not None and self.name_of(local) in self.experts
 
-    def _own_experts(self, names: tuple, local: torch.Tensor) -> torch.Tensor:
+    def expert_cut(self, names: tuple) -> tuple[int, int] | None:
+        """(ep size, ep rank) for a stacked expert weight's names: this rank keeps the
+        ep-rank-th of ep equal blocks of its slice's dim 0; None for any other tensor."""
         if self.ep is None or names[0] not in self.experts:
+            return None
+        return self.ep.size, self.ep.rank
+
+    def _own_experts(self, names: tuple, local: torch.Tensor) -> torch.Tensor:
+        if self.expert_cut(names) is None:
             return local
         n = local.size(0) // self.ep.size
         data = local.detach()[self.ep.rank * n:(self.ep.rank + 1) * n].clone()
@@ -59,8 +66,8 @@ class ShardedParams:
         key = param_key(pinfo)
         if key not in self.local:
             full = operator.attrgetter(pinfo.target)(gm)
-            if key in self._ready:
-                self.local[key] = self._own_experts(pinfo.names, self._ready.pop(key))
+            if key in self._ready:  # (a start's slices hold only this rank's experts)
+                self.local[key] = self._ready.pop(key)
                 self.names[key], self.layouts[key] = pinfo.names, layout
                 self._key_of = self._norm_index = None
                 return self.local[key]
@@ -94,15 +101,27 @@ class ShardedParams:
         if self.defer:
             for key in [k for k, (_, full, _) in wanted.items() if isinstance(full, nn.Parameter)]:
                 self.deferred[key] = wanted.pop(key)
-                self._ready[key] = self._placeholder(*self.deferred[key][1:])
+                self._ready[key] = self._placeholder(*self.deferred[key])
         if wanted or untraced:
-            ready, whole = self.start.slices(wanted, untraced, self.mesh, self.coords)
+            ready, whole = self.start.slices(wanted, untraced, self.mesh, self.coords,
+                                             self._cuts(wanted))
             self._ready.update(ready)
             self.untraced.update(whole)
 
-    def _placeholder(self, full: torch.Tensor, layout: Layout | None) -> nn.Parameter:
-        """A parameter of this rank's slice's shape that holds one element."""
-        shape = local_slice(full.detach().to("meta"), layout, self.coords, self.mesh).shape
+    def _cuts(self, wanted: dict) -> dict[int, tuple[int, int]]:
+        """key -> (ep size, ep rank) for the stacked expert weights among `wanted`."""
+        return {key: cut for key, (names, _, _) in wanted.items()
+                if (cut := self.expert_cut(names)) is not None}
+
+    def _placeholder(self, names: tuple, full: torch.Tensor,
+                     layout: Layout | None) -> nn.Parameter:
+        """A parameter of this rank's slice's shape (its own experts') that holds one
+        element."""
+        shape = list(local_slice(full.detach().to("meta"), layout, self.coords,
+                                 self.mesh).shape)
+        cut = self.expert_cut(names)
+        if cut is not None:
+            shape[0] //= cut[0]
         device = self.start.device
         return nn.Parameter(torch.zeros((), dtype=full.dtype, device=device).expand(shape),
                             requires_grad=full.requires_grad)
@@ -114,8 +133,8 @@ class ShardedParams:
             [k for k in (self.key_of.get(id(t)) for t in locals_) if k in self.deferred]
         if not keys:
             return
-        ready, _ = self.start.slices({k: self.deferred[k] for k in keys}, [], self.mesh,
-                                     self.coords)
+        wanted = {k: self.deferred[k] for k in keys}
+        ready, _ = self.start.slices(wanted, [], self.mesh, self.coords, self._cuts(wanted))
         for key in keys:
             self.local[key].data = ready.pop(key).data
             del self.deferred[key]

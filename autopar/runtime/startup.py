@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError, WeightsError
 from autopar.passes.tensor_parallel import local_slice
-from autopar.runtime.checkpoint import _agree, _rank, _runs
+from autopar.runtime.checkpoint import _agree, _rank, _runs, expert_runs
 from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
 from autopar.runtime.gradients import zero_sharded
 from autopar.runtime.host_memory import trim
@@ -45,7 +45,8 @@ class Startup:
         self.model, self.source, self.seed, self.device = model, source, seed, device
         self._rng = torch.random.get_rng_state() if seed is None else None
         self._replays = 0
-        self.pieces_of: tuple[int, int] | None = None  # ZeRO-3's (dp size, dp rank)
+        self.pieces_of: tuple[int, int] | None = None  # ZeRO-3's (dp size, dp rank) ...
+        self.expert_pieces_of: tuple[int, int] | None = None  # ... and (edp size, rank)
         self._pieces: dict[int, torch.Tensor] = {}  # id(placeholder) -> this rank's piece
         groups: dict[int, list[str]] = {}
         for n, t in list(model.named_parameters(remove_duplicate=False)) + \
@@ -53,21 +54,29 @@ class Startup:
             groups.setdefault(id(t), []).append(n)
         self._tied = {n: g for g in groups.values() for n in g}  # name -> all its names
 
-    def slices(self, wanted: dict, untraced: list[str], mesh, coords) -> tuple[dict, dict]:
+    def slices(self, wanted: dict, untraced: list[str], mesh, coords,
+               experts: dict | None = None) -> tuple[dict, dict]:
         """({key: this rank's slice} for `wanted` {key: (names, full meta tensor, layout)},
-        {name: whole value} for the `untraced` state names), on this rank's device."""
+        {name: whole value} for the `untraced` state names), on this rank's device.
+        `experts`: key -> (ep size, ep rank) of the stacked expert weights, of which this
+        rank keeps only its own experts' block of dim 0 (and, under ZeRO-3, its pieces of
+        that block over the expert-data group)."""
         out, whole = {}, {}
+        experts = experts or {}
         if self.source is not None:  # what it stores; buffers (rope tables) as below
             state = self.model.state_dict(keep_vars=True)
             for key, (names, full, layout) in list(wanted.items()):
+                cut = experts.get(key)
                 if names[0] in self.source:
                     runs = _runs(layout, mesh, coords, tuple(full.shape))
+                    if cut is not None:  # only this rank's experts are read
+                        runs = expert_runs(runs, *cut)
                     grid = [[slice(g, g + n) for g, n in dim] for dim in runs]
                     value = self.source.read_grid(names[0], grid, full.dtype)
-                    out[key] = self._local(full, value.to(self.device))
+                    out[key] = self._local(full, value.to(self.device), cut is not None)
                 elif not full.is_meta:  # a real model's own buffer
-                    out[key] = _like(full, local_slice(full, layout, coords, mesh)
-                                     .to(self.device))
+                    out[key] = _like(full, _own_rows(local_slice(full, layout, coords, mesh),
+                                                     cut).to(self.device))
             for n in untraced:
                 if n in self.source or not state[n].is_meta:
                     whole[n] = self.source.read(n, dtype=state[n].dtype).to(self.device) \
@@ -84,8 +93,10 @@ class Startup:
                 for other in self._tied.get(name, [name]):
                     if other in key_of and key_of[other] not in out:
                         _, full, layout = wanted[key_of[other]]
-                        out[key_of[other]] = self._local(full, local_slice(
-                            value, layout, coords, mesh).to(self.device))
+                        cut = experts.get(key_of[other])
+                        out[key_of[other]] = self._local(full, _own_rows(local_slice(
+                            value, layout, coords, mesh), cut).to(self.device),
+                            cut is not None)
                     if other in left:
                         whole[other] = value.clone().to(self.device)
                         left.discard(other)
@@ -97,12 +108,14 @@ class Startup:
                                f"value for {', '.join(missing[:6])}; pass weights.")
         return out, whole
 
-    def _local(self, full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _local(self, full: torch.Tensor, value: torch.Tensor, expert: bool = False) \
+            -> torch.Tensor:
         """A slice as the engine holds it; under ZeRO-3 (`pieces_of`) a trained parameter
-        keeps only its 1/dp piece, beside a placeholder of its shape that holds no data."""
+        keeps only its 1/dp piece (an `expert` weight: its 1/edp piece of this rank's
+        experts), beside a placeholder of its shape that holds no data."""
         if self.pieces_of is None or not (isinstance(full, nn.Parameter) and full.requires_grad):
             return _like(full, value)
-        size, rank = self.pieces_of
+        size, rank = self.expert_pieces_of if expert else self.pieces_of
         flat = value.to(full.dtype).reshape(-1)
         k = -(-flat.numel() // size)
         placeholder = nn.Parameter(torch.zeros((), dtype=full.dtype, device=self.device)
@@ -110,10 +123,13 @@ class Startup:
         self._pieces[id(placeholder)] = flat[rank * k:rank * k + k].clone()
         return placeholder
 
-    def expect_zero(self, plan_zero, dp, pp_size: int) -> None:
-        """ZeRO-3 made at the engine's start (no pipeline): keep only this rank's pieces."""
+    def expect_zero(self, plan_zero, dp, pp_size: int, edp=None) -> None:
+        """ZeRO-3 made at the engine's start (no pipeline): keep only this rank's pieces,
+        of stacked expert weights over `edp` (the expert-data group, under an ep axis)."""
         if plan_zero.stage == 3 and zero_sharded(plan_zero, dp.size) and pp_size == 1:
             self.pieces_of = (dp.size, dp.rank)
+            if edp is not None:
+                self.expert_pieces_of = (edp.size, edp.rank)
 
     def fill_pieces(self, zero) -> None:
         """Write the pieces kept aside into ZeRO-3's shards (made from the placeholders)."""
@@ -126,7 +142,7 @@ class Startup:
         if self._pieces:
             raise WeightsError(f"{len(self._pieces)} parameters of the meta start have no "
                                "ZeRO-3 piece; start the model without ZeRO-3.")
-        self.pieces_of = None
+        self.pieces_of = self.expert_pieces_of = None
 
     def _replay(self):
         """The initial values, the same on every call (a later graph may need more)."""
@@ -141,6 +157,14 @@ class Startup:
         finally:
             if after is not None:  # a replay does not advance the caller's stream twice
                 torch.random.set_rng_state(after)
+
+
+def _own_rows(value: torch.Tensor, cut: tuple[int, int] | None) -> torch.Tensor:
+    """This ep rank's block of a stacked expert weight's dim 0 (`cut`: (ep size, rank))."""
+    if cut is None:
+        return value
+    n = value.size(0) // cut[0]
+    return value[cut[1] * n:(cut[1] + 1) * n].clone()  # (not a view keeping every expert)
 
 
 def _like(full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
