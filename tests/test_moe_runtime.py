@@ -392,7 +392,7 @@ def _check_meta_start(results: list[dict], pieces: int = 4) -> None:
 
 def test_zero_3_from_pretrained_weights_equals_from_pretrained(pool4, tmp_path):
     model, _, _, _ = build("hf-mixtral")
-    model.save_pretrained(tmp_path / "pretrained", save_original_format=False)
+    model.save_pretrained(tmp_path / "pretrained")  # the Hub's layout: one tensor per expert
     _check_meta_start(pool4.run(_meta_start, dict(expert=2, zero=dict(stage=3)),
                                 str(tmp_path / "pretrained")))
 
@@ -451,6 +451,30 @@ def test_substituted_layers_compute_what_the_original_does(name):
         out, _ = run(layer, spec, x, *spec.op_args(module), False)
         grads = torch.autograd.grad((out * dout).sum(), [x])
         torch.testing.assert_close(grads[0], ref_grads[0], rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("name", ["hf-mixtral", "hf-qwen2-moe"])
+def test_weights_stored_one_tensor_per_expert_read_as_the_stacked_weights(name, tmp_path):
+    """save_pretrained writes the Hub's layout (experts.{e}.w1/w3/w2 under Mixtral's
+    block_sparse_moe, or gate_proj/up_proj/down_proj): weights= reads it as the model's
+    stacked gate_up_proj and down_proj, any region of them, and refuses nothing."""
+    from autopar.runtime.startup import check_weights
+
+    model, _, _, _ = build(name)
+    model.save_pretrained(tmp_path)
+    source = check_weights(model, str(tmp_path))
+    state = model.state_dict()
+    assert set(source.keys()) <= set(state) and not any(".experts.0." in k
+                                                        for k in source.keys())
+    for k, v in state.items():
+        if k in source:
+            assert torch.equal(source.read(k), v), k
+    layer = "model.layers.1.mlp.experts."
+    whole = state[layer + "gate_up_proj"]  # experts 1, 2; rows across w1 and w3
+    got = source.read_grid(layer + "gate_up_proj", [[slice(1, 3)], [slice(3, 5),
+                                                                    slice(14, 20)]])
+    assert torch.equal(got, torch.cat([whole[1:3, 3:5], whole[1:3, 14:20]], 1))
+    assert source.read(layer + "down_proj", (slice(3, 4), slice(0, 0))).shape == (1, 0, 16)
 
 
 def test_plan_json_carries_the_expert_axis():

@@ -17,7 +17,7 @@ from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
 from autopar.runtime.gradients import zero_sharded
 from autopar.runtime.host_memory import trim
 from autopar.runtime.materialize import iter_initial_values
-from autopar.runtime.weights import model_entries, open_weights
+from autopar.runtime.weights import model_entries, open_weights, stored_layouts
 
 META = torch.device("meta")
 
@@ -32,6 +32,7 @@ def check_weights(model: nn.Module, weights):
     shapes and dtypes (one sentence naming the keys) before anything is read."""
     expected, tied = model_entries(model)
     source = open_weights(weights, tied)
+    source.adopt_layouts(stored_layouts(model))  # experts stored one tensor per expert
     source.check(expected, tied)
     return source
 

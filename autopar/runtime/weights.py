@@ -9,7 +9,11 @@ returns only the region asked for. Safetensors regions come from
 its own slices; checkpoint regions are read through DCP with the checkpoint's safe reader,
 which reads the stored chunks they overlap. Names are the model's state_dict keys; a tied
 weight stored under one of its names (transformers keeps `model.embed_tokens.weight` and
-drops `lm_head.weight`) is read under any of them.
+drops `lm_head.weight`) is read under any of them. A stacked expert weight the source stores
+one tensor per expert (transformers' `save_pretrained` and Hub checkpoints of Mixtral and
+Qwen2-MoE: `experts.{e}.w1/w3/w2` or `gate_proj/up_proj/down_proj`, Mixtral's under
+`block_sparse_moe`) is read as the stacked tensor, only the experts and rows asked for
+(`stored_layouts`, `WeightSource.adopt_layouts`).
 """
 
 from __future__ import annotations
@@ -64,12 +68,55 @@ class WeightSource(abc.ABC):
         self.where = where
         self.entries = entries
         self._alias: dict[str, str] = {}
+        # name -> (per expert, the stored keys joined along their dim 0; those keys' lengths
+        # on dim 0): stacked expert weights stored one tensor per expert
+        self._stacks: dict[str, tuple[tuple[tuple[str, ...], ...], tuple[int, ...]]] = {}
+        self._used: set[str] = set()  # stored keys read under another layout's names
         self._tie(tied)
 
     # ------------------------------------------------------------------ listing
     def keys(self) -> list[str]:
-        """The stored names, in the order the source lists them."""
-        return list(self.entries)
+        """The names the source reads, in the order it lists them (stored keys read under
+        another layout's names are left out, those names come last)."""
+        return [k for k in self.entries if k not in self._used]
+
+    def adopt_layouts(self, alternatives: Mapping[str, list]) -> None:
+        """Read names the source does not store under them from another layout: per name,
+        the first alternative whose stored keys are all present and agree is used. An
+        alternative is one stored key (a weight of a renamed module) or a list, per expert,
+        of stored keys joined along their dim 0, the experts stacked on a new dim 0 (a
+        stacked expert weight stored one tensor per expert). Reads no data."""
+        for name, options in alternatives.items():
+            if name in self:
+                continue
+            for option in options:
+                if isinstance(option, str):
+                    if option in self.entries:
+                        self._alias[name] = option
+                        self._used.add(option)
+                        break
+                    continue
+                entry = self._stacked_entry(option)
+                if entry is not None:
+                    self.entries[name] = entry
+                    self._stacks[name] = (tuple(tuple(keys) for keys in option),
+                                          tuple(self.entries[k].shape[0] for k in option[0]))
+                    self._used.update(k for keys in option for k in keys)
+                    break
+
+    def _stacked_entry(self, option: list) -> Entry | None:
+        """The stacked tensor's entry, when every expert's keys are stored, 1-D or more,
+        of one dtype, alike over the experts and agreeing beyond dim 0; else None."""
+        if not option or not all(k in self.entries for keys in option for k in keys):
+            return None
+        first = [self.entries[k] for k in option[0]]
+        if not first or any(not e.shape or e.shape[1:] != first[0].shape[1:]
+                            or e.dtype != first[0].dtype for e in first):
+            return None
+        if any([self.entries[k] for k in keys] != first for keys in option):
+            return None
+        return Entry((len(option), sum(e.shape[0] for e in first)) + first[0].shape[1:],
+                     first[0].dtype)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries or name in self._alias
@@ -114,7 +161,7 @@ class WeightSource(abc.ABC):
             elif not convertible(got.dtype, dtype):
                 dtypes.append(f"{name} is {_dtype(got.dtype)}, which cannot become the "
                               f"model's {_dtype(dtype)}")
-        unexpected = [k for k in self.entries if k not in expected
+        unexpected = [k for k in self.entries if k not in expected and k not in self._used
                       and not any(n in expected for n in group_of.get(k, ()))]
         parts = []
         if missing:
@@ -140,7 +187,8 @@ class WeightSource(abc.ABC):
         many = isinstance(index, list)
         blocks = [_block(name, b, entry.shape) for b in (index if many else [index])]
         try:
-            out = self._read_blocks(key, blocks)
+            out = self._read_stacked(key, blocks) if key in self._stacks else \
+                self._read_blocks(key, blocks)
         except AutoparError:
             raise
         except Exception as e:  # a truncated or unreadable file
@@ -161,6 +209,29 @@ class WeightSource(abc.ABC):
         blocks = list(itertools.product(*per_dim))
         parts = self.read(name, [tuple(b) for b in blocks], dtype)
         return _join(parts, [len(r) for r in per_dim])
+
+    def _read_stacked(self, name: str, blocks: list[Block]) -> list[torch.Tensor]:
+        """Blocks of a stacked expert weight, each from the regions of the experts' stored
+        tensors it covers (only those experts, only those rows, are read)."""
+        parts, lengths = self._stacks[name]
+        out = []
+        for block in blocks:
+            shape = [s.stop - s.start for s in block]
+            if 0 in shape:
+                out.append(torch.empty(shape, dtype=self.entries[name].dtype))
+                continue
+            rows = []
+            for e in range(block[0].start, block[0].stop):
+                pieces, offset = [], 0
+                for key, n in zip(parts[e], lengths):
+                    lo, hi = max(block[1].start, offset), min(block[1].stop, offset + n)
+                    if lo < hi:
+                        pieces += self._read_blocks(key, [(slice(lo - offset, hi - offset),)
+                                                          + tuple(block[2:])])
+                    offset += n
+                rows.append(torch.cat(pieces))
+            out.append(torch.stack(rows))
+        return out
 
     @abc.abstractmethod
     def _read_blocks(self, key: str, blocks: list[Block]) -> list[torch.Tensor]:
@@ -365,3 +436,31 @@ def _shown(items: list[str]) -> list[str]:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def stored_layouts(model: torch.nn.Module) -> dict[str, list]:
+    """The other layouts in which stored weights hold a model's stacked expert weights
+    (transformers' fused `experts.gate_up_proj` [E, 2F, H] and `experts.down_proj`
+    [E, H, F]): one tensor per expert as `save_pretrained` writes them and the Hub holds
+    them (w1 and w3 joined, w2; or gate_proj and up_proj joined, down_proj), Mixtral's
+    under `block_sparse_moe` with its router; per name, alternatives for `adopt_layouts`."""
+    out: dict[str, list] = {}
+    for path, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        fused = getattr(experts, "gate_up_proj", None)
+        if not isinstance(fused, torch.Tensor) or fused.dim() != 3 or \
+                not isinstance(getattr(experts, "down_proj", None), torch.Tensor):
+            continue
+        head, _, last = path.rpartition(".")
+        prefixes = [path] + ([f"{head}.block_sparse_moe" if head else "block_sparse_moe"]
+                             if last == "mlp" else [])
+
+        def per_expert(*names, n=fused.shape[0], prefixes=prefixes):
+            return [[[f"{p}.experts.{e}.{k}.weight" for k in names] for e in range(n)]
+                    for p in prefixes]
+
+        out[f"{path}.experts.gate_up_proj"] = per_expert("w1", "w3") + \
+            per_expert("gate_proj", "up_proj")
+        out[f"{path}.experts.down_proj"] = per_expert("w2") + per_expert("down_proj")
+        out[f"{path}.gate.weight"] = [f"{p}.gate.weight" for p in prefixes[1:]]
+    return out
