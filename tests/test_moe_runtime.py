@@ -4,7 +4,11 @@ The zoo's moe-tiny (with its balance loss in the objective) and transformers' Mi
 Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 5
 AdamW steps, at expert 2 and 4 with data and tensor parallelism; the all-to-alls are logged
 on axis "ep" with the bytes the step's measured routing implies; each substituted module
-computes what the original does; bad plans are refused in one sentence.
+computes what the original does; bad plans are refused in one sentence. Checkpoints of
+split experts (their ZeRO pieces over edp) load under another expert size, without ep and
+under tensor parallelism, and train on as one device; a meta Mixtral started from its own
+initialization or from a save_pretrained directory (the Hub's one tensor per expert) keeps
+only its experts (under ZeRO-3 its pieces of them) and trains as one device.
 """
 
 from __future__ import annotations
@@ -297,6 +301,8 @@ def _same_checkpoint(a: str, b: str) -> None:
     (dict(expert=2), [dict(expert=4), {}, dict(expert=2, tensor=2)]),
     (dict(expert=2, zero=dict(stage=3)), [dict(expert=4, zero=dict(stage=1)), dict(tensor=2)]),
     (dict(expert=4, zero=dict(stage=2)), [dict(expert=2, tensor=2, zero=dict(stage=3))]),
+    (dict(expert=2, pipeline=dict(size=2, microbatches=2)),
+     [dict(expert=4, zero=dict(stage=3)), dict(expert=2, pipeline=dict(size=2, microbatches=2))]),
 ])
 def test_expert_checkpoint_loads_under_another_plan(pool4, tmp_path, saved, loaded):
     """Experts split over ep (each rank's block of dim 0, their ZeRO pieces over edp) are
