@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -341,8 +342,14 @@ def _meta_start(plan: dict, weights: str | None, seed: int = 3, steps: int = 3) 
     (from_pretrained, or the same construction seeded alike) over AdamW steps."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from autopar.runtime.checkpoint import load_full_state_dict
+
     cls, config = _hf_config("hf-mixtral")
-    if weights is not None:
+    if weights is not None and os.path.exists(os.path.join(weights, "latest")):
+        reference = cls(config)  # an autopar checkpoint: its weights, read whole
+        stored = load_full_state_dict(weights)
+        reference.load_state_dict({k: stored[k] for k in reference.state_dict()})
+    elif weights is not None:
         reference = cls.from_pretrained(weights)
     else:
         torch.manual_seed(seed)
@@ -401,6 +408,12 @@ def test_zero_3_from_pretrained_weights_equals_from_pretrained(pool4, tmp_path):
     model.save_pretrained(tmp_path / "pretrained")  # the Hub's layout: one tensor per expert
     _check_meta_start(pool4.run(_meta_start, dict(expert=2, zero=dict(stage=3)),
                                 str(tmp_path / "pretrained")))
+
+
+def test_zero_3_from_a_checkpoint_of_split_experts_equals_its_weights(pool4, tmp_path):
+    root = str(tmp_path / "ckpt")
+    pool4.run(_experts_save, dict(expert=2, zero=dict(stage=1)), 1, root)
+    _check_meta_start(pool4.run(_meta_start, dict(expert=4, zero=dict(stage=3)), root))
 
 
 @pytest.mark.parametrize("plan, pieces", [

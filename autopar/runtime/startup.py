@@ -33,7 +33,8 @@ def check_weights(model: nn.Module, weights):
     expected, tied = model_entries(model)
     source = open_weights(weights, tied)
     source.adopt_layouts(stored_layouts(model))  # experts stored one tensor per expert
-    source.check(expected, tied)
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)} - set(expected)
+    source.check(expected, tied, optional=buffers)
     return source
 
 

@@ -141,11 +141,15 @@ class WeightSource(abc.ABC):
         return key
 
     # ------------------------------------------------------------------ checking
-    def check(self, expected: Mapping[str, tuple], tied: Iterable[Iterable[str]] = ()) -> None:
+    def check(self, expected: Mapping[str, tuple], tied: Iterable[Iterable[str]] = (),
+              optional: Iterable[str] = ()) -> None:
         """Refuse, in one sentence naming the keys, weights that do not match `expected`
         (name -> (shape, dtype)): missing or unexpected names, other shapes, dtypes that
         cannot be converted. `tied`: groups of names sharing one tensor, any one of which
-        may be stored. Reads no data."""
+        may be stored; `optional`: names the source may hold beside them (buffers outside
+        the state_dict, such as a rotary table, which an autopar checkpoint keeps). Reads no
+        data."""
+        optional = set(optional)
         groups = [list(g) for g in tied]
         self._tie(groups)
         group_of = {n: g for g in groups for n in g}
@@ -162,6 +166,7 @@ class WeightSource(abc.ABC):
                 dtypes.append(f"{name} is {_dtype(got.dtype)}, which cannot become the "
                               f"model's {_dtype(dtype)}")
         unexpected = [k for k in self.entries if k not in expected and k not in self._used
+                      and k not in optional
                       and not any(n in expected for n in group_of.get(k, ()))]
         parts = []
         if missing:
