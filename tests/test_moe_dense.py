@@ -167,6 +167,15 @@ def test_the_planner_traces_one_dense_and_one_moe_block_and_counts_each():
     assert names == [f"blocks.{i}" for i in range(61)]
 
 
+def test_moe_blocks_with_a_shared_expert_gate_take_1d_tensor_sizes():
+    # the shared expert's [H, 1] gate and the router stay whole on every tensor rank, as in
+    # the engine's opaque MoE op: no tensor size is refused for them
+    _, chain = _deepseek_chain()
+    moe = next(lt for lt in chain.types if lt.experts is not None)
+    assert all(moe.sharded[tp].refused is None for tp in (2, 4, 8))
+    assert chain.refused == []
+
+
 def test_deepseek_v3_moe_model_flops_are_six_x_active_parameters_x_tokens_plus_attention():
     w, chain = _deepseek_chain()
     cfg, batch, seq = w.config, 4, 4096
