@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from autopar.cost.model import LayerState
 from autopar.models import build, format_spec, get_config, parse_spec, workload
 from autopar.models.moe import SIGMOID, SwiGLU
+from autopar.report.html import plan_html
 from autopar.report.predicted import layer_costs, plan_report, pricing_context, tensor_mode
 from autopar.search.planner import model_flops, prepare, search, to_plan
 from autopar.world import World
@@ -229,6 +230,8 @@ def test_search_on_a_dense_first_model_picks_ep_and_prices_no_all_to_all_on_dens
     assert "blocks.0 .. blocks.1" in text and "blocks.2 .. blocks.5" in text
     assert "dense FFN: no experts, no all-to-all on ep (0 B per micro-batch)" in text
     assert f"MoE FFN: 8 experts top-2, {8 // plan.ep} per rank over ep={plan.ep}" in text
+    page = plan_html(plan.detail, SMALL)
+    assert "dense layers (no experts, no all-to-all)</td><td class=\"num\">2<" in page
 
 
 def test_pipeline_stages_balance_the_unequal_costs_of_dense_and_moe_layers():
