@@ -69,19 +69,20 @@ class Progress:
 def load_model(spec: str, batch: int, seq: int | None, dtype: torch.dtype):
     """(model, inputs, loss_fn, target, layers) for a zoo name or spec, a transformers config,
     or a factory (`package.module:factory`, `path/file.py:factory`); `layers`: (traced, real)
-    where two traced blocks stand for many, None where the model is traced whole."""
+    where two traced blocks stand for many, {block: copies} where one dense and one MoE block
+    stand for theirs (`Workload.layer_counts`), None where the model is traced whole."""
     from autopar.models import ZOO_NAMES, hf, workload
 
     try:
         if spec not in ZOO_NAMES and hf.config_file(spec) is not None:
             w = hf.workload(spec, batch=2, seq=seq, dtype=dtype)
-            return w.model, w.inputs, w.loss_fn, w.target, (w.traced_layers, w.layers)
+            return w.model, w.inputs, w.loss_fn, w.target, w.layer_counts
         if is_import_path(spec):
             return _from_factory(spec, batch, seq, dtype)
         w = workload(spec, batch=2, seq=seq, dtype=dtype)
     except ValueError as e:
         raise AutoparError(str(e)) from e
-    return w.model, w.inputs, w.loss_fn, w.target, (w.traced_layers, w.layers)
+    return w.model, w.inputs, w.loss_fn, w.target, w.layer_counts
 
 
 def is_import_path(spec: str) -> bool:

@@ -12,6 +12,13 @@ rank, expert weights per rank, tokens per expert per micro-batch (balanced, and 
 busiest rank times the routing imbalance the planner measures on its router at
 initialisation, `autopar.cost.experts`) and the all-to-all bytes on ep per step.
 
+(a') Predicted, the search's own choice for dense-first MoE models (no part of the plan
+fixed): `DENSE_SPEC` (its first block dense) on the same 4 cpu devices, and the zoo's
+deepseek-v3-moe (DeepSeek-V3's 3 dense of 61 layers, 256 experts top-8) on 256 H100s at
+global batch 512 of 4096 tokens. Each row prints the chosen plan, its step time and MFU, and
+per layer kind (dense and MoE blocks) its all-to-all bytes on ep per micro-batch: 0 on the
+dense blocks, which hold no experts.
+
 (b) Measured, the MoE layer alone on a gloo world of 4 (float32): `autopar.kernels.moe.MoE`
 split over ep = 4 against `autopar.models.moe.SparseMoE` whole on every rank, each rank
 routing its own `--tokens` tokens of unit-variance noise (what the layer sees after its
@@ -68,6 +75,11 @@ PLANS = {  # label -> the fixed part of the plan
     "tensor parallel (tp 4)": dict(tp=4, dp=1, pp=1, cp=1, ep=1),
 }
 GiB = 1024 ** 3
+DENSE_SPEC = "moe:layers=4,hidden=256,experts=8,top_k=2,dense=1"
+SEARCHED = (  # (model, devices, device profile, global batch, seq, dtype)
+    (DENSE_SPEC, WORLD, "cpu", BATCH, SEQ, "fp32"),
+    ("deepseek-v3-moe", 256, "h100-80gb", 512, 4096, "bf16"),
+)
 
 
 def predicted() -> list[dict]:
@@ -91,6 +103,28 @@ def predicted() -> list[dict]:
                      "all_to_all_bytes_per_step": e["all_to_all_bytes_per_step"],
                      "note": "grouped matmuls run replicated over tp (no tensor rule)"
                      if fixed["tp"] > 1 else ""})
+    return rows
+
+
+def searched() -> list[dict]:
+    """(a'): the plan the search chooses for each dense-first model of SEARCHED."""
+    rows = []
+    for model, devices, device, batch, seq, dtype in SEARCHED:
+        w = workload(model, batch=1, seq=seq)
+        world = World(devices=devices, per_node=min(devices, 8), device=device)
+        chain = prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                        tp_sizes=tuple(t for t in (1, 2, 4, 8) if devices % t == 0),
+                        layers=w.layer_counts)
+        result = search(chain, world, global_batch=batch, dtype=dtype)
+        plan = to_plan(chain, world, result, batch, dtype, 0.0)
+        kinds = {k["ffn"]["kind"]: {"span": k["span"], "layers": k["layers"],
+                                    "all_to_all_bytes_per_microbatch":
+                                    k["ffn"]["all_to_all_bytes"]}
+                 for k in plan.detail["layer_kinds"] if k.get("ffn")}
+        rows.append({"model": model, "devices": devices, "device": device, "batch": batch,
+                     "seq": seq, "plan": result.best.describe(), "ep": plan.ep,
+                     "step_time_s": plan.predicted["step_time_s"],
+                     "mfu": plan.predicted["mfu"], "kinds": kinds})
     return rows
 
 
@@ -224,7 +258,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank, (b)")
     parser.add_argument("--skip-measured", action="store_true")
     args = parser.parse_args()
-    result = {"spec": SPEC, "world": WORLD, "predicted": predicted()}
+    result = {"spec": SPEC, "world": WORLD, "predicted": predicted(), "searched": searched()}
     print(f"(a) predicted: {SPEC}, {WORLD} x cpu, batch {BATCH} x {SEQ} tokens, fp32")
     print(f"  {'plan':<28} {'step':>9} {'mem/rank':>10} {'experts/rank':>12} "
           f"{'tok/expert':>10} {'busiest':>8} {'a2a/step':>10}")
@@ -234,6 +268,14 @@ def main() -> int:
               f"{r['tokens_per_expert']:>10.0f} {r['tokens_per_expert_busiest']:>8.0f} "
               f"{r['all_to_all_bytes_per_step'] / 2 ** 20:>8.2f}Mi"
               + (f"  ({r['note']})" if r["note"] else ""))
+    print("\n(a') predicted: the search's choice for dense-first MoE models")
+    for r in result["searched"]:
+        print(f"  {r['model']} on {r['devices']} x {r['device']}, batch {r['batch']} x "
+              f"{r['seq']}: {r['plan']}")
+        print(f"    step {r['step_time_s']:.3f} s, MFU {100 * r['mfu']:.1f}%; "
+              + "; ".join(f"{kind} blocks {k['span']} ({k['layers']}): all-to-all on ep "
+                          f"{k['all_to_all_bytes_per_microbatch'] / 2 ** 20:.2f} MiB per "
+                          "micro-batch" for kind, k in r["kinds"].items()))
     if not args.skip_measured:
         layer = result["measured_layer"] = measured_layer(args.steps, args.tokens)
         print(f"\n(b) measured: the MoE layer alone, {WORLD} gloo ranks, {args.tokens} tokens "

@@ -1,6 +1,7 @@
 """Expert parallelism in the engine: MoE layers split over an ep axis inside the data ranks.
 
-The zoo's moe-tiny (with its balance loss in the objective) and transformers' Mixtral and
+The zoo's moe-tiny (with its balance loss in the objective; also with a dense first block
+and a shared expert, as DeepSeek-V3's) and transformers' Mixtral and
 Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 5
 AdamW steps, at expert 2 and 4 with data and tensor parallelism; the all-to-alls are logged
 on axis "ep" with the bytes the step's measured routing implies; each substituted module
@@ -71,11 +72,17 @@ def _hf_config(name: str):
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **common)
 
 
+# moe-tiny's shapes with 3 blocks, the first dense (as DeepSeek-V3's first three), a shared
+# expert in the MoE blocks
+DENSE_FIRST = ("moe:layers=3,hidden=64,heads=8,kv_heads=4,ffn=32,experts=8,top_k=2,vocab=256,"
+               "seq=32,shared_ffn=32,dense=1")
+
+
 def build(name: str, seed: int = 0):
     """(model, idx, target, loss_fn) on the CPU, the same for a seed."""
     torch.manual_seed(seed)
-    if name == "moe-tiny":
-        model, (idx,) = zoo_build("moe-tiny", batch=BATCH, device="cpu", seed=seed)
+    if name in ("moe-tiny", DENSE_FIRST):
+        model, (idx,) = zoo_build(name, batch=BATCH, device="cpu", seed=seed)
         idx = torch.randint(0, 256, (BATCH, 8))
         return WithAux(model), idx, torch.randint(0, 256, (BATCH, 8)), _zoo_loss
     cls, config = _hf_config(name)
@@ -159,6 +166,14 @@ def _check(results: list[dict], hidden: int, ep: int) -> None:
 @pytest.mark.parametrize("plan", [dict(expert=2), dict(expert=4)])
 def test_zoo_moe_equals_one_device(pool4, plan):
     _check(pool4.run(_train, "moe-tiny", plan), 64, plan["expert"])
+
+
+def test_zoo_moe_with_a_dense_first_layer_equals_one_device(pool4):
+    results = pool4.run(_train, DENSE_FIRST, dict(expert=2))
+    _check(results, 64, 2)
+    # the MoE blocks run over ep; the dense block has no router and no all-to-all
+    for r in results:
+        assert sorted(name.rpartition("blocks.")[2] for name in r["load"]) == ["1.moe", "2.moe"]
 
 
 @pytest.mark.parametrize("plan", [dict(expert=2), dict(expert=2, tensor=2)])

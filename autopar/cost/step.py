@@ -33,14 +33,18 @@ def chain_of(traced, tokens_per_sample: int, tp_sizes=(), repeat: dict[str, int]
 
 def layer_names(traced, repeat: dict[str, int]) -> list[str]:
     """Layer names of the real model: a traced `blocks.1` standing for 95 blocks becomes
-    blocks.1 ... blocks.95."""
+    blocks.1 ... blocks.95. Numbering goes on from the copies before: a traced `blocks.0`
+    standing for 3 dense blocks and `blocks.1` for 58 MoE blocks become blocks.0 ...
+    blocks.2 and blocks.3 ... blocks.60."""
     out = []
+    next_index: dict[str, int] = {}  # per numbered prefix: the first index not yet named
     for layer in traced.layers:
         count = repeat.get(layer.name, 1)
         m = re.match(r"^(.*\.)(\d+)$", layer.name)
-        if count > 1 and m:
-            start = int(m.group(2))
+        if m:
+            start = max(int(m.group(2)), next_index.get(m.group(1), 0))
             out.extend(f"{m.group(1)}{start + k}" for k in range(count))
+            next_index[m.group(1)] = start + count
         else:
             out.extend([layer.name] * count)
     return out

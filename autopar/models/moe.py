@@ -4,6 +4,9 @@ Llama's blocks (RMSNorm, rotary embeddings, grouped-query attention) with the Sw
 feed-forward replaced by `SparseMoE`: a router picks `top_k` of `n_experts` SwiGLU experts
 per token and the output is their weighted sum (Jiang et al. 2024, "Mixtral of Experts",
 eq. 1-2). Optional shared experts run on every token behind a sigmoid gate, as Qwen2-MoE.
+The first `dense_layers` blocks may keep a dense SwiGLU feed-forward of width `dense_ffn`
+instead, as DeepSeek-V3's first three of 61 (DeepSeek-AI 2024, "DeepSeek-V3 Technical
+Report", arXiv 2412.19437, §4.2).
 
 `SparseMoE` computes the layer on one device with static shapes only, so torch.export
 traces it on the meta device: the token-expert pairs are sorted by expert (a fixed-size
@@ -45,8 +48,17 @@ class MoEConfig:
     rope_theta: float = 1e6
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    dense_layers: int = 0  # the first blocks keep a dense SwiGLU feed-forward (DeepSeek-V3: 3)
+    dense_ffn: int = 0  # its width (required when dense_layers > 0)
 
     def __post_init__(self):
+        if not 0 <= self.dense_layers < self.n_layer:
+            raise ValueError(f"MoEConfig: dense_layers={self.dense_layers} must be at least 0 "
+                             f"and fewer than n_layer={self.n_layer}, so that one MoE block "
+                             "remains (a model of dense blocks only is the llama family).")
+        if (self.dense_ffn > 0) != (self.dense_layers > 0) or self.dense_ffn < 0:
+            raise ValueError(f"MoEConfig: dense_ffn={self.dense_ffn} must be positive exactly "
+                             f"when there are dense layers (dense_layers={self.dense_layers}).")
         if self.dim % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"MoEConfig: dim={self.dim} must be divisible by n_head="
                              f"{self.n_head}, and n_head by n_kv_head={self.n_kv_head}.")
@@ -243,17 +255,29 @@ class SparseMoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    """Attention then the MoE feed-forward (`moe`), or with `dense=True` a dense SwiGLU one
+    (`ffn`, of width `cfg.dense_ffn`) and no router."""
+
+    def __init__(self, cfg: MoEConfig, dense: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.moe = SparseMoE(cfg.dim, cfg.ffn_hidden, cfg.n_experts, cfg.top_k, score=cfg.score,
-                             normalize=cfg.normalize_topk, shared_ffn=cfg.shared_ffn)
+        if dense:
+            self.ffn = SwiGLU(cfg.dim, cfg.dense_ffn)
+        else:
+            self.moe = SparseMoE(cfg.dim, cfg.ffn_hidden, cfg.n_experts, cfg.top_k,
+                                 score=cfg.score, normalize=cfg.normalize_topk,
+                                 shared_ffn=cfg.shared_ffn)
+        self.dense = dense
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 return_aux: bool = False):
+        """x [B, T, H] -> x, or (x, balance loss) with `return_aux` (None for a dense block)."""
         x = x + self.attention(self.attention_norm(x), cos, sin)
+        if self.dense:
+            x = x + self.ffn(self.ffn_norm(x))
+            return (x, None) if return_aux else x
         if not return_aux:
             return x + self.moe(self.ffn_norm(x))
         y, aux = self.moe(self.ffn_norm(x), return_aux=True)
@@ -262,13 +286,15 @@ class Block(nn.Module):
 
 class MoETransformer(nn.Module):
     """forward(idx: long [B, T]) -> logits [B, T, vocab_size]; with `return_aux=True` also
-    the sum over blocks of their balance losses (Switch adds each router's loss)."""
+    the sum over MoE blocks of their balance losses (Switch adds each router's loss). Blocks
+    0 ... dense_layers - 1 are dense, the rest MoE."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, dense=i < cfg.dense_layers)
+                                    for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -304,7 +330,8 @@ class MoETransformer(nn.Module):
         for block in self.blocks:
             if return_aux:
                 x, block_aux = block(x, cos, sin, return_aux=True)
-                aux.append(block_aux)
+                if block_aux is not None:
+                    aux.append(block_aux)
             else:
                 x = block(x, cos, sin)
         logits = self.output(self.norm(x))

@@ -18,7 +18,7 @@ from autopar.models.bert import Bert, BertConfig
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.mlp import MLP, MLPConfig
-from autopar.models.moe import MoEConfig, MoETransformer
+from autopar.models.moe import SIGMOID, MoEConfig, MoETransformer
 from autopar.models.vit import ViT, ViTConfig
 
 ModelConfig = GPTConfig | LlamaConfig | BertConfig | ViTConfig | MLPConfig | MoEConfig
@@ -141,6 +141,31 @@ _ZOO: dict[str, ModelConfig] = {
         n_experts=8,
         top_k=2,
         max_seq=32768,
+    ),
+    # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv 2412.19437), §4.2: 61 layers of
+    # hidden 7168 and 128 heads; every FFN but those of the first three layers is an MoE of
+    # 1 shared and 256 routed experts of width 2048, 8 routed per token, by sigmoid affinity
+    # normalised over the chosen ones (§2.1.2); 128K-token vocabulary (129280 in the released
+    # configuration, as the dense FFN width 18432 = (8 + 1) x 2048), 4K pre-training sequence.
+    # Not DeepSeek-V3 itself: its attention is this family's (multi-head, 128 heads of 56)
+    # rather than MLA, its shared expert sits behind the family's sigmoid gate, and it has no
+    # multi-token-prediction module, so it holds 6.72e11 parameters, not the report's 671B
+    # (whose MLA is 187M a layer where this attention is 206M).
+    "deepseek-v3-moe": MoEConfig(
+        vocab_size=129280,
+        n_layer=61,
+        n_head=128,
+        n_kv_head=128,
+        dim=7168,
+        ffn_hidden=2048,
+        n_experts=256,
+        top_k=8,
+        max_seq=4096,
+        shared_ffn=2048,
+        score=SIGMOID,
+        rope_theta=10000.0,
+        dense_layers=3,
+        dense_ffn=18432,
     ),
     # Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers", BERT-LARGE
     # (L=24, H=1024, A=16, feed-forward 4H), with the 30522-token uncased WordPiece vocabulary.
@@ -273,6 +298,9 @@ _FAMILIES: dict[str, _Family] = {
             "top_k": "top_k",
             "vocab": "vocab_size",
             "seq": "max_seq",
+            "shared_ffn": "shared_ffn",
+            "dense": "dense_layers",
+            "dense_ffn": "dense_ffn",
         },
         ("layers", "hidden", "experts", "top_k"),
     ),
@@ -293,8 +321,14 @@ def _spec_defaults(family: str, given: dict[str, int]) -> dict[str, int]:
     if family == "moe":
         # Mixtral's proportions: heads of width 128, expert width 3.5 x hidden
         heads = given.get("heads", max(1, hidden // 128))
-        return {"heads": heads, "kv_heads": heads, "ffn": 7 * hidden // 2, "vocab": 32000,
-                "seq": 32768}
+        ffn = given.get("ffn", 7 * hidden // 2)
+        defaults = {"heads": heads, "kv_heads": heads, "ffn": ffn, "vocab": 32000,
+                    "seq": 32768}
+        if "dense" in given:
+            # a dense layer as wide as an MoE layer's active experts, as DeepSeek-V3's
+            # 18432 = 8 x 2048 routed + 2048 shared
+            defaults["dense_ffn"] = given["top_k"] * ffn + given.get("shared_ffn", 0)
+        return defaults
     if family == "vit":
         return {"mlp": 4 * hidden, "image": 224, "patch": 16, "channels": 3, "classes": 1000}
     return {}
@@ -314,7 +348,9 @@ def parse_spec(spec: str) -> ModelConfig:
     Families and keys: gpt (layers, hidden, heads, vocab, seq), llama (also kv_heads, ffn),
     bert (also intermediate), vit (layers, hidden, heads, mlp, image, patch, channels,
     classes), mlp (in, hidden, out, layers), moe (layers, hidden, experts, top_k; heads,
-    kv_heads, ffn, vocab, seq). Every value is a positive integer.
+    kv_heads, ffn, vocab, seq, shared_ffn: a shared expert's width, dense: how many of the
+    first layers keep a dense FFN, dense_ffn: its width, by default top_k x ffn +
+    shared_ffn). Every value is a positive integer.
     """
     family_name, colon, body = spec.partition(":")
     family_name = family_name.strip()
@@ -366,13 +402,14 @@ def format_spec(cfg: ModelConfig) -> str:
     """The spec that ``parse_spec`` turns back into ``cfg``.
 
     The spec covers the shape of the model; fields it has no key for (dropout, bias,
-    tied embeddings, rope_theta, norm_eps) come back at their defaults.
+    tied embeddings, rope_theta, norm_eps, an MoE router's score) come back at their
+    defaults. Keys whose value is 0 (an MoE model without shared expert or dense layers)
+    are left out, as a spec value is positive.
     """
     family_name = _family_of(cfg)
     keys = _FAMILIES[family_name].keys
-    return (
-        family_name + ":" + ",".join(f"{key}={getattr(cfg, field)}" for key, field in keys.items())
-    )
+    return family_name + ":" + ",".join(f"{key}={getattr(cfg, field)}"
+                                        for key, field in keys.items() if getattr(cfg, field))
 
 
 def get_config(name: str) -> ModelConfig:
@@ -481,6 +518,8 @@ class Workload:
 
     ``model`` may be built with fewer blocks than the configuration has (``traced_layers``),
     since identical blocks are priced once; ``layers`` is the configuration's true count.
+    A model whose blocks are of two kinds (an MoE model's first dense layers) names in
+    ``repeat`` the traced block that stands for each kind's copies.
     """
 
     config: ModelConfig
@@ -491,6 +530,25 @@ class Workload:
     layers: int
     traced_layers: int
     tokens_per_sample: int
+    repeat: dict[str, int] | None = None  # traced block name -> real copies it stands for
+
+    @property
+    def layer_counts(self) -> tuple[int, int] | dict[str, int]:
+        """What `autopar.search.planner.prepare(layers=...)` takes: ``repeat`` where the
+        blocks differ, else (traced, real)."""
+        return dict(self.repeat) if self.repeat else (self.traced_layers, self.layers)
+
+
+def _traced_blocks(cfg: ModelConfig, max_layers: int | None) -> tuple[ModelConfig, dict | None]:
+    """The config to trace and, for an MoE model with dense first layers, the block repeat:
+    with ``max_layers`` one dense and one MoE block are traced, the first standing for the
+    ``dense_layers`` dense blocks and the second for the rest."""
+    dense = getattr(cfg, "dense_layers", 0)
+    if not dense or max_layers is None or cfg.n_layer == 2:
+        traced = cfg.n_layer if max_layers is None else min(cfg.n_layer, max_layers)
+        return dataclasses.replace(cfg, n_layer=traced), None
+    small = dataclasses.replace(cfg, n_layer=2, dense_layers=1)
+    return small, {"blocks.0": dense, "blocks.1": cfg.n_layer - dense}
 
 
 def workload(
@@ -507,11 +565,12 @@ def workload(
     token, ViT and MLP with cross-entropy over one class per sample. With ``max_layers``
     only that many blocks are built: they are structurally identical, so pricing two and
     counting the configuration's number is exact and keeps a 96-layer model's trace short.
+    An MoE model with dense first layers is traced as one dense and one MoE block
+    (``Workload.repeat`` counts each kind), whatever ``max_layers`` (None: the whole model).
     """
     cfg = config_of(name_or_spec)
     layers = cfg.n_layer
-    traced_layers = layers if max_layers is None else min(layers, max_layers)
-    small = dataclasses.replace(cfg, n_layer=traced_layers)
+    small, repeat = _traced_blocks(cfg, max_layers)
     model, inputs = build(small, batch=batch, seq=seq, device="meta", dtype=dtype)
     family = _family_of(cfg)
     x = inputs[0]
@@ -521,4 +580,4 @@ def workload(
     else:
         loss_fn, target = _class_loss, torch.empty((x.shape[0],), dtype=torch.long, device="meta")
         tokens = 1
-    return Workload(cfg, model, inputs, loss_fn, target, layers, traced_layers, tokens)
+    return Workload(cfg, model, inputs, loss_fn, target, layers, small.n_layer, tokens, repeat)

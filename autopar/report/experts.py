@@ -27,6 +27,9 @@ def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[in
                 for i in on_slow) if ep > 1 else 0
     return {
         "ep": ep, "experts": moe.count, "top_k": moe.top_k, "moe_layers": len(moe_layers),
+        # transformer blocks with a dense feed-forward (DeepSeek-V3's first three): priced
+        # with no all-to-all and no expert memory
+        "dense_layers": sum(1 for lt in chain.layers() if lt.attention and lt.experts is None),
         "experts_per_rank": moe.count // ep,
         "tokens_per_expert_per_microbatch": balanced,
         "tokens_per_expert_busiest": balanced * imbalance,
@@ -53,6 +56,9 @@ def expert_lines(data: dict) -> list[str]:
         return []
     head = (f"  experts     {e['experts']} per MoE layer (top-{e['top_k']}) over ep={e['ep']}: "
             f"{e['experts_per_rank']} per rank")
+    if e.get("dense_layers"):
+        head += (f"; {e['moe_layers']} MoE layers, {e['dense_layers']} dense layers (no "
+                 "experts, no all-to-all)")
     tokens = ("              tokens per expert per micro-batch "
               f"{e['tokens_per_expert_per_microbatch']:.0f} predicted (balanced)")
     if e["ep"] > 1:

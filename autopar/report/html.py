@@ -587,6 +587,8 @@ def _experts_table(data: dict) -> str:
     e = data["experts"]
     rows = [("experts per MoE layer (top-k)", f"{e['experts']} (top-{e['top_k']}), "
              f"{e['moe_layers']} layers"),
+            *([("dense layers (no experts, no all-to-all)", e["dense_layers"])]
+              if e.get("dense_layers") else []),
             ("expert-parallel size ep", e["ep"]),
             ("experts per rank", e["experts_per_rank"]),
             ("expert weights per rank", size_text(e["expert_param_bytes_per_rank"])),

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost.comm import placements
+from autopar.cost.experts import alltoall_count
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import (
     EFFECTS,
@@ -224,6 +225,7 @@ def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
         entry["last"] = layer.name
         entry["states"][(layer.tp_mode, layer.sp, layer.recompute)] += 1
     rows = []
+    has_experts = any(t.experts is not None for t in chain.types)
     for index, entry in seen.items():
         lt = chain.types[index]
         (mode_name, sp, recompute), _ = entry["states"].most_common(1)[0]
@@ -248,8 +250,35 @@ def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
             "param_bytes_per_device": int(cost.params),
             "collectives": comm,
             "replicated_ops": sharded.replicated_ops if sharded is not None else [],
+            "ffn": _ffn_kind(lt, cost, plan.ep, recompute) if has_experts and lt.attention
+            else None,
         })
     return rows
+
+
+def _ffn_kind(lt, cost, ep: int, recompute: str) -> dict:
+    """The feed-forward of a transformer block in an MoE model: "moe", its experts over ep and
+    its all-to-alls per micro-batch, or "dense" (no experts: no all-to-all, no expert memory)."""
+    if lt.experts is None:
+        return {"kind": "dense", "all_to_alls": 0, "all_to_all_bytes": 0, "all_to_all_s": 0.0,
+                "expert_param_bytes_per_device": 0}
+    return {"kind": "moe", "experts": lt.experts.count, "top_k": lt.experts.top_k, "ep": ep,
+            "experts_per_rank": lt.experts.count // ep,
+            "all_to_alls": alltoall_count(2 if recompute == "full" else 1) if ep > 1 else 0,
+            "all_to_all_bytes": int(cost.ep_comm_bytes), "all_to_all_s": cost.ep_comm,
+            "expert_param_bytes_per_device": int(cost.expert_params)}
+
+
+def _ffn_line(ffn: dict) -> str:
+    """`explain`'s line under a block of an MoE model: its FFN and its traffic on ep."""
+    if ffn["kind"] == "dense":
+        return "      dense FFN: no experts, no all-to-all on ep (0 B per micro-batch)"
+    a2a = (f"{ffn['all_to_alls']} all-to-alls on ep per micro-batch, "
+           f"{size_text(ffn['all_to_all_bytes'])}, {1e3 * ffn['all_to_all_s']:.2f} ms"
+           if ffn["all_to_alls"] else "experts on every rank, no all-to-all")
+    return (f"      MoE FFN: {ffn['experts']} experts top-{ffn['top_k']}, "
+            f"{ffn['experts_per_rank']} per rank over ep={ffn['ep']} "
+            f"({size_text(ffn['expert_param_bytes_per_device'])} of experts); {a2a}")
 
 
 def _add_strategies(data: dict, plan: Plan, chain: LayerChain) -> None:
@@ -336,6 +365,8 @@ def plan_text(data: dict, top: int | None = None) -> str:
                      f"{1e3 * (pm['forward_s'] + pm['backward_s'] + pm['recompute_s']):>10.2f} "
                      f"{1e3 * pm['comm_s']:>8.2f} {size_text(pm['activation_bytes']):>9} "
                      f"{size_text(k['param_bytes_per_device']):>10}")
+        if k.get("ffn"):
+            lines.append(_ffn_line(k["ffn"]))
         if k.get("strategies"):
             lines.append("      " + ", ".join(k["strategies"]))
         for c in k["collectives"]:

@@ -47,14 +47,23 @@ __all__ = ["DTYPES", "candidate_plan", "chain_of", "executable_candidates", "mod
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
             repeat: dict[str, int] | None = None, tokens_per_sample: int | None = None,
-            tp_sizes=(), layers: tuple[int, int] | None = None) -> LayerChain:
+            tp_sizes=(), layers: tuple[int, int] | dict[str, int] | None = None) -> LayerChain:
     """Trace `model` and read the cost of each kind of layer (once per kind); `layers=(traced,
-    real)`: `traced` copies of the repeated block stand for `real` (autopar.models.workload)."""
+    real)`: `traced` copies of the repeated block stand for `real` (autopar.models.workload);
+    or {traced block: real copies} where the blocks are of several kinds (`Workload.repeat`:
+    an MoE model's dense first layers and its MoE layers)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     traced = trace(model, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target,
                    train=True)
-    if layers is not None and layers[1] != layers[0]:
+    if isinstance(layers, dict):
+        names = {layer.name for layer in traced.layers}
+        missing = sorted(set(layers) - names)
+        if missing:
+            raise PlanError(f"the blocks {', '.join(missing)} that stand for repeated layers "
+                            f"are not layers of the trace ({', '.join(sorted(names))}).")
+        repeat = {**(repeat or {}), **layers}
+    elif layers is not None and layers[1] != layers[0]:
         repeat = dict(repeat or {})
         repeat.update(_scale_blocks(traced, *layers))
     if tokens_per_sample is None:
@@ -250,7 +259,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
         except ValueError as e:
             raise PlanError(str(e)) from e
         model, example_inputs, loss_fn, example_target = w.model, w.inputs, w.loss_fn, w.target
-        layers = (w.traced_layers, w.layers)
+        layers = w.layer_counts
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     if global_batch is None:

@@ -28,8 +28,16 @@ def indivisible(traced, solution, nodes=None) -> str | None:
             return (f"attention in {info.module or info.layer} has {heads} heads, which do not "
                     f"split over tensor size {size}; use a tensor size that divides {heads} "
                     f"({', '.join(map(str, ok))}).")
+    # a planner's trace of an MoE module (its experts' grouped matmuls): the engine runs the
+    # module as one opaque op, whole on every tensor rank, so its router and shared-expert
+    # gate (an [H, E] and an [H, 1] linear) are not split there and refuse no size
+    moe = tuple({info.module + "." for _, info in (
+        (n, n.meta["autopar"]) for n in solution.strategies)
+        if info.kind is OpKind.GROUPED_MM and info.module})
     for node, info in kept:
         if info.kind is not OpKind.LINEAR or not any(c.isdigit() for c in info.layer):
+            continue
+        if moe and (info.module or "").startswith(moe):
             continue
         hint = solution.hints.get(node.name)
         if hint == ("replicate",):  # kept whole on purpose: key/value heads fewer than ranks
