@@ -193,6 +193,19 @@ def test_mixtral_with_pipeline_2_equals_one_device(pool4):
     _check(pool4.run(_train, "hf-mixtral", plan), 32, 2)
 
 
+def test_mixtral_with_zero_3_equals_one_device(pool4):
+    # experts' pieces over edp (2 ranks), the rest over dp (4), gathered layer by layer
+    results = pool4.run(_train, "hf-mixtral", dict(expert=2, zero=dict(stage=3)))
+    _check(results, 32, 2)
+    axes = {(op, axis) for op, axis, _, _ in results[0]["log"]}
+    assert {("reduce_scatter", "edp"), ("all_gather", "edp"), ("reduce_scatter", "dp")} <= axes
+
+
+def test_qwen2_moe_with_pipeline_2_equals_one_device(pool4):
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2))
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
+
+
 def _balance_loss_in_a_pipeline() -> str:
     model, idx, target, loss_fn = build("moe-tiny")
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
