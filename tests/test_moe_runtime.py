@@ -206,6 +206,26 @@ def test_qwen2_moe_with_pipeline_2_equals_one_device(pool4):
     _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixtral_with_zero_and_pipeline_2_equals_one_device(pool4, stage):
+    # pp 2 x dp 2, ep 2 inside dp: the experts' pieces over edp (one rank, divided by ep),
+    # the rest over dp; stage 2 reduce-scatters per micro-batch, stage 3 gathers per stage
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2), zero=dict(stage=stage))
+    results = pool4.run(_train, "hf-mixtral", plan)
+    _check(results, 32, 2)
+    for r in results:
+        axes = {(op, axis) for op, axis, _, _ in r["log"]}
+        assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= axes
+        if stage == 3:  # the experts' unit gathers log on edp at any size
+            assert {("reduce_scatter", "edp"), ("all_gather", "edp")} <= axes
+
+
+def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="1f1b"),
+                zero=dict(stage=3))
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
+
+
 def _balance_loss_in_a_pipeline() -> str:
     model, idx, target, loss_fn = build("moe-tiny")
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
@@ -364,11 +384,24 @@ def test_an_expert_plan_on_a_dense_model_is_refused():
                             loss_fn=_hf_loss, plan=dict(expert=2))
 
 
-def test_zero_beside_experts_and_a_pipeline_is_refused():
-    plan = Plan.from_dict(dict(expert=2, pipeline=2, zero=dict(stage=1)), 4)
-    assert plan.unsupported() == ["ZeRO beside both expert parallelism and a pipeline (drop "
-                                  "one of the three)"]
+def test_zero_beside_experts_and_a_pipeline_runs():
+    from autopar.modes import Capabilities
+
+    for stage in (1, 2, 3):
+        plan = Plan.from_dict(dict(expert=2, pipeline=2, zero=dict(stage=stage)), 4)
+        assert plan.unsupported() == []
+        # a runtime without it says so
+        assert plan.unsupported(Capabilities(expert_zero_with_pp=(0,))) == [
+            "ZeRO beside both expert parallelism and a pipeline (drop one of the three)"]
     assert Plan.from_dict(dict(expert=2, pipeline=2), 4).unsupported() == []
+    # and the search may propose them
+    from types import SimpleNamespace
+
+    from autopar.modes import RUNTIME
+    from autopar.search.space import Space
+
+    zeros = [(z, False) for z in (0, 1, 2, 3)]
+    assert Space.expert_zero_options(SimpleNamespace(caps=RUNTIME), {"pp": 2}, zeros) == zeros
     assert Plan.from_dict(dict(expert=2, sequence=2), 4).unsupported() == [
         "expert parallelism beside a cp axis (the expert groups lie inside dp; use sequence "
         "size 1)"]
