@@ -2,7 +2,8 @@
 
 The zoo's moe-tiny (with its balance loss in the objective) and transformers' Mixtral and
 Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 5
-AdamW steps, at expert 2 and 4 with data and tensor parallelism; the all-to-alls are logged
+AdamW steps, at expert 2 and 4 with data and tensor parallelism, ZeRO 1-3 and pipelines (the
+balance loss under gpipe); the all-to-alls are logged
 on axis "ep" with the bytes the step's measured routing implies; each substituted module
 computes what the original does; bad plans are refused in one sentence.
 """
@@ -226,10 +227,37 @@ def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
     _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
 
 
-def _balance_loss_in_a_pipeline() -> str:
+@pytest.mark.parametrize("plan", [
+    dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe")),
+    dict(expert=2, pipeline=dict(size=2, microbatches=4, schedule="gpipe"), zero=dict(stage=1)),
+])
+def test_zoo_moe_balance_loss_under_gpipe_equals_one_device(pool4, plan):
+    # each micro-batch's balance loss differs from the whole batch's; its backward takes the
+    # step's statistics (every forward of a stage runs first) and the reported loss is
+    # corrected from them after the schedule
+    _check(pool4.run(_train, "moe-tiny", plan), 64, 2)
+
+
+def _balance_loss_in_a_pipeline(schedule: str) -> str:
     model, idx, target, loss_fn = build("moe-tiny")
+    try:
+        autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
+                            plan=dict(expert=2, pipeline=dict(size=2, microbatches=2,
+                                                              schedule=schedule)))
+    except PlanError as e:
+        return str(e)
+    return "built"
+
+
+def _squared_balance_loss_under_gpipe() -> str:
+    model, idx, target, _ = build("moe-tiny")
+
+    def loss_fn(out, target):  # not a constant times the balance loss
+        return _zoo_loss(out, target) + out[1] ** 2
+
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                 plan=dict(expert=2, pipeline=dict(size=2, microbatches=2)))
+                                 plan=dict(expert=2, pipeline=dict(size=2, microbatches=2,
+                                                                   schedule="gpipe")))
     try:
         engine.train_step((idx,), target)
     except PlanError as e:
@@ -237,10 +265,18 @@ def _balance_loss_in_a_pipeline() -> str:
     return "trained"
 
 
-def test_a_balance_loss_in_a_pipeline_is_refused(pool4):
-    for message in pool4.run(_balance_loss_in_a_pipeline):
-        assert message.startswith("the model's MoE balance loss is a sum over layers over the "
-                                  "whole batch, which a pipeline would split")
+def test_a_balance_loss_weighed_by_more_than_a_constant_is_refused(pool4):
+    for message in pool4.run(_squared_balance_loss_under_gpipe):
+        assert message.startswith("the loss weighs the MoE balance loss by something other "
+                                  "than a constant"), message
+
+
+def test_a_balance_loss_in_a_pipeline_other_than_gpipe_is_refused(pool4):
+    for message in pool4.run(_balance_loss_in_a_pipeline, "1f1b"):
+        assert message.startswith("the model's MoE balance loss is a sum over the whole batch, "
+                                  "which a pipeline takes exactly only under the gpipe "
+                                  "schedule"), message
+        assert "not 1f1b" in message
 
 
 def _export_and_start_from_it(directory: str) -> dict:
