@@ -52,8 +52,8 @@ def _hf_loss(out, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def _hf_config(name: str):
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def _hf_config(name: str, layers: int = 2):
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32)
     if name == "hf-mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
@@ -67,14 +67,15 @@ def _hf_config(name: str):
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, **common)
 
 
-def build(name: str, seed: int = 0):
-    """(model, idx, target, loss_fn) on the CPU, the same for a seed."""
+def build(name: str, seed: int = 0, layers: int = 2):
+    """(model, idx, target, loss_fn) on the CPU, the same for a seed (`layers`: a
+    transformers model's)."""
     torch.manual_seed(seed)
     if name == "moe-tiny":
         model, (idx,) = zoo_build("moe-tiny", batch=BATCH, device="cpu", seed=seed)
         idx = torch.randint(0, 256, (BATCH, 8))
         return WithAux(model), idx, torch.randint(0, 256, (BATCH, 8)), _zoo_loss
-    cls, config = _hf_config(name)
+    cls, config = _hf_config(name, layers)
     model = cls(config)
     for p in model.parameters():  # transformers leaves some at zero (a router): draw them all
         nn.init.normal_(p, std=0.1)
@@ -86,10 +87,11 @@ def _relative(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> dict:
+def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32",
+           layers: int = 2) -> dict:
     """On every rank: autopar under `plan` (and `precision`) and one device in fp32, side by
     side."""
-    model, idx, target, loss_fn = build(name)
+    model, idx, target, loss_fn = build(name, layers=layers)
     reference = copy.deepcopy(model)
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
@@ -221,6 +223,15 @@ def test_mixtral_with_zero_and_pipeline_2_equals_one_device(pool4, stage):
             assert {("reduce_scatter", "edp"), ("all_gather", "edp")} <= axes
 
 
+@pytest.mark.parametrize("pipeline,stage", [(dict(schedule="zero_bubble"), 2),
+                                            (dict(schedule="interleaved", chunks=2), 3)])
+def test_mixtral_with_zero_beside_two_stages_per_rank_equals_one_device(pool4, pipeline, stage):
+    # 4 stages on 2 pipeline ranks (4 layers): ZB-V's split backward, interleaved's chunks
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, **pipeline),
+                zero=dict(stage=stage))
+    _check(pool4.run(_train, "hf-mixtral", plan, 5, "fp32", 4), 32, 2)
+
+
 def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
     plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="1f1b"),
                 zero=dict(stage=3))
@@ -230,6 +241,7 @@ def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
 @pytest.mark.parametrize("plan", [
     dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe")),
     dict(expert=2, pipeline=dict(size=2, microbatches=4, schedule="gpipe"), zero=dict(stage=1)),
+    dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe"), zero=dict(stage=3)),
 ])
 def test_zoo_moe_balance_loss_under_gpipe_equals_one_device(pool4, plan):
     # each micro-batch's balance loss differs from the whole batch's; its backward takes the
