@@ -86,7 +86,8 @@ class Engine(nn.Module):
             self.params.defer = self._pp.size > 1
         self.forward_graph = forward_graph if forward_graph is not None else \
             self.trace_for(model, example_inputs, plan)
-        if self.moe_layers and self._pp.size > 1:  # (before any training graph is cut)
+        # a training engine's balance loss under a pipeline: checked before any graph is cut
+        if self.moe_layers and self._pp.size > 1 and loss_fn is not None:
             check_balance_loss(self.forward_graph.gm, plan.pipeline.schedule)
         if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
             graph = self.forward_graph
