@@ -114,5 +114,5 @@ RUNTIME = Capabilities(
     expert_with_cp=False,  # the expert group lies inside dp alone
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
-    expert_zero_with_pp=(0,),  # experts averaged after the schedule, outside ZeRO's hooks
+    expert_zero_with_pp=(0, 1, 2, 3),
 )

@@ -3,7 +3,8 @@
 The zoo's moe-tiny (with its balance loss in the objective; also with a dense first block
 and a shared expert, as DeepSeek-V3's) and transformers' Mixtral and
 Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 5
-AdamW steps, at expert 2 and 4 with data and tensor parallelism; the all-to-alls are logged
+AdamW steps, at expert 2 and 4 with data and tensor parallelism, ZeRO 1-3 and pipelines (the
+balance loss under gpipe); the all-to-alls are logged
 on axis "ep" with the bytes the step's measured routing implies; each substituted module
 computes what the original does; bad plans are refused in one sentence. Checkpoints of
 split experts (their ZeRO pieces over edp) load under another expert size, without ep and
@@ -57,8 +58,8 @@ def _hf_loss(out, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def _hf_config(name: str):
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def _hf_config(name: str, layers: int = 2):
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32)
     if name == "hf-mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
@@ -78,14 +79,15 @@ DENSE_FIRST = ("moe:layers=3,hidden=64,heads=8,kv_heads=4,ffn=32,experts=8,top_k
                "seq=32,shared_ffn=32,dense=1")
 
 
-def build(name: str, seed: int = 0):
-    """(model, idx, target, loss_fn) on the CPU, the same for a seed."""
+def build(name: str, seed: int = 0, layers: int = 2):
+    """(model, idx, target, loss_fn) on the CPU, the same for a seed (`layers`: a
+    transformers model's)."""
     torch.manual_seed(seed)
     if name in ("moe-tiny", DENSE_FIRST):
         model, (idx,) = zoo_build(name, batch=BATCH, device="cpu", seed=seed)
         idx = torch.randint(0, 256, (BATCH, 8))
         return WithAux(model), idx, torch.randint(0, 256, (BATCH, 8)), _zoo_loss
-    cls, config = _hf_config(name)
+    cls, config = _hf_config(name, layers)
     model = cls(config)
     for p in model.parameters():  # transformers leaves some at zero (a router): draw them all
         nn.init.normal_(p, std=0.1)
@@ -97,10 +99,11 @@ def _relative(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32") -> dict:
+def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32",
+           layers: int = 2) -> dict:
     """On every rank: autopar under `plan` (and `precision`) and one device in fp32, side by
     side."""
-    model, idx, target, loss_fn = build(name)
+    model, idx, target, loss_fn = build(name, layers=layers)
     reference = copy.deepcopy(model)
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
@@ -213,10 +216,80 @@ def test_mixtral_with_pipeline_2_equals_one_device(pool4):
     _check(pool4.run(_train, "hf-mixtral", plan), 32, 2)
 
 
-def _balance_loss_in_a_pipeline() -> str:
+def test_mixtral_with_zero_3_equals_one_device(pool4):
+    # experts' pieces over edp (2 ranks), the rest over dp (4), gathered layer by layer
+    results = pool4.run(_train, "hf-mixtral", dict(expert=2, zero=dict(stage=3)))
+    _check(results, 32, 2)
+    axes = {(op, axis) for op, axis, _, _ in results[0]["log"]}
+    assert {("reduce_scatter", "edp"), ("all_gather", "edp"), ("reduce_scatter", "dp")} <= axes
+
+
+def test_qwen2_moe_with_pipeline_2_equals_one_device(pool4):
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2))
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixtral_with_zero_and_pipeline_2_equals_one_device(pool4, stage):
+    # pp 2 x dp 2, ep 2 inside dp: the experts' pieces over edp (one rank, divided by ep),
+    # the rest over dp; stage 2 reduce-scatters per micro-batch, stage 3 gathers per stage
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2), zero=dict(stage=stage))
+    results = pool4.run(_train, "hf-mixtral", plan)
+    _check(results, 32, 2)
+    for r in results:
+        axes = {(op, axis) for op, axis, _, _ in r["log"]}
+        assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= axes
+        if stage == 3:  # the experts' unit gathers log on edp at any size
+            assert {("reduce_scatter", "edp"), ("all_gather", "edp")} <= axes
+
+
+@pytest.mark.parametrize("pipeline,stage", [(dict(schedule="zero_bubble"), 2),
+                                            (dict(schedule="interleaved", chunks=2), 3)])
+def test_mixtral_with_zero_beside_two_stages_per_rank_equals_one_device(pool4, pipeline, stage):
+    # 4 stages on 2 pipeline ranks (4 layers): ZB-V's split backward, interleaved's chunks
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, **pipeline),
+                zero=dict(stage=stage))
+    _check(pool4.run(_train, "hf-mixtral", plan, 5, "fp32", 4), 32, 2)
+
+
+def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
+    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="1f1b"),
+                zero=dict(stage=3))
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
+
+
+@pytest.mark.parametrize("plan", [
+    dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe")),
+    dict(expert=2, pipeline=dict(size=2, microbatches=4, schedule="gpipe"), zero=dict(stage=1)),
+    dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe"), zero=dict(stage=3)),
+])
+def test_zoo_moe_balance_loss_under_gpipe_equals_one_device(pool4, plan):
+    # each micro-batch's balance loss differs from the whole batch's; its backward takes the
+    # step's statistics (every forward of a stage runs first) and the reported loss is
+    # corrected from them after the schedule
+    _check(pool4.run(_train, "moe-tiny", plan), 64, 2)
+
+
+def _balance_loss_in_a_pipeline(schedule: str) -> str:
     model, idx, target, loss_fn = build("moe-tiny")
+    try:
+        autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
+                            plan=dict(expert=2, pipeline=dict(size=2, microbatches=2,
+                                                              schedule=schedule)))
+    except PlanError as e:
+        return str(e)
+    return "built"
+
+
+def _squared_balance_loss_under_gpipe() -> str:
+    model, idx, target, _ = build("moe-tiny")
+
+    def loss_fn(out, target):  # not a constant times the balance loss
+        return _zoo_loss(out, target) + out[1] ** 2
+
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                 plan=dict(expert=2, pipeline=dict(size=2, microbatches=2)))
+                                 plan=dict(expert=2, pipeline=dict(size=2, microbatches=2,
+                                                                   schedule="gpipe")))
     try:
         engine.train_step((idx,), target)
     except PlanError as e:
@@ -224,10 +297,18 @@ def _balance_loss_in_a_pipeline() -> str:
     return "trained"
 
 
-def test_a_balance_loss_in_a_pipeline_is_refused(pool4):
-    for message in pool4.run(_balance_loss_in_a_pipeline):
-        assert message.startswith("the model's MoE balance loss is a sum over layers over the "
-                                  "whole batch, which a pipeline would split")
+def test_a_balance_loss_weighed_by_more_than_a_constant_is_refused(pool4):
+    for message in pool4.run(_squared_balance_loss_under_gpipe):
+        assert message.startswith("the loss weighs the MoE balance loss by something other "
+                                  "than a constant"), message
+
+
+def test_a_balance_loss_in_a_pipeline_other_than_gpipe_is_refused(pool4):
+    for message in pool4.run(_balance_loss_in_a_pipeline, "1f1b"):
+        assert message.startswith("the model's MoE balance loss is a sum over the whole batch, "
+                                  "which a pipeline takes exactly only under the gpipe "
+                                  "schedule"), message
+        assert "not 1f1b" in message
 
 
 def _export_and_start_from_it(directory: str) -> dict:
@@ -564,11 +645,24 @@ def test_an_expert_plan_on_a_dense_model_is_refused():
                             loss_fn=_hf_loss, plan=dict(expert=2))
 
 
-def test_zero_beside_experts_and_a_pipeline_is_refused():
-    plan = Plan.from_dict(dict(expert=2, pipeline=2, zero=dict(stage=1)), 4)
-    assert plan.unsupported() == ["ZeRO beside both expert parallelism and a pipeline (drop "
-                                  "one of the three)"]
+def test_zero_beside_experts_and_a_pipeline_runs():
+    from autopar.modes import Capabilities
+
+    for stage in (1, 2, 3):
+        plan = Plan.from_dict(dict(expert=2, pipeline=2, zero=dict(stage=stage)), 4)
+        assert plan.unsupported() == []
+        # a runtime without it says so
+        assert plan.unsupported(Capabilities(expert_zero_with_pp=(0,))) == [
+            "ZeRO beside both expert parallelism and a pipeline (drop one of the three)"]
     assert Plan.from_dict(dict(expert=2, pipeline=2), 4).unsupported() == []
+    # and the search may propose them
+    from types import SimpleNamespace
+
+    from autopar.modes import RUNTIME
+    from autopar.search.space import Space
+
+    zeros = [(z, False) for z in (0, 1, 2, 3)]
+    assert Space.expert_zero_options(SimpleNamespace(caps=RUNTIME), {"pp": 2}, zeros) == zeros
     assert Plan.from_dict(dict(expert=2, sequence=2), 4).unsupported() == [
         "expert parallelism beside a cp axis (the expert groups lie inside dp; use sequence "
         "size 1)"]

@@ -16,7 +16,8 @@ pairs by expert and then (GShard, Lepikhin et al. 2020; dropless as Megablocks, 
 The backward of each row all-to-all is the inverse all-to-all of the gradients (`_AllToAllV`),
 so expert weight gradients are sums over every token of the group, as on one device. The
 balance loss is taken from counts and probabilities summed over `aux_group` (the ranks that
-split the batch), so it equals the one-device value over the whole batch.
+split the batch), so it equals the one-device value over the whole batch; under a pipeline
+`ScheduleBalance` takes its derivative over the step's micro-batches too.
 """
 
 from __future__ import annotations
@@ -85,13 +86,101 @@ class _SumOverBatch(torch.autograd.Function):
         return ctx.g.all_reduce(grad.clone(), "backward"), None
 
 
-def global_balance_loss(routing: Routing, group: AxisGroup | None = None) -> torch.Tensor:
+def global_balance_loss(routing: Routing, group: AxisGroup | None = None,
+                        schedule: ScheduleBalance | None = None) -> torch.Tensor:
     """Switch Transformer's balance loss (Fedus et al. 2021, eq. 4) from counts and
-    probabilities summed over `group`: the one-device value over the whole batch."""
+    probabilities summed over `group`: the one-device value over the whole batch (with
+    `schedule`, over the micro-batches of a pipeline step too, in its gradient)."""
     stats = balance_stats(routing)
     if group is not None:
         stats = _SumOverBatch.apply(stats, group)
+    if schedule is not None:
+        return _OverSchedule.apply(stats, schedule)
     return balance_loss(stats)
+
+
+class ScheduleBalance:
+    """One MoE layer's balance statistics over the micro-batches of a pipeline step.
+
+    One device takes the loss E * sum_e f_e P_e over the whole batch (f_e from the counts,
+    not differentiated; P_e the mean router probability). A micro-batch's forward gives
+    the value from its own statistics (summed over the data ranks); its backward, which
+    under a schedule that runs every forward of a stage before its backwards comes after
+    all of them, gives the derivative from the step's totals, d/dP-sums = w E C_e / N^2,
+    times the micro-batches (the runner averages over them) for the loss's weight w that
+    arrives as the output's gradient. `correction` is what the micro-batches' mean of
+    losses then lacks to be the one-device loss."""
+
+    def __init__(self, microbatches: int):
+        self.microbatches = microbatches
+        self.stats: list[torch.Tensor] = []  # per micro-batch forward, over the data ranks
+        self.weights: list[torch.Tensor] = []  # per micro-batch backward: d loss / d value
+
+    def reset(self) -> None:
+        self.stats, self.weights = [], []
+
+    def total(self) -> torch.Tensor:
+        if len(self.stats) != self.microbatches:
+            raise RuntimeError(f"a balance loss's backward ran after {len(self.stats)} of "
+                               f"{self.microbatches} micro-batches' forwards; only a schedule "
+                               "that runs every forward of a stage first makes it exact.")
+        return torch.stack(self.stats).sum(0)
+
+    def correction(self, loss_scale: float = 1.0) -> float:
+        """The one-device loss minus the mean over micro-batches of theirs, for a loss that
+        adds this layer's balance loss times a weight (the weight its backward received)."""
+        if not self.weights:
+            return 0.0
+        whole = balance_loss(self.total().double())
+        out = sum(float(w) / loss_scale * float(whole - balance_loss(s.double()))
+                  for w, s in zip(self.weights, self.stats))
+        return out / self.microbatches
+
+    def constant_weight(self) -> bool:
+        """Whether every micro-batch's backward received the same weight (a loss that adds
+        the balance loss times a constant; anything else has no exact step-wide form)."""
+        w = self.weights
+        return all(torch.allclose(v, w[0], rtol=1e-6, atol=0) or not torch.isfinite(v).all()
+                   for v in w)
+
+
+class StepBalance:
+    """The balance losses of a pipeline member's MoE layers over one step: called with the
+    loss scale after the schedule, (what the mean over micro-batches of the losses lacks,
+    whether the loss weighs each by a constant)."""
+
+    refusal = ("the loss weighs the MoE balance loss by something other than a constant (its "
+               "gradient differs between micro-batches), which a pipeline cannot take "
+               "exactly; add it times a constant weight, or drop pipeline= from the plan.")
+
+    def __init__(self, layers: list[ScheduleBalance]):
+        self.layers = layers
+
+    def __call__(self, loss_scale: float = 1.0) -> tuple[float, bool]:
+        return (sum(b.correction(loss_scale) for b in self.layers),
+                all(b.constant_weight() for b in self.layers))
+
+
+class _OverSchedule(torch.autograd.Function):
+    """A micro-batch's balance loss: its own value forward, the whole step's derivative
+    backward (see ScheduleBalance)."""
+
+    @staticmethod
+    def forward(ctx, stats, schedule: ScheduleBalance):
+        ctx.schedule = schedule
+        schedule.stats.append(stats.detach().clone())
+        return balance_loss(stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        schedule = ctx.schedule
+        schedule.weights.append(grad.detach().clone())
+        total = schedule.total()
+        experts = (total.numel() - 1) // 2
+        out = torch.zeros_like(total)
+        out[experts:2 * experts] = grad * schedule.microbatches * experts * \
+            total[:experts] / total[-1] ** 2
+        return out, None
 
 
 def _expert_major(counts: torch.Tensor) -> torch.Tensor:
@@ -127,6 +216,8 @@ class MoE(SparseMoE):
         self.aux_group = ep if aux_group is None else axis_group(aux_group)
         self.first_expert = 0 if ep is None else ep.rank * (experts // size)
         self.last_routed: torch.Tensor | None = None
+        # under a pipeline: the step's statistics over its micro-batches (ScheduleBalance)
+        self.schedule: ScheduleBalance | None = None
 
     @classmethod
     def shard(cls, full: SparseMoE, ep, aux_group=None) -> MoE:
@@ -160,4 +251,4 @@ class MoE(SparseMoE):
         return _AllToAllV.apply(yr, ep, recv, send)
 
     def balance_loss(self, routing: Routing) -> torch.Tensor:
-        return global_balance_loss(routing, self.aux_group)
+        return global_balance_loss(routing, self.aux_group, self.schedule)

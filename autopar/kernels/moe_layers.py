@@ -267,6 +267,9 @@ class ExpertLayer(Bound):
         self.__dict__["kernel"] = spec.kernel()
         self.routed: torch.Tensor | None = None
         self.computed: torch.Tensor | None = None
+        # under a pipeline, with the balance loss: its statistics over the step's
+        # micro-batches (autopar.kernels.moe.ScheduleBalance; the engine sets it)
+        self.balance = None
 
     def bind(self, groups: dict[str, AxisGroup]) -> None:
         super().bind(groups)
@@ -279,10 +282,14 @@ class ExpertLayer(Bound):
         """Forget the routing counted so far (the engine calls it as a step begins)."""
         self.routed = self.computed = None
         self.runs = 0
+        if self.balance is not None:
+            self.balance.reset()
 
     def forward(self, x, gate, *weights):
         n = len(self.spec.expert_weights)
         self.kernel.last_routed = None
+        # (a shape probe, logging off, takes no part in the step's statistics)
+        self.kernel.schedule = self.balance if self._g().log.enabled else None
         out = run(self.kernel, self.spec, x, gate, list(weights[:n]), list(weights[n:]),
                   self.with_aux)
         k = self.kernel

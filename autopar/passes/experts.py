@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from autopar.errors import PlanError
 from autopar.kernels.moe_layers import MOE_OP, ExpertLayer, spec_for
+from autopar.modes import GPIPE
 
 
 def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -26,15 +27,22 @@ def expert_weights(gm: fx.GraphModule) -> set[str]:
     return out
 
 
-def check_balance_loss(gm: fx.GraphModule) -> None:
-    """Under a pipeline: a balance loss in the objective is refused (each stage's layers
-    would add theirs to a sum that travels between stages, and micro-batches would each
-    take their own, where one device takes it over the whole batch)."""
-    if any(node.args[5] for node in moe_nodes(gm)):
-        raise PlanError("the model's MoE balance loss is a sum over layers over the whole "
-                        "batch, which a pipeline would split into stages and micro-batches; "
-                        "leave the balance loss out of the loss, or drop pipeline= from the "
-                        "plan.")
+def check_balance_loss(gm: fx.GraphModule, schedule: str) -> None:
+    """Under a pipeline: a balance loss in the objective is exact only when every
+    micro-batch's forward of a stage runs before its backwards (GPipe), so that each
+    backward knows the step's statistics (autopar.kernels.moe.ScheduleBalance); other
+    schedules are refused."""
+    if schedule != GPIPE and with_balance_loss(gm):
+        raise PlanError(f"the model's MoE balance loss is a sum over the whole batch, which a "
+                        f"pipeline takes exactly only under the gpipe schedule (every "
+                        f"micro-batch's forward before any backward), not {schedule}; use "
+                        f"schedule='gpipe', leave the balance loss out of the loss, or drop "
+                        f"pipeline= from the plan.")
+
+
+def with_balance_loss(gm: fx.GraphModule) -> bool:
+    """Whether some MoE layer of the graph returns its balance loss."""
+    return any(node.args[5] for node in moe_nodes(gm))
 
 
 def place_expert_layers(gm: fx.GraphModule) -> fx.GraphModule:

@@ -78,14 +78,17 @@ def _expert_data(engine, runs: int) -> dict[tuple[str, str], int]:
         return {}
     if zero3:
         part = zero.parts[1]
-        gathers = runs * sum(part.gather_bytes(u) for u in zero.expert_units) + \
+        graphs = [m for _, m in engine.pipeline.held_modules()] \
+            if engine.pipeline is not None else [engine.train_gm]
+        units = zero.expert_units(graphs)
+        gathers = runs * sum(part.gather_bytes(u) for u in units) + \
             sum(part.gather_bytes(u) for u in part.backward_gathers or ())
-        return {("reduce_scatter", EDP): runs * sum(part.unit_bytes(u)
-                                                    for u in zero.expert_units),
+        return {("reduce_scatter", EDP): runs * sum(part.unit_bytes(u) for u in units),
                 ("all_gather", EDP): gathers}
-    if zero is not None:
+    if zero is not None:  # (stage 2 under a pipeline: each micro-batch's gradients)
         part = zero.parts[1]
-        return {("reduce_scatter", EDP): part.padded_bytes(), ("all_gather", EDP):
+        sends = runs if zero.stage == 2 else 1
+        return {("reduce_scatter", EDP): sends * part.padded_bytes(), ("all_gather", EDP):
                 part.padded_bytes()}
     return {("all_reduce", EDP): sum(p.numel() * p.element_size() for p in
                                      engine.grads.trained() if engine.params.is_expert(p))}

@@ -15,6 +15,7 @@ from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
+from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
 from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
 from autopar.passes.experts import check_balance_loss, expert_weights, place_expert_layers
@@ -82,6 +83,9 @@ class Engine(nn.Module):
             self.params.defer = self._pp.size > 1
         self.forward_graph = forward_graph if forward_graph is not None else \
             self.trace_for(model, example_inputs, plan)
+        # a training engine's balance loss under a pipeline: checked before any graph is cut
+        if self.moe_layers and self._pp.size > 1 and loss_fn is not None:
+            check_balance_loss(self.forward_graph.gm, plan.pipeline.schedule)
         if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
             graph = self.forward_graph
             self.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
@@ -168,7 +172,8 @@ class Engine(nn.Module):
         self.global_batch = int(target.shape[0]) * self._dp.size
         self._model = None
         if self._pp.size > 1:
-            check_balance_loss(self.train_graph.gm)
+            # (again: a model may return its balance loss only while training)
+            check_balance_loss(self.train_graph.gm, self.plan.pipeline.schedule)
             self._wire_pipeline()
             return
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
@@ -187,6 +192,12 @@ class Engine(nn.Module):
             self._device, self.fetch_pipeline_weights, self._dp if averages else None,
             self.stage_planner)
         self.pipeline = self.grads.pipeline = runner
+        balanced = [m for m in self.train_gm.modules()
+                    if isinstance(m, ExpertLayer) and m.with_aux]
+        if balanced:  # (gpipe: check_balance_loss) the balance loss over the whole step
+            for m in balanced:
+                m.balance = ScheduleBalance(runner.microbatches)
+            runner.loss_correction = StepBalance([m.balance for m in balanced])
         self.params.fill(runner.parameters())  # a start's slices of this rank's stages only
         self._weights = PipelineWeights(runner, self.params, self.train_graph, self._pp)
         self._weights.release()  # the other stages' slices: placeholders until fetched

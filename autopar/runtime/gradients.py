@@ -28,7 +28,7 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     Gradients whose expert weights are cut over their expert-data group instead."""
     if experts is not None and experts.edp is not None:
         return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
-                           experts.params.is_expert, factory, compute_dtype)
+                           experts.params.is_expert, factory, compute_dtype, stages)
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,

@@ -47,6 +47,11 @@ class PipelineRunner:
         # called with j after this member's j-th stage has made one micro-batch's weight
         # gradients (ZeRO-2 sends them then)
         self.weights_done = None
+        # called with the loss scale after the schedule on every member: (what its stages
+        # add to the reported loss, summed over the members; whether that is exact), and
+        # its `refusal`, raised on every member when some member's is not (an MoE balance
+        # loss's step-wide value: autopar.kernels.moe.StepBalance)
+        self.loss_correction = None
         # a context each stage's forward and the loss run in (ZeRO-3: saved parameters
         # are kept as references and gathered again in the backward)
         self.saving = contextlib.nullcontext
@@ -234,6 +239,15 @@ class PipelineRunner:
         value = torch.zeros(1)
         if losses:
             value[0] = torch.stack([v.detach().float() for v in losses]).mean() / self.loss_scale
+        if self.loss_correction is not None:
+            extra, exact = self.loss_correction(self.loss_scale)
+            both = torch.tensor([extra, 0.0 if exact else 1.0], dtype=torch.float64)
+            if self.group.size > 1:
+                dist.all_reduce(both, group=self.group.group)
+            if both[1] > 0:
+                raise PlanError(self.loss_correction.refusal)
+            if losses:
+                value += float(both[0])
         if self.group.size > 1:
             dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
                            group=self.group.group)

@@ -1,7 +1,11 @@
 """ZeRO beside an expert axis: the experts' pieces are cut over their expert-data group (the
 data ranks holding the same experts), every other parameter's over dp, and one optimizer
 steps both sets of pieces. An expert gradient already sums the tokens of its ep group (the
-all-to-all's backward), so the sum over edp, divided by dp = edp x ep, is the mean."""
+all-to-all's backward), so the sum over edp, divided by dp = edp x ep, is the mean. Under a
+pipeline each part takes this rank's stages' parameters: stage 2 reduce-scatters each
+stage's buckets of both parts per micro-batch, stage 3 gathers and reduces inside the
+stages' graphs, and the pieces' sums over the micro-batches become their mean after the
+schedule."""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from autopar.runtime.zero import ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
 
 
-def expert_zero(plan_zero, params, dp, edp, ep: int, is_expert, factory, compute_dtype):
-    """The ZeRO state of a plan's stage with the experts (`is_expert`) cut over `edp`."""
+def expert_zero(plan_zero, params, dp, edp, ep: int, is_expert, factory, compute_dtype,
+                stages=None):
+    """The ZeRO state of a plan's stage with the experts (`is_expert`) cut over `edp`
+    (`stages`: under a pipeline, each of this rank's stages' parameters, for stage 2)."""
     params = list(params)
     rest = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]
@@ -22,9 +28,10 @@ def expert_zero(plan_zero, params, dp, edp, ep: int, is_expert, factory, compute
             ZeroThree(experts, edp, None, plan_zero.offload, compute_dtype, divisor=ep,
                       prefix="zero3_experts_gather"), factory)
     return ExpertDataZero(
-        ShardedOptimizerState(rest, dp, None, plan_zero.stage, offload=plan_zero.offload),
+        ShardedOptimizerState(rest, dp, None, plan_zero.stage, offload=plan_zero.offload,
+                              stages=stages),
         ShardedOptimizerState(experts, edp, None, plan_zero.stage, offload=plan_zero.offload,
-                              divisor=ep), factory)
+                              stages=stages, divisor=ep), factory)
 
 
 class ExpertDataZero:
@@ -49,6 +56,18 @@ class ExpertDataZero:
         for part in self.parts:
             part.gather_parameters()
 
+    def stage_done(self, j: int) -> None:
+        """Stage 2 under a pipeline: this rank's j-th stage made one micro-batch's weight
+        gradients; each part sends its buckets of that stage now complete."""
+        for part in self.parts:
+            part.stage_done(j)
+
+    def after_pipeline(self, microbatches: int, tied) -> None:
+        """Under a pipeline: each part's pieces, the sums over the micro-batches, become
+        their mean (a tied parameter is never an expert: the dp part sums it)."""
+        for part in self.parts:
+            part.after_pipeline(microbatches, tied if part is self.parts[0] else ())
+
 
 class ExpertDataZeroThree(ExpertDataZero):
     """ZeRO-3: each part gathers its own parameters in the graphs, layer by layer. The
@@ -57,7 +76,18 @@ class ExpertDataZeroThree(ExpertDataZero):
     def __init__(self, data: ZeroThree, experts: ZeroThree, factory):
         super().__init__(data, experts, factory)
         self.numels = data.numels + experts.numels
-        self.expert_units: list[int] = []
+        self._expert_units: dict[int, list[int]] = {}  # id(graph) -> its experts' units
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the reduce-scatters land at `end_backward` (False under a pipeline: the
+        pieces' gradients come out of autograd, per micro-batch)."""
+        return self.parts[0].overlap
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        for part in self.parts:
+            part.overlap = value
 
     def index_of(self, param) -> int | None:
         data, experts = self.parts
@@ -66,11 +96,16 @@ class ExpertDataZeroThree(ExpertDataZero):
         return i if j is None else len(data.params) + j
 
     def rewrite(self, gm) -> list[int]:
-        """The dp part's units, in graph order; the experts' are kept in `expert_units`
-        (those of the last graph rewritten: the training graph's)."""
+        """The dp part's units, in graph order; the experts' are kept per graph
+        (`expert_units`)."""
         order = self.parts[0].rewrite(gm)
-        self.expert_units = self.parts[1].rewrite(gm)
+        self._expert_units[id(gm)] = self.parts[1].rewrite(gm)
         return order
+
+    def expert_units(self, graphs) -> list[int]:
+        """The experts' units `graphs` gather (the training graph, or a pipeline rank's
+        stages and loss), in order."""
+        return [u for gm in graphs for u in self._expert_units.get(id(gm), ())]
 
     def unit_bytes(self, u: int) -> int:
         return self.parts[0].unit_bytes(u)
