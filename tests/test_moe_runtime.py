@@ -123,17 +123,40 @@ def _ep_rows_bytes(load: dict, hidden: int, itemsize: int = 4) -> int:
                for v in load.values())
 
 
-def _check(results: list[dict], hidden: int, ep: int) -> None:
+def _is_expert(name: str) -> bool:
+    """A routed or shared expert's weight (not a router, not the shared expert's gate)."""
+    return ".experts." in name or name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") or \
+        ".shared_expert." in name
+
+
+def _expert_shares(held: dict) -> dict[str, float]:
+    """Per expert weight: the share of its bytes one rank holds."""
+    return {k: mine / whole for k, (mine, whole) in held.items() if _is_expert(k)}
+
+
+def _check(results: list[dict], hidden: int, ep: int, tp: int = 1) -> None:
     for rank, r in enumerate(results):
         assert r["loss"] <= TOL, (rank, r["loss"])
         assert r["weights"] <= TOL, (rank, r["weights"])
         assert r["keys_equal"]
         # every collective's bytes per (op, axis) as predicted from the routing taken
         assert r["measured"] == r["predicted"], (rank, r["measured"], r["predicted"])
+        # each rank holds 1/ep of the routed experts, each cut over tp (the shared expert
+        # only over tp); the routers stay whole
+        shares = _expert_shares(r["held"])
+        assert shares
+        for name, share in shares.items():
+            expected = 1 / tp if "shared_expert" in name else 1 / (ep * tp)
+            assert share == pytest.approx(expected), (name, share)
+        routers = [k for k in r["held"] if k.endswith(("mlp.gate.weight", "moe.gate.weight"))]
+        assert routers and all(r["held"][k][0] == r["held"][k][1] for k in routers)
         forward = [b for op, axis, phase, b in r["log"] if op == "all_to_all" and axis == "ep"
                    and phase == "forward"]
         counts = [v for v in r["load"].values()]
-        assert counts, "no MoE layer ran over ep"
+        assert counts, "no MoE layer ran as autopar's kernel"
+        if ep == 1:  # experts split over tp alone: nothing dispatched
+            assert not forward
+            continue
         # per layer and micro-batch: the counts (int64, E of them), then the rows out and back
         experts = len(counts[0]["routed"])
         sizes = sum(forward) - _ep_rows_bytes(r["load"], hidden)
@@ -158,7 +181,7 @@ def test_zoo_moe_equals_one_device(pool4, plan):
 
 @pytest.mark.parametrize("plan", [dict(expert=2), dict(expert=2, tensor=2)])
 def test_mixtral_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"])
+    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"], plan.get("tensor", 1))
 
 
 def test_mixtral_expert_4_equals_one_device(pool4):
@@ -167,11 +190,22 @@ def test_mixtral_expert_4_equals_one_device(pool4):
 
 @pytest.mark.parametrize("plan", [dict(expert=4), dict(expert=2, tensor=2)])
 def test_qwen2_moe_with_shared_expert_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, plan["expert"])
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, plan["expert"], plan.get("tensor", 1))
 
 
 def test_zoo_moe_with_tensor_2_equals_one_device(pool4):
-    _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2)
+    _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2, 2)
+
+
+# experts split over tp alone (no ep axis): the same kernel, nothing dispatched
+@pytest.mark.parametrize("name,hidden", [("moe-tiny", 64), ("hf-mixtral", 32),
+                                         ("hf-qwen2-moe", 32)])
+def test_tensor_parallel_experts_equal_one_device(pool4, name, hidden):
+    _check(pool4.run(_train, name, dict(tensor=2)), hidden, 1, 2)
+
+
+def test_tensor_4_experts_equal_one_device(pool4):
+    _check(pool4.run(_train, "moe-tiny", dict(tensor=4)), 64, 1, 4)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -185,7 +219,7 @@ def test_zoo_moe_with_zero_equals_one_device(pool4, stage):
 
 def test_qwen2_moe_with_zero_3_and_tensor_2_equals_one_device(pool4):
     _check(pool4.run(_train, "hf-qwen2-moe", dict(expert=2, tensor=2, zero=dict(stage=3))),
-           32, 2)
+           32, 2, 2)
 
 
 def test_mixtral_with_pipeline_2_equals_one_device(pool4):

@@ -71,11 +71,11 @@ class Engine(nn.Module):
         self.params = ShardedParams(self.mesh, {a: groups[a].rank for a in self.mesh.physical},
                                     model, start)  # start: a meta model's or weights= values
         self.grads = Gradients(self.params, self._dp, self.comm_log)
-        self.moe_layers = expert_layers(model, plan)  # MoE layers split over ep (ep > 1)
+        self.moe_layers = expert_layers(model, plan)  # MoE layers over ep or 1D tp
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
-        if start is not None and self.moe_layers and plan.zero.stage == 3:
+        if start is not None and plan.ep > 1 and plan.zero.stage == 3:
             raise PlanError("a meta model or weights= under ZeRO-3 would cut the experts over "
                             "dp, not over their expert-data group; use ZeRO stage 1 or 2 with "
                             "expert=, or give parallelize the model with its weights.")
@@ -85,7 +85,7 @@ class Engine(nn.Module):
             self.params.defer = self._pp.size > 1
         self.forward_graph = forward_graph if forward_graph is not None else \
             self.trace_for(model, example_inputs, plan)
-        if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
+        if self.moe_layers and plan.ep > 1:  # experts' stacked weights: this rank's E/ep
             graph = self.forward_graph
             self.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
                                       groups[EP])
@@ -302,13 +302,14 @@ class Engine(nn.Module):
         on this rank: `routed`, this rank's token-expert assignments per expert (all E;
         summed over the data ranks, the step's tokens per expert), `computed`, the rows this
         rank's experts ran (E/ep, from `first_expert` on), over all micro-batches. Empty
-        without an ep axis."""
+        where the model's own MoE code runs (no ep axis and no 1D tensor axis)."""
         return {m.name: {"routed": m.routed.tolist(), "computed": m.computed.tolist(),
                          "first_expert": m.kernel.first_expert}
                 for m in self.expert_layers() if m.routed is not None}
 
     def expert_layers(self) -> list[ExpertLayer]:
-        """The ExpertLayer modules of this rank's graphs (none without an ep axis)."""
+        """The ExpertLayer modules of this rank's graphs (none where the model's own MoE
+        code runs)."""
         graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
         return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 
@@ -378,7 +379,7 @@ class Engine(nn.Module):
         return load(self, path)
 
     def _refuse_expert_checkpoint(self) -> None:
-        if self.moe_layers:
+        if self.moe_layers and self.plan.ep > 1:
             raise PlanError("sharded checkpoints do not yet describe experts split over an ep "
                             "axis; save whole weights with engine.export(dir) (parallelize "
                             "loads them with weights=dir) or train without expert=.")
