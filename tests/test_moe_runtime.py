@@ -204,6 +204,11 @@ def test_tensor_parallel_experts_equal_one_device(pool4, name, hidden):
     _check(pool4.run(_train, name, dict(tensor=2)), hidden, 1, 2)
 
 
+def test_tensor_parallel_experts_in_a_pipeline_equal_one_device(pool4):
+    plan = dict(tensor=2, pipeline=dict(size=2, microbatches=2))
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 1, 2)
+
+
 def test_tensor_4_experts_equal_one_device(pool4):
     _check(pool4.run(_train, "moe-tiny", dict(tensor=4)), 64, 1, 4)
 

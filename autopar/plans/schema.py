@@ -156,9 +156,9 @@ class Plan:
 
     def splits_experts(self) -> bool:
         """Whether the engine runs a model's MoE layers as autopar's kernel: over an ep axis,
-        or, with ep 1, under a 1D tensor axis (no cp, no pipeline) that splits each expert."""
+        or, with ep 1, under a 1D tensor axis (not beside cp) that splits each expert."""
         return self.ep > 1 or (self.mesh[TP] > 1 and self.tp_mode == TP_1D and
-                               self.mesh[CP] == 1 and self.mesh[PP] == 1)
+                               self.mesh[CP] == 1)
 
     def check_experts(self, experts: int, top_k: int, where: str = "the model") -> None:
         """An MoE layer of `experts` experts, `top_k` per token, under this plan's ep."""
