@@ -99,8 +99,8 @@ def test_tensor_parallel_experts_halve_expert_flops_and_weights_and_all_reduce_t
     # the expert rows [T·k, H] all-reduced forward, the input's gradient [T, H] backward
     rows = moe.rows
     assert rows(1) == 1024 * 2 * 4096 * 2  # tokens x top-k x hidden x bf16
-    assert ("all_reduce", "forward", rows) in two.comm
-    assert ("all_reduce", "backward", rows.scale(1 / moe.top_k)) in two.comm
+    assert two.expert_comm == [("all_reduce", "forward", rows),
+                               ("all_reduce", "backward", rows.scale(1 / moe.top_k))]
     hw = World(devices=8).profile
     one = Placement(1, 1)
     whole = state_cost(block, LayerState(TensorMode("1d", 1)), 1, Context(hw, "bf16", one, one))
@@ -112,6 +112,10 @@ def test_tensor_parallel_experts_halve_expert_flops_and_weights_and_all_reduce_t
     # Mixtral's FLOPs are mostly its experts': the split layer runs in little over half
     assert split.forward < 0.6 * whole.forward
     assert split.comm_bytes >= rows(1) + rows(1) / moe.top_k  # at least the expert rows
+    # beside a cp axis the engine keeps every expert whole on each tensor rank: priced so
+    cp2 = state_cost(block, LayerState(TensorMode("1d", 2)), 1,
+                     Context(hw, "bf16", Placement(2, 2), Placement(2, 2)))
+    assert cp2.expert_params == moe.param_bytes and cp2.params > split.params
 
 
 def test_config_counts_mixtral_active_parameters():

@@ -117,6 +117,9 @@ class Sharded:
     # split: autopar.sharding.divisible), None when it splits
     refused: str | None = None
     expert_split: int = 1  # the tp ranks each expert's FFN is split over (1: whole)
+    # the experts' all-reduces over tp (as `comm`), which run only where they are split: the
+    # engine keeps experts whole beside a cp axis (autopar.plans.Plan.splits_experts)
+    expert_comm: list[tuple[str, str, Lin]] = field(default_factory=list)
 
 
 @dataclass
@@ -576,14 +579,18 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
                 t_repl = t_repl + _traffic(node)
     router = _router(grouped) if grouped and _experts_split(traced, grouped, size) else []
     kept = {n.name for n in router}  # the engine runs the router whole: no collective there
+    split_moe = {n.name for n, s in solution.strategies.items()
+                 if s.rewrite is Rewrite.TENSOR_EXPERTS}
+    expert_comm = []
     for c in solution.comm:
         if c.where in names and c.where not in kept:
-            comm.append((c.op, c.phase, Lin.of(c.bytes)))
+            (expert_comm if c.where in split_moe else comm).append(
+                (c.op, c.phase, Lin.of(c.bytes)))
     notes = [f"{n.name}: {s.note}" for n, s in solution.strategies.items()
              if s.note and n.name in names]
     out = Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes,
-                  expert_split=expert_split)
+                  expert_split=expert_split, expert_comm=expert_comm)
     if router:
         expert_tensor_split(traced, solution, grouped, router, gemm_at, out)
     return out
@@ -642,8 +649,8 @@ def expert_tensor_split(traced: TracedGraph, solution: Solution, grouped: list, 
     ffn = _ffn_values(grouped, moe.hidden)
     sharded.traffic_split = sharded.traffic_split + ffn.scale(1 / size)
     sharded.traffic_replicated = sharded.traffic_replicated + ffn.scale(-1)
-    sharded.comm.append(("all_reduce", "forward", moe.rows))
-    sharded.comm.append(("all_reduce", "backward", moe.rows.scale(1 / moe.top_k)))
+    sharded.expert_comm.append(("all_reduce", "forward", moe.rows))
+    sharded.expert_comm.append(("all_reduce", "backward", moe.rows.scale(1 / moe.top_k)))
 
 
 def _ffn_values(grouped: list, hidden: int) -> Lin:

@@ -315,8 +315,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     imbalance = moe_cost.imbalance_of(lt.experts, batch, c, ep) if ep > 1 else 1.0
     expert_fwd = expert_even = 0.0
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
-        if g.expert:  # each expert's FFN width split over 1D tp, or whole on each rank
-            cut = t if one_d and split else 1
+        if g.expert:  # each expert's FFN width split over 1D tp (not beside cp), or whole
+            cut = t if one_d and split and c == 1 else 1
             sec, even, traffic_s = _expert_gemm(g, batch, c, ep, imbalance, hw, dtype, cut,
                                                 lt.experts.hidden)
             gemm_fwd += sec
@@ -365,7 +365,7 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     forward = gemm_fwd + attn_fwd + mem_fwd
     tp_comm = []
     if one_d and t > 1:
-        for op, phase, nbytes in sharded.comm:
+        for op, phase, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
             n = nbytes(batch) / c
             if sp and op == "all_reduce" and lt.is_block:
                 # Megatron-SP: each all-reduce around a tensor-parallel region becomes a
@@ -427,7 +427,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
     ep_comm = ep_bytes = expert_params = 0.0
     ep, imbalance = lay.ep, lay.imbalance
-    cut = sharded.expert_split if one_d else 1  # the tp ranks each expert is split over
+    # the tp ranks each expert is split over (the engine keeps them whole beside cp)
+    cut = sharded.expert_split if one_d and c == 1 else 1
     if lt.experts is not None:
         expert_params = lt.experts.param_bytes / ep / cut
         if ep > 1:
@@ -460,7 +461,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     # each rank holds its E/ep experts, each split over 1D tp (whole in the other modes)
     expert_whole = lt.experts.param_bytes if lt.experts is not None else 0
     if one_d:
-        params = sharded.param_bytes - expert_whole / cut
+        params = sharded.param_bytes - expert_whole / sharded.expert_split
     elif mode.name == "2.5d":
         params = (lt.param_bytes - expert_whole) / (mode.q * mode.q)
     else:
