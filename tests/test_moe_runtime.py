@@ -340,6 +340,13 @@ def test_mixtral_in_bf16_dispatches_bf16_rows(pool4):
         assert forward == _ep_rows_bytes(r["load"], 32, itemsize=2) + 2 * 4 * 8
 
 
+def test_tensor_parallel_experts_in_bf16_all_reduce_bf16_rows(pool4):
+    for r in pool4.run(_train, "hf-mixtral", dict(tensor=2), 5, "bf16"):
+        assert r["loss"] <= 1e-3 and r["weights"] <= 1e-2, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"]  # the experts' rows all-reduced in 16 bits
+        assert r["measured"][("all_reduce", "tp")] > 0
+
+
 # ----------------------------------------------------------------------------------------
 # One process: the substituted layers, the plan, the refusals
 # ----------------------------------------------------------------------------------------
