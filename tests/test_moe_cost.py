@@ -26,10 +26,10 @@ from autopar.world import World
 
 
 @functools.cache
-def _chain(name: str, seq: int):
+def _chain(name: str, seq: int, tp_sizes=(1,)):
     w = workload(name, batch=1, seq=seq)
     return w, prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
-                      tp_sizes=(1,), layers=(w.traced_layers, w.layers))
+                      tp_sizes=tp_sizes, layers=(w.traced_layers, w.layers))
 
 
 def _active_matmul_params(cfg) -> int:
@@ -84,6 +84,38 @@ def test_all_to_alls_per_moe_layer_and_tokens_per_expert():
     assert nbytes == pytest.approx(3 / 4 * (4 * rows + 8 * 8))
     assert sec > 0 and alltoall_s(moe, 1, 1, Placement(4, 4), hw, 1.0, reruns=2)[2] == 8
     assert tokens_per_expert(moe, 1, 1, 4) == 1024 * 4 * 2 / 8
+
+
+def test_tensor_parallel_experts_halve_expert_flops_and_weights_and_all_reduce_the_rows():
+    _, chain = _chain("mixtral-8x7b", 1024, (1, 2))
+    block = next(lt for lt in chain.types if lt.experts is not None)
+    moe, two = block.experts, block.sharded[2]
+    experts = [i for i, g in enumerate(block.gemms) if g.expert]
+    router = next(i for i, g in enumerate(block.gemms) if g.n == moe.count)
+    # each expert's FFN split over tp: its GEMMs and weights halve; the router stays whole
+    assert experts and all(two.gemm_split[i] for i in experts) and not two.gemm_split[router]
+    assert two.expert_split == 2 and block.sharded[1].expert_split == 1
+    assert block.sharded[1].param_bytes - two.param_bytes >= moe.param_bytes / 2
+    # the expert rows [T·k, H] all-reduced forward, the input's gradient [T, H] backward
+    rows = moe.rows
+    assert rows(1) == 1024 * 2 * 4096 * 2  # tokens x top-k x hidden x bf16
+    assert two.expert_comm == [("all_reduce", "forward", rows),
+                               ("all_reduce", "backward", rows.scale(1 / moe.top_k))]
+    hw = World(devices=8).profile
+    one = Placement(1, 1)
+    whole = state_cost(block, LayerState(TensorMode("1d", 1)), 1, Context(hw, "bf16", one, one))
+    split = state_cost(block, LayerState(TensorMode("1d", 2)), 1,
+                       Context(hw, "bf16", Placement(2, 2), one))
+    assert whole.expert_params == moe.param_bytes
+    assert split.expert_params == moe.param_bytes / 2
+    assert whole.params - split.params >= moe.param_bytes / 2
+    # Mixtral's FLOPs are mostly its experts': the split layer runs in little over half
+    assert split.forward < 0.6 * whole.forward
+    assert split.comm_bytes >= rows(1) + rows(1) / moe.top_k  # at least the expert rows
+    # beside a cp axis the engine keeps every expert whole on each tensor rank: priced so
+    cp2 = state_cost(block, LayerState(TensorMode("1d", 2)), 1,
+                     Context(hw, "bf16", Placement(2, 2), Placement(2, 2)))
+    assert cp2.expert_params == moe.param_bytes and cp2.params > split.params
 
 
 def test_config_counts_mixtral_active_parameters():

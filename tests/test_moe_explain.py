@@ -58,7 +58,7 @@ def _chains(name: str):
     ep plan, that trace) of one bf16 model."""
     model, inputs, loss_fn, target, tokens = _hf_mixtral() if name == "hf-mixtral" else \
         _zoo_moe()
-    planner = prepare(model, inputs, loss_fn=loss_fn, example_target=target, tp_sizes=(1,))
+    planner = prepare(model, inputs, loss_fn=loss_fn, example_target=target, tp_sizes=(1, 2))
     plan = Plan.from_dict(dict(expert=2), world_size=4)
     # what Engine.ensure_train_graph traces: each MoE module as one autopar::moe op
     with opaque_moe(model, expert_layers(model, plan)):
@@ -90,8 +90,23 @@ def test_the_runtime_trace_prices_moe_layers_as_the_planner_does(name):
             assert r.sharded[1].act_replicated(b) == pytest.approx(
                 p.sharded[1].act_replicated(b), rel=tol)
             assert r.traffic(b) == pytest.approx(p.traffic(b), rel=tol)
-        # under tensor parallelism every tp rank runs the whole layer (experts replicated)
-        assert not any(r.sharded[2].gemm_split[i] for i, g in enumerate(r.gemms) if g.expert)
+        # under 1D tensor parallelism each expert's FFN is split over tp: the expert GEMMs
+        # and weights halve per rank, the router stays whole, and the expert rows are
+        # all-reduced (T·k rows forward, the input's T rows backward), in both traces alike
+        for lt in (p, r):
+            one, two = lt.sharded[1], lt.sharded[2]
+            experts = [i for i, g in enumerate(lt.gemms) if g.expert]
+            assert experts and all(two.gemm_split[i] for i in experts)
+            router = next(i for i, g in enumerate(lt.gemms) if g.n == lt.experts.count)
+            assert not two.gemm_split[router]
+            assert one.param_bytes - two.param_bytes >= lt.experts.param_bytes // 2
+        assert r.sharded[2].param_bytes == p.sharded[2].param_bytes
+        rows = r.experts.rows
+        for lt in (p, r):
+            assert lt.sharded[2].expert_comm == [
+                ("all_reduce", "forward", rows),
+                ("all_reduce", "backward", rows.scale(1 / r.experts.top_k))]
+        assert sorted(r.sharded[2].comm, key=repr) == sorted(p.sharded[2].comm, key=repr)
 
 
 def _explained(expert: int) -> dict:

@@ -138,17 +138,40 @@ def _ep_rows_bytes(load: dict, hidden: int, itemsize: int = 4) -> int:
                for v in load.values())
 
 
-def _check(results: list[dict], hidden: int, ep: int) -> None:
+def _is_expert(name: str) -> bool:
+    """A routed or shared expert's weight (not a router, not the shared expert's gate)."""
+    return ".experts." in name or name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") or \
+        ".shared_expert." in name
+
+
+def _expert_shares(held: dict) -> dict[str, float]:
+    """Per expert weight: the share of its bytes one rank holds."""
+    return {k: mine / whole for k, (mine, whole) in held.items() if _is_expert(k)}
+
+
+def _check(results: list[dict], hidden: int, ep: int, tp: int = 1) -> None:
     for rank, r in enumerate(results):
         assert r["loss"] <= TOL, (rank, r["loss"])
         assert r["weights"] <= TOL, (rank, r["weights"])
         assert r["keys_equal"]
         # every collective's bytes per (op, axis) as predicted from the routing taken
         assert r["measured"] == r["predicted"], (rank, r["measured"], r["predicted"])
+        # each rank holds 1/ep of the routed experts, each cut over tp (the shared expert
+        # only over tp); the routers stay whole
+        shares = _expert_shares(r["held"])
+        assert shares
+        for name, share in shares.items():
+            expected = 1 / tp if "shared_expert" in name else 1 / (ep * tp)
+            assert share == pytest.approx(expected), (name, share)
+        routers = [k for k in r["held"] if k.endswith(("mlp.gate.weight", "moe.gate.weight"))]
+        assert routers and all(r["held"][k][0] == r["held"][k][1] for k in routers)
         forward = [b for op, axis, phase, b in r["log"] if op == "all_to_all" and axis == "ep"
                    and phase == "forward"]
         counts = [v for v in r["load"].values()]
-        assert counts, "no MoE layer ran over ep"
+        assert counts, "no MoE layer ran as autopar's kernel"
+        if ep == 1:  # experts split over tp alone: nothing dispatched
+            assert not forward
+            continue
         # per layer and micro-batch: the counts (int64, E of them), then the rows out and back
         experts = len(counts[0]["routed"])
         sizes = sum(forward) - _ep_rows_bytes(r["load"], hidden)
@@ -181,7 +204,7 @@ def test_zoo_moe_with_a_dense_first_layer_equals_one_device(pool4):
 
 @pytest.mark.parametrize("plan", [dict(expert=2), dict(expert=2, tensor=2)])
 def test_mixtral_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"])
+    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"], plan.get("tensor", 1))
 
 
 def test_mixtral_expert_4_equals_one_device(pool4):
@@ -190,11 +213,27 @@ def test_mixtral_expert_4_equals_one_device(pool4):
 
 @pytest.mark.parametrize("plan", [dict(expert=4), dict(expert=2, tensor=2)])
 def test_qwen2_moe_with_shared_expert_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, plan["expert"])
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, plan["expert"], plan.get("tensor", 1))
 
 
 def test_zoo_moe_with_tensor_2_equals_one_device(pool4):
-    _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2)
+    _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2, 2)
+
+
+# experts split over tp alone (no ep axis): the same kernel, nothing dispatched
+@pytest.mark.parametrize("name,hidden", [("moe-tiny", 64), ("hf-mixtral", 32),
+                                         ("hf-qwen2-moe", 32)])
+def test_tensor_parallel_experts_equal_one_device(pool4, name, hidden):
+    _check(pool4.run(_train, name, dict(tensor=2)), hidden, 1, 2)
+
+
+def test_tensor_parallel_experts_in_a_pipeline_equal_one_device(pool4):
+    plan = dict(tensor=2, pipeline=dict(size=2, microbatches=2))
+    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 1, 2)
+
+
+def test_tensor_4_experts_equal_one_device(pool4):
+    _check(pool4.run(_train, "moe-tiny", dict(tensor=4)), 64, 1, 4)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -208,7 +247,7 @@ def test_zoo_moe_with_zero_equals_one_device(pool4, stage):
 
 def test_qwen2_moe_with_zero_3_and_tensor_2_equals_one_device(pool4):
     _check(pool4.run(_train, "hf-qwen2-moe", dict(expert=2, tensor=2, zero=dict(stage=3))),
-           32, 2)
+           32, 2, 2)
 
 
 def test_mixtral_with_pipeline_2_equals_one_device(pool4):
@@ -526,6 +565,42 @@ def test_exported_experts_start_another_expert_plan(pool4, tmp_path):
         assert r["keys"] and r["error"] == 0.0
 
 
+def _tensor_experts_round_trip(directory: str) -> dict:
+    """Qwen2-MoE (fused gate_up_proj, shared expert) trained a step with its experts split
+    over ep and tp, exported, started again from the export with weights= under tensor=2
+    (experts split over tp alone), saved as a checkpoint and loaded into a third engine."""
+    model, idx, target, loss_fn = build("hf-qwen2-moe")
+    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+    engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
+                                 optimizer=opt, plan=dict(expert=2, tensor=2))
+    engine.train_step((idx,), target)
+    engine.export(directory)
+    trained = engine.full_state_dict()
+    cls, config = _hf_config("hf-qwen2-moe")
+    with torch.device("meta"):
+        fresh = cls(config)
+    again = autopar.parallelize(fresh, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
+                                optimizer=opt, plan=dict(tensor=2), weights=directory)
+    state = again.full_state_dict()
+    again.train_step((idx,), target)
+    stepped = again.full_state_dict()
+    again.save(directory + "-checkpoint")
+    third = autopar.parallelize(build("hf-qwen2-moe", seed=1)[0], 4, example_inputs=(idx[:2],),
+                                loss_fn=loss_fn, optimizer=opt, plan=dict(tensor=2))
+    third.load(directory + "-checkpoint")
+    loaded = third.full_state_dict()
+    return {"keys": list(state) == list(trained) == list(loaded),
+            "shares": _expert_shares(again.parameter_bytes()),
+            "error": max(float((state[k] - trained[k]).abs().max()) for k in trained),
+            "loaded": max(float((loaded[k] - stepped[k]).abs().max()) for k in stepped)}
+
+
+def test_split_experts_export_start_and_checkpoint_whole_weights(pool4, tmp_path):
+    for r in pool4.run(_tensor_experts_round_trip, str(tmp_path / "export")):
+        assert r["keys"] and r["error"] == 0.0 and r["loaded"] == 0.0
+        assert r["shares"] and all(share == 0.5 for share in r["shares"].values())
+
+
 def test_mixtral_in_bf16_dispatches_bf16_rows(pool4):
     # bf16 compute on fp32 masters against fp32 on one device: bf16's rounding apart
     for r in pool4.run(_train, "hf-mixtral", dict(expert=2), 5, "bf16"):
@@ -533,6 +608,13 @@ def test_mixtral_in_bf16_dispatches_bf16_rows(pool4):
         forward = sum(b for op, axis, phase, b in r["log"]
                       if (op, axis, phase) == ("all_to_all", "ep", "forward"))
         assert forward == _ep_rows_bytes(r["load"], 32, itemsize=2) + 2 * 4 * 8
+
+
+def test_tensor_parallel_experts_in_bf16_all_reduce_bf16_rows(pool4):
+    for r in pool4.run(_train, "hf-mixtral", dict(tensor=2), 5, "bf16"):
+        assert r["loss"] <= 1e-3 and r["weights"] <= 1e-2, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"]  # the experts' rows all-reduced in 16 bits
+        assert r["measured"][("all_reduce", "tp")] > 0
 
 
 # ----------------------------------------------------------------------------------------

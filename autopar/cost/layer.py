@@ -22,6 +22,7 @@ from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.sharding.divisible import indivisible
 from autopar.sharding.solve import Solution, solve
+from autopar.sharding.strategy import Rewrite
 
 _FREE = {OpKind.INPUT, OpKind.PARAM, OpKind.OUTPUT, OpKind.VIEW, OpKind.SYMBOLIC}
 
@@ -115,6 +116,10 @@ class Sharded:
     # why the runtime refuses this layer at this size in 1d (heads or widths that do not
     # split: autopar.sharding.divisible), None when it splits
     refused: str | None = None
+    expert_split: int = 1  # the tp ranks each expert's FFN is split over (1: whole)
+    # the experts' all-reduces over tp (as `comm`), which run only where they are split: the
+    # engine keeps experts whole beside a cp axis (autopar.plans.Plan.splits_experts)
+    expert_comm: list[tuple[str, str, Lin]] = field(default_factory=list)
 
 
 @dataclass
@@ -263,6 +268,22 @@ def _weight_of(node):
     while node.op != "get_attr":
         node = node.args[0]
     return node
+
+
+def _moe_split(node) -> list[bool]:
+    """Per GEMM of `_moe(node)`: whether tensor parallelism's expert split cuts it (the
+    experts' three, the shared expert's three; not the router nor the shared gate)."""
+    spec = described(node.args[MOE_KEY_ARG])
+    return [False, True, True, True] + ([True, True, True, False] if spec.shared_ffn else [])
+
+
+def _moe_ffn_traffic(node) -> sympy.Expr:
+    """The memory-bound bytes of `_moe(node)` on the experts' FFN width (SwiGLU's silu and
+    product), which tensor parallelism's expert split cuts."""
+    spec = described(node.args[MOE_KEY_ARG])
+    x = node.args[0].meta["autopar"]
+    t, size = _numel(x.shape[:-1]), torch.empty((), dtype=x.dtype).element_size()
+    return 5 * t * spec.top_k * spec.ffn * size + 5 * t * spec.shared_ffn * size
 
 
 def _moe(traced: TracedGraph, node) -> tuple[list[Gemm], Experts, sympy.Expr]:
@@ -513,6 +534,8 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
     t_split = t_repl = sympy.Integer(0)
     param_bytes = param_repl = 0
     comm = []
+    grouped, gemm_at = [], {}  # a planner trace's expert GEMMs; each GEMM's place
+    expert_split = 1
     names = {n.name for n in layer.nodes}
     for node in layer.nodes:
         info = node.meta["autopar"]
@@ -532,11 +555,21 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
         split = _split(layout) or (solution.strategies.get(node) is not None and any(
             _split(solution.layouts.get(a)) for a in _tensor_args(node)))
         if info.kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.GROUPED_MM):
+            if info.kind is OpKind.GROUPED_MM:
+                grouped.append(node)
+            gemm_at[node] = len(gemm_split)
             gemm_split.append(split)
-        elif info.kind is OpKind.MOE:  # replicated over tp: every rank runs the whole layer
+        elif info.kind is OpKind.MOE:  # the experts split over tp (1D), or whole
             moe_gemms, _, moe_traffic = _moe(traced, node)
-            gemm_split.extend([False] * len(moe_gemms))
-            t_repl = t_repl + moe_traffic
+            strategy = solution.strategies.get(node)
+            if strategy is not None and strategy.rewrite is Rewrite.TENSOR_EXPERTS:
+                expert_split = size
+                gemm_split.extend(_moe_split(node))
+                t_split = t_split + _moe_ffn_traffic(node)
+                t_repl = t_repl + moe_traffic - _moe_ffn_traffic(node)
+            else:
+                gemm_split.extend([False] * len(moe_gemms))
+                t_repl = t_repl + moe_traffic
         elif info.kind is OpKind.ATTENTION:
             attention_split.append(split)
         elif info.kind not in _FREE:
@@ -544,10 +577,93 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
                 t_split = t_split + _traffic(node)
             else:
                 t_repl = t_repl + _traffic(node)
+    router = _router(grouped) if grouped and _experts_split(traced, grouped, size) else []
+    kept = {n.name for n in router}  # the engine runs the router whole: no collective there
+    split_moe = {n.name for n, s in solution.strategies.items()
+                 if s.rewrite is Rewrite.TENSOR_EXPERTS}
+    expert_comm = []
     for c in solution.comm:
-        if c.where in names:
-            comm.append((c.op, c.phase, Lin.of(c.bytes)))
+        if c.where in names and c.where not in kept:
+            (expert_comm if c.where in split_moe else comm).append(
+                (c.op, c.phase, Lin.of(c.bytes)))
     notes = [f"{n.name}: {s.note}" for n, s in solution.strategies.items()
              if s.note and n.name in names]
-    return Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
-                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes)
+    out = Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
+                  Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes,
+                  expert_split=expert_split, expert_comm=expert_comm)
+    if router:
+        expert_tensor_split(traced, solution, grouped, router, gemm_at, out)
+    return out
+
+
+def _experts_split(traced: TracedGraph, grouped: list, size: int) -> bool:
+    """Whether the engine splits this layer's experts over `size` tensor ranks (1D): every
+    FFN width of its grouped GEMMs divides."""
+    if size == 1:
+        return False
+    hidden = _experts(traced, grouped).hidden
+    widths = {int(g.args[1].meta["autopar"].shape[2]) for g in grouped} | \
+        {int(g.args[0].meta["autopar"].shape[-1]) for g in grouped}
+    return all(w % size == 0 for w in widths - {hidden})
+
+
+def _router(grouped: list) -> list:
+    """The ops from the router's linear layer to its top-k (the linear first)."""
+    layer = grouped[0].meta["autopar"].layer
+    topk = next(n for n in grouped[0].graph.nodes if n.target is torch.ops.aten.topk.default
+                and n.meta["autopar"].layer == layer)
+    path, node = [topk], topk.args[0]
+    while node.meta["autopar"].kind is not OpKind.LINEAR:
+        path.append(node)
+        node = node.args[0]
+    return [node] + path[::-1]
+
+
+def expert_tensor_split(traced: TracedGraph, solution: Solution, grouped: list, router: list,
+                        gemm_at: dict, sharded: Sharded) -> None:
+    """A planner's trace of a model's own MoE code (its experts as grouped matmuls, which the
+    catalog keeps whole) priced as the engine runs the layer under 1D tensor parallelism
+    (autopar.sharding.rules.experts): each expert's FFN width split over tp, so the grouped
+    GEMMs' FLOPs and the experts' weights are 1/tp per rank, SwiGLU's [T·k, F] values split,
+    the router whole (`router`: its linear layer to its top-k, whose collectives the caller
+    left out), and the T·k expert rows all-reduced forward, the input's gradient (T rows)
+    backward. `gemm_at`: each GEMM's place in `sharded.gemm_split`."""
+    size = sharded.tp
+    moe = _experts(traced, grouped)
+    sharded.expert_split = size
+    for g in grouped:
+        sharded.gemm_split[gemm_at[g]] = True
+    sharded.gemm_split[gemm_at[router[0]]] = False
+    gate = _weight_of(router[0].args[1])
+    layout = solution.params.get(gate.target)
+    if layout is not None and layout.shards:  # the catalog split it: whole again
+        p = traced.params[gate.target]
+        nbytes = int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+        sharded.param_bytes += nbytes - nbytes // size
+        sharded.param_bytes_replicated += nbytes
+    split = sum(int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+                for p in {a.target: traced.params[a.target] for g in grouped
+                          for a in _expert_weights(g) if a.target in traced.params}.values())
+    sharded.param_bytes -= split - split // size
+    sharded.param_bytes_replicated -= split
+    ffn = _ffn_values(grouped, moe.hidden)
+    sharded.traffic_split = sharded.traffic_split + ffn.scale(1 / size)
+    sharded.traffic_replicated = sharded.traffic_replicated + ffn.scale(-1)
+    sharded.expert_comm.append(("all_reduce", "forward", moe.rows))
+    sharded.expert_comm.append(("all_reduce", "backward", moe.rows.scale(1 / moe.top_k)))
+
+
+def _ffn_values(grouped: list, hidden: int) -> Lin:
+    """Memory-bound bytes of the ops between the experts' first grouped GEMMs and the last
+    (SwiGLU's silu and product on [T·k, F]), which the expert split cuts."""
+    inner = {g for g in grouped if int(g.args[1].meta["autopar"].shape[2]) != hidden}
+    out = sympy.Integer(0)
+    for node in grouped[0].graph.nodes:
+        info = node.meta.get("autopar")
+        if info is None or node in inner or info.kind is OpKind.GROUPED_MM:
+            continue
+        args = _tensor_args(node)
+        if args and all(a in inner for a in args):  # (views of them too: no bytes)
+            inner.add(node)
+            out = out + (0 if info.kind in _FREE else _traffic(node))
+    return Lin.of(out)

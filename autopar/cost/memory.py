@@ -85,6 +85,7 @@ from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.sharding.layout import Layout
+from autopar.sharding.strategy import Rewrite
 
 RECOMPUTE = ("none", "selective", "full")
 _BATCHES = (2, 3)  # the graph runs at these two batch sizes; every size is linear in between
@@ -467,7 +468,7 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
     replaced, kernels = _kernel_saves(solution, micro_batch) if solution is not None else \
         (set(), {})
     out: dict[str, dict] = {layer: dict(keys) for layer, keys in kernels.items()}
-    for node, nbytes in _moe_saves(traced, micro_batch).items():
+    for node, nbytes in _moe_saves(traced, micro_batch, solution).items():
         out.setdefault(node.meta["autopar"].layer, {})[("moe", node)] = (nbytes, False)
     for i, saved in enumerate(saved_activations(traced)):
         whole = saved.bytes_at(micro_batch)
@@ -506,7 +507,7 @@ def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, d
     return out
 
 
-def _moe_saves(traced: TracedGraph, micro_batch: int) -> dict[fx.Node, int]:
+def _moe_saves(traced: TracedGraph, micro_batch: int, solution=None) -> dict[fx.Node, int]:
     """Bytes autograd saves inside each opaque MoE op (`autopar::moe`, whose fake kernel
     saves nothing), as the zoo's SparseMoE and autopar's kernel save them in the
     grouped-matmul trace of the same layer: its input x [T, H] (the router's and shared
@@ -515,7 +516,9 @@ def _moe_saves(traced: TracedGraph, micro_batch: int) -> dict[fx.Node, int]:
     expert (int64), the gathered row [H], SwiGLU's w1 and w3 outputs, silu and product [F],
     the inverse permutation (int64) and the fp32 expert output [H] the combine weights; the
     experts' offsets (int32, E); a shared expert's four [T, F_s] values, its fp32 gate and
-    output [T, H]. Replicated over tp (every tensor rank runs the whole layer)."""
+    output [T, H]. Under 1D tensor parallelism's expert split (the rule's TENSOR_EXPERTS)
+    the values of the FFN width, [T·k, F] and [T, F_s], are 1/tp per rank; the rest is
+    replicated over tp."""
     saved_nodes = {s.node for s in saved_activations(traced) if not s.internal}
     out = {}
     for node in traced.gm.graph.nodes:
@@ -529,11 +532,14 @@ def _moe_saves(traced: TracedGraph, micro_batch: int) -> dict[fx.Node, int]:
         t = int(sympy.Mul(*xi.shape[:-1]).subs(BATCH, micro_batch))
         e, k, h, f, fs = spec.experts, spec.top_k, spec.hidden, spec.ffn, spec.shared_ffn
         rows = t * k
+        strategy = solution.strategies.get(node) if solution is not None else None
+        parts = solution.size if strategy is not None and \
+            strategy.rewrite is Rewrite.TENSOR_EXPERTS else 1
         nbytes = 0 if x in saved_nodes else t * h * size
         nbytes += t * e * 4 + t * k * 8 + (t * 4 + 2 * t * k * 4 if spec.normalize else 0)
-        nbytes += rows * (8 + h * size + 4 * f * size + 8 + h * 4) + e * 4
+        nbytes += rows * (8 + h * size + 4 * f // parts * size + 8 + h * 4) + e * 4
         if fs:
-            nbytes += 4 * t * fs * size + t * 4 + t * h * size
+            nbytes += 4 * t * fs // parts * size + t * 4 + t * h * size
         out[node] = nbytes
     return out
 

@@ -315,8 +315,10 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     imbalance = moe_cost.imbalance_of(lt.experts, batch, c, ep) if ep > 1 else 1.0
     expert_fwd = expert_even = 0.0
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
-        if g.expert:  # the catalog runs grouped matmuls replicated over tp
-            sec, even, traffic_s = _expert_gemm(g, batch, c, ep, imbalance, hw, dtype)
+        if g.expert:  # each expert's FFN width split over 1D tp (not beside cp), or whole
+            cut = t if one_d and split and c == 1 else 1
+            sec, even, traffic_s = _expert_gemm(g, batch, c, ep, imbalance, hw, dtype, cut,
+                                                lt.experts.hidden)
             gemm_fwd += sec
             gemm_traffic += traffic_s
             expert_fwd += sec
@@ -363,7 +365,7 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     forward = gemm_fwd + attn_fwd + mem_fwd
     tp_comm = []
     if one_d and t > 1:
-        for op, phase, nbytes in sharded.comm:
+        for op, phase, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
             n = nbytes(batch) / c
             if sp and op == "all_reduce" and lt.is_block:
                 # Megatron-SP: each all-reduce around a tensor-parallel region becomes a
@@ -425,8 +427,10 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
     ep_comm = ep_bytes = expert_params = 0.0
     ep, imbalance = lay.ep, lay.imbalance
+    # the tp ranks each expert is split over (the engine keeps them whole beside cp)
+    cut = sharded.expert_split if one_d and c == 1 else 1
     if lt.experts is not None:
-        expert_params = lt.experts.param_bytes / ep
+        expert_params = lt.experts.param_bytes / ep / cut
         if ep > 1:
             reruns = 2 if state.recompute == "full" else 1
             ep_comm, ep_bytes, _ = moe_cost.alltoall_s(lt.experts, batch, c, ctx.ep, ctx.hw,
@@ -454,10 +458,10 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         if mode.name == "3d":
             acts += _gathered_3d(lt, mode, batch)
     acts /= c
-    # grouped matmuls run replicated over tp in every mode: each rank holds its E/ep experts
+    # each rank holds its E/ep experts, each split over 1D tp (whole in the other modes)
     expert_whole = lt.experts.param_bytes if lt.experts is not None else 0
     if one_d:
-        params = sharded.param_bytes - expert_whole
+        params = sharded.param_bytes - expert_whole / sharded.expert_split
     elif mode.name == "2.5d":
         params = (lt.param_bytes - expert_whole) / (mode.q * mode.q)
     else:
@@ -468,17 +472,20 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
 
 
 def _expert_gemm(g: Gemm, batch: float, cp: int, ep: int, imbalance: float, hw: Hardware,
-                 dtype: str) -> tuple[float, float, float]:
+                 dtype: str, tp: int = 1, hidden: int = 0) -> tuple[float, float, float]:
     """(seconds, seconds under balanced routing, operand-traffic seconds) of one grouped
     expert matmul on the busiest rank: its tokens' rows (1/cp of the micro-batch's) times
-    `imbalance` under ep, one kernel over E/ep local experts whose weights it reads once each."""
+    `imbalance` under ep, one kernel over E/ep local experts whose weights it reads once each.
+    `tp`: the tensor ranks each expert's FFN width is split over (the FFN side of the GEMM,
+    its K when it maps back to `hidden`, else its N)."""
     itemsize = ITEMSIZE.get(dtype, 4)
+    k, n = (g.k / tp, g.n) if g.n == hidden else (g.k, g.n / tp)
 
     def seconds(share: float) -> tuple[float, float]:
-        flops = g.flops(batch) / cp * share
-        m = flops / (2 * g.k * g.n)
-        traffic = gemm_traffic_s((m, g.k, g.n), hw, itemsize) + gemm_traffic_s(
-            (0, g.k, g.n), hw, itemsize) * (g.groups / ep - 1)
+        flops = g.flops(batch) / cp * share / tp
+        m = flops / (2 * k * n)
+        traffic = gemm_traffic_s((m, k, n), hw, itemsize) + gemm_traffic_s(
+            (0, k, n), hw, itemsize) * (g.groups / ep - 1)
         return gemm_time(flops, hw, dtype) + traffic, traffic
 
     sec, traffic = seconds(imbalance)

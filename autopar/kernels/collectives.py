@@ -317,6 +317,16 @@ class _SumGrads(torch.autograd.Function):
         return ctx.g.all_reduce(grad.clone(), "backward"), None, None, None, None
 
 
+def copy_to_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Megatron's f: x unchanged forward; its gradient all-reduced (summed) over g backward."""
+    return _SumGrads.apply(x, g, None, 1, False)
+
+
+def reduce_from_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Megatron's g: partial sums all-reduced over g forward; the gradient unchanged backward."""
+    return _Reduce.apply(x, g, None, 1, False)
+
+
 FUNCTIONS = {"split": _Split, "gather": _Gather, "gather_sum_grads": _GatherSumGrads,
              "reduce": _Reduce, "reduce_scatter": _ReduceScatter, "sum_grads": _SumGrads}
 

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.kernels.collectives import AxisGroup, CommLog, copy_to_region, reduce_from_region
 from autopar.models.moe import Routing, SparseMoE, balance_loss, balance_stats, is_eager
 from autopar.modes import EP
 
@@ -198,6 +198,10 @@ class MoE(SparseMoE):
 
     `ep`: an AxisGroup, a torch process group or None (one device: every expert here).
     `aux_group`: the ranks the batch is split over, for the balance loss (default: `ep`).
+    `tp`: an AxisGroup whose ranks each hold 1/tp of every expert's FFN width (w1, w3 rows
+    and w2 columns of F; the shared expert's likewise), all with the same tokens: the experts'
+    input is Megatron's f (gradient summed over tp) and their output rows its g (partial
+    sums all-reduced) before the combine, so the router's gradient is exact; None: whole.
     Weights: the router and shared experts whole on every member, w1/w3/w2 the E/ep local
     experts. `last_tokens_per_expert`: rows each local expert computed in the last forward;
     `last_routed`: this rank's tokens per expert (all E) in that forward. With ep > 1 it
@@ -205,7 +209,7 @@ class MoE(SparseMoE):
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *, ep=None,
-                 aux_group=None, **options):
+                 aux_group=None, tp: AxisGroup | None = None, **options):
         ep = axis_group(ep)
         size = 1 if ep is None else ep.size
         if experts % size:
@@ -214,6 +218,7 @@ class MoE(SparseMoE):
         super().__init__(hidden, ffn, experts, top_k, local_experts=experts // size, **options)
         self.ep = ep
         self.aux_group = ep if aux_group is None else axis_group(aux_group)
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.first_expert = 0 if ep is None else ep.rank * (experts // size)
         self.last_routed: torch.Tensor | None = None
         # under a pipeline: the step's statistics over its micro-batches (ScheduleBalance)
@@ -234,6 +239,12 @@ class MoE(SparseMoE):
                  for k, v in full.state_dict().items()}
         out.load_state_dict(state)
         return out
+
+    def enter_experts(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else copy_to_region(x, self.tp)
+
+    def leave_experts(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.tp is None else reduce_from_region(y, self.tp)
 
     def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if is_eager(xs):

@@ -55,18 +55,25 @@ class MoESpec:
     fused: bool = False
     returns_aux: bool = False  # forward(x, return_aux=True) gives the balance loss too
 
-    def kernel(self, ep: AxisGroup | None = None, aux_group: AxisGroup | None = None) -> MoE:
+    def kernel(self, ep: AxisGroup | None = None, aux_group: AxisGroup | None = None,
+               tp: AxisGroup | None = None) -> MoE:
         """The kernel module on meta: its weights are always passed in (`run`)."""
         with torch.device("meta"):
             return MoE(self.hidden, self.ffn, self.experts, self.top_k, ep=ep,
-                       aux_group=aux_group, score=self.score, normalize=self.normalize,
-                       shared_ffn=self.shared_ffn)
+                       aux_group=aux_group, tp=tp, score=self.score,
+                       normalize=self.normalize, shared_ffn=self.shared_ffn)
+
+    def splits_over(self, size: int) -> bool:
+        """Whether every expert's FFN width (and the shared expert's) splits over `size`."""
+        return self.ffn % size == 0 and self.shared_ffn % size == 0
 
     def kernel_weights(self, gate, experts, shared) -> dict[str, torch.Tensor]:
         """The kernel's parameter names -> the tensors the op was given."""
         if self.fused:
             w13, w2 = experts
-            w1, w3 = w13.chunk(2, dim=1)  # (E, 2F, H): gate rows, then up rows
+            # (E, 2F, H): gate rows, then up rows (a tp rank's slice: its gate rows, then its
+            # up rows; the layout S(tp)x2 cuts the two blocks separately)
+            w1, w3 = w13.chunk(2, dim=1)
         else:
             w1, w3, w2 = experts
         out = {"gate.weight": gate, "w1": w1, "w3": w3, "w2": w2}
@@ -174,11 +181,18 @@ def find_moe_layers(model: nn.Module) -> dict[str, MoESpec]:
 
 
 def expert_layers(model: nn.Module, plan) -> dict[str, MoESpec]:
-    """The MoE layers the engine splits over the plan's ep axis ({} when ep is 1, where
-    every rank keeps every expert and the model's own code runs), each checked against the
-    plan in one sentence."""
-    if plan is None or plan.ep == 1:
+    """The MoE layers the engine runs as its kernel: split over the plan's ep axis, or with
+    ep 1 under a 1D tensor axis (their experts split over tp, `Plan.splits_experts`), each
+    checked against the plan in one sentence. {} otherwise, where every rank keeps every
+    expert and the model's own code runs, as it does, with ep 1, for an MoE module the kernel
+    does not compute (MoELayerError)."""
+    if plan is None or not plan.splits_experts():
         return {}
+    if plan.ep == 1:
+        try:
+            return find_moe_layers(model)
+        except MoELayerError:
+            return {}
     layers = find_moe_layers(model)
     if not layers:
         raise PlanError(f"the plan splits experts over ep={plan.ep} ranks but "
@@ -253,14 +267,17 @@ def _stand_in(module: nn.Module, spec: MoESpec, key: int):
 
 class ExpertLayer(Bound):
     """An `autopar::moe` node of a rewritten graph: the kernel with its experts split over
-    the ep axis and its balance loss over the data ranks. forward(x, gate, *experts,
-    *shared) -> (out, loss). `routed` and `computed` add up the routing of the forwards
-    since `reset_load` (every micro-batch of a step): this rank's token-expert assignments
-    per expert [E], and the rows its own experts computed [E/ep]."""
+    the ep axis (and, with `tensor` an axis, each expert's FFN width over it) and its balance
+    loss over the data ranks. forward(x, gate, *experts, *shared) -> (out, loss). `routed`
+    and `computed` add up the routing of the forwards since `reset_load` (every micro-batch
+    of a step): this rank's token-expert assignments per expert [E], and the rows its own
+    experts computed [E/ep]."""
 
-    def __init__(self, spec: MoESpec, name: str, with_aux: bool, layer: str | None = None):
+    def __init__(self, spec: MoESpec, name: str, with_aux: bool, layer: str | None = None,
+                 tensor: str | None = None):
         super().__init__(EP)
         self.spec, self.name, self.with_aux = spec, name, with_aux
+        self.tensor = tensor  # the axis each expert's FFN width is split over, or None
         self.layer = layer  # the analysed layer it belongs to (where its bytes are counted)
         self.runs = 0  # forwards since reset_load (a pipeline's micro-batches)
         # kept out of the module tree: its meta weights are never used (the graph passes them)
@@ -273,10 +290,13 @@ class ExpertLayer(Bound):
 
     def bind(self, groups: dict[str, AxisGroup]) -> None:
         super().bind(groups)
-        self.__dict__["kernel"] = self.spec.kernel(self.group, groups[DP])
+        tp = groups[self.tensor] if self.tensor is not None else None
+        self.__dict__["kernel"] = self.spec.kernel(self.group, groups[DP], tp)
 
     def extra_repr(self) -> str:
-        return f"{self.name}, experts={self.spec.experts}, top_k={self.spec.top_k}, axis={EP}"
+        tensor = f", tensor={self.tensor}" if self.tensor is not None else ""
+        return f"{self.name}, experts={self.spec.experts}, top_k={self.spec.top_k}, " \
+            f"axis={EP}{tensor}"
 
     def reset_load(self) -> None:
         """Forget the routing counted so far (the engine calls it as a step begins)."""

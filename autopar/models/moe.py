@@ -233,15 +233,27 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add(
             0, flat, torch.ones_like(flat))
-        ys = self.run_experts(x.index_select(0, order // k), counts)  # (T*k, H) by expert
+        xe = self.enter_experts(x)
+        ys = self.leave_experts(self.run_experts(xe.index_select(0, order // k), counts))
         y = ys.index_select(0, torch.argsort(order)).view(-1, k, shape[-1])  # (T, k, H)
         out = (y.float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
+            shared = self.leave_experts(self.shared_expert(self.enter_experts(x)))  # (T, H)
+            out = out + torch.sigmoid(self.shared_gate(x)) * shared
         out = out.view(shape)
         if not return_aux:
             return out
         return out, self.balance_loss(routing)
+
+    def enter_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens as the experts (routed or shared) read them: x itself on one device (the
+        kernel's tensor-parallel experts sum its gradient over their ranks here)."""
+        return x
+
+    def leave_experts(self, y: torch.Tensor) -> torch.Tensor:
+        """The experts' output rows before the combine: y itself on one device (the kernel's
+        tensor-parallel experts all-reduce their partial sums here)."""
+        return y
 
     def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts on rows grouped by expert: xs [T*k, H], counts [E] -> [T*k, H]."""

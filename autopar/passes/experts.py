@@ -1,6 +1,7 @@
 """Expert parallelism in a traced graph: the `autopar::moe` nodes the engine's trace leaves in
 place of a model's MoE modules (autopar.kernels.moe_layers.opaque_moe) become `ExpertLayer`
-modules, the kernel that dispatches tokens to their experts' ranks over the ep axis."""
+modules, the kernel that dispatches tokens to their experts' ranks over the ep axis and
+sums the partial rows of experts split over tp."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.kernels.moe_layers import MOE_OP, ExpertLayer, spec_for
 from autopar.modes import GPIPE
+from autopar.passes.tensor_parallel import SPLIT_EXPERTS
 
 
 def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -47,15 +49,17 @@ def with_balance_loss(gm: fx.GraphModule) -> bool:
 
 def place_expert_layers(gm: fx.GraphModule) -> fx.GraphModule:
     """Each `autopar::moe` node -> a call of its own `ExpertLayer` (moe_0, moe_1, ... in
-    graph order) with the same inputs and the same (out, loss) output; requires nothing,
-    ensures no `autopar::moe` node is left."""
+    graph order) with the same inputs and the same (out, loss) output, its experts split
+    over the tensor axis the rewrite recorded (node.meta[SPLIT_EXPERTS]) if any; requires
+    nothing, ensures no `autopar::moe` node is left."""
     for i, node in enumerate(moe_nodes(gm)):
         x, gate, experts, shared, key, with_aux = node.args
         name = f"moe_{i}"
         where = node.meta.get("autopar_module") or name  # the MoE module's path
         info = node.meta.get("autopar")
         gm.add_submodule(name, ExpertLayer(spec_for(key), where, with_aux,
-                                           getattr(info, "layer", None)))
+                                           getattr(info, "layer", None),
+                                           node.meta.get(SPLIT_EXPERTS)))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (x, gate, *experts, *shared))
         call.meta = dict(node.meta)

@@ -23,6 +23,7 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
 from autopar.passes.tensor_parallel import clone_graph_module
+from autopar.sharding.strategy import Rewrite
 
 aten = torch.ops.aten
 
@@ -237,7 +238,10 @@ def comm_factors(solution, dtype: torch.dtype | None) -> list[tuple[object, Frac
         for t in solution.transitions:
             if t.consumers[0] is node:
                 out.extend((c, of(c, t.producer, node)) for c in t.comm)
-        out.extend((c, of(c, node, node)) for c in strategy.comm)
+        # an MoE layer's expert all-reduces move rows of its tokens' dtype (its output is a
+        # tuple, which has none)
+        moved = node.args[0] if strategy.rewrite is Rewrite.TENSOR_EXPERTS else node
+        out.extend((c, of(c, moved, node)) for c in strategy.comm)
     out.extend((c, of(c, t.producer, t.producer)) for t in solution.transitions
                if t.consumers[0].op == "output" for c in t.comm)
     return out

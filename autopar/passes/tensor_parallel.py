@@ -247,6 +247,15 @@ def _stream_attention(site: Site) -> None:
     site.node.op, site.node.target = "call_module", name
 
 
+SPLIT_EXPERTS = "autopar_split_experts"  # node.meta key: the axis an MoE op's experts split over
+
+
+def _tensor_experts(site: Site) -> None:
+    """The op runs on its weights' slices as they are; the expert pass reads the axis its
+    kernel sums the experts' partial rows over (autopar.passes.experts)."""
+    site.node.meta[SPLIT_EXPERTS] = site.solution.axis
+
+
 REWRITES: dict[Rewrite, Callable[[Site], None]] = {
     Rewrite.LOCAL_SIZES: _local_sizes_site,
     Rewrite.ROW_LINEAR: _row_linear_site,
@@ -261,6 +270,7 @@ REWRITES: dict[Rewrite, Callable[[Site], None]] = {
     Rewrite.SEQUENCE_ATTENTION: _sequence_attention,
     Rewrite.STREAM_DROPOUT: _stream_dropout,
     Rewrite.STREAM_ATTENTION: _stream_attention,
+    Rewrite.TENSOR_EXPERTS: _tensor_experts,
 }
 LATE = frozenset({Rewrite.GLOBAL_SIZE})  # run once every other op is rewritten
 

@@ -154,6 +154,12 @@ class Plan:
                             f"({self.mesh[DP]} x {self.mesh[CP]} = {data}) that hold the experts; "
                             f"choose an expert size dividing {data}.")
 
+    def splits_experts(self) -> bool:
+        """Whether the engine runs a model's MoE layers as autopar's kernel: over an ep axis,
+        or, with ep 1, under a 1D tensor axis (not beside cp) that splits each expert."""
+        return self.ep > 1 or (self.mesh[TP] > 1 and self.tp_mode == TP_1D and
+                               self.mesh[CP] == 1)
+
     def check_experts(self, experts: int, top_k: int, where: str = "the model") -> None:
         """An MoE layer of `experts` experts, `top_k` per token, under this plan's ep."""
         if not 1 <= top_k <= experts:

@@ -6,20 +6,24 @@ from __future__ import annotations
 from autopar.cost import experts as moe_cost
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import StateCost
-from autopar.modes import CP
+from autopar.modes import CP, TP, TP_1D
 
 
 def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[int],
                   m: int, b: int) -> dict | None:
     """The `experts` object of the report (None for a dense model): per MoE layer kind its
-    experts, those each rank holds, the rows each expert computes per micro-batch under
+    experts, those each rank holds (and over how many tensor ranks each is split), the rows each expert computes per micro-batch under
     balanced routing and on the busiest rank (times the measured imbalance), and per step
     on the slowest pipeline rank the all-to-alls and their bytes and seconds."""
     moe_layers = [i for i, lt in enumerate(chain.layers()) if lt.experts is not None]
     if not moe_layers:
         return None
     ep, cp = plan.ep, plan.mesh[CP]
-    moe = chain.layers()[moe_layers[0]].experts
+    first = chain.layers()[moe_layers[0]]
+    moe, tp = first.experts, plan.mesh[TP]
+    # the tensor ranks each expert's FFN is split over (1D tensor parallelism), else 1
+    split = first.sharded[tp].expert_split if plan.tp_mode == TP_1D and tp in first.sharded \
+        else 1
     balanced = moe_cost.tokens_per_expert(moe, b, cp, ep)
     imbalance = moe_cost.imbalance_of(moe, b, cp, ep)
     on_slow = [i for i in slow if i in set(moe_layers)]
@@ -30,7 +34,7 @@ def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[in
         # transformer blocks with a dense feed-forward (DeepSeek-V3's first three): priced
         # with no all-to-all and no expert memory
         "dense_layers": sum(1 for lt in chain.layers() if lt.attention and lt.experts is None),
-        "experts_per_rank": moe.count // ep,
+        "experts_per_rank": moe.count // ep, "expert_tensor_split": split,
         "tokens_per_expert_per_microbatch": balanced,
         "tokens_per_expert_busiest": balanced * imbalance,
         "routing_imbalance": imbalance,
@@ -56,6 +60,8 @@ def expert_lines(data: dict) -> list[str]:
         return []
     head = (f"  experts     {e['experts']} per MoE layer (top-{e['top_k']}) over ep={e['ep']}: "
             f"{e['experts_per_rank']} per rank")
+    if e.get("expert_tensor_split", 1) > 1:
+        head += f", each split over tp={e['expert_tensor_split']} (its FFN width)"
     if e.get("dense_layers"):
         head += (f"; {e['moe_layers']} MoE layers, {e['dense_layers']} dense layers (no "
                  "experts, no all-to-all)")

@@ -234,7 +234,8 @@ def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:
         sharded = lt.sharded.get(tp if mode.name == TP_1D else 1)
         comm = []
         if sharded is not None and mode.name == TP_1D and tp > 1:
-            for op, phase, nbytes in sharded.comm:
+            split = sharded.expert_comm if plan.mesh[CP] == 1 else []  # (whole beside cp)
+            for op, phase, nbytes in sharded.comm + split:
                 shown = op if not (sp == MEGATRON_SP and op == "all_reduce" and lt.is_block) else \
                     "reduce_scatter+all_gather"
                 comm.append({"op": shown, "axis": TP, "phase": phase, "bytes": int(nbytes(b))})

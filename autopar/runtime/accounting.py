@@ -63,7 +63,8 @@ def _dispatch(engine) -> dict[tuple[str, str, str], int]:
             continue
         layer, experts = m.layer or STEP, m.spec.experts
         rows = int(m.routed.sum() + m.computed.sum()) * m.spec.hidden * itemsize
-        add("all_to_all", EP, layer, m.runs * experts * 8 + 2 * rows)
+        if m.group.size > 1:  # (experts split over tp alone: no dispatch)
+            add("all_to_all", EP, layer, m.runs * experts * 8 + 2 * rows)
         if m.with_aux:
             add("all_reduce", DP, layer, 2 * m.runs * (2 * experts + 1) * 4)
     return out

@@ -72,13 +72,13 @@ class Engine(nn.Module):
         self.params = ShardedParams(self.mesh, {a: groups[a].rank for a in self.mesh.physical},
                                     model, start)  # start: a meta model's or weights= values
         self.grads = Gradients(self.params, self._dp, self.comm_log)
-        self.moe_layers = expert_layers(model, plan)  # MoE layers split over ep (ep > 1)
+        self.moe_layers = expert_layers(model, plan)  # MoE layers over ep or 1D tp
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
             start.expect_zero(plan.zero, self._dp, self._pp.size,
-                              groups[EDP] if self.moe_layers else None)
+                              groups[EDP] if self.moe_layers and plan.ep > 1 else None)
             # a pipeline rank makes only its stages' slices, once the stages are cut
             self.params.defer = self._pp.size > 1
         self.forward_graph = forward_graph if forward_graph is not None else \
@@ -86,7 +86,7 @@ class Engine(nn.Module):
         # a training engine's balance loss under a pipeline: checked before any graph is cut
         if self.moe_layers and self._pp.size > 1 and loss_fn is not None:
             check_balance_loss(self.forward_graph.gm, plan.pipeline.schedule)
-        if self.moe_layers:  # experts' stacked weights: this rank's E/ep of them
+        if self.moe_layers and plan.ep > 1:  # experts' stacked weights: this rank's E/ep
             graph = self.forward_graph
             self.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
                                       groups[EP])
@@ -310,13 +310,14 @@ class Engine(nn.Module):
         on this rank: `routed`, this rank's token-expert assignments per expert (all E;
         summed over the data ranks, the step's tokens per expert), `computed`, the rows this
         rank's experts ran (E/ep, from `first_expert` on), over all micro-batches. Empty
-        without an ep axis."""
+        where the model's own MoE code runs (no ep axis and no 1D tensor axis)."""
         return {m.name: {"routed": m.routed.tolist(), "computed": m.computed.tolist(),
                          "first_expert": m.kernel.first_expert}
                 for m in self.expert_layers() if m.routed is not None}
 
     def expert_layers(self) -> list[ExpertLayer]:
-        """The ExpertLayer modules of this rank's graphs (none without an ep axis)."""
+        """The ExpertLayer modules of this rank's graphs (none where the model's own MoE
+        code runs)."""
         graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
         return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 

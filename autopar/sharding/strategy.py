@@ -66,6 +66,7 @@ class Rewrite(str, Enum):
     SEQUENCE_ATTENTION = "sequence_attention"  # ring or Ulysses attention over cp
     STREAM_DROPOUT = "stream_dropout"  # dropout on the random stream its layout calls for
     STREAM_ATTENTION = "stream_attention"  # attention dropout on that stream
+    TENSOR_EXPERTS = "tensor_experts"  # an MoE layer whose experts' FFN is split over tp
 
 
 @dataclass

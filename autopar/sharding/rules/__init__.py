@@ -10,7 +10,7 @@
     views      views and reshapes
     grid       2D, 2.5D and 3D linears, norms, embeddings and loss
     tokens     per-token ops whose input is split on tokens over cp
-    experts    MoE layers and grouped expert matmuls: whole on every tensor rank
+    experts    MoE layers: each expert's FFN split over 1D tp (grouped matmuls whole)
 
 Importing this package imports every module in it, so each family's `decides` rows are in
 the tables before the catalog reads them: a new family is a new file here, nothing else.
