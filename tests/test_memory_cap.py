@@ -10,7 +10,8 @@ worker reads VmRSS every few milliseconds and ends the process, as an out-of-mem
 would, the moment the worker holds more than its idle resident memory plus the cap; the
 kernel's high-water mark (VmHWM, reset at the start) then checks the peak exactly, spikes
 between two readings included. The idle part (Python, torch, autopar and gloo, 0.33 GB, most
-of it pages shared with the fork server) is the runtime's, whatever the model.
+of it pages shared with the fork server, and what a tiny model's start and step load once
+per process, about 0.06 GB more) is the runtime's, whatever the model.
 """
 
 import functools
@@ -24,7 +25,7 @@ from distributed import DistPool
 
 # 0.40 GB of fp32 weights in 32 layers: a rank's ZeRO-3 pieces and their gradients are
 # half the model; the rest of its peak is one layer's gathered weights, gradients and
-# reduce-scatter buffers (a few layers' worth, so fewer and larger layers pass the cap) and
+# reduce-scatter buffers (a few layers' worth: the more layers, the smaller its share) and
 # the graphs. Measured peaks over idle 0.75x-0.88x of the weights; the cap is 0.95x.
 SPEC = "gpt:layers=32,hidden=512,heads=8,vocab=512,seq=32"
 PLAN = {"data": 4, "zero": {"stage": 3}}
