@@ -94,8 +94,11 @@ class Startup:
                 for other in self._tied.get(name, [name]):
                     if other in key_of and key_of[other] not in out:
                         _, full, layout = wanted[key_of[other]]
-                        out[key_of[other]] = self._local(full, local_slice(
-                            value, layout, coords, mesh).to(self.device))
+                        if self._piece_of_whole(full, layout):  # no whole copy first
+                            out[key_of[other]] = self._local(full, value)
+                        else:
+                            out[key_of[other]] = self._local(full, local_slice(
+                                value, layout, coords, mesh).to(self.device))
                     if other in left:
                         whole[other] = value.clone().to(self.device)
                         left.discard(other)
@@ -123,6 +126,11 @@ class Startup:
                                    .expand(shape))
         self._pieces[id(placeholder)] = piece.to(self.device)
         return placeholder
+
+    def _piece_of_whole(self, full: torch.Tensor, layout) -> bool:
+        """Whether this rank keeps a ZeRO-3 piece of a parameter no tensor axis splits."""
+        return self.pieces_of is not None and isinstance(full, nn.Parameter) and \
+            full.requires_grad and (layout is None or layout.is_replicated)
 
     def _piece_rows(self, full: torch.Tensor, runs: list) -> tuple[int, int, int, int] | None:
         """Under ZeRO-3, for a trained parameter this rank holds whole (no tensor split):
