@@ -114,9 +114,11 @@ class Engine(nn.Module):
             self.optimizer = self.grads.with_norms(
                 optimizer(self.params.parameters()) if optimizer is not None else None)
         elif self._pp.size == 1:  # a pipeline rank shards the parameters of its stages
-            self._make_zero(self.params.parameters())
+            # a start's ZeRO-3 pieces become the shards (no second copy of them)
+            pieces = start.take_pieces() if start is not None else None
+            self._make_zero(self.params.parameters(), pieces=pieces)
             if start is not None:
-                start.fill_pieces(self.zero)
+                start.check_pieces(pieces)
 
     # ------------------------------------------------------------------ building
     @staticmethod
@@ -218,12 +220,13 @@ class Engine(nn.Module):
 
             adopt_held_optimizer(self)
 
-    def _make_zero(self, params, stages=None) -> None:
+    def _make_zero(self, params, stages=None, pieces=None) -> None:
         """ZeRO: the optimizer runs on this rank's 1/dp of every parameter (`stages`: each
-        pipeline stage's parameters, for stage 2's per-micro-batch reduction)."""
+        pipeline stage's parameters, for stage 2's per-micro-batch reduction; `pieces`:
+        ZeRO-3's pieces a start made, adopted as they are)."""
         self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._dp,
                                                 self._optimizer_factory, self.compute_dtype,
-                                                stages, experts=self.grads)
+                                                stages, experts=self.grads, pieces=pieces)
         if self.zero.stage == 3:  # the graphs gather each layer's parameters
             self.zero.rewrite(self.forward_gm)
         self.optimizer = self.grads.with_norms(self.zero.optimizer)

@@ -15,7 +15,7 @@ from autopar.passes.tensor_parallel import local_slice
 from autopar.runtime.checkpoint import _agree, _rank, _runs, expert_runs
 from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
 from autopar.runtime.gradients import zero_sharded
-from autopar.runtime.host_memory import trim
+from autopar.runtime.host_memory import give_back_large_frees, trim
 from autopar.runtime.materialize import iter_initial_values
 from autopar.runtime.weights import model_entries, open_weights, stored_layouts
 
@@ -45,6 +45,7 @@ class Startup:
 
     def __init__(self, model: nn.Module, source, seed: int | None, device: torch.device):
         self.model, self.source, self.seed, self.device = model, source, seed, device
+        give_back_large_frees()  # a model that need not fit: layer-sized frees given back
         self._rng = torch.random.get_rng_state() if seed is None else None
         self._replays = 0
         self.pieces_of: tuple[int, int] | None = None  # ZeRO-3's (dp size, dp rank) ...
@@ -71,11 +72,23 @@ class Startup:
                 cut = experts.get(key)
                 if names[0] in self.source:
                     runs = _runs(layout, mesh, coords, tuple(full.shape))
+                    rows = None if cut is not None else self._piece_rows(full, runs)
                     if cut is not None:  # only this rank's experts are read
                         runs = expert_runs(runs, *cut)
-                    grid = [[slice(g, g + n) for g, n in dim] for dim in runs]
-                    value = self.source.read_grid(names[0], grid, full.dtype)
-                    out[key] = self._local(full, value.to(self.device), cut is not None)
+                        grid = [[slice(g, g + n) for g, n in dim] for dim in runs]
+                        value = self.source.read_grid(names[0], grid, full.dtype)
+                        out[key] = self._local(full, value.to(self.device), True)
+                    elif rows is not None:  # ZeRO-3 of a whole tensor: its piece's rows only
+                        first, last, skip, length = rows
+                        value = self.source.read(names[0], (slice(first, last),), full.dtype)
+                        out[key] = self._keep_piece(
+                            full, full.shape, value.reshape(-1)[skip:skip + length].clone())
+                    else:
+                        grid = [[slice(g, g + n) for g, n in dim] for dim in runs]
+                        value = self.source.read_grid(names[0], grid, full.dtype)
+                        out[key] = self._local(full, value.to(self.device))
+                    del value
+                    self.source.release()  # the file pages it mapped: not kept resident
                 elif not full.is_meta:  # a real model's own buffer
                     out[key] = _like(full, _own_rows(local_slice(full, layout, coords, mesh),
                                                      cut).to(self.device))
@@ -96,9 +109,12 @@ class Startup:
                     if other in key_of and key_of[other] not in out:
                         _, full, layout = wanted[key_of[other]]
                         cut = experts.get(key_of[other])
-                        out[key_of[other]] = self._local(full, _own_rows(local_slice(
-                            value, layout, coords, mesh), cut).to(self.device),
-                            cut is not None)
+                        if cut is None and self._piece_of_whole(full, layout):  # no whole copy
+                            out[key_of[other]] = self._local(full, value)
+                        else:
+                            out[key_of[other]] = self._local(full, _own_rows(local_slice(
+                                value, layout, coords, mesh), cut).to(self.device),
+                                cut is not None)
                     if other in left:
                         whole[other] = value.clone().to(self.device)
                         left.discard(other)
@@ -120,10 +136,33 @@ class Startup:
         size, rank = self.expert_pieces_of if expert else self.pieces_of
         flat = value.to(full.dtype).reshape(-1)
         k = -(-flat.numel() // size)
+        return self._keep_piece(full, value.shape, flat[rank * k:rank * k + k].clone())
+
+    def _keep_piece(self, full: torch.Tensor, shape, piece: torch.Tensor) -> nn.Parameter:
+        """A placeholder of the local `shape` that holds no data; `piece` kept beside it."""
         placeholder = nn.Parameter(torch.zeros((), dtype=full.dtype, device=self.device)
-                                   .expand(value.shape))
-        self._pieces[id(placeholder)] = flat[rank * k:rank * k + k].clone()
+                                   .expand(shape))
+        self._pieces[id(placeholder)] = piece.to(self.device)
         return placeholder
+
+    def _piece_of_whole(self, full: torch.Tensor, layout) -> bool:
+        """Whether this rank keeps a ZeRO-3 piece of a parameter no tensor axis splits."""
+        return self.pieces_of is not None and isinstance(full, nn.Parameter) and \
+            full.requires_grad and (layout is None or layout.is_replicated)
+
+    def _piece_rows(self, full: torch.Tensor, runs: list) -> tuple[int, int, int, int] | None:
+        """Under ZeRO-3, for a trained parameter this rank holds whole (no tensor split):
+        (first row, end row, elements to skip in them, piece length), so that a read of
+        those rows of dim 0 holds this rank's piece and not the whole tensor."""
+        if self.pieces_of is None or not (isinstance(full, nn.Parameter) and full.requires_grad) \
+                or full.dim() == 0 or any(dim != [(0, n)] for dim, n in zip(runs, full.shape)):
+            return None
+        size, rank = self.pieces_of
+        numel, row = full.numel(), full[0].numel()
+        k = -(-numel // size)
+        start, end = min(rank * k, numel), min(rank * k + k, numel)
+        first, last = start // row, max(-(-end // row), start // row)
+        return first, last, start - first * row, end - start
 
     def expect_zero(self, plan_zero, dp, pp_size: int, edp=None) -> None:
         """ZeRO-3 made at the engine's start (no pipeline): keep only this rank's pieces,
@@ -133,18 +172,19 @@ class Startup:
             if edp is not None:
                 self.expert_pieces_of = (edp.size, edp.rank)
 
-    def fill_pieces(self, zero) -> None:
-        """Write the pieces kept aside into ZeRO-3's shards (made from the placeholders)."""
-        if self.pieces_of is None:
-            return
-        for i, p in enumerate(zero.params):
-            piece = self._pieces.pop(id(p), None)
-            if piece is not None:
-                zero.shards[i].data.copy_(piece)
-        if self._pieces:
-            raise WeightsError(f"{len(self._pieces)} parameters of the meta start have no "
+    def take_pieces(self) -> dict[int, torch.Tensor]:
+        """The pieces kept aside (id(placeholder) -> this rank's piece), handed to ZeRO-3,
+        which adopts each as its shard (`check_pieces` then refuses any left over)."""
+        pieces, self._pieces, self.pieces_of = self._pieces, {}, None
+        self.expert_pieces_of = None
+        return pieces
+
+    @staticmethod
+    def check_pieces(pieces: dict) -> None:
+        """Every piece the start made has become a ZeRO-3 shard."""
+        if pieces:
+            raise WeightsError(f"{len(pieces)} parameters of the meta start have no "
                                "ZeRO-3 piece; start the model without ZeRO-3.")
-        self.pieces_of = self.expert_pieces_of = None
 
     def _replay(self):
         """The initial values, the same on every call (a later graph may need more)."""

@@ -247,6 +247,10 @@ class WeightSource(abc.ABC):
         default (a mapping holds no file)."""
         return None
 
+    def release(self) -> None:
+        """Let go of what reads have mapped (the source stays usable); nothing by default."""
+        return None
+
     def __enter__(self) -> WeightSource:
         return self
 
@@ -288,6 +292,11 @@ class SafetensorsSource(WeightSource):
         return [sl[b] for b in blocks]
 
     def close(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        """Unmap the files (reopened at the next read): the pages a read touched count as
+        this process's resident memory while their map is open."""
         self._open.clear()
 
 

@@ -41,7 +41,8 @@ class ZeroThree:
 
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
                  offload: bool = False, compute_dtype: torch.dtype | None = None,
-                 divisor: int = 1, prefix: str = "zero3_gather"):
+                 divisor: int = 1, prefix: str = "zero3_gather",
+                 pieces: dict[int, torch.Tensor] | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
         self.prefix = prefix  # of its gather modules' names in a graph
@@ -52,11 +53,23 @@ class ZeroThree:
         self.total = sum(self.chunks)
         r = dp.rank
         self.lengths = [max(0, min(k, n - r * k)) for n, k in zip(self.numels, self.chunks)]
-        # this rank's pieces own their storage; the whole local parameters are emptied
+        # this rank's pieces own their storage; the whole local parameters are emptied.
+        # `pieces` (id(parameter) -> this rank's piece, made by a start from meta or
+        # weights= beside a placeholder that holds no values) become the shards themselves,
+        # popped from the mapping: no second copy, and no placeholder made whole
         self.offload = offload  # pieces, optimizer and its step on the host
         own = host_copy if offload else torch.clone
-        self.shards = [nn.Parameter(own(p.detach().reshape(-1)[r * k:r * k + length]))
-                       for p, k, length in zip(self.params, self.chunks, self.lengths)]
+        pieces = {} if pieces is None else pieces
+        self.shards = []
+        for p, k, length in zip(self.params, self.chunks, self.lengths):
+            piece = pieces.pop(id(p), None)
+            if piece is None:
+                piece = own(p.detach().reshape(-1)[r * k:r * k + length])
+            elif piece.numel() != length:
+                raise ValueError(f"a ZeRO-3 piece of {piece.numel()} elements for {length}")
+            elif offload:
+                piece = host_copy(piece)
+            self.shards.append(nn.Parameter(piece))
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
         # mixed precision: layers are gathered in the compute dtype (half the bytes; the
         # graph's cast of a gathered parameter is then the same tensor, which the saved-

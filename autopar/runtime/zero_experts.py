@@ -16,17 +16,18 @@ from autopar.runtime.zero3 import ZeroThree
 
 
 def expert_zero(plan_zero, params, dp, edp, ep: int, is_expert, factory, compute_dtype,
-                stages=None):
+                stages=None, pieces=None):
     """The ZeRO state of a plan's stage with the experts (`is_expert`) cut over `edp`
-    (`stages`: under a pipeline, each of this rank's stages' parameters, for stage 2)."""
+    (`stages`: under a pipeline, each of this rank's stages' parameters, for stage 2;
+    `pieces`: ZeRO-3's pieces a start made, each part adopting its own)."""
     params = list(params)
     rest = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]
     if plan_zero.stage == 3:
         return ExpertDataZeroThree(
-            ZeroThree(rest, dp, None, plan_zero.offload, compute_dtype),
+            ZeroThree(rest, dp, None, plan_zero.offload, compute_dtype, pieces=pieces),
             ZeroThree(experts, edp, None, plan_zero.offload, compute_dtype, divisor=ep,
-                      prefix="zero3_experts_gather"), factory)
+                      prefix="zero3_experts_gather", pieces=pieces), factory)
     return ExpertDataZero(
         ShardedOptimizerState(rest, dp, None, plan_zero.stage, offload=plan_zero.offload,
                               stages=stages),
