@@ -12,9 +12,13 @@ PP, DP, CP, TP = "pp", "dp", "cp", "tp"
 AXES = (PP, DP, CP, TP)  # the world's factorisation: their sizes multiply to the world
 ORDER = (TP, CP, DP, PP)
 # The expert axis is no factor of the world: MoE experts are split over ep ranks that lie
-# inside the data ranks (Megatron-Core, DeepSpeed-MoE), neighbours first; the data ranks that
-# hold the same experts form the expert-data axis, over which expert gradients are averaged.
+# inside the data x context ranks (Megatron-Core, DeepSpeed-MoE), neighbours first; the ranks
+# that hold the same experts form the expert-data axis, over which expert gradients are
+# averaged.
 EP, EDP = "ep", "edp"
+# No axis either: the group of the dp x cp ranks that split the tokens (the MoE balance
+# loss's statistics are summed over it; its collectives are logged on axis dp).
+TOKENS = "dp_cp"
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class Capabilities:
     tp_depth: int | None = None  # the one 2.5D depth a plan's grid layers take (None: any)
     expert: bool = True  # an ep axis: MoE experts split over data ranks
     expert_with_cp: bool = True  # ep beside a cp axis (ep dividing dp x cp)
+    expert_cp_extras: bool = True  # tensor, pipeline or ZeRO beside both ep and cp
     expert_zero: tuple[int, ...] = ZERO_STAGES  # ZeRO stages that run beside an ep axis
     expert_with_pp: bool = True  # ep beside a pipeline
     expert_zero_with_pp: tuple[int, ...] = ZERO_STAGES  # ZeRO stages beside ep and a pipeline
@@ -111,7 +116,7 @@ RUNTIME = Capabilities(
     # without a pipeline a replica's batch runs in one pass: micro-batches (and ZeRO-2/3's
     # per-micro-batch collectives) come with pp > 1 only
     accumulation=False,
-    expert_with_cp=False,  # the expert group lies inside dp alone
+    expert_cp_extras=False,  # ep beside cp runs with dp and cp alone
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
     expert_zero_with_pp=(0, 1, 2, 3),

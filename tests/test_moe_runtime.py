@@ -3,8 +3,9 @@
 The zoo's moe-tiny (with its balance loss in the objective; also with a dense first block
 and a shared expert, as DeepSeek-V3's) and transformers' Mixtral and
 Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 5
-AdamW steps, at expert 2 and 4 with data and tensor parallelism, ZeRO 1-3 and pipelines (the
-balance loss under gpipe); the all-to-alls are logged
+AdamW steps, at expert 2 and 4 with data and tensor parallelism, ZeRO 1-3, pipelines (the
+balance loss under gpipe) and beside context parallelism (ep inside dp x cp); the
+all-to-alls are logged
 on axis "ep" with the bytes the step's measured routing implies; each substituted module
 computes what the original does; bad plans are refused in one sentence. Checkpoints of
 split experts (their ZeRO pieces over edp) load under another expert size, without ep and
@@ -218,6 +219,24 @@ def test_qwen2_moe_with_shared_expert_equals_one_device(pool4, plan):
 
 def test_zoo_moe_with_tensor_2_equals_one_device(pool4):
     _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2, 2)
+
+
+# ep beside cp: the ep groups lie inside dp x cp (at expert 2 beside cp 2, one dp rank's cp
+# pair; at 4, all four; beside cp 4, no dp, two ep groups averaged over edp), each rank
+# routes its own tokens of the sequence, the balance loss's statistics are summed over
+# dp x cp
+@pytest.mark.parametrize("plan", [dict(expert=2, sequence=dict(size=2, mode="ring")),
+                                  dict(expert=2, sequence=dict(size=2, mode="ulysses")),
+                                  dict(expert=4, sequence=dict(size=2, mode="ring")),
+                                  dict(expert=2, sequence=dict(size=4, mode="ring"))])
+def test_zoo_moe_beside_cp_equals_one_device(pool4, plan):
+    _check(pool4.run(_train, "moe-tiny", plan), 64, plan["expert"])
+
+
+@pytest.mark.parametrize("plan", [dict(expert=2, sequence=dict(size=2, mode="ring")),
+                                  dict(expert=4, sequence=dict(size=2, mode="ulysses"))])
+def test_mixtral_beside_cp_equals_one_device(pool4, plan):
+    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"])
 
 
 # experts split over tp alone (no ep axis): the same kernel, nothing dispatched
@@ -745,9 +764,31 @@ def test_zero_beside_experts_and_a_pipeline_runs():
 
     zeros = [(z, False) for z in (0, 1, 2, 3)]
     assert Space.expert_zero_options(SimpleNamespace(caps=RUNTIME), {"pp": 2}, zeros) == zeros
-    assert Plan.from_dict(dict(expert=2, sequence=2), 4).unsupported() == [
+    assert Space.expert_zero_options(SimpleNamespace(caps=RUNTIME), {"pp": 1, "cp": 2},
+                                     zeros) == zeros[:1]
+
+
+def test_experts_beside_cp_run_with_data_and_sequence_ranks_alone():
+    from types import SimpleNamespace
+
+    from autopar.modes import RUNTIME, Capabilities
+    from autopar.search.space import Space
+
+    for ep in (2, 4):
+        assert Plan.from_dict(dict(expert=ep, sequence=2), 4).unsupported() == []
+    extras = ("tensor, pipeline or ZeRO beside both expert parallelism and a cp axis (ep "
+              "beside cp runs with data and sequence ranks alone)")
+    for more in (dict(tensor=2), dict(pipeline=2), dict(zero=dict(stage=1))):
+        plan = Plan.from_dict(dict(expert=2, sequence=2, **more), 8)
+        assert plan.unsupported() == [extras], more
+    assert Plan.from_dict(dict(expert=2, sequence=2), 4).unsupported(
+        Capabilities(expert_with_cp=False)) == [
         "expert parallelism beside a cp axis (the expert groups lie inside dp; use sequence "
         "size 1)"]
+    # the search proposes ep dividing dp x cp beside cp, not beside a tensor axis there
+    space = SimpleNamespace(caps=RUNTIME, expert_counts=lambda: {8}, c=SimpleNamespace(ep=None))
+    assert Space.ep_sizes(space, {"dp": 2, "cp": 2, "tp": 1, "pp": 1}) == [1, 2, 4]
+    assert Space.ep_sizes(space, {"dp": 2, "cp": 2, "tp": 2, "pp": 1}) == [1]
 
 
 def test_per_rank_router_logits_are_refused():

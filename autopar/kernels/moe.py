@@ -74,26 +74,31 @@ class _SumOverBatch(torch.autograd.Function):
     """All-reduce (sum) of statistics over the ranks that split the batch. The backward sums
     the gradients as well: the exact derivative when the objective adds the ranks' losses,
     and, under data parallelism's mean of losses and of gradients, what makes a loss that
-    every rank computes on the global sums get the one-device gradient."""
+    every rank computes on the global sums get the one-device gradient. `replicas`: ranks of
+    the group that each add the same loss to gradients summed over them (cp ranks, whose
+    weights' gradients are summed over cp): the backward's sum is divided by it."""
 
     @staticmethod
-    def forward(ctx, x, g: AxisGroup):
-        ctx.g = g
+    def forward(ctx, x, g: AxisGroup, replicas: int = 1):
+        ctx.g, ctx.replicas = g, replicas
         return g.all_reduce(x.clone(), "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.g.all_reduce(grad.clone(), "backward"), None
+        out = ctx.g.all_reduce(grad.clone(), "backward")
+        return (out / ctx.replicas if ctx.replicas > 1 else out), None, None
 
 
 def global_balance_loss(routing: Routing, group: AxisGroup | None = None,
-                        schedule: ScheduleBalance | None = None) -> torch.Tensor:
+                        schedule: ScheduleBalance | None = None,
+                        replicas: int = 1) -> torch.Tensor:
     """Switch Transformer's balance loss (Fedus et al. 2021, eq. 4) from counts and
     probabilities summed over `group`: the one-device value over the whole batch (with
-    `schedule`, over the micro-batches of a pipeline step too, in its gradient)."""
+    `schedule`, over the micro-batches of a pipeline step too, in its gradient; `replicas`:
+    the cp ranks of a group over dp x cp, see _SumOverBatch)."""
     stats = balance_stats(routing)
     if group is not None:
-        stats = _SumOverBatch.apply(stats, group)
+        stats = _SumOverBatch.apply(stats, group, replicas)
     if schedule is not None:
         return _OverSchedule.apply(stats, schedule)
     return balance_loss(stats)
@@ -197,7 +202,8 @@ class MoE(SparseMoE):
     """Dropless top-k MoE (SwiGLU experts [E, ...]) with its experts split over `ep`.
 
     `ep`: an AxisGroup, a torch process group or None (one device: every expert here).
-    `aux_group`: the ranks the batch is split over, for the balance loss (default: `ep`).
+    `aux_group`: the ranks the batch is split over, for the balance loss (default: `ep`);
+    `aux_replicas`: how many of them hold the same samples (cp ranks splitting their tokens).
     `tp`: an AxisGroup whose ranks each hold 1/tp of every expert's FFN width (w1, w3 rows
     and w2 columns of F; the shared expert's likewise), all with the same tokens: the experts'
     input is Megatron's f (gradient summed over tp) and their output rows its g (partial
@@ -209,7 +215,8 @@ class MoE(SparseMoE):
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *, ep=None,
-                 aux_group=None, tp: AxisGroup | None = None, **options):
+                 aux_group=None, tp: AxisGroup | None = None, aux_replicas: int = 1,
+                 **options):
         ep = axis_group(ep)
         size = 1 if ep is None else ep.size
         if experts % size:
@@ -218,6 +225,7 @@ class MoE(SparseMoE):
         super().__init__(hidden, ffn, experts, top_k, local_experts=experts // size, **options)
         self.ep = ep
         self.aux_group = ep if aux_group is None else axis_group(aux_group)
+        self.aux_replicas = aux_replicas
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.first_expert = 0 if ep is None else ep.rank * (experts // size)
         self.last_routed: torch.Tensor | None = None
@@ -262,4 +270,4 @@ class MoE(SparseMoE):
         return _AllToAllV.apply(yr, ep, recv, send)
 
     def balance_loss(self, routing: Routing) -> torch.Tensor:
-        return global_balance_loss(routing, self.aux_group, self.schedule)
+        return global_balance_loss(routing, self.aux_group, self.schedule, self.aux_replicas)

@@ -26,7 +26,7 @@ from autopar.graph.opaque import MOE_OP_NAME, described, register
 from autopar.kernels.collectives import AxisGroup, Bound
 from autopar.kernels.moe import MoE
 from autopar.models.moe import SOFTMAX, SparseMoE
-from autopar.modes import DP, EP
+from autopar.modes import CP, DP, EP, TOKENS
 
 _SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' SiLU modules
 
@@ -56,11 +56,11 @@ class MoESpec:
     returns_aux: bool = False  # forward(x, return_aux=True) gives the balance loss too
 
     def kernel(self, ep: AxisGroup | None = None, aux_group: AxisGroup | None = None,
-               tp: AxisGroup | None = None) -> MoE:
+               tp: AxisGroup | None = None, aux_replicas: int = 1) -> MoE:
         """The kernel module on meta: its weights are always passed in (`run`)."""
         with torch.device("meta"):
             return MoE(self.hidden, self.ffn, self.experts, self.top_k, ep=ep,
-                       aux_group=aux_group, tp=tp, score=self.score,
+                       aux_group=aux_group, tp=tp, aux_replicas=aux_replicas, score=self.score,
                        normalize=self.normalize, shared_ffn=self.shared_ffn)
 
     def splits_over(self, size: int) -> bool:
@@ -268,7 +268,7 @@ def _stand_in(module: nn.Module, spec: MoESpec, key: int):
 class ExpertLayer(Bound):
     """An `autopar::moe` node of a rewritten graph: the kernel with its experts split over
     the ep axis (and, with `tensor` an axis, each expert's FFN width over it) and its balance
-    loss over the data ranks. forward(x, gate, *experts, *shared) -> (out, loss). `routed`
+    loss over the data (x cp) ranks. forward(x, gate, *experts, *shared) -> (out, loss). `routed`
     and `computed` add up the routing of the forwards since `reset_load` (every micro-batch
     of a step): this rank's token-expert assignments per expert [E], and the rows its own
     experts computed [E/ep]."""
@@ -291,7 +291,11 @@ class ExpertLayer(Bound):
     def bind(self, groups: dict[str, AxisGroup]) -> None:
         super().bind(groups)
         tp = groups[self.tensor] if self.tensor is not None else None
-        self.__dict__["kernel"] = self.spec.kernel(self.group, groups[DP], tp)
+        # the balance loss's statistics over the ranks that split the tokens: dp x cp (the
+        # cp ranks of one sample add the same loss, so its backward is divided by cp)
+        tokens = groups.get(TOKENS, groups[DP])
+        cp = groups[CP].size if CP in groups else 1
+        self.__dict__["kernel"] = self.spec.kernel(self.group, tokens, tp, cp)
 
     def extra_repr(self) -> str:
         tensor = f", tensor={self.tensor}" if self.tensor is not None else ""

@@ -267,6 +267,10 @@ class Plan:
         if self.mesh[CP] > 1 and not runtime.expert_with_cp:
             out.append("expert parallelism beside a cp axis (the expert groups lie inside dp; "
                        "use sequence size 1)")
+        elif self.mesh[CP] > 1 and not runtime.expert_cp_extras and (
+                self.mesh[TP] > 1 or self.mesh[PP] > 1 or self.zero.stage > 0):
+            out.append("tensor, pipeline or ZeRO beside both expert parallelism and a cp axis "
+                       "(ep beside cp runs with data and sequence ranks alone)")
         if self.zero.stage not in runtime.expert_zero:
             out.append(f"ZeRO stage {self.zero.stage} beside expert parallelism (stages "
                        f"{', '.join(map(str, runtime.expert_zero))} run with an ep axis)")

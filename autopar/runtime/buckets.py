@@ -12,7 +12,7 @@ from autopar.kernels.collectives import AxisGroup
 BUCKET_BYTES = 4 << 20
 
 
-def average_gradients(params, dp: AxisGroup, divisor: int = 1) -> None:
+def average_gradients(params, dp: AxisGroup, divisor: float = 1) -> None:
     """After the backward, in one all-reduce over `dp`: each parameter's .grad becomes its
     mean over dp, also divided by `divisor` (a pipeline's micro-batch count). Parameters
     without a gradient are skipped."""

@@ -48,13 +48,16 @@ class Gradients:
         self.buckets = None
         self.edp: AxisGroup | None = None  # with an ep axis: the expert-data group ...
         self.ep_size = 1  # ... and the ep size
+        self.expert_divisor = 1.0  # dp / edp: what the sum over edp is divided by, over edp
 
     def split_experts(self, edp: AxisGroup, ep_size: int) -> None:
-        """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data ranks
-        holding the same experts, not over dp. Each rank's expert gradient already sums the
-        tokens of its ep group (the all-to-all's backward), so the sum over edp covers every
-        data rank once and is divided by dp = edp x ep, as dp's mean of the rest is."""
+        """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data (x cp)
+        ranks holding the same experts, not over dp. Each rank's expert gradient already
+        sums the tokens of its ep group (the all-to-all's backward), so the sum over edp
+        covers every data and cp rank once and is divided by dp = edp x ep / cp, as dp's
+        mean of the rest (whose gradients the graph summed over cp) is."""
         self.edp, self.ep_size = edp, ep_size
+        self.expert_divisor = self.dp.size / edp.size  # (ep / cp)
 
     def data_parameters(self) -> list[nn.Parameter]:
         """The local parameters averaged over dp (all but the experts under an ep axis)."""
@@ -78,15 +81,17 @@ class Gradients:
         if self.zero is not None:  # (one rank, offloaded: the host copies)
             self.zero.reduce_gradients()
             return
-        if self.dp.size == 1 or (self.pipeline is not None and self.pipeline.data is not None):
+        if self.pipeline is not None and self.pipeline.data is not None:
             return  # (a pipeline without ZeRO averaged over dp in its step)
         if self.edp is not None:
             experts = [p for p in self.trained()
                        if self.params.is_expert(p) and p.grad is not None]
             if self.edp.size > 1:
-                average_gradients(experts, self.edp, divisor=self.ep_size)
-            for p in experts if self.edp.size == 1 else ():  # ep = dp: nothing to send
-                p.grad /= self.ep_size
+                average_gradients(experts, self.edp, divisor=self.expert_divisor)
+            for p in experts if self.edp.size == 1 and self.dp.size > 1 else ():
+                p.grad /= self.dp.size  # ep = dp x cp: nothing to send
+        if self.dp.size == 1:
+            return
         if self.buckets is not None:
             self.buckets.finish()
             return

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import WorldError
 from autopar.kernels.collectives import AxisGroup, CommLog
-from autopar.modes import AXES, DP, EDP, EP, PP, TP, TP_1D
+from autopar.modes import AXES, CP, DP, EDP, EP, PP, TOKENS, TP, TP_1D
 from autopar.sharding.axes import TensorMesh
 
 _SHARED: dict = {}  # key -> device mesh or group, for the default group under "world"
@@ -43,7 +43,7 @@ def plan_groups(plan) -> dict[str, AxisGroup]:
     else:
         groups = axis_groups({a: plan.mesh[a] for a in AXES
                               if a in (DP, TP) or plan.mesh[a] > 1})
-    return {**groups, **expert_groups(groups[DP], plan.ep)}
+    return {**groups, **expert_groups(groups[DP], plan.ep, groups.get(CP))}
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
@@ -124,27 +124,40 @@ def _composite_group(axis: str, comps: tuple, names: tuple, ranks: torch.Tensor,
     return AxisGroup(axis, mesh.size(axis), rank, mine, log)
 
 
-def expert_groups(dp: AxisGroup, ep: int) -> dict[str, AxisGroup]:
-    """The expert axis inside dp: ep groups of `ep` neighbouring dp ranks (the ranks that
-    split the experts), and the expert-data groups of the dp ranks holding the same experts
-    (dp rank d has ep index d % ep and expert-data index d // ep). Collective: every rank
-    learns every dp group, so all create the same groups in the same order."""
+def expert_groups(dp: AxisGroup, ep: int, cp: AxisGroup | None = None) -> dict[str, AxisGroup]:
+    """The expert axis inside dp x cp (Megatron-Core's layout: a sequence's shards are more
+    tokens to route): the ranks of one dp group and its members' cp groups, in rank order
+    (dp major, cp minor: index i = d * cp + c), split into ep groups of `ep` neighbours (the
+    ranks that split the experts, ep index i % ep) and expert-data groups of the ranks
+    holding the same experts (index i // ep); and, with cp split, the group of all of them
+    (TOKENS, logged as dp), which sums the balance loss's statistics. Collective: every
+    rank learns every dp and cp group, so all create the same groups in the same order."""
+    cp_size = cp.size if cp is not None else 1
     if ep == 1:
         return {EP: AxisGroup(EP, 1, 0, None, dp.log), EDP: dp}
-    if dp.size % ep:
-        raise WorldError(f"expert size {ep} does not divide the {dp.size} data-parallel ranks.")
-    mine = tuple(dist.get_process_group_ranks(dp.group))
-    rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, mine)
-    dp_groups = sorted(set(rows))
-    ep_rows = [row[i:i + ep] for row in dp_groups for i in range(0, len(row), ep)]
-    edp_rows = [row[i::ep] for row in dp_groups for i in range(ep)]
-    made = shared_group(("experts", tuple(ep_rows), tuple(edp_rows)), lambda: (
-        [dist.new_group(list(r)) for r in ep_rows], [dist.new_group(list(r)) for r in edp_rows]))
+    if (dp.size * cp_size) % ep:
+        raise WorldError(f"expert size {ep} does not divide the {dp.size} x {cp_size} data x "
+                         "sequence ranks.")
     me = dist.get_rank()
+    mine = (tuple(dist.get_process_group_ranks(dp.group)) if dp.size > 1 else (me,),
+            tuple(dist.get_process_group_ranks(cp.group)) if cp_size > 1 else (me,))
+    pairs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, mine)
+    cp_of = {r: pairs[r][1] for r in range(len(pairs))}
+    rows = sorted({tuple(sorted({m for d in dp_row for m in cp_of[d]}))
+                   for dp_row, _ in pairs})
+    ep_rows = [row[i:i + ep] for row in rows for i in range(0, len(row), ep)]
+    edp_rows = [row[i::ep] for row in rows for i in range(ep)]
+    tokens = tuple(rows) if cp_size > 1 else None  # (the same ranks without cp: no group)
+    made = shared_group(("experts", tuple(ep_rows), tuple(edp_rows), tokens), lambda: (
+        [dist.new_group(list(r)) for r in ep_rows], [dist.new_group(list(r)) for r in edp_rows],
+        [dist.new_group(list(r)) for r in rows] if cp_size > 1 else []))
     out = {}
-    for axis, rows_, groups in ((EP, ep_rows, made[0]), (EDP, edp_rows, made[1])):
+    kinds = [(EP, EP, ep_rows, made[0]), (EDP, EDP, edp_rows, made[1])]
+    if cp_size > 1:
+        kinds.append((TOKENS, DP, rows, made[2]))
+    for key, axis, rows_, groups in kinds:
         row, group = next((r, g) for r, g in zip(rows_, groups, strict=True) if me in r)
-        out[axis] = AxisGroup(axis, len(row), row.index(me), group if len(row) > 1 else None,
-                              dp.log)
+        out[key] = AxisGroup(axis, len(row), row.index(me), group if len(row) > 1 else None,
+                             dp.log)
     return out

@@ -231,6 +231,8 @@ class Space:
         counts, caps = self.expert_counts(), self.caps
         if not counts or (caps is not None and (not caps.expert or (
                 mesh["cp"] > 1 and not caps.expert_with_cp) or (
+                mesh["cp"] > 1 and not caps.expert_cp_extras and (
+                    mesh["tp"] > 1 or mesh["pp"] > 1)) or (
                 mesh["pp"] > 1 and not caps.expert_with_pp))):
             return [1] if self.c.ep in (None, 1) else []
         top = math.gcd(mesh["dp"] * mesh["cp"], *counts)
@@ -311,7 +313,8 @@ class Space:
         if caps is None:
             return zeros
         return [(z, o) for z, o in zeros if z in caps.expert_zero and (
-            mesh["pp"] == 1 or z in caps.expert_zero_with_pp)]
+            mesh["pp"] == 1 or z in caps.expert_zero_with_pp) and (
+            mesh.get("cp", 1) == 1 or z == 0 or caps.expert_cp_extras)]
 
     def zero_options(self, mesh: dict) -> list[tuple[int, bool]]:
         """(ZeRO stage, offload) pairs for this mesh."""

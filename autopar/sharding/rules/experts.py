@@ -14,6 +14,13 @@ from the shared expert (two all-reduces of T rows): the collectives this rule em
 the cost model prices (cost.layer) and the engine counts (runtime.accounting). A width that
 does not split, or another tensor mode, keeps the layer whole on every tensor rank.
 
+Under context parallelism the op is per token: an input split on its tokens over cp keeps
+that split (its output likewise, no collective), as Megatron-Core routes a sequence's shards
+as more tokens. The router's and shared expert's gradients (whole on cp) are summed over
+cp; the routed experts' are not: they lie over ep groups inside dp x cp, whose all-to-all
+already brought every token's gradient rows home, and are averaged over edp after the
+backward (runtime.gradients).
+
 The grouped matmuls of experts in a planner's trace of the model's own code run whole on
 each tp rank (the runtime never runs them split); the cost model prices their layer as the
 engine runs it, from the layer's expert record (cost.layer.expert_tensor_split).
@@ -25,7 +32,7 @@ import sympy
 
 from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
-from autopar.modes import TP_1D
+from autopar.modes import CP, TP_1D
 from autopar.sharding.layout import Layout
 from autopar.sharding.rules.context import RuleContext, itemsize, out_layouts, rep, replicate
 from autopar.sharding.rules.registry import decides
@@ -41,8 +48,11 @@ def grouped_experts(ctx: RuleContext) -> Strategy:
 @decides(OpKind.MOE)
 def experts(ctx: RuleContext) -> Strategy:
     """1D: each expert's FFN split over tp (router and shared gate whole, tokens whole), the
-    expert rows all-reduced before the combine; else every input whole."""
+    expert rows all-reduced before the combine; on cp: the tokens' split kept (`_tokens`);
+    else every input whole."""
     spec = described(ctx.node.args[MOE_KEY_ARG])
+    if ctx.axis == CP:
+        return _tokens(ctx)
     if ctx.mode != TP_1D or ctx.size == 1:
         return replicate(ctx)
     if not spec.splits_over(ctx.size):
@@ -61,6 +71,28 @@ def experts(ctx: RuleContext) -> Strategy:
     out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)))
     return Strategy("tensor_experts", needs, out, comm=_comm(ctx, spec),
                     rewrite=Rewrite.TENSOR_EXPERTS)
+
+
+def _tokens(ctx: RuleContext) -> Strategy:
+    """x split on a token dim over cp keeps it: each rank routes and runs its own tokens
+    (output split alike, the balance loss whole); the gate's and shared expert's gradients
+    summed over cp, the routed experts' not (see the module's docstring). Any other split on
+    cp is gathered."""
+    x, gate, weights, shared = ctx.node.args[:4]
+    layout = ctx.layouts.get(x)
+    shard = layout.shard_on(CP) if isinstance(layout, Layout) else None
+    rank = len(ctx.shape(x))
+    if shard is None or shard.groups != 1 or shard.dim >= rank - 1 or len(layout.axes) > 1:
+        return replicate(ctx)
+    d = shard.dim
+    needs = {x: Need(rep(x).with_shard(d, CP))}
+    for w in (gate, *shared):
+        needs[w] = Need(rep(w), (CP,) if ctx.requires_grad.get(w) else False)
+    for w in weights:
+        needs[w] = Need(rep(w))
+    out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)).with_shard(d, CP)
+                      if len(shape) == rank else Layout.replicated(len(shape)))
+    return Strategy("token_experts", needs, out)
 
 
 def _comm(ctx: RuleContext, spec) -> list[CommOp]:
