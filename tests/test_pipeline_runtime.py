@@ -368,3 +368,24 @@ def test_pipeline_ranks_hold_only_their_stages_weights(pool2):
         probe = r["probe"]
         assert probe["held"] == probe["mine"] < probe["whole"], probe
     assert sum(r["probe"]["held"] for r in results) < 1.3 * results[0]["probe"]["whole"]
+
+
+def _held_after_shapes(engine, inputs, target) -> dict:
+    """`_held_weights` right after the run that finds the stages' shapes (made again here,
+    as a new micro-batch shape would): every weight was fetched for it."""
+    runner = engine.pipeline
+    runner._shapes = None
+    runner._prepare(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+    return _held_weights(engine, inputs, target)
+
+
+def test_the_shape_run_gives_back_the_weights_it_fetched(pool2):
+    """The schedule starts holding only this rank's stages' weights, the first step's too:
+    the other stages' weights fetched to find the shapes are given back before it."""
+    from equivalence import assert_equal, compare
+
+    results = pool2.run(compare, GPT8, PP(2), 3, 8, _held_after_shapes)
+    assert_equal(results)
+    for r in results:
+        probe = r["probe"]
+        assert probe["held"] == probe["mine"] < probe["whole"], probe

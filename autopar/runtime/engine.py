@@ -203,6 +203,7 @@ class Engine(nn.Module):
         self.params.fill(runner.parameters())  # a start's slices of this rank's stages only
         self._weights = PipelineWeights(runner, self.params, self.train_graph, self._pp)
         self._weights.release()  # the other stages' slices: placeholders until fetched
+        runner.release_weights = self._weights.release  # after the run that finds shapes
         for k, module in runner.held_modules():
             instrument(module, self.recorder, k, parameter_probes=False)
         if zero_sharded(self.plan.zero, self._dp.size):

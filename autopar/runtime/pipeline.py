@@ -58,12 +58,17 @@ class PipelineRunner:
         # called (on every member) before the stages run once to find their shapes: a
         # member that holds only its stages' weights fetches the others for that run
         self._every_weight = every_weight
+        # called after that run: the weights it fetched are given back before the schedule
+        # (the engine's PipelineWeights.release), so the first step holds only this
+        # member's stages, as every later one does
+        self.release_weights = None
         self.stages = stages
         self.mine = [k for k in range(n) if stage_owner(schedule, k, p) == rank]
         self.first_owner, self.last_owner = stage_owner(schedule, 0, p), \
             stage_owner(schedule, n - 1, p)
         process_group = group.group
         self._device = torch.device(device)
+        self.on_host = self._device.type == "cpu"  # the stages' tensors in the C heap
         self._schedule = None
         self._shapes = None  # the micro-batch shapes the schedule was built for
         # this member's modules share Parameter objects; each attribute read once
@@ -143,6 +148,8 @@ class PipelineRunner:
                 args = out
         finally:
             log.enabled = enabled
+        if self._every_weight is not None and self.release_weights is not None:
+            self.release_weights()
         n = len(self.stages.modules)
         split = self.schedule_name == "zero_bubble"  # backward split into I and W
         stages = [(_SplitBackwardStage if split else _Stage)(

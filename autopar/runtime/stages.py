@@ -9,6 +9,7 @@ import torch.distributed as dist
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
 from autopar.passes.pipeline import check_stage_count, split_stages
+from autopar.runtime.host_memory import trim
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.sharding.solve import tokens_per_sample
 
@@ -67,6 +68,11 @@ def pipeline_step(runner, weights, zero, inputs: tuple, target, loss_scale: floa
     weights.release()
     runner.loss_scale = loss_scale  # what the schedule differentiates, not what it reports
     loss = torch.tensor(runner.step(inputs, target))
+    if runner.on_host:
+        # a micro-batch's activations are many blocks under glibc's mmap threshold (1 MiB:
+        # runtime.host_memory), from the heap, which keeps the schedule's freed ones
+        # resident, scattered between live blocks, through the optimizer step: given back
+        trim()
     if zero is not None and zero.stage >= 2:
         zero.after_pipeline(runner.microbatches, runner.tied())
     if zero is not None and zero.stage == 3:
