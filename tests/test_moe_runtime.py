@@ -369,20 +369,28 @@ def test_a_balance_loss_in_a_pipeline_other_than_gpipe_is_refused(pool4):
         assert "not 1f1b" in message
 
 
-def _export_and_start_from_it(directory: str) -> dict:
-    model, idx, target, loss_fn = build("hf-mixtral")
+def _export_then_start(name: str, plan: dict, again_plan: dict, directory: str):
+    """`name` trained a step under `plan`, exported to `directory`, and started again on
+    meta from the export under `again_plan`: (engine again, its weights, the trained ones,
+    the batch, the loss and optimizer)."""
+    model, idx, target, loss_fn = build(name)
     opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
     engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                 optimizer=opt, plan=dict(expert=2))
+                                 optimizer=opt, plan=plan)
     engine.train_step((idx,), target)
     engine.export(directory)
     trained = engine.full_state_dict()
-    cls, config = _hf_config("hf-mixtral")
+    cls, config = _hf_config(name)
     with torch.device("meta"):
         fresh = cls(config)
     again = autopar.parallelize(fresh, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                optimizer=opt, plan=dict(expert=4), weights=directory)
-    state = again.full_state_dict()
+                                optimizer=opt, plan=again_plan, weights=directory)
+    return again, again.full_state_dict(), trained, (idx, target), loss_fn, opt
+
+
+def _export_and_start_from_it(directory: str) -> dict:
+    _, state, trained, _, _, _ = _export_then_start("hf-mixtral", dict(expert=2),
+                                                    dict(expert=4), directory)
     return {"keys": list(state) == list(trained),
             "error": max(float((state[k] - trained[k]).abs().max()) for k in trained)}
 
@@ -588,19 +596,8 @@ def _tensor_experts_round_trip(directory: str) -> dict:
     """Qwen2-MoE (fused gate_up_proj, shared expert) trained a step with its experts split
     over ep and tp, exported, started again from the export with weights= under tensor=2
     (experts split over tp alone), saved as a checkpoint and loaded into a third engine."""
-    model, idx, target, loss_fn = build("hf-qwen2-moe")
-    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
-    engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                 optimizer=opt, plan=dict(expert=2, tensor=2))
-    engine.train_step((idx,), target)
-    engine.export(directory)
-    trained = engine.full_state_dict()
-    cls, config = _hf_config("hf-qwen2-moe")
-    with torch.device("meta"):
-        fresh = cls(config)
-    again = autopar.parallelize(fresh, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
-                                optimizer=opt, plan=dict(tensor=2), weights=directory)
-    state = again.full_state_dict()
+    again, state, trained, (idx, target), loss_fn, opt = _export_then_start(
+        "hf-qwen2-moe", dict(expert=2, tensor=2), dict(tensor=2), directory)
     again.train_step((idx,), target)
     stepped = again.full_state_dict()
     again.save(directory + "-checkpoint")
