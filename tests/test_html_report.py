@@ -112,8 +112,8 @@ def test_every_chart_is_drawn_and_the_page_parses(reports, name):
     strategy = parsed.titles["strategy"]
     assert len(strategy) == 5 * len(data["layers"])
     assert {t.split(":")[0] for t in strategy} == {lp["name"] for lp in data["layers"]}
-    # the memory chart stacks the five kinds for every pipeline rank
-    assert parsed.charts["memory"]["rect"] == 5 * data["mesh"]["pp"]
+    # the memory chart stacks the six kinds for every pipeline rank
+    assert parsed.charts["memory"]["rect"] == 6 * data["mesh"]["pp"]
     assert parsed.tags["table"] == 2 and 'id="alternatives"' in page
 
 

@@ -345,6 +345,8 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
         measured.add("tf32")
     fields = dict(peak_flops=peak_flops, gemm_efficiency=efficiency, gemm_half_flops=half,
                   memory_bandwidth=moved / copy_s, memory_efficiency=1.0)
+    # torch.optim's default here: foreach kernels on CUDA, a loop over the tensors on the CPU
+    fields["optimizer_implementation"] = "foreach" if device.type == "cuda" else "for_loop"
     if device.type == "cuda":
         fields["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     else:

@@ -18,6 +18,7 @@ from autopar.errors import WorldError
 from autopar.json_file import read_json
 
 GiB = 1024 ** 3
+OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")  # torch.optim's three
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class Hardware:
     # the share of a GEMM's operand and result bytes whose HBM time adds to its math time
     # (1: the additive roofline, autopar.cost.model.gemm_traffic_s); 0 = not modelled
     gemm_operand_traffic: float = 0.0
+    # how torch.optim steps here by default, which sets the step's temporaries
+    # (autopar.cost.memory.step_workspace): "foreach" where every tensor is on CUDA or a
+    # device like it, "for_loop" on the CPU; "fused" where the run asks for fused=True
+    optimizer_implementation: str = "foreach"
     source: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -110,6 +115,10 @@ class Hardware:
             if name == "peak_flops":
                 for dtype, rate in (value or {}).items():
                     _check_number(f"peak_flops.{dtype}", rate, positive=True)
+            elif name == "optimizer_implementation":
+                if value not in OPTIMIZER_IMPLEMENTATIONS:
+                    raise WorldError(f"hardware profile field {name} is {value!r}; it must be "
+                                     f"one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}.")
             elif name in ("name", "source", "extra", "collectives", "attention_kernels") \
                     or value is None:
                 continue

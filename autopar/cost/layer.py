@@ -83,6 +83,9 @@ class Experts:
     param_bytes: int
     rows: Lin  # bytes of the token-expert rows one micro-batch dispatches (whole batch)
     tokens: Lin  # tokens one micro-batch routes (whole batch)
+    # (bytes, stacked) of each expert weight tensor in graph order; stacked: [E, ...], of
+    # which an ep rank holds E/ep (else one expert's tensor, held whole)
+    tensors: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class Sharded:
     # the experts' all-reduces over tp (as `comm`), which run only where they are split: the
     # engine keeps experts whole beside a cp axis (autopar.plans.Plan.splits_experts)
     expert_comm: list[tuple[str, str, Lin]] = field(default_factory=list)
+    # bytes per device of each parameter tensor outside the experts, in graph order (the
+    # order the engine's optimizer steps them: autopar.cost.memory.StepTemps)
+    param_tensors: tuple = ()
 
 
 @dataclass
@@ -260,7 +266,25 @@ def _experts(traced: TracedGraph, grouped: list) -> Experts | None:
     top_k = int(topk.args[1]) if topk is not None else 1
     return Experts(count, top_k, int(rows.shape[-1]), params, param_bytes,
                    Lin.of(_nbytes(rows.shape, rows.dtype)), Lin.of(_numel(rows.shape[:-1]))
-                   .scale(1 / top_k))
+                   .scale(1 / top_k), _expert_tensors(weights.values(), count))
+
+
+def _expert_tensors(weights, count: int) -> tuple:
+    """(bytes, stacked) of each expert weight (`Experts.tensors`)."""
+    return tuple((int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size(),
+                  len(p.shape) > 2 and int(p.shape[0]) == count) for p in weights)
+
+
+def _expert_targets(traced: TracedGraph, nodes) -> set:
+    """The targets of the expert weights among `nodes` (grouped matmuls' and MoE ops')."""
+    out = set()
+    for node in nodes:
+        kind = node.meta["autopar"].kind if "autopar" in node.meta else None
+        if kind is OpKind.GROUPED_MM:
+            out.update(a.target for a in _expert_weights(node) if a.target in traced.params)
+        elif kind is OpKind.MOE:
+            out.update(_weight_of(w).target for w in node.args[2])
+    return out
 
 
 def _weight_of(node):
@@ -314,7 +338,8 @@ def _moe(traced: TracedGraph, node) -> tuple[list[Gemm], Experts, sympy.Expr]:
     params = sum(int(_numel(p.shape)) for p in weights)
     param_bytes = sum(int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
                       for p in weights)
-    experts = Experts(e, k, h, params, param_bytes, Lin.of(rows * h * size), Lin.of(t))
+    experts = Experts(e, k, h, params, param_bytes, Lin.of(rows * h * size), Lin.of(t),
+                      _expert_tensors(weights, e))
     routing = t * e * (size + 4) + 3 * t * e * 4 + \
         (3 * rows * 4 + 2 * t * 4 if spec.normalize else 0)
     dispatch = 8 * rows * 8 + 52 * e + t * h * size + rows * 8 + rows * h * size
@@ -537,6 +562,7 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
     grouped, gemm_at = [], {}  # a planner trace's expert GEMMs; each GEMM's place
     expert_split = 1
     names = {n.name for n in layer.nodes}
+    tensors = {}  # target -> bytes per device
     for node in layer.nodes:
         info = node.meta["autopar"]
         if node.op == "get_attr":
@@ -550,6 +576,8 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
             else:
                 param_bytes += nbytes
                 param_repl += nbytes
+            tensors.setdefault(node.target, nbytes // size if layout is not None and
+                               layout.shards else nbytes)
             continue
         layout = solution.layouts.get(node)
         split = _split(layout) or (solution.strategies.get(node) is not None and any(
@@ -578,6 +606,11 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
             else:
                 t_repl = t_repl + _traffic(node)
     router = _router(grouped) if grouped and _experts_split(traced, grouped, size) else []
+    if router:  # the engine runs the router whole
+        gate = _weight_of(router[0].args[1]).target
+        tensors[gate] = int(_numel(traced.params[gate].shape)) * torch.empty(
+            (), dtype=traced.params[gate].dtype).element_size()
+    experts = _expert_targets(traced, layer.nodes)
     kept = {n.name for n in router}  # the engine runs the router whole: no collective there
     split_moe = {n.name for n, s in solution.strategies.items()
                  if s.rewrite is Rewrite.TENSOR_EXPERTS}
@@ -590,7 +623,8 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
              if s.note and n.name in names]
     out = Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes,
-                  expert_split=expert_split, expert_comm=expert_comm)
+                  expert_split=expert_split, expert_comm=expert_comm,
+                  param_tensors=tuple(b for t, b in tensors.items() if t not in experts))
     if router:
         expert_tensor_split(traced, solution, grouped, router, gemm_at, out)
     return out

@@ -1,4 +1,5 @@
-"""Memory per device: the activations autograd saves, and parameter, gradient and optimizer state.
+"""Memory per device: the activations autograd saves, parameter, gradient and optimizer state,
+and the temporaries of the optimizer step (`step_workspace`, torch.optim's implementations).
 
 Activations are found, not modelled. `saved_activations` runs the traced graph on fake CPU
 tensors (nothing is allocated: GPT-3 175B takes about 20 ms per block) under
@@ -79,6 +80,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.cost.hardware import OPTIMIZER_IMPLEMENTATIONS
 from autopar.cost.precision import runtime
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
@@ -699,6 +701,8 @@ OPTIMIZERS: dict[str, Callable[[], OptimizerState]] = {
     "adamw_amsgrad": lambda: OptimizerState(3, _step_bytes()),  # + max_exp_avg_sq
     "sgd_momentum": lambda: OptimizerState(1, 0),  # momentum_buffer
     "sgd": lambda: OptimizerState(0, 0),
+    "lamb": lambda: OptimizerState(2, 0),  # autopar.optim.LAMB: exp_avg, exp_avg_sq, int step
+    "lars": lambda: OptimizerState(1, 0),  # autopar.optim.LARS: momentum_buffer
 }
 
 
@@ -785,3 +789,116 @@ def _trainable(traced: TracedGraph, target: str, pinfo) -> bool:
     for part in target.split("."):
         value = getattr(value, part)
     return bool(getattr(value, "requires_grad", True))
+
+
+# ------------------------------------------------------------------------ optimizer step
+# torch.optim's three implementations of a step: a Python loop over the tensors (torch's
+# default on the CPU), foreach kernels over each device and dtype's tensor list (its
+# default where every tensor is on CUDA or a device like it) and fused kernels (opt-in)
+FOR_LOOP, FOREACH, FUSED = OPTIMIZER_IMPLEMENTATIONS
+IMPLEMENTATIONS = OPTIMIZER_IMPLEMENTATIONS
+
+# how each implementation's temporaries are priced, as explain names it
+STEP_SOURCE = {
+    FOR_LOOP: "torch.optim.adam._single_tensor_adam: the square root and quotient of "
+              "exp_avg_sq for one tensor at a time, beside the previous tensor's denom "
+              "(2 x its state + the one before it, the largest such pair)",
+    FOREACH: "torch.optim.adam._multi_tensor_adam: _foreach_sqrt copies every exp_avg_sq "
+             "of the group at once (torch.optim docs: foreach's intermediates are a "
+             "tensorlist, more peak memory)",
+    FUSED: "fused kernels: no temporaries",
+}
+
+
+@dataclass(frozen=True)
+class StepTemps:
+    """The for-loop AdamW step's temporaries over a run of tensors, in the order it steps
+    them (torch.optim.adam._single_tensor_adam): `denom = (exp_avg_sq.sqrt() /
+    bias_correction2_sqrt).add_(eps)` holds tensor i's square root and quotient at once,
+    while the previous tensor's `denom` is still bound, so the step peaks at
+    max_i(2 s_i + s_{i-1}) bytes of state. `peak` is that maximum within the run, `first`
+    and `last` the bytes of its end tensors; `then` joins two runs."""
+
+    peak: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+
+    @classmethod
+    def of(cls, sizes) -> StepTemps:
+        peak, prev = 0, 0
+        for s in sizes:
+            peak, prev = max(peak, 2 * s + prev), s
+        return cls(peak, sizes[0] if len(sizes) else 0, prev)
+
+    def then(self, other: StepTemps) -> StepTemps:
+        if not self.peak:
+            return other
+        if not other.peak:
+            return self
+        return StepTemps(max(self.peak, other.peak, 2 * other.first + self.last), self.first,
+                         other.last)
+
+    def scaled(self, k: float) -> StepTemps:
+        return StepTemps(self.peak * k, self.first * k, self.last * k)
+
+
+def step_workspace(tensors, optimizer: str = "adamw", implementation: str = FOR_LOOP,
+                   scalar_bytes: int = 4) -> int:
+    """Peak bytes of the temporaries one `step()` allocates beyond the parameters, gradients
+    and state (any step after the first, which also makes the state), for `tensors`: the
+    bytes of each parameter's state tensor (one moment, in the parameter's dtype) in the
+    order the optimizer steps them, one param group on one device and dtype. Measured on
+    the CPU against each rule (tests/test_memory_step.py), defaults of each class:
+
+    * adamw, adam, adamw_amsgrad: for-loop `StepTemps`; foreach, one copy of every tensor
+      (`_foreach_sqrt`); fused, none. (Adam's coupled weight decay and `maximize` copy each
+      gradient too, one tensor more: not priced.)
+    * sgd, sgd_momentum: in place, none (weight decay or Nesterov would copy the gradient).
+    * lamb (`autopar.optim.LAMB`, bias correction on, no weight decay): every update is kept
+      until the trust ratios are known, each made from m_hat, v_hat and a denominator:
+      max_i(sum_{j<i} s_j + 4 s_i), then every update and two norms per tensor.
+    * lars (`autopar.optim.LARS`): g + weight_decay x w, two tensors of the parameter's
+      size, beside two norms per tensor.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer {optimizer!r} is unknown to the memory model; use one of "
+                        f"{', '.join(OPTIMIZERS)}.")
+    if implementation not in IMPLEMENTATIONS:
+        raise PlanError(f"optimizer implementation {implementation!r} does not exist; use one "
+                        f"of {', '.join(IMPLEMENTATIONS)}.")
+    sizes = [int(s) for s in tensors]
+    if not sizes or optimizer.startswith("sgd") or implementation == FUSED:
+        return 0
+    norms = 2 * len(sizes) * scalar_bytes
+    if optimizer == "lamb":
+        before, peak = 0, 0
+        for s in sizes:
+            peak, before = max(peak, before + 4 * s), before + s
+        return max(peak, before + norms)
+    if optimizer == "lars":
+        return 2 * max(sizes) + norms
+    return sum(sizes) if implementation == FOREACH else int(StepTemps.of(sizes).peak)
+
+
+def optimizer_step_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw",
+                         implementation: str = FOR_LOOP, zero_stage: int = 0, dp: int = 1,
+                         offload: bool = False) -> int:
+    """`step_workspace` on one device: its trainable parameters' pieces in the traced order
+    (the engine's optimizer holds them in the order its graphs first read them), split as
+    `solution.params` lays them out and, under ZeRO (any stage: the optimizer steps 1/dp of
+    each parameter), cut into ceil(n / dp) pieces. Offloaded, the step runs on the host and
+    its temporaries take no device memory: 0."""
+    if offload:
+        return 0
+    sizes = _axis_sizes(solution)
+    pieces, seen, itemsize = [], set(), 4
+    for target, pinfo in traced.params.items():
+        if pinfo.names in seen or not pinfo.is_parameter or \
+                not _trainable(traced, target, pinfo):
+            continue
+        seen.add(pinfo.names)
+        layout = solution.params.get(target) if solution is not None else None
+        numel = math.ceil(math.prod(pinfo.shape) * _fraction(layout, sizes))
+        itemsize = _itemsize(pinfo.dtype)
+        pieces.append((-(-numel // dp) if zero_stage else numel) * itemsize)
+    return step_workspace(pieces, optimizer, implementation, itemsize)

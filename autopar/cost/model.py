@@ -10,7 +10,10 @@ hops of ring attention, collectives' SM contention, the per-kernel launch floor)
 reported per layer in ``StateCost.effects``. Communication is priced by
 ``autopar.cost.comm`` (alpha-beta per link class). Memory per
 device is parameters + gradients + optimizer states (by ZeRO stage and offload, bytes per
-parameter from ``autopar.cost.precision``) + activations (by recompute, sequence parallelism and micro-batches in flight) + buffers.
+parameter from ``autopar.cost.precision``) + the larger of activations (by recompute, sequence
+parallelism and micro-batches in flight) + buffers, during the backward, and the optimizer
+step's temporaries after it (``autopar.cost.memory.step_workspace``, by the profile's
+``optimizer_implementation``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from autopar.cost import experts as moe_cost
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
+from autopar.cost.memory import StepTemps
 
 # The physical effects a step's time carries beyond an ideal device, as explain names them
 # (StateCost.effects), each with where its price comes from.
@@ -175,6 +179,9 @@ class StateCost:
     ep_comm: float = 0.0
     ep_comm_bytes: float = 0.0
     expert_params: float = 0.0
+    # the for-loop optimizer step's temporaries over this layer's parameter tensors (bytes
+    # of the weights per device, before ZeRO): autopar.cost.memory.StepTemps
+    step_temps: StepTemps = field(default_factory=StepTemps)
 
     @property
     def time(self) -> float:
@@ -468,7 +475,22 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         params = (lt.param_bytes - expert_whole) / t
     params += expert_params
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
-                     cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params)
+                     cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
+                     _step_temps(lt, mode, sharded, ep, cut))
+
+
+def _step_temps(lt: LayerType, mode: TensorMode, sharded, ep: int, cut: int) -> StepTemps:
+    """The layer's parameter tensors per device, in order, as the optimizer steps them: 1D
+    as the catalog splits each, 2D and 3D 1/t of each, 2.5D 1/q^2 (as `params` above), then
+    its experts (a stacked one 1/ep, each 1/cut)."""
+    if mode.name == "1d":
+        dense = list(sharded.param_tensors)
+    else:
+        parts = mode.q * mode.q if mode.name == "2.5d" else mode.size
+        dense = [b / parts for b in sharded.param_tensors]
+    experts = [b / (ep if stacked else 1) / cut
+               for b, stacked in (lt.experts.tensors if lt.experts is not None else ())]
+    return StepTemps.of(dense + experts)
 
 
 def _expert_gemm(g: Gemm, batch: float, cp: int, ep: int, imbalance: float, hw: Hardware,

@@ -14,7 +14,8 @@ import numpy as np
 from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
-from autopar.cost.precision import Precision
+from autopar.cost.memory import FOR_LOOP, FUSED
+from autopar.cost.precision import ADAM_MOMENTS, Precision
 from autopar.cost.schedule import in_flight, stage_count, step_time, time_shared
 from autopar.modes import CP, DP, EP, NO_PIPELINE, PP, TP
 
@@ -87,12 +88,18 @@ def expert_split(mesh: dict, ep: int, per_node: int) -> ExpertSplit:
 
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
                    offload: bool, in_flight, precision: Precision, workspace: float = 0.0,
-                   experts_dev=None, split: ExpertSplit | None = None) -> dict:
-    """Bytes per device by kind (arrays over the pipeline ranks). Buffers: the biggest
-    layer's flat buffers, twice for data-parallel sync and twice more for ZeRO-3's gathers,
-    plus the largest transient `workspace` of one layer. Under expert parallelism (`split`)
-    the `experts_dev` bytes among `params_dev` take ZeRO's factors over the expert-data
-    group instead of every replica."""
+                   experts_dev=None, split: ExpertSplit | None = None,
+                   step_dev=None) -> dict:
+    """Bytes per device by kind (arrays over the pipeline ranks), which add up to its peak.
+    Buffers: the biggest layer's flat buffers, twice for data-parallel sync and twice more
+    for ZeRO-3's gathers, plus the largest transient `workspace` of one layer. Under expert
+    parallelism (`split`) the `experts_dev` bytes among `params_dev` take ZeRO's factors
+    over the expert-data group instead of every replica.
+
+    The optimizer step runs after the backward has freed the activations and buffers, so
+    the peak is parameters + gradients + optimizer + max(activations + buffers, the step's
+    temporaries `step_dev` (`optimizer_step_dev`)); `optimizer_step` is what the step adds
+    over the backward's peak, max(0, step_dev - activations - buffers)."""
     weights, grads, optim = state_factors(precision, replicas, zero, offload)
     buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
                            + (2 * biggest if zero == 3 else 0.0) + workspace)
@@ -101,10 +108,52 @@ def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: in
     else:
         dense, experts = params_dev - experts_dev, experts_dev
         factors = state_factors(precision, split.replicas, zero, offload)
+    activations = acts_dev * in_flight
+    step = np.zeros_like(params_dev) if step_dev is None else step_dev
     return dict(parameters=dense * weights + experts * factors[0],
                 gradients=dense * grads + experts * factors[1],
                 optimizer=dense * optim + experts * factors[2], buffers=buffers,
-                activations=acts_dev * in_flight)
+                activations=activations,
+                optimizer_step=np.maximum(0.0, step - activations - buffers))
+
+
+def step_temps_dev(peak, first, last, device_of, pp: int) -> np.ndarray:
+    """Per pipeline rank, the for-loop step's temporaries (`autopar.cost.memory.StepTemps`)
+    over its layers' parameter tensors in layer order: each layer's own peak, and where one
+    layer follows another on the rank, twice its first tensor beside the last one's. Arrays
+    per layer; a layer without parameters does not separate its neighbours."""
+    peak, first, last = (np.asarray(a, dtype=float) for a in (peak, first, last))
+    device_of = np.asarray(device_of)
+    out = np.zeros(pp)
+    np.maximum.at(out, device_of, peak)
+    for d in range(pp):
+        idx = np.flatnonzero((device_of == d) & (peak > 0))
+        if len(idx) > 1:
+            out[d] = max(out[d], float((2 * first[idx[1:]] + last[idx[:-1]]).max()))
+    return out
+
+
+def optimizer_step_dev(params_dev, temps_dev, replicas: int, zero: int, offload: bool,
+                       precision: Precision, implementation: str, experts_dev=None,
+                       split: ExpertSplit | None = None) -> np.ndarray:
+    """Bytes of the optimizer step's temporaries per device (torch.optim's, as
+    `autopar.cost.memory.step_workspace` prices AdamW's and `STEP_SOURCE` names): foreach,
+    one moment's copy of every local parameter; for-loop, `temps_dev` (`step_temps_dev`, in
+    weight bytes); fused, none. The temporaries take the moments' dtype, and under ZeRO the
+    step runs on each rank's 1/replicas piece of every parameter (experts: 1/their
+    expert-data ranks under foreach; the for-loop's largest pair is taken as dense).
+    Offloaded, the step runs on the host: no device bytes."""
+    params_dev = np.asarray(params_dev, dtype=float)
+    if offload or implementation == FUSED:
+        return np.zeros_like(params_dev)
+    per_weight = precision.optimizer / ADAM_MOMENTS / precision.weights
+    if implementation == FOR_LOOP:
+        return np.asarray(temps_dev, dtype=float) * per_weight / (replicas if zero else 1)
+    if split is None or experts_dev is None:
+        return params_dev * per_weight / (replicas if zero else 1)
+    dense = params_dev - experts_dev
+    return (dense / (replicas if zero else 1) + experts_dev / (split.replicas if zero else 1)) \
+        * per_weight
 
 
 def host_bytes(param_bytes: float, replicas: int, zero: int, offload: bool,

@@ -42,7 +42,8 @@ WORK_COLOURS = {"F": "#3a6fb0", "B": "#e07b39", "I": "#e07b39", "W": "#4f9d5d",
 WORK_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient",
               "sync": "data-parallel sync", "optimizer": "optimizer step"}
 MEMORY_COLOURS = {"parameters": "#3a6fb0", "gradients": "#e07b39", "optimizer": "#9468a8",
-                  "activations": "#4f9d5d", "buffers": "#8e9aa6"}
+                  "activations": "#4f9d5d", "buffers": "#8e9aa6",
+                  "optimizer_step": "#c9a227"}
 AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8",
                 "ep": "#c2477a"}
 OTHER_AXIS_COLOUR = "#c0504d"  # an axis beyond AXIS_COLOURS (a new mode's) still draws
@@ -497,7 +498,8 @@ def _memory_chart(data: dict) -> str:
     legend = _legend((k, MEMORY_COLOURS[k]) for k in MEMORY_KINDS)
     caption = ("Per device of each pipeline rank: parameters, gradients and optimizer states "
                "after ZeRO's sharding, activations of the micro-batches the schedule keeps in "
-               "flight, and communication buffers." + note)
+               "flight, communication buffers, and what the optimizer step's temporaries add "
+               "beyond the activations and buffers the backward freed." + note)
     return (svg.render("memory", "memory per device by kind") + legend
             + f'<div class="caption">{_esc(caption)}</div>')
 

@@ -15,6 +15,7 @@ import numpy as np
 from autopar.cost.comm import placements
 from autopar.cost.experts import alltoall_count
 from autopar.cost.layer import LayerChain
+from autopar.cost.memory import STEP_SOURCE
 from autopar.cost.model import (
     EFFECTS,
     Context,
@@ -36,7 +37,9 @@ from autopar.cost.step import (
     host_capacity,
     in_flight_of,
     memory_by_kind,
+    optimizer_step_dev,
     stage_transfer,
+    step_temps_dev,
 )
 from autopar.modes import CP, DP, EP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
 from autopar.report.experts import expert_layout, expert_lines
@@ -45,7 +48,8 @@ if TYPE_CHECKING:  # annotations only: report sits below plans
     from autopar.plans import Plan
 
 GiB = 1024 ** 3
-MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers",
+                "optimizer_step")
 
 
 def plan_report(plan: Plan, chain: LayerChain) -> dict:
@@ -140,15 +144,20 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     split = expert_split(mesh, plan.ep, world.per_node) if plan.ep > 1 else None
     experts_dev = np.bincount(device_of, weights=[c.expert_params for c in costs],
                               minlength=pp)
+    temps = step_temps_dev(*zip(*((c.step_temps.peak, c.step_temps.first, c.step_temps.last)
+                                  for c in costs)), device_of, pp) if costs else np.zeros(pp)
+    step = optimizer_step_dev(params_dev, temps, replicas, zero.stage, zero.offload, precision,
+                              hw.optimizer_implementation, experts_dev, split)
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
                            held, precision, max((c.workspace for c in costs), default=0.0),
-                           experts_dev, split)
+                           experts_dev, split, step)
     per_rank = np.bincount(device_of, weights=[c.time + t for c, t in zip(costs, conv)],
                            minlength=pp)
     ranks = [{"rank": r, "stages": [s["stage"] for s in stages if s["rank"] == r],
               "microbatches_in_flight": float(held[r]),
               "time_per_microbatch_s": float(per_rank[r]),
-              "memory_bytes": {k: int(parts[k][r]) for k in MEMORY_KINDS}} for r in range(pp)]
+              "memory_bytes": {k: int(parts[k][r]) for k in MEMORY_KINDS},
+              "optimizer_step_workspace_bytes": int(step[r])} for r in range(pp)]
     slow = [i for i, d in enumerate(device_of) if d == int(np.argmax(per_rank))]
     p2p_s, p2p_bytes = stage_transfer(layers, stage_of, b, pl, hw) if pp > 1 else (0.0, 0.0)
     if dp_comm_s is None:
@@ -184,7 +193,9 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                                                                   world.devices)),
                 "host_offloaded_bytes_per_device": int(host_bytes(
                     float(params_dev.max()), replicas, zero.stage, zero.offload, precision)),
-                "bytes_per_parameter": precision.to_json()}
+                "bytes_per_parameter": precision.to_json(),
+                "optimizer_step": {"implementation": hw.optimizer_implementation,
+                                   "priced_as": STEP_SOURCE[hw.optimizer_implementation]}}
     effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
                 "priced_as": how} for name, how in EFFECTS.items()]
     return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
@@ -348,6 +359,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"  memory per device {pred['memory_per_device_bytes'] / GiB:.2f} GiB: "
         + ", ".join(f"{k} {v / GiB:.2f}" for k, v in pred["memory_breakdown_bytes"].items()),
         *_state_lines(data),
+        *_step_lines(data),
         f"  communication per device per step {pred['comm_bytes_per_device'] / GiB:.2f} GiB"
         + _axes_text(data.get("comm_by_axis")),
         *_effect_lines(data.get("effects", [])),
@@ -424,6 +436,22 @@ def _state_lines(data: dict) -> list[str]:
                      f"shared by its {min(data['world']['per_node'], data['world']['devices'])}"
                      " devices")
     return lines
+
+
+def _step_lines(data: dict) -> list[str]:
+    """The optimizer step's temporaries on the worst device, how they are priced, and what
+    they add: the step runs after the backward has freed activations and buffers."""
+    how = (data.get("memory_capacity") or {}).get("optimizer_step")
+    pred = data["predicted"]
+    if how is None or "optimizer_step_workspace_bytes" not in pred:
+        return []
+    if data["zero"]["offload"]:
+        return ["  opt step    on the host (offloaded): its temporaries take no device memory"]
+    adds = pred["memory_breakdown_bytes"].get("optimizer_step", 0)
+    return [f"  opt step    {how['implementation']} temporaries "
+            f"{size_text(pred['optimizer_step_workspace_bytes'])} after the backward, adding "
+            f"{size_text(adds)} (peak = state + max(activations + buffers, step)): "
+            f"{how['priced_as']}"]
 
 
 def _model_line(model: dict | None) -> list[str]:

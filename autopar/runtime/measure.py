@@ -1,6 +1,7 @@
 """What a training step really costs, per layer: time from marks in the graphs, saved
 activations from autograd's hooks, collectives from the comm log (`Engine.explain()`); and
-the memory of a step (`measure_saved_activations`, `measure_state_bytes`)."""
+the memory of a step (`measure_saved_activations`, `measure_state_bytes`,
+`measure_transient_bytes`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Callable, Iterable
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from autopar.cost.memory import StateBytes
 from autopar.modes import EDP, STEP
@@ -314,6 +317,48 @@ def _union(spans: list[tuple[int, int]]) -> int:
             total += b - max(a, end)
             end = b
     return total
+
+
+class _NewStorages(TorchDispatchMode):
+    """Counts the bytes of the storages the ops it sees make (an op's output whose storage
+    is none of its inputs', each storage once), from each one's making to its freeing."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._held: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ins = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in ins or key in self._held:
+                continue  # in place, a view, or counted already
+            self._held.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._held.discard(key)
+        self.live -= nbytes
+
+
+def measure_transient_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes of tensors `fn()` made that were alive at once (an optimizer step's
+    temporaries: what it allocates beyond the tensors that existed before). Tensors an op
+    allocates inside itself and frees before it returns are not seen."""
+    mode = _NewStorages()
+    with mode:
+        fn()
+    return mode.peak
 
 
 def measure_saved_activations(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = (),

@@ -311,6 +311,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
         "optimizer_s": best.optimizer_s,
         "memory_per_device_bytes": int(best.memory_per_device),
         "memory_breakdown_bytes": {k: int(v) for k, v in best.memory.items()},
+        "optimizer_step_workspace_bytes": int(best.step_workspace),
         "host_memory_per_device_bytes": int(best.host_per_device),
         "comm_bytes_per_device": int(best.comm_bytes_per_device),
         "model_flops_per_step": flops,

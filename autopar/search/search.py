@@ -37,10 +37,12 @@ from autopar.cost.step import (
     host_capacity,
     in_flight_of,
     memory_by_kind,
+    optimizer_step_dev,
     pipeline_time,
     stage_transfer,
     state_factors,
     step_parts,
+    step_temps_dev,
 )
 from autopar.errors import PlanError
 from autopar.modes import (
@@ -80,6 +82,7 @@ class Candidate:
     optimizer_s: float = 0.0
     memory: dict = field(default_factory=dict)  # worst device: bytes by kind
     memory_per_device: float = 0.0
+    step_workspace: float = 0.0  # worst device: the optimizer step's temporaries (bytes)
     comm_bytes_per_device: float = 0.0
     fits: bool = True
     host_per_device: float = 0.0  # bytes offloaded to the host per device (ZeRO-Offload)
@@ -402,11 +405,15 @@ class Search:
         return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
-                experts_dev=None):
-        parts = memory_by_kind(params_dev, acts_dev, biggest, leaf.mesh["dp"] * leaf.mesh["cp"],
-                               zero, offload, in_flight, self.precision, leaf.prep.workspace,
-                               experts_dev, leaf.split)
-        return sum(parts.values()), parts
+                experts_dev=None, temps_dev=None):
+        replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
+        step = optimizer_step_dev(params_dev, temps_dev, replicas, zero, offload,
+                                  self.precision, self.hw.optimizer_implementation,
+                                  experts_dev, leaf.split)
+        parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero, offload,
+                               in_flight, self.precision, leaf.prep.workspace, experts_dev,
+                               leaf.split, step)
+        return sum(parts.values()), parts, step
 
     def _price(self, leaf, zero, offload) -> Candidate:
         return self._priced(leaf, zero, offload)[0]
@@ -422,15 +429,18 @@ class Search:
             device_of = np.asarray(leaf.device_of)
             leaf.fast = _Fast(device_of,
                               np.bincount(device_of, weights=prep.params, minlength=pp),
-                              np.bincount(device_of, weights=prep.acts, minlength=pp))
+                              np.bincount(device_of, weights=prep.acts, minlength=pp),
+                              step_temps_dev(*prep.temps, device_of, pp))
         device_of, params_dev, acts_dev = leaf.fast.device_of, leaf.fast.params_dev, \
             leaf.fast.acts_dev
         experts_dev = self._experts_dev(leaf, chosen, device_of)
-        total, parts = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero, offload,
-                                    in_flight, experts_dev)
+        total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero,
+                                              offload, in_flight, experts_dev,
+                                              leaf.fast.temps_dev)
         params, moved = prep.params, False
         if total.max() > self.capacity:
-            fixed = total - parts["activations"]
+            # activations fit what the state, the buffers and the step's excess leave
+            fixed = total - parts["activations"] - parts["optimizer_step"]
             for d in range(pp):
                 if total[d] > self.capacity:
                     budget = (self.capacity - fixed[d]) / in_flight[d]
@@ -442,8 +452,10 @@ class Search:
             params_dev = np.bincount(device_of, weights=params, minlength=pp)
             biggest = float(params.max()) if len(params) else 0.0
             experts_dev = self._experts_dev(leaf, chosen, device_of)
-            total, parts = self._memory(leaf, params_dev, acts_dev, biggest, zero, offload,
-                                        in_flight, experts_dev)
+            temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
+                                       device_of, pp)
+            total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, biggest, zero,
+                                                  offload, in_flight, experts_dev, temps_dev)
             moved = chosen != prep.fast
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
@@ -485,7 +497,7 @@ class Search:
             comm_s=leaf.m * slow_sum(prep.comm_table),
             bubble_s=step["bubble_s"], dp_comm_s=step["dp_s"], optimizer_s=step["optimizer_s"],
             memory={k: float(v[worst_dev]) for k, v in parts.items()},
-            memory_per_device=float(total.max()),
+            memory_per_device=float(total.max()), step_workspace=float(step_dev[worst_dev]),
             comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table) + wire,
             fits=bool(total.max() <= self.capacity and host <= self.host_capacity),
             host_per_device=host, ep=leaf.split.ep if leaf.split is not None else 1,
@@ -535,6 +547,7 @@ class _Fast:
     device_of: np.ndarray
     params_dev: np.ndarray  # parameter bytes per pipeline rank
     acts_dev: np.ndarray  # activation bytes per micro-batch per pipeline rank
+    temps_dev: np.ndarray  # the for-loop optimizer step's temporaries per pipeline rank
     pipeline: tuple | None = None  # `pipeline_time` of the fastest path
     _layers: dict = field(default_factory=dict)
 
@@ -608,6 +621,7 @@ class _Prepared:
         self.layer_time = self.path_time(self.fast)
         self.params = self.take(self.param_table, self.fast)
         self.acts = self.take(self.act_table, self.fast)
+        self.temps = tuple(self.take(t, self.fast) for t in self.temp_tables)
         self.biggest = float(self.params.max()) if len(self.params) else 0.0
         return self
 
@@ -620,10 +634,11 @@ class _Prepared:
         layout_ids: dict = {}
         kinds = []
         for states, costs in per_type:
-            table = np.zeros((8, width))
+            table = np.zeros((11, width))
             for k, c in enumerate(costs):
                 table[:, k] = (c.time, c.activations, c.params, c.forward + c.backward +
-                               c.recompute, c.comm, c.comm_bytes, c.expert_params, c.ep_comm)
+                               c.recompute, c.comm, c.comm_bytes, c.expert_params, c.ep_comm,
+                               c.step_temps.peak, c.step_temps.first, c.step_temps.last)
             layouts = np.full(width, -1)
             layouts[:len(states)] = [layout_ids.setdefault(st.layout, len(layout_ids))
                                      for st in states]
@@ -632,6 +647,7 @@ class _Prepared:
         self.time_table, self.act_table, self.param_table, self.compute_table, \
             self.comm_table, self.comm_bytes_table, self.expert_table, self.ep_comm_table = (
                 tables[:, q, :] for q in range(8))
+        self.temp_tables = tuple(tables[:, q, :] for q in range(8, 11))  # StepTemps' fields
         self.layout_table = np.stack([kinds[t][1] for t in order])
         self.gather = np.array([0.0] + [float(c.max()) if c.size else 0.0
                                         for c in self.conv[1:]])
