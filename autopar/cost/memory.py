@@ -796,7 +796,6 @@ def _trainable(traced: TracedGraph, target: str, pinfo) -> bool:
 # default on the CPU), foreach kernels over each device and dtype's tensor list (its
 # default where every tensor is on CUDA or a device like it) and fused kernels (opt-in)
 FOR_LOOP, FOREACH, FUSED = OPTIMIZER_IMPLEMENTATIONS
-IMPLEMENTATIONS = OPTIMIZER_IMPLEMENTATIONS
 
 # how each implementation's temporaries are priced, as explain names it
 STEP_SOURCE = {
@@ -863,9 +862,9 @@ def step_workspace(tensors, optimizer: str = "adamw", implementation: str = FOR_
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer {optimizer!r} is unknown to the memory model; use one of "
                         f"{', '.join(OPTIMIZERS)}.")
-    if implementation not in IMPLEMENTATIONS:
+    if implementation not in OPTIMIZER_IMPLEMENTATIONS:
         raise PlanError(f"optimizer implementation {implementation!r} does not exist; use one "
-                        f"of {', '.join(IMPLEMENTATIONS)}.")
+                        f"of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}.")
     sizes = [int(s) for s in tensors]
     if not sizes or optimizer.startswith("sgd") or implementation == FUSED:
         return 0
