@@ -20,6 +20,11 @@ from autopar.sharding.layout import block_count
 
 PHASES = ("forward", "backward", "step", "init")
 
+# One flat tensor gathered / reduce-scattered: torch 2.13 names them *_single; the older
+# names (the same signature, in every torch this package supports) where those are missing.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -101,7 +106,7 @@ class AxisGroup:
         if self.size == 1:
             return x
         out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.reshape(-1), group=self.group)
+        all_gather_single(out, x.reshape(-1), group=self.group)
         out = _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups, zigzag)
         self.log.took(start)
         return out
@@ -114,7 +119,7 @@ class AxisGroup:
             return x
         stacked = _deinterleave(x, dim, groups, self.size, zigzag).contiguous()
         out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
+        reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
         self.log.took(start)
         return out.view(stacked.shape[1:])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.kernels.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup, reduce_scatter_single
 
 BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded bytes)
 
@@ -114,7 +114,7 @@ class ShardedOptimizerState:
             self.dp.log.add("reduce_scatter", self.dp.axis, buf.numel() * buf.element_size(),
                             "backward")
             mine = torch.empty(width, dtype=p0.dtype, device=p0.device)
-            work = torch.distributed.reduce_scatter_single(mine, buf.reshape(-1),
+            work = reduce_scatter_single(mine, buf.reshape(-1),
                                                            group=self.dp.group, async_op=True)
             self._reducing.append((members, work, mine))
         else:

@@ -10,11 +10,10 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.kernels.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup, all_gather_single, reduce_scatter_single
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
@@ -177,7 +176,7 @@ class ZeroThree:
                           device=self.device)
         work = None
         if self.dp.size > 1:
-            work = dist.all_gather_single(out, send, group=self.dp.group, async_op=True)
+            work = all_gather_single(out, send, group=self.dp.group, async_op=True)
         else:
             out.copy_(send)
         self._pending[u] = (work, out)
@@ -244,7 +243,7 @@ class ZeroThree:
             self.dp.log.add("reduce_scatter", self.dp.axis, buf.numel() * buf.element_size(),
                             "backward")
             mine = torch.empty(unit.chunk, dtype=self.dtype, device=self.device)
-            work = dist.reduce_scatter_single(mine, buf.reshape(-1), group=self.dp.group,
+            work = reduce_scatter_single(mine, buf.reshape(-1), group=self.dp.group,
                                               async_op=True)
             self._reducing.append((u, which, work, mine))
             # a reduce-scatter in flight holds its whole unit-sized input: at most
