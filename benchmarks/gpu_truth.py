@@ -152,7 +152,7 @@ def gemm_shapes(tokens: int, tp: int, d=LLAMA8B) -> dict[str, tuple[int, int, in
 
 
 def section_calibrate(args, device) -> dict:
-    from autopar.cost.calibrate import QUICK, FULL, _seconds_per_call, calibrate
+    from autopar.cost.calibrate import FULL, QUICK, _seconds_per_call, calibrate
     from autopar.cost.hardware import load_hardware
     from autopar.cost.model import gemm_time
 
@@ -250,7 +250,8 @@ def section_predict(args, device) -> dict:
             engine = _engine(spec, batch, device, plan)
             x, y = _data(spec, batch, device)
             steps = 3 if args.quick else 6
-            row["measured_step_s"] = _timed(lambda: engine.train_step(x, y), device, 2, steps)
+            row["measured_step_s"] = _timed(functools.partial(engine.train_step, x, y), device,
+                                            2, steps)
             row["measured_peak_bytes"] = _peak(device)
             pred = plan.predicted
             row["predicted_step_s"] = pred["step_time_s"]
@@ -265,7 +266,7 @@ def section_predict(args, device) -> dict:
                                      world=World(devices=1, per_node=1, device=calibrated))
                 row["calibrated_step_s"] = cal["step"]["predicted_s"]
                 row["layers_calibrated"] = _layer_rows(cal)
-            del engine
+            engine = None  # its memory goes back before the next model
         except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end
             row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
             row["traceback"] = traceback.format_exc()[-3000:]
@@ -292,23 +293,21 @@ def section_overhead(args, device) -> dict:
         return float(loss)
 
     model = _model(spec, batch, device)
-    opt = _adamw()(model.parameters())
-    rows["eager"] = _timed(lambda: eager_step(model, opt), device, warm, steps)
-    del model, opt
+    rows["eager"] = _timed(functools.partial(eager_step, model, _adamw()(model.parameters())),
+                           device, warm, steps)
     model = _model(spec, batch, device)
-    compiled = torch.compile(model)
-    opt = _adamw()(model.parameters())
+    step = functools.partial(eager_step, torch.compile(model), _adamw()(model.parameters()))
     t0 = time.perf_counter()
-    eager_step(compiled, opt)
+    step()
     rows["compile_first_step_s"] = time.perf_counter() - t0
-    rows["torch.compile"] = _timed(lambda: eager_step(compiled, opt), device, warm, steps)
-    del model, compiled, opt
+    rows["torch.compile"] = _timed(step, device, warm, steps)
+    model = step = None  # their memory goes back before autopar's engine is built
     plan = _plan(spec, batch, device, _builtin(device))
     engine = _engine(spec, batch, device, plan)
-    rows["autopar"] = _timed(lambda: engine.train_step(x, y), device, warm, steps)
+    step = functools.partial(engine.train_step, x, y)
+    rows["autopar"] = _timed(step, device, warm, steps)
     engine.recorder.enabled = False
-    rows["autopar (recorder off)"] = _timed(lambda: engine.train_step(x, y), device, warm,
-                                            steps)
+    rows["autopar (recorder off)"] = _timed(step, device, warm, steps)
     return {"model": name, "spec": spec, "batch": batch, "step_s": rows,
             "overhead": rows["autopar"] / rows["eager"] - 1,
             "overhead_recorder_off": rows["autopar (recorder off)"] / rows["eager"] - 1}
@@ -358,7 +357,7 @@ def _rank_worker(rank, world, port, args, path):
                           "error_rel": max(abs(a - b) / abs(b) for a, b in zip(losses,
                                                                                reference)),
                           "comm_bytes": sum(r.bytes for r in engine.comm_log)}
-            del engine
+            engine = None
         except Exception as e:  # noqa: BLE001 - the sentence is the result
             rows[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400],
                           "traceback": traceback.format_exc()[-3000:]}
