@@ -18,6 +18,7 @@ from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequ
 from autopar.runtime.agree import check_ranks_agree
 from autopar.runtime.engine import Engine
 from autopar.runtime.mesh import plan_groups
+from autopar.runtime.metrics import StepMetrics
 from autopar.runtime.startup import Startup, check_weights, on_meta
 from autopar.search.planner import pipeline_stages
 from autopar.world import World, local_device
@@ -25,7 +26,8 @@ from autopar.world import World, local_device
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
                 plan=None, seed: int | None = None, max_grad_norm: float | None = None,
-                precision: str = "fp32", check_batches: bool = False, weights=None) -> Engine:
+                precision: str = "fp32", check_batches: bool = False, weights=None,
+                metrics=None, metrics_every: int = 10) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
@@ -35,8 +37,12 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     global batch across ranks (the first step always does). A model on the meta device
     gets only this rank's slices, of its own initialization under `seed` (None: the random
     state now, as one device would draw it), or of `weights`: a safetensors file or
-    directory, an autopar checkpoint or a mapping, checked against the model first."""
+    directory, an autopar checkpoint or a mapping, checked against the model first.
+    `metrics`: a JSON-lines path (plus TensorBoard scalars in `<path>.tb` when tensorboard
+    is installed) or a callable, given each step's measured figures beside the plan's;
+    rank 0 writes, and prints a line every `metrics_every` steps (0: never)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
+    sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
@@ -67,11 +73,13 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
     start = Startup(model, source, seed, _start_device(example_inputs)) \
         if source is not None or on_meta(model) else None
-    return Engine(model, chosen, plan_groups(chosen), tuple(example_inputs), loss_fn, optimizer,
-                  seed=0 if seed is None else seed,
-                  max_grad_norm=max_grad_norm, precision=precision,
-                  forward_graph=traced, check_batches=check_batches,
-                  stage_planner=pipeline_stages, start=start)
+    engine = Engine(model, chosen, plan_groups(chosen), tuple(example_inputs), loss_fn,
+                    optimizer, seed=0 if seed is None else seed,
+                    max_grad_norm=max_grad_norm, precision=precision,
+                    forward_graph=traced, check_batches=check_batches,
+                    stage_planner=pipeline_stages, start=start)
+    engine.metrics = sink
+    return engine
 
 
 def _start_device(example_inputs: tuple) -> torch.device:

@@ -5,6 +5,7 @@ gradients, stages, batches, accounting, measure, zero, pipeline, checkpoint)."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.measure import Recorder, instrument
+from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.scaler import LossScaler
 from autopar.runtime.stages import PipelineWeights, build_pipeline, layers_here, pipeline_step
@@ -60,6 +62,7 @@ class Engine(nn.Module):
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
         self.comm_log.recorder = self.recorder
         self.after_backward: list = []
+        self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
         self.steps = 0
         self.model_card = ModelCard(model)  # what export needs once the model is released
         self._tp, self._dp = groups[TP], groups[DP]
@@ -251,6 +254,7 @@ class Engine(nn.Module):
 
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on a global batch; the loss equals the single-device loss."""
+        started, mark = time.perf_counter(), len(self.comm_log.records)
         inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
         self.recorder.begin_step(self.comm_log)
         for layer in self.expert_layers():
@@ -264,13 +268,22 @@ class Engine(nn.Module):
         for hook in self.after_backward:
             hook()
         self.grads.average()
-        self.last_grad_norm = self.grads.step(self.optimizer, self.scaler, self.max_grad_norm)
+        self.last_grad_norm = self.grads.step(
+            self.optimizer, self.scaler, self.max_grad_norm,
+            norm_phase=METRICS_PHASE if self.metrics is not None else None)
         self.steps += 1
         value = loss.detach().float().reshape(1)
         if self._dp.size > 1:
             value = self._dp.all_reduce(value, "step") / self._dp.size
         self.recorder.finish_step(self.comm_log)
-        return float(value)
+        value = float(value)  # (waits for the step's kernels on a GPU)
+        if self.metrics is not None:
+            sent: dict[str, int] = {}
+            for r in self.comm_log.records[mark:]:
+                sent[r.axis] = sent.get(r.axis, 0) + r.bytes
+            self.metrics.record(self, self.steps, value, time.perf_counter() - started,
+                                inputs, sent, self.last_grad_norm)
+        return value
 
     def _forward_backward(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
         """The step's loss, with its gradients in .grad (a pipeline's through its schedule)."""
@@ -335,6 +348,18 @@ class Engine(nn.Module):
         """Bytes per (collective, axis, layer) of one train_step, from the plan; what the step
         sends outside the graph (gradient sync, ZeRO, norms) is under layer "(step)"."""
         return accounting.predicted_comm_by_layer(self, global_batch)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes (its GPU under NCCL, else where the model was)."""
+        return self._device
+
+    def step_prediction(self, world=None) -> dict:
+        """The plan's step time, memory per device and model FLOPs per step as this engine
+        runs it, and the peak rate its MFU divides by (after the first train_step)."""
+        from autopar.report.measured import step_prediction
+
+        return step_prediction(self, world)
 
     @staticmethod
     def global_rank() -> int:
