@@ -63,6 +63,12 @@ class Engine(nn.Module):
         self.comm_log.recorder = self.recorder
         self.after_backward: list = []
         self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
+        self.checkpoint_dir: str | None = None  # saved every `checkpoint_every` steps
+        self.checkpoint_every = 0
+        self.checkpoint_async = True
+        self.checkpoint_keep = 2
+        self.pending_checkpoint = None  # a runtime.checkpoint.AsyncSave being written
+        self.checkpoint_group = None  # background saves' own process group, made once
         self.steps = 0
         self.model_card = ModelCard(model)  # what export needs once the model is released
         self._tp, self._dp = groups[TP], groups[DP]
@@ -277,6 +283,9 @@ class Engine(nn.Module):
             value = self._dp.all_reduce(value, "step") / self._dp.size
         self.recorder.finish_step(self.comm_log)
         value = float(value)  # (waits for the step's kernels on a GPU)
+        if self.checkpoint_dir is not None and self.steps % self.checkpoint_every == 0:
+            self.save(self.checkpoint_dir, keep=self.checkpoint_keep,
+                      asynchronous=self.checkpoint_async)
         if self.metrics is not None:
             sent: dict[str, int] = {}
             for r in self.comm_log.records[mark:]:
@@ -400,12 +409,19 @@ class Engine(nn.Module):
         (runtime.startup.export); every rank calls it, a failure keeps an earlier export."""
         return export(self, directory, max_shard_bytes)
 
-    def save(self, path, keep: int = 2) -> str:
+    def save(self, path, keep: int = 2, asynchronous: bool = False):
         """Checkpoint under the directory `path` (any plan and world loads it; the newest
-        `keep` are kept); every rank calls it. Returns the checkpoint's directory."""
+        `keep` are kept); every rank calls it. Returns the checkpoint's directory, or with
+        `asynchronous` an AsyncSave once the state is staged in host memory (the files are
+        written in the background; `wait_for_checkpoint()` joins it)."""
         from autopar.runtime.checkpoint import save
 
-        return save(self, path, keep=keep)
+        return save(self, path, keep=keep, asynchronous=asynchronous)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Join the background save in flight, if any: its directory, or its error."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        return pending.wait() if pending is not None else None
 
     def load(self, path) -> str:
         """Restore a checkpoint `save` wrote under any plan or world (its directory, or one of
