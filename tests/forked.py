@@ -3,10 +3,10 @@ pools' fork server (tests/distributed.py), which imported torch, autopar and tra
 GPT-2 once: a child starts in milliseconds where a fresh interpreter spends seconds of CPU
 importing them, which is most of a short script's time on a shared two-core machine.
 
-The child runs in its own directory, with the script's folder first on sys.path and
-`sys.argv` as given, and its stdout and stderr go to files read back here, so it behaves
-as the command does, with one difference: torch's thread pools have the fork server's
-sizes (one thread).
+The child takes the test process's environment, runs in the directory given, with the
+script's folder first on sys.path and `sys.argv` as given, and its stdout and stderr go
+to files read back here, so it behaves as the command does, with one difference: torch's
+thread pools have the fork server's sizes (one thread).
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ import os
 import runpy
 import sys
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 from distributed import fork_context
+
+_STARTING = threading.Lock()  # the server starts in tests/: chdir is process-wide
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,10 @@ class Done:
     stderr: str
 
 
-def _child(script: str, args: list[str], cwd: str, out: str, err: str) -> None:
+def _child(script: str, args: list[str], cwd: str, environ: dict, out: str,
+           err: str) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     for fd, path in ((1, out), (2, err)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(handle, fd)
@@ -57,8 +63,15 @@ def run_script(script: str | Path, args: list[str], cwd: str | Path, timeout: fl
     what it printed. A child still running after `timeout` seconds is killed and fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        child = fork_context().Process(target=_child,
-                                       args=(str(script), list(args), str(cwd), out, err))
+        with _STARTING:
+            here = os.getcwd()
+            os.chdir(os.path.dirname(os.path.abspath(__file__)))  # not a test's scratch
+            try:
+                context = fork_context()
+            finally:
+                os.chdir(here)
+        child = context.Process(target=_child, args=(str(script), list(args), str(cwd),
+                                                     dict(os.environ), out, err))
         child.start()
         child.join(timeout)
         if child.is_alive():
