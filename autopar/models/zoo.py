@@ -168,7 +168,8 @@ _ZOO: dict[str, ModelConfig] = {
     ),
     # Llama 3.2 1B and 3B (Meta's model card and released configurations, September 2024):
     # Llama 3.1's layout with tied input and output embeddings, rescaled RoPE (factor 32) and a
-    # 128K context; the card gives 1.23B and 3.21B parameters (these count 1.236e9, 3.213e9).
+    # 128K context; the card lists 1.23B and 3.21B (these count 1.236e9, 1.24B to two
+    # places, and 3.213e9).
     "llama3.2-1b": LlamaConfig(
         vocab_size=128256,
         n_layer=16,
