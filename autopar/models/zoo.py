@@ -572,16 +572,9 @@ def _example_inputs(
     seed: int,
 ) -> tuple[torch.Tensor, ...]:
     family_name = _family_of(cfg)
-    seq_field = _FAMILIES[family_name].keys.get("seq")
-    if seq_field is None and seq is not None:
-        raise ValueError(f"seq={seq} given, but {family_name} models take no sequence length.")
+    seq_field = _FAMILIES[family_name].keys.get("seq")  # seq checked by `check_seq`
     if seq_field is not None:
-        max_seq = getattr(cfg, seq_field)
-        seq = max_seq if seq is None else seq
-        if not 1 <= seq <= max_seq:
-            raise ValueError(
-                f"seq={seq} is out of range for this {family_name} model: 1 <= seq <= {max_seq}."
-            )
+        seq = getattr(cfg, seq_field) if seq is None else seq
         shape, int_high = (batch, seq), cfg.vocab_size
     elif family_name == "vit":
         shape, int_high = (batch, cfg.channels, cfg.image_size, cfg.image_size), None
@@ -597,6 +590,48 @@ def _example_inputs(
     else:
         x = torch.randn(shape, generator=gen, dtype=dtype)
     return (x.to(device),)
+
+
+def longest_seq(cfg: ModelConfig) -> int | None:
+    """The longest sequence the model takes (None: a model that takes no sequence)."""
+    field = _FAMILIES[_family_of(cfg)].keys.get("seq")
+    return None if field is None else getattr(cfg, field)
+
+
+# what a longer context changes besides its length: the rotary frequencies
+_CONTEXT_FIELDS = ("rope_theta", "rope_scaling")
+
+
+def _same_shapes(a: ModelConfig, b: ModelConfig) -> bool:
+    if type(a) is not type(b):
+        return False
+    field = _FAMILIES[_family_of(a)].keys["seq"]
+    free = {f: getattr(a, f) for f in (field, *_CONTEXT_FIELDS) if hasattr(a, f)}
+    return dataclasses.replace(b, **free) == a
+
+
+def check_seq(name_or_spec: str | ModelConfig, seq: int | None) -> None:
+    """Refuse a sequence length the model does not take, naming its longest and the zoo
+    models of the same shapes that take ``seq``; cheap, so callers check before any work."""
+    cfg = config_of(name_or_spec)
+    longest = longest_seq(cfg)
+    if seq is None:
+        return
+    family = _family_of(cfg)
+    if longest is None:
+        raise ValueError(f"seq={seq} given, but {family} models take no sequence length; "
+                         "leave it out.")
+    if 1 <= seq <= longest:
+        return
+    what = name_or_spec if isinstance(name_or_spec, str) else f"this {family} model"
+    if seq < 1:
+        raise ValueError(f"seq={seq} is out of range for {what}: give 1 <= seq <= {longest}.")
+    longer = [name for name in ZOO_NAMES if _same_shapes(cfg, _ZOO[name])
+              and longest_seq(_ZOO[name]) >= seq]
+    hint = (f", or plan {' or '.join(longer)}, the same shapes at up to "
+            f"{longest_seq(_ZOO[longer[0]])}" if longer else "")
+    raise ValueError(f"seq={seq} is longer than {what} takes ({longest} at most); give "
+                     f"seq <= {longest}{hint}.")
 
 
 def config_of(name_or_spec: str | ModelConfig) -> ModelConfig:
@@ -627,6 +662,7 @@ def build(
     cfg = config_of(name_or_spec)
     if batch < 1:
         raise ValueError(f"batch={batch} must be at least 1.")
+    check_seq(name_or_spec, seq)
     model_cls = _FAMILIES[_family_of(cfg)].model
     device = torch.device(device)
     inputs = _example_inputs(cfg, batch, seq, device, dtype, 0 if seed is None else seed)
