@@ -41,14 +41,18 @@ if TYPE_CHECKING:  # annotations only
 
 
 class Progress:
-    """A one-line progress bar on stderr, shown only once a search has run for a second."""
+    """A one-line progress bar on stderr, shown only on a terminal (a redirected stderr gets
+    no carriage-return redraws) and only once a search has run for a second."""
 
-    def __init__(self, stream=sys.stderr, after_s: float = 1.0):
-        self.stream, self.after, self.start, self.shown = stream, after_s, time.perf_counter(), False
+    def __init__(self, stream=None, after_s: float = 1.0):
+        self.stream = sys.stderr if stream is None else stream
+        self.after, self.start, self.shown = after_s, time.perf_counter(), False
         self.last = -1
+        isatty = getattr(self.stream, "isatty", None)
+        self.on_terminal = bool(isatty and isatty())
 
     def __call__(self, done: int, total: int) -> None:
-        if time.perf_counter() - self.start < self.after or total <= 0:
+        if not self.on_terminal or time.perf_counter() - self.start < self.after or total <= 0:
             return
         percent = 100 * done // total
         if percent == self.last:  # redraw only on change: a log file gets one bar per percent

@@ -376,19 +376,20 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                                       micro_batch_size=best.micro_batch),
                 zero=ZeroPlan(stage=best.zero, offload=best.offload),
                 recompute=main.recompute, world=world, predicted=predicted, search=search_info,
-                notes=_notes(chain), ep=best.ep)
+                notes=_notes(chain, mesh["tp"]), ep=best.ep)
     return plan
 
 
-def _notes(chain: LayerChain) -> list[str]:
-    notes = list(getattr(chain, "refused", []))
+def _notes(chain: LayerChain, tp: int) -> list[str]:
+    """Notes on what the chosen plan does at its tensor size `tp`: a 1D split that size
+    refuses, ops that run whole; the sizes it did not choose are left out."""
+    notes = [note for note in getattr(chain, "refused", []) if note.startswith(f"tp={tp}:")]
     for lt in chain.types:
-        for size, sh in sorted(lt.sharded.items()):
-            if size > 1 and sh.replicated_ops:
-                notes.append(f"{lt.name} at tp={size}: " + "; ".join(sh.replicated_ops[:3])
-                             + (f" (+{len(sh.replicated_ops) - 3} more)"
-                                if len(sh.replicated_ops) > 3 else ""))
-                break
+        sh = lt.sharded.get(tp)
+        if tp > 1 and sh is not None and sh.replicated_ops:
+            notes.append(f"{lt.name} at tp={tp}: " + "; ".join(sh.replicated_ops[:3])
+                         + (f" (+{len(sh.replicated_ops) - 3} more)"
+                            if len(sh.replicated_ops) > 3 else ""))
     return notes
 
 
