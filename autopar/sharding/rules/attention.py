@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.graph.analysis import OpKind
+from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.masks import is_causal_mask, too_large
 from autopar.modes import CP, RING, ULYSSES
 from autopar.sharding.layout import Layout, divisible
