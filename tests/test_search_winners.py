@@ -29,11 +29,22 @@ CASES = {  # name -> constraints
 }
 
 
+def _runs(items) -> str:
+    """`a x3, b x1` for a, a, a, b: a layer list in one line."""
+    out = []
+    for item in map(str, items):
+        if out and out[-1][0] == item:
+            out[-1][1] += 1
+        else:
+            out.append([item, 1])
+    return ", ".join(f"{item} x{n}" for item, n in out)
+
+
 def _signature(cand) -> dict:
     return {"plan": cand.describe(), "step_time": float(cand.step_time).hex(),
             "memory": float(cand.memory_per_device).hex(), "fits": cand.fits,
-            "stages": list(cand.stages),
-            "states": [f"{s.mode}/{s.sp}/{s.recompute}" for s in cand.states]}
+            "stages": _runs(cand.stages),
+            "states": _runs(f"{s.mode}/{s.sp}/{s.recompute}" for s in cand.states)}
 
 
 @pytest.fixture(scope="module")
