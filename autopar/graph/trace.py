@@ -20,6 +20,8 @@ from torch.export import Dim
 from autopar.errors import TraceError
 from autopar.graph.analysis import analyse
 from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
+from autopar.graph.inplace import out_of_place
+from autopar.graph.linear_forms import canonical_linears
 
 __all__ = ["BATCH", "TracedGraph", "trace"]  # BATCH and TracedGraph live in autopar.graph.ir
 
@@ -114,6 +116,8 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
         model.train(was_training)
         if use_cache:
             config.use_cache = use_cache
+    canonical_linears(gm)
+    out_of_place(gm)
     params = _param_table(gm, model)
     traced = TracedGraph(gm=gm, tracer=tracer, example_batch=batch, params=params,
                          with_loss=with_loss, fallback_reason=reason)

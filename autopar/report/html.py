@@ -638,7 +638,10 @@ def _kinds_table(data: dict) -> str:
 
 
 def _notes(data: dict) -> str:
-    items = [f"ran replicated: {g['op']}: {g['note']}" for g in data.get("replicated_groups", [])]
+    from autopar.report.layers import replicated_line
+
+    items = [f"ran replicated: {g['op']} in {replicated_line(g)}"
+             for g in data.get("replicated_groups", [])]
     items += list(data.get("notes", []))
     items += [f"left out of the search: {n}" for n in data.get("search", {}).get("left_out", [])]
     return ("<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in items) + "</ul>") if items else ""

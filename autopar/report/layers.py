@@ -16,7 +16,7 @@ from autopar.cost.precision import runtime
 from autopar.graph.analysis import OpKind
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.modes import TP_1D
-from autopar.sharding.solve import Solution
+from autopar.sharding.solve import Solution, module_label
 
 if TYPE_CHECKING:  # annotations only: report sits below plans
     from autopar.plans import Plan
@@ -62,8 +62,8 @@ def layer_reports(traced: TracedGraph, solution: Solution, micro_batch: int) -> 
                 where = info.module.rsplit(".", 1)[-1] if info.module and \
                     info.module != layer.name else info.kind.value
                 strategies.append(f"{where}: {strategy.name}")
-            if strategy.note:
-                notes.append(f"{node.name}: {strategy.note}")
+            if strategy.note and f"{module_label(node)}: {strategy.note}" not in notes:
+                notes.append(f"{module_label(node)}: {strategy.note}")
             for c in comm_by_node.get(node.name, []):
                 key = (c.op, c.phase)
                 comm[key] = comm.get(key, 0) + int(sympy.sympify(c.bytes).subs(BATCH, micro_batch))
@@ -116,8 +116,8 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
 
 
 def replicated_groups(solution: Solution) -> list[dict]:
-    """Ops that ran replicated, one entry per (op, reason) with its nodes and layers (one
-    for a model of many identical layers)."""
+    """Ops that ran replicated, one entry per (op, reason) with its nodes, layers and the
+    model's modules they ran in (one entry for a model of many identical layers)."""
     groups: dict[tuple[str, str], dict] = {}
     for node, strategy in solution.strategies.items():
         if not strategy.note:
@@ -125,19 +125,25 @@ def replicated_groups(solution: Solution) -> list[dict]:
         op = str(node.target) if isinstance(node.target, torch._ops.OpOverload) else \
             getattr(node.target, "__name__", str(node.target))
         group = groups.setdefault((op, strategy.note), {"op": op, "note": strategy.note,
-                                                        "nodes": [], "layers": []})
+                                                        "nodes": [], "layers": [],
+                                                        "modules": []})
         group["nodes"].append(node.name)
         layer = node.meta["autopar"].layer
         if layer not in group["layers"]:
             group["layers"].append(layer)
+        module = module_label(node)
+        if module not in group["modules"]:
+            group["modules"].append(module)
     return list(groups.values())
 
 
 def replicated_line(group: dict) -> str:
-    nodes, layers = group["nodes"], group["layers"]
+    """Where a group of replicated ops ran, by the model's module paths, and why."""
+    nodes, modules = group["nodes"], group.get("modules") or group["nodes"]
+    names = ", ".join(modules) if len(modules) <= 2 else f"{modules[0]} ... {modules[-1]}"
     if len(nodes) == 1:
-        return f"{nodes[0]}: {group['note']}"
-    names = ", ".join(nodes) if len(nodes) == 2 else f"{nodes[0]} ... {nodes[-1]}"
+        return f"{names}: {group['note']}"
+    layers = group["layers"]
     where = f"in {layers[0]}" if len(layers) == 1 else f"in {len(layers)} layers"
     return f"{names} ({len(nodes)} ops {where}): {group['note']}"
 
