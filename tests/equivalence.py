@@ -62,6 +62,12 @@ def build(name: str, batch: int, seed: int = 0):
         model = FalconForCausalLM(cfg)
         x = torch.randint(0, 64, (batch, 8))
         return model, (x,), torch.randint(0, 64, (batch, 8)), _lm_loss
+    if name in ("hand-lm", "opaque-lm"):  # test_linear_forms: linears written out by hand
+        from test_linear_forms import HandLM, OpaqueLM
+
+        model = HandLM() if name == "hand-lm" else OpaqueLM()
+        return model, (torch.randint(0, 64, (batch, 8)),), torch.randint(0, 64, (batch, 8)), \
+            _lm_loss
     from autopar.models import build as zoo_build
 
     model, (x,) = zoo_build(name, batch=batch, device="cpu", seed=seed)
