@@ -29,8 +29,8 @@ def canonical_linears(gm: fx.GraphModule) -> int:
         elif node.target is aten.addmm.default and len(node.args) == 3 and \
                 all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha")):
             bias, x, weight = node.args[0], node.args[1], _transposed_weight(node.args[2])
-            if not _is_bias(bias, weight):
-                continue
+            if weight is None or not _is_bias(bias, weight):
+                continue  # transformers' Conv1D, addmm(b, x, w[in, out]), is a linear as it is
         else:
             continue
         if weight is None or _ndim(x) < 2:
