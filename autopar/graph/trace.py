@@ -19,8 +19,8 @@ from torch.export import Dim
 
 from autopar.errors import TraceError
 from autopar.graph.analysis import analyse
-from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
 from autopar.graph.inplace import out_of_place
+from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
 from autopar.graph.linear_forms import canonical_linears
 
 __all__ = ["BATCH", "TracedGraph", "trace"]  # BATCH and TracedGraph live in autopar.graph.ir
