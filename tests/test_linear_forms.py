@@ -25,6 +25,7 @@ from autopar.sharding.solve import solve
 aten = torch.ops.aten
 pool2 = dist_pool_fixture(2, timeout_s=900)
 pool4 = dist_pool_fixture(4, timeout_s=900)
+pool8 = dist_pool_fixture(8, timeout_s=900)
 
 TWO_D = {"tensor": {"size": 4, "mode": "2d"}}
 
@@ -269,6 +270,20 @@ def test_unrecognized_ops_inside_a_2d_grid_equal_single_device(pool4):
     notes = results[0]["probe"]
     assert "ran replicated: blocks.0.mix, blocks.1.mix: no catalog entry for " \
            "aten.einsum.default; ran replicated" in notes, notes
+
+
+@pytest.mark.parametrize("name, plan", [
+    ("opaque-lm", {"tensor": {"size": 8, "mode": "3d"}}),
+    ("hand-lm", {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}),
+])
+def test_2p5d_and_3d_equal_single_device(pool8, name, plan):
+    """The batch of a 3D cube lies on a composite axis (tp_ba), 2.5D's on (tp_k, tp_i): the
+    opaque block's weight gradient is summed over both of its physical dims."""
+    results = pool8.run(compare, name, plan, steps=4)
+    if name == "hand-lm":
+        _check(results, HAND_LINEARS)
+    else:
+        assert_equal(results)
 
 
 @pytest.mark.parametrize("name, plan", [
