@@ -165,12 +165,14 @@ def test_a_product_read_twice_or_scaled_addmm_stays_as_written():
 
         def forward(self, x):
             y = x @ self.w.T  # a linear, but its bias add has a second reader of y
-            return (y + self.b) * y + torch.addmm(self.b, x, self.w.t(), beta=0.5)
+            conv1d = torch.addmm(self.b[:4], x, self.w[:4])  # transformers' Conv1D: [in, out]
+            return (y + self.b) * y + torch.addmm(self.b, x, self.w.t(), beta=0.5) + \
+                conv1d.sum()
 
     model, x = Twice(), torch.randn(3, 4)
     traced = trace(model, (x,))
     targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(aten.linear.default) == 1 and aten.addmm.default in targets
+    assert targets.count(aten.linear.default) == 1 and targets.count(aten.addmm.default) == 2
     torch.testing.assert_close(traced.gm(x), model(x), rtol=1e-6, atol=1e-6)
 
 

@@ -3,7 +3,9 @@
 torch.export (non-strict, training IR) is tried first. When it fails, the model is traced
 with torch.fx.symbolic_trace (every module inlined), and that graph is exported through
 an fx.Interpreter, so both paths end in the same aten vocabulary and the rest of autopar
-sees one kind of graph. Module paths survive the detour through node meta.
+sees one kind of graph. Module paths survive the detour through node meta. Linears written
+out by hand then become `aten.linear` (`autopar.graph.linear_forms`), and in-place ops on
+values nothing else reads run out of place (`autopar.graph.inplace`).
 """
 
 from __future__ import annotations
