@@ -51,6 +51,23 @@ def build(name: str, batch: int, seed: int = 0):
         model = BertForMaskedLM(cfg)
         x = torch.randint(0, 64, (batch, 8))
         return model, (x,), torch.randint(0, 64, (batch, 8)), _lm_loss
+    if name in ("hf-falcon", "hf-falcon-mq"):  # its linears compute x @ w.T
+        from transformers import FalconConfig, FalconForCausalLM
+
+        new = name == "hf-falcon"
+        cfg = FalconConfig(vocab_size=64, hidden_size=32, num_attention_heads=4,
+                           num_hidden_layers=2, new_decoder_architecture=new, multi_query=not new,
+                           num_kv_heads=2 if new else None, hidden_dropout=0.0,
+                           attention_dropout=0.0)
+        model = FalconForCausalLM(cfg)
+        x = torch.randint(0, 64, (batch, 8))
+        return model, (x,), torch.randint(0, 64, (batch, 8)), _lm_loss
+    if name in ("hand-lm", "opaque-lm"):  # test_linear_forms: linears written out by hand
+        from test_linear_forms import HandLM, OpaqueLM
+
+        model = HandLM() if name == "hand-lm" else OpaqueLM()
+        return model, (torch.randint(0, 64, (batch, 8)),), torch.randint(0, 64, (batch, 8)), \
+            _lm_loss
     from autopar.models import build as zoo_build
 
     model, (x,) = zoo_build(name, batch=batch, device="cpu", seed=seed)

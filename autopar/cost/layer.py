@@ -17,11 +17,11 @@ import sympy
 import torch
 
 from autopar.cost.memory import activation_bytes
-from autopar.graph.analysis import OpKind, node_label
+from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.sharding.divisible import indivisible
-from autopar.sharding.solve import Solution, solve
+from autopar.sharding.solve import Solution, replicated_regions, solve
 from autopar.sharding.strategy import Rewrite
 
 _FREE = {OpKind.INPUT, OpKind.PARAM, OpKind.OUTPUT, OpKind.VIEW, OpKind.SYMBOLIC}
@@ -619,8 +619,8 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
         if c.where in names and c.where not in kept:
             (expert_comm if c.where in split_moe else comm).append(
                 (c.op, c.phase, Lin.of(c.bytes)))
-    notes = [f"{node_label(n)}: {s.note}" for n, s in solution.strategies.items()
-             if s.note and n.name in names]
+    notes = replicated_regions((n, s.note) for n, s in solution.strategies.items()
+                               if s.note and n.name in names)
     out = Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes,
                   expert_split=expert_split, expert_comm=expert_comm,

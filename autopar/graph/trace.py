@@ -3,7 +3,9 @@
 torch.export (non-strict, training IR) is tried first. When it fails, the model is traced
 with torch.fx.symbolic_trace (every module inlined), and that graph is exported through
 an fx.Interpreter, so both paths end in the same aten vocabulary and the rest of autopar
-sees one kind of graph. Module paths survive the detour through node meta.
+sees one kind of graph. Module paths survive the detour through node meta. Linears written
+out by hand then become `aten.linear` (`autopar.graph.linear_forms`), and in-place ops on
+values nothing else reads run out of place (`autopar.graph.inplace`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch.export import Dim
 
 from autopar.errors import TraceError
 from autopar.graph.analysis import analyse
+from autopar.graph.inplace import out_of_place
 from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
+from autopar.graph.linear_forms import canonical_linears
 
 __all__ = ["BATCH", "TracedGraph", "trace"]  # BATCH and TracedGraph live in autopar.graph.ir
 
@@ -114,6 +118,8 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
         model.train(was_training)
         if use_cache:
             config.use_cache = use_cache
+    canonical_linears(gm)
+    out_of_place(gm)
     params = _param_table(gm, model)
     traced = TracedGraph(gm=gm, tracer=tracer, example_batch=batch, params=params,
                          with_loss=with_loss, fallback_reason=reason)

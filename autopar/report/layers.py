@@ -62,7 +62,7 @@ def layer_reports(traced: TracedGraph, solution: Solution, micro_batch: int) -> 
                 where = info.module.rsplit(".", 1)[-1] if info.module and \
                     info.module != layer.name else info.kind.value
                 strategies.append(f"{where}: {strategy.name}")
-            if strategy.note:
+            if strategy.note and f"{node_label(node)}: {strategy.note}" not in notes:
                 notes.append(f"{node_label(node)}: {strategy.note}")
             for c in comm_by_node.get(node.name, []):
                 key = (c.op, c.phase)

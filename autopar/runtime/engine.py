@@ -105,6 +105,7 @@ class Engine(nn.Module):
         self.batches = batches.Batches(example_inputs, self.forward_graph, plan, self.mesh,
                                        self._dp, self._cp, self._device)
         self.forward_solution = self._solve(self.forward_graph, fixed=None)
+        self._note_replicated(self.forward_solution)
         check_divisible(self.forward_graph, self.forward_solution)
         self.forward_gm = self._build(self.forward_graph, self.forward_solution)
         self.params.keep_untraced(model)
@@ -147,6 +148,13 @@ class Engine(nn.Module):
                      sequence_mode=(self.plan.sequence_mode or RING) if cp else None,
                      sequence_layout=self.plan.cp_layout())
 
+    def _note_replicated(self, solution: Solution) -> None:
+        """Name in `plan.notes` every module whose ops run replicated, and why."""
+        for region in solution.replicated_regions():
+            note = f"ran replicated: {region}"
+            if note not in self.plan.notes:
+                self.plan.notes.append(note)
+
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
         gm = apply_solution(traced.gm, solution, coords=None)
@@ -179,6 +187,7 @@ class Engine(nn.Module):
         fixed = {t: self.params.layout_for(p) for t, p in self.forward_graph.params.items()
                  if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
+        self._note_replicated(self.train_solution)
         self.train_gm = self._build(self.train_graph, self.train_solution)
         self.batches.traced(inputs, target)
         self.global_batch = int(target.shape[0]) * self._dp.size

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from autopar.graph.analysis import OpKind
 from autopar.modes import CP
 from autopar.sharding import rules  # noqa: F401  (importing it registers every family's rules)
 from autopar.sharding.axes import MULTI_D, TensorMesh
@@ -42,11 +43,53 @@ def decide(ctx: RuleContext) -> Strategy:
     In a 1D layer the 1D rules of those ops see their own axis only (other splits gathered
     first). Every other rule runs once per axis the inputs are split over.
     """
-    strategy = _rule_strategy(ctx)
+    strategy = _summed_where_split(ctx, _rule_strategy(ctx))
     stream = _random_stream(ctx.node)
     if strategy.rewrite is None and stream is not None:
         return replace(strategy, rewrite=stream)
     return strategy
+
+
+# rewrites that run the op itself on each rank's blocks; the others are kernels that run
+# their own gradient collectives
+_RUNS_AS_IS = (None, Rewrite.LOCAL_SIZES, Rewrite.STREAM_DROPOUT, Rewrite.STREAM_ATTENTION)
+
+
+def _summed_where_split(ctx: RuleContext, strategy: Strategy) -> Strategy:
+    """An input whole on an axis the output is split on feeds every rank's slice of the
+    output, so each rank's gradient of it is a partial sum: it is summed over that axis.
+
+    The rules state this for the splits they make themselves; this covers the splits they
+    only carry along, such as a 2D grid's batch split through an op with no grid rule (a
+    matmul by a weight, which then gets a slice of the batch's gradient on each rank).
+    Kernels with their own gradient collectives, MoE layers (routed experts average over
+    their expert-data group) and values whose gradient a gather before the op already sums
+    (`RuleContext.grad_summed`) are left as they are."""
+    if strategy.rewrite not in _RUNS_AS_IS or \
+            ctx.info.kind in (OpKind.MOE, OpKind.GROUPED_MM):
+        return strategy
+    mesh = ctx.mesh or TensorMesh.one_d(ctx.axis, ctx.size)
+    split = [c for lay in _flat_layouts(strategy.out) for s in lay.shards
+             for c in _components(mesh, s.axis)]
+    if not split:
+        return strategy
+    for n, need in list(strategy.needs.items()):
+        if not ctx.requires_grad.get(n) or n in ctx.grad_summed:
+            continue
+        axes = need.grad_axes(ctx.axis)
+        held = {c for a in [s.axis for s in need.layout.shards] + list(need.layout.partial)
+                + list(axes) for c in _components(mesh, a)}
+        missing = tuple(dict.fromkeys(c for c in split if c not in held))
+        if missing:
+            strategy.needs[n] = Need(need.layout, axes + missing)
+    return strategy
+
+
+def _components(mesh: TensorMesh, axis: str) -> tuple[str, ...]:
+    try:
+        return mesh.components(axis)
+    except KeyError:  # an axis outside the tensor mesh (cp in a 1D solution): itself
+        return (axis,)
 
 
 def _random_stream(node: fx.Node) -> Rewrite | None:

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind, node_label
-from autopar.graph.ir import TracedGraph
+from autopar.graph.ir import LOSS_MODULE, TracedGraph
 from autopar.modes import CONTIGUOUS, CP, TP_1D
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.catalog import decide
@@ -81,6 +81,36 @@ class Solution:
 
     def notes(self) -> list[str]:
         return [f"{node_label(n)}: {s.note}" for n, s in self.strategies.items() if s.note]
+
+    def replicated_regions(self) -> list[str]:
+        """Why ops ran replicated, one line per reason, naming the model's modules they ran
+        in (not graph nodes): `blocks.0.attn, blocks.1.attn: no catalog entry for ...`."""
+        return replicated_regions((n, s.note) for n, s in self.strategies.items() if s.note)
+
+
+def replicated_regions(noted) -> list[str]:
+    """(node, note) pairs as one line per note with the modules of its nodes, in order."""
+    modules: dict[str, list[str]] = {}
+    for node, note in noted:
+        where = module_label(node)
+        held = modules.setdefault(note, [])
+        if where not in held:
+            held.append(where)
+    return [f"{_modules_text(names)}: {note}" for note, names in modules.items()]
+
+
+def module_label(node: fx.Node) -> str:
+    """The module path of the model a node runs in, as a user reads it."""
+    info = node.meta["autopar"]
+    if info.module == LOSS_MODULE:
+        return "the loss"
+    return info.module or "the model's own forward"
+
+
+def _modules_text(names: list[str]) -> str:
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]} ... {names[-1]} ({len(names)} modules)"
 
 
 def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
