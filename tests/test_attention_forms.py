@@ -131,7 +131,19 @@ def test_falcon_multi_query_under_sequence_parallelism(pool2, plan):
 
 @pytest.mark.parametrize("plan", [RING_CONTIGUOUS, ULYSSES], ids=["ring-contiguous", "ulysses"])
 def test_llama_one_kv_head_under_sequence_parallelism(pool2, plan):
-    _check(pool2.run(compare, llama_mqa, plan, steps=4), _kernel_op(plan))
+    """transformers' Llama repeats its one key/value head to the 4 query heads before SDPA
+    (`repeat_kv`: unsqueeze, expand, reshape); the kernels take the key/value before the
+    repeat (enable_gqa), so ring attention sends one head per hop, not four: per layer and
+    step, c - 1 hops of this rank's k and v forward, c - 1 backward and c hops of their
+    gradient accumulators (before, four times these bytes). Ulysses repeats the head only
+    to c = 2 heads for its all-to-all."""
+    results = pool2.run(compare, llama_mqa, plan, steps=4)
+    _check(results, _kernel_op(plan))
+    if plan is RING_CONTIGUOUS:
+        c, layers, batch, head_dim = 2, 2, 8, 8
+        kv_bytes = 2 * batch * 1 * (SEQ // c) * head_dim * 4  # k and v, one head, fp32
+        hops = (c - 1) + (c - 1) + c
+        assert results[0]["measured"][("p2p", "cp")] == layers * hops * kv_bytes
 
 
 @pytest.mark.parametrize("plan", [RING, RING_CONTIGUOUS, ULYSSES, MEGATRON_SP],
