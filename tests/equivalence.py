@@ -32,8 +32,11 @@ def _cls_loss(out, target):
 
 
 def build(name: str, batch: int, seed: int = 0):
-    """(model, inputs, targets, loss_fn) on the CPU, identical for a given seed."""
+    """(model, inputs, targets, loss_fn) on the CPU, identical for a given seed. `name`: a
+    model name, or a module-level function of the batch returning that tuple."""
     torch.manual_seed(seed)
+    if callable(name):
+        return name(batch)
     if name == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -386,7 +386,9 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
                        is_causal: bool = False, scale: float | None = None,
                        enable_gqa: bool = False, layout: str = CONTIGUOUS) -> torch.Tensor:
     """`scaled_dot_product_attention`'s arguments on sequence-split q, k, v, by `mode`
-    ("ring" or "ulysses"). `attn_mask` and dropout are not supported."""
+    ("ring" or "ulysses"). `attn_mask` and dropout are not supported. As in torch, k and v
+    with one head broadcast over every query head (multi-query attention) without
+    `enable_gqa`; other head counts that differ from q's need it."""
     if mode not in MODES:
         raise ValueError(f"unknown sequence-parallel mode {mode!r}; expected one of {MODES}")
     if attn_mask is not None:
@@ -396,7 +398,7 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     if dropout_p:
         raise ValueError("sequence-parallel attention has no dropout; attention with "
                          "dropout runs on the gathered sequence (the graph pass gathers it)")
-    if q.shape[1] != k.shape[1] and not enable_gqa:
+    if q.shape[1] != k.shape[1] != 1 and not enable_gqa:  # one kv head broadcasts (MQA)
         raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}; pass enable_gqa=True "
                          "for grouped-query attention")
     kernel = ring_attention if mode == RING else ulysses_attention

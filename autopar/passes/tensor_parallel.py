@@ -34,6 +34,7 @@ from autopar.kernels.sequence import SequenceAttention
 from autopar.modes import CP, ZIGZAG
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.layout import Layout
+from autopar.sharding.rules.attention import repeated_kv
 from autopar.sharding.rules.vocab import cross_entropy_args
 from autopar.sharding.solve import Solution
 from autopar.sharding.strategy import Rewrite, Strategy
@@ -225,11 +226,14 @@ def _global_size(site: Site) -> None:
 
 def _sequence_attention(site: Site) -> None:
     gm, node, seq = site.gm, site.node, site.strategy.args["sequence"]
+    args = tuple(node.args[:3])
+    if seq.get("repeated_kv"):  # the kernel reads k, v before repeat_kv (enable_gqa)
+        args = (args[0],) + tuple(site.mapping[repeated_kv(a)] for a in site.old.args[1:3])
     _replace_with_module(gm, node, "sequence_attention",
                          SequenceAttention(CP, seq["mode"], seq["is_causal"], seq["scale"],
                                            seq["enable_gqa"],
                                            layout=site.solution.sequence_layout),
-                         tuple(node.args[:3]))
+                         args)
     for user in list(node.users):  # tuple-output variants: output [0] is the kernel's
         if user.target is operator.getitem and user.args[1] == 0:
             user.replace_all_uses_with(node)

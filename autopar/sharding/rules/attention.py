@@ -13,7 +13,7 @@ from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.masks import is_causal_mask, too_large
 from autopar.modes import CP, RING, ULYSSES
-from autopar.sharding.layout import Layout, divisible
+from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.rules.context import (
     RuleContext,
     itemsize,
@@ -62,11 +62,45 @@ def _arg(node: fx.Node, pos, name: str, default):
     return node.kwargs.get(name, default)
 
 
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def repeated_kv(node: fx.Node) -> fx.Node | None:
+    """The [B, Hkv, S, D] source of a key or value repeated to the query heads the way
+    transformers' `repeat_kv` does it (x[:, :, None].expand(B, Hkv, n, S, D).reshape(B,
+    Hkv*n, S, D): head j reads kv head j // n, as `enable_gqa`), or None."""
+    if not isinstance(node, fx.Node) or node.target not in _RESHAPES:
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.target is not aten.expand.default:
+        return None
+    unsq = expand.args[0]
+    if not isinstance(unsq, fx.Node) or unsq.target is not aten.unsqueeze.default or \
+            unsq.args[1] % 5 != 2:
+        return None
+    src = unsq.args[0]
+    shapes = [n.meta["autopar"].shape if n.meta.get("autopar") else None
+              for n in (src, expand, node)]
+    if any(sh is None for sh in shapes) or [len(sh) for sh in shapes] != [4, 5, 4]:
+        return None
+    (b, hkv, seq, d), (b2, hkv2, n, seq2, d2), out = shapes
+    if (b2, hkv2, seq2, d2) != (b, hkv, seq, d) or tuple(out) != (b, hkv * n, seq, d):
+        return None
+    return src
+
+
+def _only_cp_split(layout) -> bool:
+    return isinstance(layout, Layout) and not layout.partial and \
+        layout.shards == (Shard(2, CP),)
+
+
 def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     """q, k, v split on the sequence dim (2) over `cp`: ring attention or Ulysses
     (`autopar.kernels.sequence`), with the collectives the kernel logs. Dropout and masks
     other than is_causal (or a mask equal to it, `autopar.graph.masks`) are not supported:
-    the sequence is gathered instead."""
+    the sequence is gathered instead. k, v of one head broadcast over the query heads
+    (multi-query attention, as torch's SDPA); k, v repeated to the query heads by
+    `repeat_kv` reach the kernel as their sources when cp alone splits them."""
     node = ctx.node
     positions = _SDPA_ARGS.get(node.target)
     mode = ctx.sequence_mode or RING
@@ -119,6 +153,17 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
             heads //= sizes[other.axis] if other.dim == 1 else 1
         return ctx.local_bytes(n, lay), heads
 
+    # k, v repeated to the query heads (transformers' repeat_kv) with the sequence split
+    # alone: the kernel takes their sources with enable_gqa, so ring attention sends Hkv
+    # heads, not H, and Ulysses repeats only as far as its head split needs
+    sources = [repeated_kv(n) for n in (k, v)]
+    if all(sources) and other is None and \
+            all(size == 1 for axis, size in sizes.items() if axis != CP) and \
+            all(_only_cp_split(full.get(n)) for n in (k, v, *sources)):
+        k, v = sources
+        gqa = True
+    else:
+        sources = None
     (qb, h), (kb, hkv), (vb, _) = (per_rank(n) for n in (q, k, v))
     ob = qb * sympy.sympify(ctx.shape(v)[3]) / sympy.sympify(ctx.shape(q)[3])
     grads = [bool(ctx.requires_grad.get(n)) for n in (q, k, v)]
@@ -148,9 +193,10 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
                 acc = kv * sympy.Rational(max(4, item), item)
                 comm += [CommOp("p2p", CP, "backward", acc, node.name, accumulator=True)
                          for _ in range(c)]
-    needs = {n: Need(rep(n).with_shard(2, CP)) for n in (q, k, v)}
+    needs = {n: Need(rep(n).with_shard(2, CP)) for n in ctx.node.args[:3]}
     out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)).with_shard(2, CP)
                        if len(shape) == 4 else Layout.replicated(len(shape)))
     return Strategy("sequence", needs, out, comm=comm, rewrite=Rewrite.SEQUENCE_ATTENTION,
                     args={"sequence": {"mode": mode, "is_causal": causal, "scale": scale,
-                                       "enable_gqa": gqa}})
+                                       "enable_gqa": gqa,
+                                       "repeated_kv": sources is not None}})

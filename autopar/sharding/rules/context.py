@@ -14,7 +14,7 @@ import torch.fx as fx
 from autopar.graph.analysis import NodeInfo, OpKind
 from autopar.graph.ir import BATCH
 from autopar.sharding.axes import TensorMesh
-from autopar.sharding.layout import Layout, divisible
+from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
 
@@ -44,9 +44,11 @@ class RuleContext:
     def seq_dim(self, node: fx.Node | None = None) -> int | None:
         """The sequence dim of a [batch, ..., sequence, ..., hidden] value (of this op's output
         by default): the first dim after the batch and before the last of size `seq`."""
+        return self._seq_dim_of(self.shape(node) if node is not None else self.info.shape)
+
+    def _seq_dim_of(self, shape) -> int | None:
         if self.seq is None:
             return None
-        shape = self.shape(node) if node is not None else self.info.shape
         if shape is None or len(shape) < 3 or not batch_like(shape[0]):
             return None
         for d in range(1, len(shape) - 1):
@@ -54,22 +56,41 @@ class RuleContext:
                 return d
         return None
 
+    def token_shard(self, shape: tuple | None = None) -> Shard | None:
+        """Where a Megatron-SP sequence split lies in a value of `shape` (this op's output by
+        default): its sequence dim, whole (`seq_dim`); or, when batch and sequence were
+        flattened into one leading dim of B x `seq` (OPT's decoder before its MLP), that dim
+        as `seq` tokens per sample, each sample's run split alike (`S(tp)/seq`: exactly the
+        rows the [B, S, ...] split holds, flattened). None when neither."""
+        shape = self.info.shape if shape is None else shape
+        d = self._seq_dim_of(shape)
+        if d is not None:
+            return Shard(d, self.axis)
+        if self.seq is None or shape is None or len(shape) < 2:
+            return None
+        per_sample = sympy.simplify(sympy.sympify(shape[0]) / BATCH)
+        if batch_like(shape[0]) and per_sample == self.seq:
+            return Shard(0, self.axis, -int(self.seq))
+        return None
+
     def sp_fail(self, why: str) -> None:
         self.sp_failures.setdefault(self.info.layer, f"{self.node.name} {why}")
 
     def sequence_split(self, x: fx.Node) -> Layout | None:
-        """x split on its sequence dim over this axis (Megatron-SP), or None with the reason
-        recorded when x has no sequence dim or it does not divide."""
-        d = self.seq_dim(x)
-        if d is None:
+        """x split on its sequence over this axis (Megatron-SP; a flattened batch x sequence
+        dim per sample, `token_shard`), or None with the reason recorded when x has no
+        sequence or it does not divide."""
+        shard = self.token_shard(self.shape(x))
+        if shard is None:
             self.sp_fail(f"reads a partial sum of shape {tuple(self.shape(x))} with no "
                          f"sequence dim of {self.seq} tokens")
             return None
-        if not divisible(self.shape(x)[d], self.size):
-            self.sp_fail(f"has a sequence of {self.shape(x)[d]} tokens, which does not split "
+        if not divisible(self.seq, self.size):
+            self.sp_fail(f"has a sequence of {self.seq} tokens, which does not split "
                          f"over {self.size} ranks")
             return None
-        return Layout.replicated(len(self.shape(x))).with_shard(d, self.axis)
+        return Layout.replicated(len(self.shape(x))).with_shard(shard.dim, self.axis,
+                                                                 shard.groups)
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -94,9 +94,9 @@ def elementwise(ctx: RuleContext) -> Strategy:
     target_shard = None
     keeps_partial = len(inputs) == 1 and layouts[0].partial and node.target in _LINEAR_UNARY
     if ctx.sp and any(lay.partial for lay in layouts):
-        d = ctx.seq_dim()
-        if d is not None and divisible(ctx.info.shape[d], ctx.size):
-            target_shard = Shard(d, ctx.axis)  # sequence parallel: partial sums reduce-scattered
+        token = ctx.token_shard()
+        if token is not None and divisible(ctx.seq, ctx.size):
+            target_shard = token  # sequence parallel: partial sums reduce-scattered
         elif not keeps_partial:
             ctx.sp_fail(f"reads a partial sum but its output {tuple(ctx.info.shape)} has no "
                         f"sequence dim of {ctx.seq} tokens that splits over {ctx.size} ranks")

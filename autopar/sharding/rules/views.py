@@ -72,6 +72,13 @@ def view(ctx: RuleContext) -> Strategy:
             ctx.grad_summed.add(node)
             return Strategy("gather", {x: Need(rep(x), sum_grads=True)},
                             Layout.replicated(len(out_shape)))
+        if ctx.sp and shard.dim == ctx.seq_dim(x):
+            # [B, S, H] split on S flattened to [B*S, H] for ops other than linears (OPT's MLP
+            # block: a norm and a residual): each sample's run of S tokens split alike
+            flat, _ = reshape_shard(in_shape, out_shape, shard, ctx.size, flatten=(ctx.axis,))
+            if flat is not None:
+                return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
+                    flat.dim, ctx.axis, flat.groups), rewrite=Rewrite.LOCAL_SIZES)
         if ctx.axis != CP:  # the sequence split is gathered here; the producer keeps it
             ctx.ask_producer(x, ("replicate",))
         return replicate(ctx)
@@ -140,7 +147,7 @@ def _split(ctx: RuleContext, x: fx.Node, layout: Layout, shard: Shard) -> Strate
     return replicate(ctx)
 
 
-def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
+def reshape_shard(in_shape, out_shape, shard: Shard, parts: int, flatten=(CP,)):
     """Where a split dimension lands after a reshape.
 
     Returns (Shard, None) when it lands on an output dimension, or (None, g) when it would
@@ -149,7 +156,8 @@ def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
     run of input dims that maps to a run of output dims with the same product. Counting the
     blocks of that run, G = (product of the run before the split dim) x groups, the split
     lands on output dim t of the run if the product A of the output run before t divides G
-    and (G / A) x parts divides the size of t.
+    and (G / A) x parts divides the size of t. A split right after the batch flattened with
+    it (`_flatten_samples`) lands only for the axes in `flatten`.
     """
     run = _matching_runs(in_shape, out_shape)
     for ins, outs in run:
@@ -159,6 +167,8 @@ def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
             return _unflatten_samples(in_shape, out_shape, ins, outs, shard, parts), None
         prefix_in = sympy.Mul(*[in_shape[d] for d in ins if d < shard.dim])
         if not prefix_in.is_number:
+            if shard.axis not in flatten:
+                return None, None
             return _flatten_samples(in_shape, out_shape, ins, outs, shard, parts), None
         blocks = int(prefix_in) * shard.groups
         prefix_out = 1
@@ -189,10 +199,10 @@ def reshape_shard(in_shape, out_shape, shard: Shard, parts: int):
 def _flatten_samples(in_shape, out_shape, ins, outs, shard: Shard, parts: int):
     """[B, S, ...] split on S (right after the batch) over cp flattened into one dim
     [B*S*...]: a batch-major split with runs of S*... elements per sample (groups -r), or
-    None. (Megatron-SP's sequence splits over tp are gathered at such views instead: the
-    1D rules after them want whole tokens.)"""
+    None. (Megatron-SP's sequence splits over tp reach it only from the view rule: those
+    feeding linears alone are gathered at the view instead.)"""
     run = sympy.Mul(*[in_shape[d] for d in ins[1:]])
-    if shard.axis != CP or shard.groups != 1 or len(outs) != 1 or len(ins) < 2 or \
+    if shard.groups != 1 or len(outs) != 1 or len(ins) < 2 or \
             shard.dim != ins[1] or not batch_like(in_shape[ins[0]]) or not run.is_number or \
             not divisible(in_shape[shard.dim], parts):
         return None
