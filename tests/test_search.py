@@ -654,3 +654,14 @@ def test_recomputing_never_speeds_a_layout_nor_changes_its_bytes_held(small):
         assert none.time <= selective.time <= full.time
         assert none.params == selective.params == full.params
         assert none.workspace == selective.workspace == full.workspace
+
+
+def test_divisors_come_from_pairs_below_the_square_root():
+    """The search factors the world through divisors(): for a world of 10^9 devices it
+    must not loop 10^9 times (it walked every number up to n before)."""
+    from autopar.search.space import divisors
+
+    for n in range(1, 500):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    big = divisors(10 ** 9)
+    assert len(big) == 100 and big[:4] == [1, 2, 4, 5] and big[-1] == 10 ** 9

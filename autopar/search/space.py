@@ -117,7 +117,17 @@ class Options:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order, from the pairs (d, n // d) with d <= sqrt(n):
+    a world of 10^9 devices has 100 of them, found in 31623 steps, not 10^9."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def factorisations(world: int, c: Constraints, n_blocks: int, seq_ok) -> list[dict]:
