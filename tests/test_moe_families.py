@@ -272,7 +272,7 @@ def test_other_families_blocks_run_as_the_op(block):
 REFUSED = {
     "PhimoeSparseMoeBlock": ("Phimoe", dict(intermediate_size=16, num_local_experts=4),
                              "routes with SparseMixer"),
-    "Llama4TextMoe": ("Llama4Text", dict(intermediate_size=16, intermediate_size_mlp=32,
+    "Llama4TextMoe": ("Llama4Text/Llama4", dict(intermediate_size=16, intermediate_size_mlp=32,
                                          num_local_experts=4, num_experts_per_tok=1),
                       "scales each token by its router score before the experts run"),
     "GptOssMLP": ("GptOss", dict(intermediate_size=16, num_local_experts=4,
@@ -291,11 +291,12 @@ REFUSED = {
 def test_families_the_op_does_not_compute_are_refused_in_a_sentence(block):
     import transformers as tr
 
-    prefix, extra, why = REFUSED[block]
+    names, extra, why = REFUSED[block]
+    prefix, _, model_prefix = names.partition("/")  # (the config's, the model's)
     config = getattr(tr, f"{prefix}Config")(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, **extra)
-    model = getattr(tr, f"{prefix}ForCausalLM")(config)
+    model = getattr(tr, f"{model_prefix or prefix}ForCausalLM")(config)
     idx = torch.zeros(2, SEQ, dtype=torch.long)
     with pytest.raises(PlanError) as info:
         autopar.parallelize(model, 2, example_inputs=(idx,), loss_fn=_loss,
