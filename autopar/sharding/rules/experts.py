@@ -65,7 +65,7 @@ def experts(ctx: RuleContext) -> Strategy:
     for w, (dim, blocks) in zip(weights, dims, strict=True):
         needs[w] = Need(rep(w).with_shard(dim, ctx.axis, blocks))
     split = 3 if spec.shared_ffn else 0  # the shared expert's three, then the whole ones
-    for w, dim in zip(shared[:split], (0, 0, 1), strict=True):
+    for w, dim in zip(shared[:split], (0, 0, 1)[:split], strict=True):
         needs[w] = Need(rep(w).with_shard(dim, ctx.axis))
     for w in shared[split:]:  # its sigmoid gate, the router's biases
         needs[w] = Need(rep(w))
