@@ -161,6 +161,16 @@ def test_family_under_expert_2_equals_one_device(pool2, family):
             assert e["predicted"]["alltoall_bytes"] > 0 and e["measured"]["alltoall_bytes"] > 0
 
 
+def test_deepseek_v3_experts_split_over_tensor_2_equal_one_device(pool2):
+    """Under tensor=2 the op splits each expert's FFN width (the shared expert's too, which
+    has no gate) over tp, the router and its correction bias whole."""
+    for r in pool2.run(_train, "deepseek_v3", dict(tensor=2)):
+        assert r["loss"] <= TOL and r["weights"] <= TOL, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"], (r["measured"], r["predicted"])
+        assert ("all_reduce", "tp") in r["measured"] and ("all_to_all", "ep") not in r["measured"]
+        assert r["experts_held"] and all(s == 0.5 for s in r["experts_held"].values())
+
+
 def test_the_planner_prices_deepseek_v3_experts_split():
     """autopar.plan traces each recognised block as the op (its own per-expert loop holds no
     grouped matmul to price): under ep=2 the plan's experts are split, 4 of 8 per rank, the
@@ -340,3 +350,19 @@ def test_a_large_block_on_meta_is_probed_with_narrowed_experts(monkeypatch):
         meta = cls(config)
     assert find_moe_layers(meta) == whole
     assert next(iter(whole.values())).ffn == 16
+
+
+def test_the_probe_decides_per_setting_not_per_class():
+    """Two blocks of one class and shape that route differently (DeepSeek-V2's
+    group-limited top-k keeping one group of two experts, and its greedy top-k) are probed
+    each: the second does not reuse the first's routing."""
+    import transformers as tr
+
+    config = dict(_config("deepseek_v2")[1].to_dict(), topk_group=1)
+    routers = []
+    for method in ("group_limited_greedy", "greedy"):
+        torch.manual_seed(0)
+        model = tr.DeepseekV2ForCausalLM(tr.DeepseekV2Config(**dict(config, topk_method=method)))
+        routers.append({(s.router.groups, s.router.topk_groups)
+                        for s in find_moe_layers(model).values()})
+    assert routers == [{(4, 1)}, {(1, 1)}]

@@ -335,7 +335,7 @@ def _verified(m: nn.Module, base: MoESpec, where: str) -> MoESpec:
     when none does (or the block returns more than its output). Decided once per block class
     and shapes. A large block is probed with its experts' FFN widths narrowed (the width is
     the weights' own: no routing depends on it), or whole where it does not run narrowed."""
-    key = (type(m), base)
+    key = (type(m), base, _settings(m))
     if key not in _probed:
         size = sum(p.numel() for p in m.parameters())
         narrow = dataclasses.replace(base, ffn=min(base.ffn, _PROBE_FFN),
@@ -349,6 +349,18 @@ def _verified(m: nn.Module, base: MoESpec, where: str) -> MoESpec:
     if isinstance(got, str):
         raise MoELayerError(got.replace("{where}", where))
     return got
+
+
+def _settings(m: nn.Module) -> tuple:
+    """The scalar settings of a block, its children and any config they hold (a routing
+    option such as topk_method changes what the same class computes)."""
+    out = []
+    for owner, module in [("", m), *m.named_children()]:
+        for k, v in vars(module).items():
+            items = v.to_dict().items() if hasattr(v, "to_dict") and k == "config" else [(k, v)]
+            out += [(owner, name, repr(x)) for name, x in items
+                    if isinstance(x, (bool, int, float, str, type(None)))]
+    return tuple(sorted(out))
 
 
 def _probe_values(m: nn.Module, spec: MoESpec, gen: torch.Generator, device
