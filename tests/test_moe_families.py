@@ -8,10 +8,13 @@ gradients against the block on random weights and inputs (autopar.kernels.moe_la
 Under expert=2 at world 2, DeepSeek-V3 (sigmoid, correction bias, grouped top-k, scaling,
 a shared expert with no gate, a dense first layer), DeepSeek-V2 (softmax, group-limited
 greedy, scaling), Qwen3-MoE, OLMoE and HunYuan-MoE (a router `wg`, a shared `shared_mlp`)
-train equal to one device over 4 AdamW steps (fp32, losses and weights within 1e-4), every collective's bytes as
-predicted, and the plan's explain lists the experts each rank holds. Every other family
-the installed transformers ships is recognised on one process (the substituted op equals
-the block, output and gradients) or refused with one sentence naming the block and why.
+train equal to one device over 4 AdamW steps (fp32, losses and weights within 1e-4),
+every collective's bytes as predicted, and the engine's explain lists each layer's experts
+over ep; DeepSeek-V3 also under tensor=2, and the planner prices its experts split. Other
+families' blocks are checked equal to the op on one process (output and gradients), a
+block whose forward differs is refused by the probe, the probe is decided per setting and
+runs narrowed on large or meta blocks, and the families the op does not compute are
+refused with one sentence naming the block and why (docs/moe-families.md lists them all).
 """
 
 from __future__ import annotations
