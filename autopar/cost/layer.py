@@ -298,7 +298,8 @@ def _moe_split(node) -> list[bool]:
     """Per GEMM of `_moe(node)`: whether tensor parallelism's expert split cuts it (the
     experts' three, the shared expert's three; not the router nor the shared gate)."""
     spec = described(node.args[MOE_KEY_ARG])
-    return [False, True, True, True] + ([True, True, True, False] if spec.shared_ffn else [])
+    return [False, True, True, True] + ([True, True, True] if spec.shared_ffn else []) + \
+        ([False] if spec.shared_gate else [])
 
 
 def _moe_ffn_traffic(node) -> sympy.Expr:
@@ -331,7 +332,7 @@ def _moe(traced: TracedGraph, node) -> tuple[list[Gemm], Experts, sympy.Expr]:
     for kk, n in ((h, f), (h, f), (f, h)):
         gemms.append(Gemm(Lin.of(2 * rows * kk * n), kk, n, True, expert=True, groups=e))
     if fs:
-        for kk, n in ((h, fs), (h, fs), (fs, h), (h, 1)):
+        for kk, n in ((h, fs), (h, fs), (fs, h)) + (((h, 1),) if spec.shared_gate else ()):
             gemms.append(Gemm(Lin.of(2 * t * kk * n), kk, n, True))
     size = torch.empty((), dtype=x.dtype).element_size()
     weights = [traced.params[_weight_of(w).target] for w in node.args[2]]

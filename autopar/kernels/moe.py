@@ -240,7 +240,8 @@ class MoE(SparseMoE):
         shared = full.shared_expert.w1.out_features if full.shared_expert is not None else 0
         with torch.device(full.w1.device):
             out = cls(hidden, ffn, full.num_experts, full.top_k, ep=ep, aux_group=aux_group,
-                      score=full.score, normalize=full.normalize, shared_ffn=shared)
+                      router=full.router, shared_ffn=shared, gate_bias=full.gate.bias is not None,
+                      shared_gate=full.shared_gate is not None)
         out = out.to(full.w1.dtype)
         local = slice(out.first_expert, out.first_expert + out.w1.size(0))
         state = {k: (v[local] if k in ("w1", "w3", "w2") else v)

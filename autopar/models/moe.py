@@ -31,6 +31,10 @@ from autopar.models.mla import MLAttention
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
 SCORES = (SOFTMAX, SIGMOID)
+# how a group of experts is scored for group-limited routing: its best expert's score
+# (DeepSeek-V2's group_limited_greedy) or the sum of its best two (DeepSeek-V3)
+GROUP_MAX, GROUP_TOP2 = "max", "top2"
+GROUP_SCORES = (GROUP_MAX, GROUP_TOP2)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,40 @@ def check_routing(experts: int, top_k: int, score: str) -> None:
 
 
 @dataclass(frozen=True)
+class Router:
+    """How gate logits [T, E] choose and weigh a token's experts.
+
+    `score`: softmax or sigmoid of the logits (in float32). `corrected`: a per-expert bias
+    (DeepSeek-V3's e_score_correction_bias) is added to the scores for the choice only, the
+    weights stay the uncorrected scores. `groups` > 1: the experts form that many groups of
+    consecutive experts, each scored by `group_score` over its (corrected) scores, and a
+    token chooses among the experts of its best `topk_groups` groups only (DeepSeek-V2 and
+    V3's group-limited routing; the others' scores masked to -inf, or with `masks_to_zero`
+    to 0). `corrects_logits`: the correction bias is added to the logits instead. `normalize`: the chosen weights are divided by their sum.
+    `scale`: the weights are multiplied by it last (routed_scaling_factor)."""
+
+    score: str = SOFTMAX
+    normalize: bool = True
+    scale: float = 1.0
+    corrected: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: str = GROUP_MAX
+    corrects_logits: bool = False  # the bias is added to the logits, not the scores
+    masks_to_zero: bool = False  # experts outside the best groups score 0, not -inf
+
+    def __post_init__(self):
+        if self.score not in SCORES:
+            raise ValueError(f"router score {self.score!r} is not one of {', '.join(SCORES)}.")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group score {self.group_score!r} is not one of "
+                             f"{', '.join(GROUP_SCORES)}.")
+        if not 1 <= self.topk_groups <= self.groups:
+            raise ValueError(f"topk_groups={self.topk_groups} must be between 1 and the number "
+                             f"of groups ({self.groups}).")
+
+
+@dataclass(frozen=True)
 class Routing:
     """Where each of T tokens goes: `experts` [T, k] (long) with their combine `weights`
     [T, k], and the router's probabilities `probs` [T, E] (float32, summing to 1 per token)
@@ -114,18 +152,39 @@ class Routing:
 
 
 def route(logits: torch.Tensor, top_k: int, score: str = SOFTMAX,
-          normalize: bool = True) -> Routing:
+          normalize: bool = True, router: Router | None = None,
+          correction: torch.Tensor | None = None) -> Routing:
     """Top-k routing of gate logits [T, E]: softmax (or sigmoid) scores in float32, the k
     largest by torch.topk (so ties fall as torch.topk breaks them), optionally renormalised
-    to sum to 1 per token. Sigmoid scores are normalised per token for the balance loss, as
+    to sum to 1 per token. `router` (else Router(score, normalize)) may add a correction bias
+    [E] for the choice (`correction`), limit it to the best groups of experts and scale the
+    weights (see Router). Sigmoid scores are normalised per token for the balance loss, as
     DeepSeek-V3's sequence-wise balance loss does."""
-    check_routing(logits.size(-1), top_k, score)
+    router = Router(score, normalize) if router is None else router
+    experts_count = logits.size(-1)
+    check_routing(experts_count, top_k, router.score)
     logits = logits.float()
-    scores = logits.softmax(-1) if score == SOFTMAX else logits.sigmoid()
-    weights, experts = torch.topk(scores, top_k, dim=-1)
-    if normalize:
+    scores = logits.softmax(-1) if router.score == SOFTMAX else logits.sigmoid()
+    if not router.corrected and router.groups == 1:
+        weights, experts = torch.topk(scores, top_k, dim=-1)
+    else:
+        choice = logits if router.corrects_logits else scores
+        choice = choice + correction.float() if router.corrected else choice
+        if router.groups > 1:
+            grouped = choice.view(-1, router.groups, experts_count // router.groups)
+            group = grouped.amax(-1) if router.group_score == GROUP_MAX else \
+                grouped.topk(2, dim=-1).values.sum(-1)
+            best = torch.topk(group, router.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter(1, best, True)
+            keep = keep.repeat_interleave(experts_count // router.groups, dim=1)
+            choice = choice.masked_fill(~keep, 0.0 if router.masks_to_zero else float("-inf"))
+        experts = torch.topk(choice, top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+    if router.normalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    probs = scores if score == SOFTMAX else scores / scores.sum(-1, keepdim=True)
+    if router.scale != 1.0:
+        weights = weights * router.scale
+    probs = scores if router.score == SOFTMAX else scores / scores.sum(-1, keepdim=True)
     return Routing(weights, experts, probs)
 
 
@@ -231,19 +290,36 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
                  score: str = SOFTMAX, normalize: bool = True, shared_ffn: int = 0,
-                 local_experts: int | None = None):
+                 local_experts: int | None = None, router: Router | None = None,
+                 gate_bias: bool = False, shared_gate: bool = True):
         super().__init__()
-        check_routing(experts, top_k, score)
-        self.num_experts, self.top_k, self.score, self.normalize = experts, top_k, score, normalize
+        self.router = Router(score, normalize) if router is None else router
+        check_routing(experts, top_k, self.router.score)
+        if experts % self.router.groups:
+            raise ValueError(f"{experts} experts do not form {self.router.groups} groups of "
+                             "equal size; choose a group count that divides the experts.")
+        self.num_experts, self.top_k = experts, top_k
         local = experts if local_experts is None else local_experts
-        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.gate = nn.Linear(hidden, experts, bias=gate_bias)
         self.w1 = nn.Parameter(torch.empty(local, ffn, hidden))
         self.w3 = nn.Parameter(torch.empty(local, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(local, hidden, ffn))
+        # DeepSeek-V3's correction bias for the choice (a buffer: load balancing sets it)
+        self.register_buffer("score_bias", torch.zeros(experts) if self.router.corrected
+                             else None)
         self.shared_expert = SwiGLU(hidden, shared_ffn) if shared_ffn else None
-        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn else None
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate \
+            else None
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.init_weights()
+
+    @property
+    def score(self) -> str:
+        return self.router.score
+
+    @property
+    def normalize(self) -> bool:
+        return self.router.normalize
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -253,7 +329,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, return_aux: bool = False):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (T, H)
-        routing = route(self.gate(x), self.top_k, self.score, self.normalize)
+        routing = route(self.gate(x), self.top_k, router=self.router,
+                        correction=self.score_bias)
         k = self.top_k
         flat = routing.experts.reshape(-1)  # (T*k,) token-major
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
@@ -265,7 +342,8 @@ class SparseMoE(nn.Module):
         out = (y.float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared_expert is not None:
             shared = self.leave_experts(self.shared_expert(self.enter_experts(x)))  # (T, H)
-            out = out + torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + (shared if self.shared_gate is None else
+                         torch.sigmoid(self.shared_gate(x)) * shared)
         out = out.view(shape)
         if not return_aux:
             return out

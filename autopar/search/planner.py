@@ -21,6 +21,7 @@ from autopar.cost.precision import precision_of
 from autopar.cost.step import chain_of
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
+from autopar.kernels.moe_layers import opaque_moe, priced_layers
 from autopar.modes import (
     CONTIGUOUS,
     GRID_MODES,
@@ -56,8 +57,9 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     _check_repeat(repeat)
-    traced = trace(model, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target,
-                   train=True)
+    with opaque_moe(model, priced_layers(model)):  # transformers' MoE blocks as the op
+        traced = trace(model, tuple(example_inputs), loss_fn=loss_fn,
+                       example_target=example_target, train=True)
     _check_repeat(repeat, [layer.name for layer in traced.layers])
     if isinstance(layers, dict):
         names = {layer.name for layer in traced.layers}

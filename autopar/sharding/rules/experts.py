@@ -6,7 +6,7 @@ Megatron-Core's expert tensor parallelism: w1 and w3 (gate and up, [E, F, H]) by
 transformers' fused gate_up_proj [E, 2F, H] as its gate block and its up block separately
 (S(tp)x2), w2 ([E, H, F]) by columns of F, and the shared expert's gate and up projections
 by rows and its down projection by columns; the router and the shared expert's sigmoid gate
-stay whole, so every tp rank routes the same tokens the same way (the ep groups lie inside
+(and the router's biases) stay whole, so every tp rank routes the same tokens the same way (the ep groups lie inside
 one tp index). The kernel (autopar.kernels.moe.MoE) sums the experts' partial output rows
 over tp before the combine (an all-reduce of the T·k dispatched rows, and of the shared
 expert's T rows) and, in the backward, the input's gradient from the routed experts and
@@ -64,10 +64,11 @@ def experts(ctx: RuleContext) -> Strategy:
     dims = ((1, 2), (2, 1)) if fused else ((1, 1), (1, 1), (2, 1))  # (dim, blocks) per weight
     for w, (dim, blocks) in zip(weights, dims, strict=True):
         needs[w] = Need(rep(w).with_shard(dim, ctx.axis, blocks))
-    if shared:
-        for w, dim in zip(shared[:3], (0, 0, 1), strict=True):
-            needs[w] = Need(rep(w).with_shard(dim, ctx.axis))
-        needs[shared[3]] = Need(rep(shared[3]))
+    split = 3 if spec.shared_ffn else 0  # the shared expert's three, then the whole ones
+    for w, dim in zip(shared[:split], (0, 0, 1)[:split], strict=True):
+        needs[w] = Need(rep(w).with_shard(dim, ctx.axis))
+    for w in shared[split:]:  # its sigmoid gate, the router's biases
+        needs[w] = Need(rep(w))
     out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)))
     return Strategy("tensor_experts", needs, out, comm=_comm(ctx, spec),
                     rewrite=Rewrite.TENSOR_EXPERTS)
@@ -100,8 +101,8 @@ def _comm(ctx: RuleContext, spec) -> list[CommOp]:
     the input's gradient from the routed experts and from the shared expert."""
     info = ctx.node.args[0].meta["autopar"]
     token_bytes = sympy.Mul(*info.shape) * itemsize(info.dtype)  # T rows of H
-    forward = [token_bytes * spec.top_k] + ([token_bytes] if spec.shared else [])
-    backward = [token_bytes] * (2 if spec.shared else 1)
+    forward = [token_bytes * spec.top_k] + ([token_bytes] if spec.shared_ffn else [])
+    backward = [token_bytes] * (2 if spec.shared_ffn else 1)
     return [CommOp("all_reduce", ctx.axis, phase, nbytes, ctx.node.name)
             for phase, sizes in (("forward", forward), ("backward", backward))
             for nbytes in sizes]
