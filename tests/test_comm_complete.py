@@ -146,6 +146,10 @@ def communication_uses(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, f"{base}.{node.attr}"))
         elif isinstance(node, ast.Name) and functions.get(node.id) in COMMUNICATION:
             found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Call) and _dotted(node.func) == "getattr" and \
+                len(node.args) >= 2 and _dotted(node.args[0]) in modules | {"torch.distributed"} \
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in COMMUNICATION:
+            found.append((node.lineno, f"getattr({_dotted(node.args[0])}, {node.args[1].value!r})"))
     return found
 
 
@@ -155,10 +159,12 @@ def test_the_scan_finds_each_way_of_calling_torch_distributed():
               "from torch.distributed import all_gather_object as ago\n"
               "dist.all_reduce(x)\ntorch.distributed.broadcast(x, 0)\nd2.isend(x, 1)\n"
               "ago(every, mine)\ndist.P2POp(dist.irecv, x, 0)\n"
-              "dist.get_rank()\ndist.new_group([0, 1])\n")
+              "dist.get_rank()\ndist.new_group([0, 1])\n"
+              "f = getattr(dist, 'reduce_scatter_single', None)\n")
     assert sorted(communication_uses(source)) == [
         (5, "dist.all_reduce"), (6, "torch.distributed.broadcast"), (7, "d2.isend"),
-        (8, "ago"), (9, "dist.P2POp"), (9, "dist.irecv")]
+        (8, "ago"), (9, "dist.P2POp"), (9, "dist.irecv"),
+        (12, "getattr(dist, 'reduce_scatter_single')")]
 
 
 @pytest.mark.parametrize("package", ["autopar/runtime", "autopar/kernels"])

@@ -150,6 +150,29 @@ def test_values_made_from_positions_stay_fp32_until_the_model_reads_them():
     assert not torch.equal(torch.cos(wrong), torch.cos(angles).to(torch.bfloat16))
 
 
+def test_a_loss_that_casts_the_logits_to_fp32_trains_in_bf16():
+    """A loss written as most training loops write it, `cross_entropy(logits.float(), y)`:
+    the traced `.float()` leaves a dtype assert in the loss part, which reads the logits
+    cast back to fp32, so the assert keeps fp32 (it was retargeted to bf16 and failed with
+    "Tensor dtype mismatch"). The step equals the same loss without the cast."""
+    from autopar.models import build
+
+    def cast_loss(logits, target):
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    def plain_loss(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    losses = []
+    for loss_fn in (cast_loss, plain_loss):
+        model, (x,) = build(GPT, batch=2, device="cpu", seed=0)
+        engine = autopar.parallelize(model, 1, example_inputs=(x,), plan={"data": 1},
+                                     loss_fn=loss_fn, precision="bf16",
+                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        losses.append([engine.train_step(x, x.roll(-1, 1)) for _ in range(2)])
+    assert losses[0] == losses[1]
+
+
 def test_inference_returns_the_traced_dtype_and_a_bad_precision_is_refused():
     from autopar.models import build
 

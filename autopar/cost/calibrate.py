@@ -64,6 +64,13 @@ class Effort:
     trials: int
 
 
+# attention: sequence lengths, heads, head dim and tokens per call, by device kind
+ATTENTION = {"cuda": ((1024, 2048, 4096, 8192), 32, 128, 8192),
+             "cpu": ((64, 128, 256), 4, 32, 256)}
+QUICK_ATTENTION = {"cuda": ((512, 1024), 8, 64, 1024), "cpu": ((16, 32), 2, 16, 32)}
+COPY_CURVE = {"cuda": (2 ** 20, 2 ** 24, 2 ** 28, 2 ** 30), "cpu": (2 ** 16, 2 ** 20, 2 ** 24)}
+QUICK_COPY_CURVE = {"cuda": (2 ** 20, 2 ** 24), "cpu": (2 ** 12, 2 ** 16)}
+
 FULL = Effort({"cpu": (64, 128, 256, 512, 1024), "cuda": (512, 1024, 2048, 4096, 8192)},
               2 ** 28, (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 22, 2 ** 26), 0.05, 5)
 QUICK = Effort({"cpu": (16, 32, 64, 128), "cuda": (64, 256, 1024)},
@@ -210,6 +217,64 @@ def measure_copy(nbytes: int, device: torch.device, effort: Effort) -> tuple[flo
     return 2.0 * src.numel() * 4, _seconds_per_call(lambda: dst.copy_(src), device, effort)
 
 
+def measure_copy_curve(sizes: Sequence[int], device: torch.device,
+                       effort: Effort) -> list[tuple[float, float]]:
+    """``(bytes moved, seconds)`` of one copy of each size: the bandwidth a memory-bound
+    kernel reaches by how much it moves (small copies pay the launch, not the bytes)."""
+    return [measure_copy(n, device, effort) for n in sizes]
+
+
+def measure_launch_floor(device: torch.device, effort: Effort, calls: int = 2000) -> float:
+    """Seconds per kernel of tiny kernels issued back to back (a one-element add): the
+    least time one kernel takes however little it does."""
+    x = torch.zeros(1, device=device)
+
+    def many():
+        for _ in range(calls):
+            x.add_(1.0)
+
+    return _seconds_per_call(many, device, effort) / calls
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """The full (unmasked) FLOPs of one attention forward + backward, as the cost model counts
+    them: QK^T and PV, 2 x 2 b h s^2 d forward, the backward twice the forward."""
+    return 3 * 4.0 * batch * heads * seq * seq * head_dim
+
+
+def measure_attention(seqs: Sequence[int], heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device, effort: Effort,
+                      tokens: int | None = None) -> list[tuple[int, float, float]]:
+    """``(seq, flops, seconds)`` of causal scaled-dot-product attention forward + backward at
+    each sequence length (PyTorch's fused kernel: flash on a GPU), ``tokens`` per call
+    (batch = tokens // seq, at least 1)."""
+    import torch.nn.functional as F
+
+    out = []
+    for seq in seqs:
+        batch = max(1, (tokens or seq) // seq)
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+
+        def step(q=q, k=k, v=v, grad=grad):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        out.append((seq, attention_flops(batch, heads, seq, head_dim),
+                    _seconds_per_call(step, device, effort)))
+    return out
+
+
+def fit_attention(rows: Sequence[tuple[int, float, float]], peak: float) -> tuple[float, float]:
+    """``(attention_efficiency, attention_half_tokens)`` of the cost model's curve
+    ``rate = peak x efficiency x S / (S + half)`` on the causal half of the FLOPs, from
+    :func:`measure_attention`'s rows: a least-squares line of 1 / efficiency over 1 / S."""
+    pts = [(1.0 / seq, (flops / 2) / seconds / peak) for seq, flops, seconds in rows]
+    a, b = _fit_two([(e, x * e) for x, e in pts])  # 1/e = a + b/S, each row times e
+    best = 1.0 / a if a > 0 else max(e for _, e in pts)
+    return min(best, 1.0), (b * best if a > 0 else 0.0)
+
+
 def _all_reduce(numel, world, rank, device):
     t = torch.zeros(numel, device=device)
     return lambda: dist.all_reduce(t)
@@ -347,8 +412,28 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
                   memory_bandwidth=moved / copy_s, memory_efficiency=1.0)
     # torch.optim's default here: foreach kernels on CUDA, a loop over the tensors on the CPU
     fields["optimizer_implementation"] = "foreach" if device.type == "cuda" else "for_loop"
+    seqs, heads, head_dim, tokens = (QUICK_ATTENTION if effort is QUICK else
+                                     ATTENTION)[device.type]
+    attention = measure_attention(seqs, heads, head_dim, DTYPES[curve_dtype], device, effort,
+                                  tokens)
+    floor = measure_launch_floor(device, effort, calls=200 if effort is QUICK else 2000)
+    curve_bytes = measure_copy_curve((QUICK_COPY_CURVE if effort is QUICK else
+                                      COPY_CURVE)[device.type], device, effort)
+    if world > 1:  # as above: the mean over the ranks, so all agree
+        flat = torch.tensor([t for *_, t in attention] + [floor] + [t for _, t in curve_bytes],
+                            dtype=torch.float64, device=device)
+        dist.all_reduce(flat)
+        mean = (flat / world).tolist()
+        attention = [(q, f, t) for (q, f, _), t in zip(attention, mean)]
+        floor = mean[len(attention)]
+        curve_bytes = [(b, t) for (b, _), t in zip(curve_bytes, mean[len(attention) + 1:])]
+    att_eff, att_half = fit_attention(attention, peak_flops[curve_dtype])
     if device.type == "cuda":
         fields["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        # a GPU's fused attention kernel and its launch floor are what the profile prices;
+        # a CPU's attention stays priced as the matmuls it runs (extra keeps the figures)
+        fields.update(attention_efficiency=att_eff, attention_half_tokens=att_half,
+                      kernel_floor_s=floor)
     else:
         # the host of a CPU rank is its own memory: an offload copy is a memory copy
         # (``moved`` counts the read and the write of each byte copied)
@@ -359,6 +444,12 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
              "matmul_other_dtypes": {dt: {"dim": dims[-1], "seconds": s}
                                      for dt, s in others.items()},
              "copy": {"bytes_moved": moved, "seconds": copy_s},
+             "copy_curve": [{"bytes_moved": b, "seconds": t} for b, t in curve_bytes],
+             "attention": {"dtype": curve_dtype, "heads": heads, "head_dim": head_dim,
+                           "causal": True, "fit": {"efficiency": att_eff, "half_tokens": att_half},
+                           "rows": [{"seq": q, "flops": f, "seconds": t}
+                                    for q, f, t in attention]},
+             "launch_floor_s": floor,
              "peak_flops_kept_from_base": sorted(set(peak_flops) - measured)}
     if skipped:
         extra["matmul_skipped"] = skipped

@@ -29,6 +29,12 @@ from autopar.sharding.layout import block_count
 
 PHASES = ("forward", "backward", "step", "init")
 
+# One flat tensor gathered / reduce-scattered: torch 2.13 names them *_single; the older
+# names (the same signature, in every torch this package supports) where those are missing.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
+    dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -125,7 +131,7 @@ class AxisGroup:
         if self.size == 1:
             return x
         out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.reshape(-1), group=self.group)
+        _all_gather_single(out, x.reshape(-1), group=self.group)
         out = _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups, zigzag)
         self.log.took(start)
         return out
@@ -138,7 +144,7 @@ class AxisGroup:
             return x
         stacked = _deinterleave(x, dim, groups, self.size, zigzag).contiguous()
         out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
+        _reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
         self.log.took(start)
         return out.view(stacked.shape[1:])
 
@@ -232,7 +238,7 @@ class AxisGroup:
         if self.size == 1:
             return Pending(flat, [])
         out = torch.empty(flat.numel() // self.size, dtype=flat.dtype, device=flat.device)
-        return Pending(out, [dist.reduce_scatter_single(out, flat, group=self.group,
+        return Pending(out, [_reduce_scatter_single(out, flat, group=self.group,
                                                         async_op=True)])
 
     def all_gather_async(self, flat: torch.Tensor, phase: str) -> "Pending":
@@ -244,7 +250,7 @@ class AxisGroup:
         if self.size == 1:
             out.copy_(flat)
             return Pending(out, [])
-        return Pending(out, [dist.all_gather_single(out, flat, group=self.group,
+        return Pending(out, [_all_gather_single(out, flat, group=self.group,
                                                     async_op=True)])
 
     def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int],

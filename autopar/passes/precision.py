@@ -63,8 +63,10 @@ def cast_precision(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
         elif node in stream and node.op == "call_function":
             _retarget_dtypes(node, dtype)
         elif node.target is aten._assert_tensor_metadata.default and \
-                node.args and node.args[0] in stream:
-            _retarget_dtypes(node, dtype)  # asserts a stream value's (now 16-bit) dtype
+                node.args and node.args[0] in stream and _model_part(node):
+            # asserts a stream value's (now 16-bit) dtype; the loss part's asserts (a loss
+            # that calls .float() on the logits) read values cast back to the traced dtype
+            _retarget_dtypes(node, dtype)
         elif _model_part(node) and _holds_floating(node, traced):  # made from no stream
             _cast_reads(graph, node, dtype, order, [u for u in node.users if u in stream])
     made: dict = {}

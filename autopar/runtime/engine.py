@@ -80,6 +80,7 @@ class Engine(nn.Module):
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.recorder.device = self._device  # CUDA events time a GPU's layers
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
             start.expect_zero(plan.zero, self._dp, self._pp.size,
                               groups[EDP] if self.moe_layers and plan.ep > 1 else None)

@@ -44,11 +44,29 @@ class _Call:
     handles: list = field(default_factory=list)
 
 
-class Recorder:
-    """Per-layer time and saved bytes of the steps since `reset`, and the layer now running."""
+class _GpuStamp:
+    """A point in a CUDA stream's work (an event recorded there), so that the difference of
+    two is the GPU time between them, not the host's: on a GPU the host runs ahead of the
+    kernels it queues. Read after the step's work is synchronized."""
 
-    def __init__(self, warmup: int = 1):
+    __slots__ = ("event",)
+
+    def __init__(self):
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def __sub__(self, other: _GpuStamp) -> float:
+        return other.event.elapsed_time(self.event) / 1e3
+
+
+class Recorder:
+    """Per-layer time and saved bytes of the steps since `reset`, and the layer now running.
+
+    Time stamps are the host's clock on a CPU and CUDA events on a GPU (`device`)."""
+
+    def __init__(self, warmup: int = 1, device: torch.device | None = None):
         self.enabled = True
+        self.device = device
         self.layer: str | None = None  # the layer whose forward or backward runs now
         self.warmup = warmup  # the first steps are not counted (allocation, first gathers)
         self.seen = 0  # steps finished, warm-up included
@@ -71,15 +89,20 @@ class Recorder:
         self.layers.clear()
         self.axes.clear()
 
+    def _now(self):
+        if self.device is not None and self.device.type == "cuda":
+            return _GpuStamp()
+        return time.perf_counter()
+
     def begin_step(self, log) -> None:
         if not self.enabled:
             return
-        self._start = time.perf_counter()
+        self._start = self._now()
         self._log_mark = len(log.records)
 
     # ------------------------------------------------------------------ ticks
     def tick(self, key: int, k: int, layers: list, x) -> None:
-        now = time.perf_counter()
+        now = self._now()
         if k == 0:
             call = _Call(list(layers), [None] * len(layers), [None] * len(layers))
             self._open[key] = call
@@ -94,7 +117,7 @@ class Recorder:
                           None)
 
             def hook(grad, call=call, k=k, before=before):
-                call.backward[k] = time.perf_counter()
+                call.backward[k] = self._now()
                 self.layer = before  # the backward goes on with the segment before
                 return None
 
@@ -103,7 +126,7 @@ class Recorder:
     def backward_done(self) -> None:
         """The step's backward has returned (whole-graph steps): the first segment of a
         graph that had no probe of its own ends here."""
-        self._backward_end = time.perf_counter()
+        self._backward_end = self._now()
 
     @contextlib.contextmanager
     def saving(self):
@@ -141,8 +164,11 @@ class Recorder:
             return
         self.seen += 1
         counted = self.seen > self.warmup
+        end = self._now()
+        if isinstance(end, _GpuStamp):  # every stamp of the step is read against the GPU's
+            end.event.synchronize()
         if self._start is not None and counted:
-            self.step_s += time.perf_counter() - self._start
+            self.step_s += end - self._start
         for call in self._calls:
             for h in call.handles:
                 h.remove()
