@@ -107,6 +107,19 @@ def test_moe_pipeline_zero_experts(pool4):
         assert step[("all_reduce", "pp")] == 16
 
 
+def test_a_diverted_log_hands_its_records_to_the_other():
+    from autopar.kernels.collectives import AxisGroup, CommLog
+
+    log, startup = CommLog(), CommLog()
+    tp = AxisGroup("tp", 1, 0, None, log)
+    with log.diverted(startup):
+        tp.all_reduce(torch.ones(3), "init")
+        tp.sent([torch.ones(2, dtype=torch.float64)], "init")
+    tp.all_reduce(torch.ones(2), "forward")
+    assert startup.totals() == {("all_reduce", "tp"): 12, ("p2p", "tp"): 16}
+    assert log.totals() == {("all_reduce", "tp"): 8} and len(log.seconds) == 1
+
+
 # ---------------------------------------------------------------- the one logged path
 def _distributed_aliases(tree: ast.Module) -> tuple[set[str], dict[str, str]]:
     """(names bound to the torch.distributed module, name -> function imported from it)."""
