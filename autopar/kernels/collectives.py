@@ -323,12 +323,13 @@ def exchange_objects(obj, group=None) -> list:
     return every
 
 
-def broadcast_object(obj, src: int = 0):
-    """Control traffic, not logged: global rank `src`'s picklable `obj` on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def broadcast_object(obj, src: int = 0, group=None):
+    """Control traffic, not logged: global rank `src`'s picklable `obj` on every member of
+    `group` (the world by default)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
