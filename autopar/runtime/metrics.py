@@ -105,6 +105,7 @@ class StepMetrics:
         if self.callback is not None:
             self.callback(row)
             return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         writer = self._tensorboard()
@@ -140,6 +141,10 @@ def _si(value: float) -> str:
     return f"{value:.0f}"
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
 def console_line(row: dict) -> str:
     """A step's metrics as one line a person reads."""
     parts = [f"step {row['step']}", f"loss {row['loss']:.4f}",
@@ -150,9 +155,9 @@ def console_line(row: dict) -> str:
     if row.get("mfu") is not None:
         parts.append(f"MFU {row['mfu']:.1%}" + (f" (plan {row['mfu_predicted']:.1%})"
                                                   if row.get("mfu_predicted") else ""))
-    mem = max(row["peak_memory_bytes"]) / 2 ** 30
     planned = row.get("peak_memory_bytes_predicted")
-    parts.append(f"peak {mem:.2f} GiB" + (f" (plan {planned / 2 ** 30:.2f})" if planned else ""))
+    parts.append(f"peak {_bytes(max(row['peak_memory_bytes']))}" +
+                 (f" (plan {_bytes(planned)})" if planned else ""))
     if row.get("grad_norm") is not None:
         parts.append(f"grad norm {row['grad_norm']:.3g}")
     return " | ".join(parts)
