@@ -4,11 +4,20 @@ The six conjugate pairs of `autopar.sharding.redistribute` as autograd Functions
 `Redistribute` module the rewrite pass puts into graphs. A split dimension with `groups`
 blocks is handled blockwise: the rank's slice is its part of every block. `AxisGroup` also
 runs the all-to-all and the ring shifts (logged as "p2p") of the sequence-parallel kernels in
-`autopar.kernels.sequence`.
+`autopar.kernels.sequence`, the asynchronous gradient collectives of data parallelism and
+ZeRO, the experts' uneven all-to-all, and logs the point-to-point sends torch's pipeline
+schedule issues (`AxisGroup.sent`).
+
+This module is the one place in `autopar.runtime` and `autopar.kernels` that calls
+torch.distributed's communication functions (tests/test_comm_complete.py checks it): every
+collective on model values goes through an `AxisGroup` and is logged with its op, axis and
+bytes; the few exchanges of small Python objects by which ranks agree (`exchange_objects`,
+`broadcast_object`) are control traffic, outside the step's accounting (docs/communication.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -22,8 +31,9 @@ PHASES = ("forward", "backward", "step", "init")
 
 # One flat tensor gathered / reduce-scattered: torch 2.13 names them *_single; the older
 # names (the same signature, in every torch this package supports) where those are missing.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
+    dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -46,17 +56,32 @@ class CommLog:
     enabled: bool = True
     seconds: list[float] = field(default_factory=list)
     recorder: object | None = None  # a runtime.measure.Recorder naming the running layer
+    divert: "CommLog | None" = None  # while set, records go there instead (`diverted`)
 
     def add(self, op: str, axis: str, nbytes: int, phase: str) -> None:
-        if self.enabled:
+        if self.divert is not None:
+            self.divert.add(op, axis, nbytes, phase)
+        elif self.enabled:
             layer = self.recorder.layer if self.recorder is not None else None
             self.records.append(CommRecord(op, axis, int(nbytes), phase, layer))
             self.seconds.append(0.0)
 
     def took(self, start: float) -> None:
         """The last record's call began at `start` (perf_counter) and has just returned."""
-        if self.enabled and self.seconds:
+        if self.divert is not None:
+            self.divert.took(start)
+        elif self.enabled and self.seconds:
             self.seconds[-1] = time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def diverted(self, other: "CommLog"):
+        """Within the block, what is logged here goes to `other` (the engine's startup log
+        takes the pipeline's weight fetch this way, whichever axis group sends it)."""
+        before, self.divert = self.divert, other
+        try:
+            yield
+        finally:
+            self.divert = before
 
     def clear(self) -> None:
         self.records.clear()
@@ -106,7 +131,7 @@ class AxisGroup:
         if self.size == 1:
             return x
         out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        all_gather_single(out, x.reshape(-1), group=self.group)
+        _all_gather_single(out, x.reshape(-1), group=self.group)
         out = _interleave(out.view((self.size,) + tuple(x.shape)), dim, groups, zigzag)
         self.log.took(start)
         return out
@@ -119,7 +144,7 @@ class AxisGroup:
             return x
         stacked = _deinterleave(x, dim, groups, self.size, zigzag).contiguous()
         out = torch.empty(stacked[0].numel(), dtype=x.dtype, device=x.device)
-        reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
+        _reduce_scatter_single(out, stacked.reshape(-1), group=self.group)
         self.log.took(start)
         return out.view(stacked.shape[1:])
 
@@ -182,7 +207,7 @@ class AxisGroup:
         return self.shift_async(x, offset, phase, tag).wait()
 
     def shift_async(self, x: torch.Tensor, offset: int, phase: str,
-                    tag: int = 0) -> "PendingShift":
+                    tag: int = 0) -> "Pending":
         """`shift` started without waiting: `.wait()` on the result returns the received
         tensor. `x` must not be modified before then. Shifts in flight at the same time
         between the same members should carry distinct `tag`s.
@@ -190,13 +215,74 @@ class AxisGroup:
         x = x.contiguous()
         self.log.add("p2p", self.axis, x.numel() * x.element_size(), phase)
         if self.size == 1 or offset % self.size == 0:
-            return PendingShift(x, [])
+            return Pending(x, [])
         dst = dist.get_global_rank(self.group, (self.rank + offset) % self.size)
         src = dist.get_global_rank(self.group, (self.rank - offset) % self.size)
         out = torch.empty_like(x)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, dst, self.group, tag),
                                         dist.P2POp(dist.irecv, out, src, self.group, tag)])
-        return PendingShift(out, works)
+        return Pending(out, works)
+
+    def all_reduce_async(self, x: torch.Tensor, phase: str) -> "Pending":
+        """`all_reduce` (a sum, in place on `x`, which must be contiguous) started without
+        waiting: `.wait()` on the result returns `x` summed. Logged with no blocking time."""
+        self.log.add("all_reduce", self.axis, x.numel() * x.element_size(), phase)
+        if self.size == 1:
+            return Pending(x, [])
+        return Pending(x, [dist.all_reduce(x, group=self.group, async_op=True)])
+
+    def reduce_scatter_async(self, flat: torch.Tensor, phase: str) -> "Pending":
+        """Sum a flat, contiguous buffer of `size` equal pieces over the axis; `.wait()`
+        returns this member's piece of the sum (a new tensor). Logs the whole buffer's bytes."""
+        self.log.add("reduce_scatter", self.axis, flat.numel() * flat.element_size(), phase)
+        if self.size == 1:
+            return Pending(flat, [])
+        out = torch.empty(flat.numel() // self.size, dtype=flat.dtype, device=flat.device)
+        return Pending(out, [_reduce_scatter_single(out, flat, group=self.group,
+                                                        async_op=True)])
+
+    def all_gather_async(self, flat: torch.Tensor, phase: str) -> "Pending":
+        """Every member's flat, contiguous piece, concatenated in member order; `.wait()`
+        returns the whole buffer. Logs the gathered bytes (the piece's times `size`)."""
+        self.log.add("all_gather", self.axis, flat.numel() * flat.element_size() * self.size,
+                     phase)
+        out = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        if self.size == 1:
+            out.copy_(flat)
+            return Pending(out, [])
+        return Pending(out, [_all_gather_single(out, flat, group=self.group,
+                                                    async_op=True)])
+
+    def all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int],
+                     phase: str) -> torch.Tensor:
+        """Rows send[j] of x (in member order) go to member j; the rows received from members
+        0..size-1 (recv[j] from j) are concatenated. Logs op "all_to_all" with the bytes this
+        rank sends (its whole buffer, its own share included, as `all_to_all` logs)."""
+        start = time.perf_counter()
+        x = x.contiguous()
+        self.log.add("all_to_all", self.axis, x.numel() * x.element_size(), phase)
+        if self.size == 1:
+            return x
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send,
+                               group=self.group)
+        self.log.took(start)
+        return out
+
+    def sent(self, tensors, phase: str) -> None:
+        """Log op "p2p" for each tensor this member hands to a point-to-point send that
+        another library issues on this axis (torch's pipeline schedule batches its stages'
+        sends itself): the bytes this rank sends, as `shift` logs them. Receives are not
+        logged; the member that sends them logs them."""
+        for t in tensors:
+            self.log.add("p2p", self.axis, t.numel() * t.element_size(), phase)
+
+    def subgroup(self, group) -> "AxisGroup":
+        """The process group `group` of some of this axis's members (this rank among them),
+        logged to the same log under the same axis name (a tied parameter's copies on some
+        of the pipeline's members)."""
+        return AxisGroup(self.axis, dist.get_world_size(group), dist.get_rank(group), group,
+                         self.log)
 
     def local_slice(self, x: torch.Tensor, dim: int, groups: int,
                     zigzag: bool = False) -> torch.Tensor:
@@ -205,8 +291,8 @@ class AxisGroup:
         return _deinterleave(x, dim, groups, self.size, zigzag)[self.rank].contiguous()
 
 
-class PendingShift:
-    """A ring shift in flight (see `AxisGroup.shift_async`)."""
+class Pending:
+    """A collective in flight (`AxisGroup.shift_async` and the `*_async` methods)."""
 
     def __init__(self, out: torch.Tensor, works: list):
         self._out, self._works = out, works
@@ -216,6 +302,35 @@ class PendingShift:
             w.wait()
         self._works = []
         return self._out
+
+
+def world_group(log: CommLog) -> AxisGroup:
+    """The whole world as one axis, "world" (norms and fp16's overflow flag are summed over
+    every rank); size 1 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return AxisGroup("world", 1, 0, None, log)
+    return AxisGroup("world", dist.get_world_size(), dist.get_rank(), dist.group.WORLD, log)
+
+
+def exchange_objects(obj, group=None) -> list:
+    """Control traffic, not logged: every member's picklable `obj`, in member order (over
+    the world by default; [obj] without torch.distributed). For what ranks agree on (plan
+    digests, errors, group membership, batch fingerprints), never for model values."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """Control traffic, not logged: global rank `src`'s picklable `obj` on every member of
+    `group` (the world by default)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def _interleave(stacked: torch.Tensor, dim: int, groups: int,

@@ -22,8 +22,6 @@ split the batch), so it equals the one-device value over the whole batch; under 
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -45,16 +43,7 @@ def all_to_all_v(g: AxisGroup, x: torch.Tensor, send: list[int], recv: list[int]
     """Rows send[j] of x (in member order) go to member j; the rows received from members
     0..size-1 (recv[j] from j) are concatenated. Logs op "all_to_all" with the bytes this rank
     sends (its whole buffer, its own share included, as `AxisGroup.all_to_all` logs)."""
-    start = time.perf_counter()
-    x = x.contiguous()
-    g.log.add("all_to_all", g.axis, x.numel() * x.element_size(), phase)
-    if g.size == 1:
-        return x
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send,
-                           group=g.group)
-    g.log.took(start)
-    return out
+    return g.all_to_all_v(x, send, recv, phase)
 
 
 class _AllToAllV(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """The bytes one train_step of an engine sends, per collective, axis and layer, from its plan
-(what `engine.comm_log` measures byte for byte)."""
+(what `engine.comm_log` measures byte for byte, pipeline traffic included; what runs outside
+the step, the pipeline's weight fetch, is `engine.startup_log`'s: docs/communication.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
-from autopar.modes import DP, EDP, EP
+from autopar.modes import DP, EDP, EP, PP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
 from autopar.runtime.metrics import FIELDS as METRIC_FIELDS
@@ -24,7 +25,8 @@ def predicted_comm(engine, global_batch: int) -> dict[tuple[str, str], int]:
 
 def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, str], int]:
     """Bytes per (collective, axis, layer); what the step sends outside the graph (the
-    gradient sync, ZeRO, the world's norms) is under layer STEP."""
+    gradient sync, ZeRO, the world's norms, a pipeline's sends, tied gradients and loss) is
+    under layer STEP."""
     if engine.train_solution is None:
         raise PlanError("the training graph is traced at the first train_step; call it first.")
     pipeline = engine.pipeline
@@ -42,7 +44,7 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
         nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
         by_layer[key] = by_layer.get(key, 0) + nbytes
     for (op, axis), nbytes in {**_data_parallel(engine, runs), **_world(engine),
-                               **_expert_data(engine, runs)}.items():
+                               **_expert_data(engine, runs), **_pipeline(engine)}.items():
         key = (op, axis, STEP)
         by_layer[key] = by_layer.get(key, 0) + nbytes
     for key, nbytes in _dispatch(engine).items():
@@ -118,6 +120,34 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
     grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.data_parameters()
                      if p.requires_grad)
     return {("all_reduce", DP): grad_bytes + 4}
+
+
+def _pipeline(engine) -> dict[tuple[str, str], int]:
+    """A pipeline member's own traffic on pp: its stages' point-to-point sends (activations
+    forward, input gradients backward, per micro-batch), the all-reduce of the tied
+    parameters' gradients over the members holding a copy (ZeRO-2/3: of this rank's
+    pieces), the MoE balance loss's correction (two float64) and the loss's broadcast from
+    the last stage's member (one float32)."""
+    runner = engine.pipeline
+    if runner is None:
+        return {}
+    reduced = sum(_tied_bytes(engine.zero, param) for param, _ in runner.tied())
+    if runner.loss_correction is not None:
+        reduced += 2 * 8
+    out = {("p2p", PP): runner.sent_bytes(), ("broadcast", PP): 4}
+    if reduced:
+        out[("all_reduce", PP)] = reduced
+    return out
+
+
+def _tied_bytes(zero, param) -> int:
+    """Bytes of a tied parameter's gradient as the pipeline members sum it: whole, or this
+    rank's ZeRO piece where ZeRO-2/3 reduced it over dp first."""
+    if zero is None or zero.stage < 2:
+        return param.numel() * param.element_size()
+    dense = zero.parts[0] if hasattr(zero, "parts") else zero  # (experts' ZeRO: its dp part)
+    shard = next(s for p, s in zip(dense.params, dense.shards) if p is param)
+    return shard.numel() * shard.element_size()
 
 
 def _world(engine) -> dict[tuple[str, str], int]:

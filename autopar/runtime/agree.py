@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import BatchError, WorldError
+from autopar.kernels.collectives import exchange_objects
 
 _SAMPLES = 64  # values per parameter or batch tensor read into a fingerprint
 
@@ -75,8 +76,7 @@ def check_ranks_agree(plan, traced, example_inputs, failure: BaseException | Non
         return
     mine = {"error": f"{type(failure).__name__}: {failure}"} if failure is not None else \
         plan_digests(plan, traced, example_inputs)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = exchange_objects(mine)
     if failure is not None:
         raise failure
     failed = [(r, d["error"]) for r, d in enumerate(every) if "error" in d]
@@ -106,16 +106,8 @@ def check_same_batch(tensors, step: int) -> None:
     """Refuse, on every rank at once, a train_step whose batch differs across ranks."""
     if not _running():
         return
-    mine = batch_fingerprint(tensors)
-    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)
-                   and t.device.type == "cuda"), None)
-    if device is None and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device is not None:
-        mine = mine.to(device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    odd = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    every = exchange_objects(tuple(batch_fingerprint(tensors).tolist()))
+    odd = [r for r, f in enumerate(every) if f != every[0]]
     if odd:
         ranks = ", ".join(map(str, odd))
         raise BatchError(f"train_step {step} got a different batch on rank"

@@ -4,7 +4,6 @@ gradient is made, so it overlaps the backward (Li et al. 2020, PyTorch Distribut
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autopar.kernels.collectives import AxisGroup
@@ -46,7 +45,7 @@ class GradientBuckets:
         bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self._done = [0] * len(self.buckets)
         self._sent: set[int] = set()  # buckets sent since the last finish
-        self._flying: list[tuple] = []  # (bucket, work, flat buffer)
+        self._flying: list[tuple] = []  # (bucket, its all-reduce in flight)
         self.armed = False  # the engine's train_step backward only, not a user's own
         self._hooks = [p.register_post_accumulate_grad_hook(
             lambda param, b=bucket_of[i]: self._count(b)) for i, p in enumerate(self.params)]
@@ -65,10 +64,7 @@ class GradientBuckets:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.dp.log.add("all_reduce", self.dp.axis, flat.numel() * flat.element_size(),
-                        "backward")
-        work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
-        self._flying.append((b, work, flat))
+        self._flying.append((b, self.dp.all_reduce_async(flat, "backward")))
 
     def finish(self, divisor: int = 1) -> None:
         """After the backward: every gradient this rank holds becomes its mean over dp (and
@@ -78,8 +74,8 @@ class GradientBuckets:
                 self._send(b)
         self._sent.clear()
         self.armed = False
-        for b, work, flat in self._flying:
-            work.wait()
+        for b, pending in self._flying:
+            flat = pending.wait()
             offset = 0
             for i in self.buckets[b]:
                 grad = self.params[i].grad

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from autopar.errors import CheckpointError, PlanError
 from autopar.json_file import read_json
+from autopar.kernels.collectives import broadcast_object
 from autopar.passes.tensor_parallel import shard_steps
 from autopar.runtime.safe_metadata import METADATA, SafeReader, read_metadata
 
@@ -515,11 +516,9 @@ def _rank() -> int:
 
 def _agree(error: str | None, group=None) -> None:
     """Rank 0's outcome on every rank (a barrier that also carries rank 0's error)."""
-    box = [error]
-    if _distributed():
-        dist.broadcast_object_list(box, src=0, group=group)
-    if box[0] is not None:
-        raise CheckpointError(f"rank 0 could not prepare or publish the checkpoint ({box[0]}); "
+    error = broadcast_object(error, src=0, group=group)
+    if error is not None:
+        raise CheckpointError(f"rank 0 could not prepare or publish the checkpoint ({error}); "
                               "the last complete one, which `latest` names, is untouched.")
 
 

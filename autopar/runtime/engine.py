@@ -61,6 +61,10 @@ class Engine(nn.Module):
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
         self.comm_log.recorder = self.recorder
+        # what runs outside the training step's schedule: a pipeline's weight fetch (at the
+        # run that finds the stages' shapes, before inference and export) and torch's
+        # one-time pipeline handshake (docs/communication.md)
+        self.startup_log = CommLog()
         self.after_backward: list = []
         self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
         self.checkpoint_dir: str | None = None  # saved every `checkpoint_every` steps
@@ -213,6 +217,7 @@ class Engine(nn.Module):
             self._device, self.fetch_pipeline_weights, self._dp if averages else None,
             self.stage_planner)
         self.pipeline = self.grads.pipeline = runner
+        runner.startup_log = self.startup_log
         balanced = [m for m in self.train_gm.modules()
                     if isinstance(m, ExpertLayer) and m.with_aux]
         if balanced:  # (gpipe: check_balance_loss) the balance loss over the whole step
@@ -252,9 +257,11 @@ class Engine(nn.Module):
         self.optimizer = self.grads.with_norms(self.zero.optimizer)
 
     def fetch_pipeline_weights(self) -> None:
-        """A pipeline rank gets the trained weights of the stages other ranks run."""
+        """A pipeline rank gets the trained weights of the stages other ranks run (logged in
+        `startup_log`, as every collective the fetch runs, ZeRO-3's gathers included)."""
         if self._weights is not None:
-            self._weights.fetch(self.steps, self.zero)
+            with self.comm_log.diverted(self.startup_log):
+                self._weights.fetch(self.steps, self.zero)
         else:  # before the stages are cut: every slice a start deferred, made here
             self.params.fill()
 

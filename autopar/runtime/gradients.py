@@ -4,10 +4,9 @@ every shard (clipping, LAMB/LARS trust ratios) and fp16's overflow check."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.kernels.collectives import AxisGroup, CommLog, world_group
 from autopar.runtime.buckets import average_gradients
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.zero import ShardedOptimizerState
@@ -49,6 +48,7 @@ class Gradients:
         self.edp: AxisGroup | None = None  # with an ep axis: the expert-data group ...
         self.ep_size = 1  # ... and the ep size
         self.expert_divisor = 1.0  # dp / edp: what the sum over edp is divided by, over edp
+        self.world: AxisGroup | None = None  # every rank, as axis "world" (made when used)
 
     def split_experts(self, edp: AxisGroup, ep_size: int) -> None:
         """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data (x cp)
@@ -134,9 +134,11 @@ class Gradients:
 
     def sum_over_world(self, vec: torch.Tensor, phase: str = "step") -> torch.Tensor:
         """Sum `vec` over every rank in place (logged as an all-reduce on axis 'world')."""
-        self.log.add("all_reduce", "world", vec.numel() * vec.element_size(), phase)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(vec)
+        if self.world is None:
+            self.world = world_group(self.log)
+        out = self.world.all_reduce(vec, phase)
+        if out is not vec:
+            vec.copy_(out)
         return vec
 
     def copies(self, param: nn.Parameter) -> int:

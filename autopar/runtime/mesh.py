@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import WorldError
-from autopar.kernels.collectives import AxisGroup, CommLog
+from autopar.kernels.collectives import AxisGroup, CommLog, exchange_objects
 from autopar.modes import AXES, CP, DP, EDP, EP, PP, TOKENS, TP, TP_1D
 from autopar.sharding.axes import TensorMesh
 
@@ -141,8 +141,7 @@ def expert_groups(dp: AxisGroup, ep: int, cp: AxisGroup | None = None) -> dict[s
     me = dist.get_rank()
     mine = (tuple(dist.get_process_group_ranks(dp.group)) if dp.size > 1 else (me,),
             tuple(dist.get_process_group_ranks(cp.group)) if cp_size > 1 else (me,))
-    pairs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pairs, mine)
+    pairs = exchange_objects(mine)
     cp_of = {r: pairs[r][1] for r in range(len(pairs))}
     rows = sorted({tuple(sorted({m for d in dp_row for m in cp_of[d]}))
                    for dp_row, _ in pairs})

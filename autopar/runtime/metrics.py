@@ -15,9 +15,9 @@ import sys
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from autopar.errors import PlanError
+from autopar.kernels.collectives import world_group
 
 PHASE = "metrics"  # the phase of the comm log's records these metrics add
 FIELDS = 5  # per rank: peak bytes, step seconds, bytes sent, bytes sent on dp, tokens
@@ -64,14 +64,9 @@ class StepMetrics:
         """Every rank's [peak bytes, step seconds, bytes sent, bytes on dp, tokens]."""
         mine = torch.tensor([peak_memory_bytes(engine.device), step_s, sum(sent.values()),
                              sent.get("dp", 0), tokens], dtype=torch.float64)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        engine.comm_log.add("all_gather", "world", mine.numel() * mine.element_size() * world,
-                            PHASE)
-        if world == 1:
-            return [mine.tolist()]
-        every = torch.empty(world * FIELDS, dtype=torch.float64)
-        dist.all_gather_into_tensor(every, mine)
-        return every.view(world, FIELDS).tolist()
+        world = world_group(engine.comm_log)  # (logged on axis "world", at one rank too)
+        every = world.all_gather(mine, 0, 1, PHASE)
+        return every.view(world.size, FIELDS).tolist()
 
     def record(self, engine, step: int, loss: float, step_s: float, inputs,
                sent: dict[str, int], grad_norm: float | None) -> dict | None:

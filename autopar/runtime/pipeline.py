@@ -15,7 +15,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
-from autopar.kernels.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup, CommLog, exchange_objects
 from autopar.passes.pipeline import Stages
 from autopar.runtime.buckets import GradientBuckets, average_gradients
 from autopar.runtime.mesh import shared_group
@@ -62,6 +62,12 @@ class PipelineRunner:
         # (the engine's PipelineWeights.release), so the first step holds only this
         # member's stages, as every later one does
         self.release_weights = None
+        # where the schedule's one-time traffic is logged (its warm-up handshake): the
+        # engine's startup log; None: not logged
+        self.startup_log: CommLog | None = None
+        # per stage, at the micro-batch shape: (bytes of the values it sends on, bytes of
+        # the gradients it sends back), from the run that finds the shapes
+        self._transfers: list[tuple[int, int]] | None = None
         self.stages = stages
         self.mine = [k for k in range(n) if stage_owner(schedule, k, p) == rank]
         self.first_owner, self.last_owner = stage_owner(schedule, 0, p), \
@@ -90,13 +96,11 @@ class PipelineRunner:
                 continue
             ranks = [dist.get_global_rank(process_group, o) for o in owners] \
                 if process_group is not None else owners
-            every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, ranks)
-            sets = tuple(sorted({tuple(r) for r in every}))
+            sets = tuple(sorted({tuple(r) for r in exchange_objects(ranks)}))
             tie = shared_group(("tie", sets),
                                lambda sets=sets: dist.new_subgroups_by_enumeration(sets)[0])
-            if rank in owners:
-                self._tied.append((self._by_name[name], tie))
+            if rank in owners:  # logged as the pipeline axis's
+                self._tied.append((self._by_name[name], group.subgroup(tie)))
                 self._copies[id(self._by_name[name])] = len(owners)
         # parameter attribute -> the member that trains it (fixed by the cut)
         self._owners: dict[str, int] = {}
@@ -150,12 +154,16 @@ class PipelineRunner:
             log.enabled = enabled
         if self._every_weight is not None and self.release_weights is not None:
             self.release_weights()
+        self._transfers = [(_nbytes(out), _nbytes(a for a in args if getattr(
+            a, "requires_grad", False)))
+                           for args, out in examples]
         n = len(self.stages.modules)
         split = self.schedule_name == "zero_bubble"  # backward split into I and W
         stages = [(_SplitBackwardStage if split else _Stage)(
             self.stages.modules[k], k, n, self._device, input_args=examples[k][0],
             output_args=examples[k][1], group=self.group.group) for k in self.mine]
         for j, stage in enumerate(stages):
+            stage.axis, stage.startup_log = self.group, self.startup_log
             stage.weights_done = functools.partial(self._weights_done, j)
             stage.saving = lambda: self.saving()
             if self._buckets is not None:
@@ -209,8 +217,27 @@ class PipelineRunner:
         return [_unique([self._by_name[name] for name in sorted(self.stages.params[k])])
                 for k in self.mine]
 
-    def tied(self) -> list[tuple[torch.nn.Parameter, object]]:
-        """(parameter, process group of the members holding a copy) for tied parameters."""
+    def sent_bytes(self) -> int:
+        """Bytes this member's stages send point to point in one step (logged as "p2p" on
+        the pipeline axis): per micro-batch, each stage's outputs to the next stage and the
+        gradients of its inputs back to the one before, where that stage is on another
+        member. Known once the first step has found the shapes."""
+        if self._transfers is None:
+            raise PlanError("the pipeline's transfers are known after its first step; run "
+                            "train_step first.")
+        n, p, me = len(self.stages.modules), self.group.size, self.group.rank
+        total = 0
+        for k in self.mine:
+            forward, backward = self._transfers[k]
+            if k < n - 1 and stage_owner(self.schedule_name, k + 1, p) != me:
+                total += forward
+            if k > 0 and stage_owner(self.schedule_name, k - 1, p) != me:
+                total += backward
+        return total * self.microbatches
+
+    def tied(self) -> list[tuple[torch.nn.Parameter, AxisGroup]]:
+        """(parameter, the members holding a copy, an AxisGroup logged as the pipeline
+        axis's) for tied parameters."""
         return list(self._tied)
 
     def step(self, inputs: tuple, target: torch.Tensor) -> float:
@@ -242,30 +269,32 @@ class PipelineRunner:
                     param.grad.div_(self.microbatches)
         for param, tie in self._tied:
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=tie)
+                param.grad = tie.all_reduce(param.grad, "step")
         value = torch.zeros(1)
         if losses:
             value[0] = torch.stack([v.detach().float() for v in losses]).mean() / self.loss_scale
         if self.loss_correction is not None:
             extra, exact = self.loss_correction(self.loss_scale)
             both = torch.tensor([extra, 0.0 if exact else 1.0], dtype=torch.float64)
-            if self.group.size > 1:
-                dist.all_reduce(both, group=self.group.group)
+            both = self.group.all_reduce(both, "step")
             if both[1] > 0:
                 raise PlanError(self.loss_correction.refusal)
             if losses:
                 value += float(both[0])
-        if self.group.size > 1:
-            dist.broadcast(value, src=dist.get_global_rank(self.group.group, self.last_owner),
-                           group=self.group.group)
+        value = self.group.broadcast(value, self.last_owner, "step")
         return float(value[0])
 
 
 class _Stage(PipelineStage):
     """A stage that says when one micro-batch's weight gradients are made: after a full
     backward, or after the weight-gradient pass when the backward is split (zero-bubble),
-    which writes .grad itself rather than through autograd's accumulation."""
+    which writes .grad itself rather than through autograd's accumulation; and that logs
+    on the pipeline axis (`axis`) every tensor the schedule sends for it, as the schedule
+    asks for its send operations, and the schedule's one-time warm-up handshake in
+    `startup_log`."""
 
+    axis: AxisGroup | None = None
+    startup_log: CommLog | None = None
     weights_done = None
     saving = contextlib.nullcontext
     last_backward_starts = None  # called before the last micro-batch's full backward
@@ -273,6 +302,38 @@ class _Stage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self.saving():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if self.axis is not None:
+            self.axis.sent([op.tensor for op in ops], "forward")
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if self.axis is not None:
+            self.axis.sent([op.tensor for op in ops], "backward")
+        return ops
+
+    # torch's schedule runs a vote once, when it first steps: a small tensor to the next
+    # stage's member, then one back (not to a stage on this same member)
+    def _warmup_forward_vote(self, *args, **kwargs):
+        out = super()._warmup_forward_vote(*args, **kwargs)
+        if not self.is_last:
+            self._handshake(out, self.stage_index + 1)
+        return out
+
+    def _warmup_backward_result(self, *args, **kwargs):
+        out = super()._warmup_backward_result(*args, **kwargs)
+        if not self.is_first:
+            self._handshake(out, self.stage_index - 1)
+        return out
+
+    def _handshake(self, sent: torch.Tensor, peer: int) -> None:
+        if self.axis is not None and self.startup_log is not None and \
+                self.stage_index_to_group_rank[peer] != self.group_rank:
+            with self.axis.log.diverted(self.startup_log):
+                self.axis.sent([sent], "init")
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                            last_backward=False):
@@ -329,6 +390,10 @@ def _example(t):
     if not isinstance(t, torch.Tensor):
         return t
     return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _attr(module: torch.nn.Module, target: str):

@@ -4,7 +4,6 @@ the weights a pipeline rank releases while it trains and fetches for everything 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
@@ -101,7 +100,6 @@ class PipelineWeights:
         if self.synced_at == steps and not self.released:
             return
         self.synced_at = steps
-        group = self.pp.group
         for target, owner in sorted(self.runner.param_owners().items()):
             local = self._local(target)
             held = self.released.pop(target, None)
@@ -112,8 +110,11 @@ class PipelineWeights:
                 # this rank runs to find their shapes, until the next step
                 local.data = zero.whole(local)
                 self.refilled.add(target)
+            value = local.data
             with torch.no_grad():
-                dist.broadcast(local.data, src=dist.get_global_rank(group, owner), group=group)
+                out = self.pp.broadcast(value, owner, "init")
+                if out is not value:  # (a strided value: sent from a contiguous copy)
+                    value.copy_(out)
 
     def release(self) -> None:
         """Free the parameters only other ranks' stages read (a tied embedding stays on

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.kernels.collectives import AxisGroup, reduce_scatter_single
+from autopar.kernels.collectives import AxisGroup, Pending
 
 BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded bytes)
 
@@ -111,21 +111,16 @@ class ShardedOptimizerState:
                 self.params[i].grad = None
             col += k
         if self.dp.size > 1:  # sent while the backward goes on; landed by _land_reduced
-            self.dp.log.add("reduce_scatter", self.dp.axis, buf.numel() * buf.element_size(),
-                            "backward")
-            mine = torch.empty(width, dtype=p0.dtype, device=p0.device)
-            work = reduce_scatter_single(mine, buf.reshape(-1),
-                                                           group=self.dp.group, async_op=True)
-            self._reducing.append((members, work, mine))
+            self._reducing.append((members, self.dp.reduce_scatter_async(buf.reshape(-1),
+                                                                         "backward")))
         else:
-            self._reducing.append((members, None, buf.reshape(-1)))
+            self._reducing.append((members, Pending(buf.reshape(-1), [])))
 
     def _land_reduced(self) -> None:
         """Wait for the buckets' reduce-scatters; add each piece of the mean over dp to its
         shard's gradient (as .grad accumulates)."""
-        for members, work, mine in self._reducing:
-            if work is not None:
-                work.wait()
+        for members, pending in self._reducing:
+            mine = pending.wait()
             mine /= self.dp.size * self.divisor
             col = 0
             for i in members:
@@ -206,7 +201,7 @@ def write_padded(dst: torch.Tensor, grad: torch.Tensor) -> None:
 def pieces_after_pipeline(zero, microbatches: int, tied) -> None:
     """ZeRO-2/3 under a pipeline: make the pieces' gradients (the sum over micro-batches)
     their mean, and sum a tied parameter's pieces over the pipeline members that hold it
-    (`tied`: (parameter, group)), as the runner does for whole gradients."""
+    (`tied`: (parameter, its AxisGroup)), as the runner does for whole gradients."""
     for shard in zero.shards:
         if shard.grad is not None:
             shard.grad.div_(microbatches)
@@ -214,7 +209,7 @@ def pieces_after_pipeline(zero, microbatches: int, tied) -> None:
     for param, tie in tied:
         shard = zero.shards[where[id(param)]]
         if shard.grad is not None:
-            torch.distributed.all_reduce(shard.grad, group=tie)
+            shard.grad = tie.all_reduce(shard.grad, "step")
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:

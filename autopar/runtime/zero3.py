@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.kernels.collectives import AxisGroup, all_gather_single, reduce_scatter_single
+from autopar.kernels.collectives import AxisGroup
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
@@ -80,7 +80,7 @@ class ZeroThree:
         self.optimizer = factory(self.shards) if factory is not None else None
         self.units: list[_Unit] = []
         self._unit_of_layer: dict[str, int] = {}
-        self._pending: dict[int, tuple] = {}  # unit -> (work, output, phase) in flight
+        self._pending: dict = {}  # unit -> its all-gather in flight (a Pending)
         self._live: dict[int, tuple] = {}  # storage address -> (unit, weakref to buffer)
         self._cache: dict[int, torch.Tensor] = {}  # unit -> buffer re-gathered for backward
         self._backward_order: list[int] | None = None  # learnt in the first step
@@ -170,23 +170,12 @@ class ZeroThree:
         for i in unit.members:
             send[off:off + self.lengths[i]] = self.shards[i].detach()
             off += self.chunks[i]
-        self.dp.log.add("all_gather", self.dp.axis, unit.chunk * send.element_size()
-                        * self.dp.size, phase)
-        out = torch.empty(self.dp.size * unit.chunk, dtype=self.gather_dtype,
-                          device=self.device)
-        work = None
-        if self.dp.size > 1:
-            work = all_gather_single(out, send, group=self.dp.group, async_op=True)
-        else:
-            out.copy_(send)
-        self._pending[u] = (work, out)
+        self._pending[u] = self.dp.all_gather_async(send, phase)
 
     def _finish(self, u: int, phase: str) -> torch.Tensor:
         """Unit u's whole parameters, one after the other in one flat buffer."""
         self._start(u, phase)
-        work, out = self._pending.pop(u)
-        if work is not None:
-            work.wait()
+        out = self._pending.pop(u).wait()
         unit = self.units[u]
         pieces = out.view(self.dp.size, unit.chunk)
         whole = torch.empty(unit.numel, dtype=self.gather_dtype, device=self.device)
@@ -240,12 +229,8 @@ class ZeroThree:
             col += self.chunks[i]
         which = [g is not None for g in grads]
         if self.overlap and self.dp.size > 1:  # sent while the backward goes on
-            self.dp.log.add("reduce_scatter", self.dp.axis, buf.numel() * buf.element_size(),
-                            "backward")
-            mine = torch.empty(unit.chunk, dtype=self.dtype, device=self.device)
-            work = reduce_scatter_single(mine, buf.reshape(-1), group=self.dp.group,
-                                              async_op=True)
-            self._reducing.append((u, which, work, mine))
+            self._reducing.append((u, which, self.dp.reduce_scatter_async(buf.reshape(-1),
+                                                                          "backward")))
             # a reduce-scatter in flight holds its whole unit-sized input: at most
             # REDUCES_IN_FLIGHT of them, or the backward would hold every layer's gradients
             while len(self._reducing) > REDUCES_IN_FLIGHT:
@@ -265,9 +250,9 @@ class ZeroThree:
             col += self.chunks[i]
         return out
 
-    def _land(self, u: int, which: list[bool], work, mine: torch.Tensor) -> None:
+    def _land(self, u: int, which: list[bool], pending) -> None:
         """Wait for one overlapped reduce-scatter; add its pieces to the gradients."""
-        work.wait()
+        mine = pending.wait()
         for i, piece in zip(self.units[u].members, self._pieces(u, which, mine)):
             if piece is not None:
                 shard = self.shards[i]
@@ -324,9 +309,7 @@ class ZeroThree:
         """Wait for and drop gathers nobody used (none once the backward order is learnt):
         the pieces change at the step, so a gather never outlives the pass it began in."""
         for u in list(self._pending):
-            work, _ = self._pending.pop(u)
-            if work is not None:
-                work.wait()
+            self._pending.pop(u).wait()
         self._cache.clear()  # (an inference forward's last layer)
 
     @property
