@@ -131,12 +131,22 @@ def _kind(argv: list[str]) -> str | None:
         return "calibrate"
     if argv[:1] == ["torchrun"]:
         return "torchrun"
+    if argv[:1] == ["python"] and len(argv) > 1 and argv[1] in EXAMPLE_CHECKS:
+        return "example"
     return None
+
+
+# what each example script other than train_gpt.py prints when it did its job
+EXAMPLE_CHECKS = {
+    "examples/check_comm.py": lambda out: "every rank: measured equals predicted" in out,
+    "examples/train_long.py": lambda out: re.search(r"^step \d+ \| loss [\d.]+ \|", out,
+                                                    re.MULTILINE) is not None,
+}
 
 
 BASH = [b for b in BLOCKS if b.lang == "bash"]
 ALL_COMMANDS = [(b, argv) for b in BASH for argv in _commands(b)]
-RUN_KINDS = ("plan", "calibrate", "torchrun")  # run by test_bash_block
+RUN_KINDS = ("plan", "calibrate", "torchrun", "example")  # run by test_bash_block
 
 
 # ---------------------------------------------------------------- the pages' shape
@@ -438,6 +448,9 @@ def _run_torchrun(argv: list[str]) -> None:
         _check_profile(_option(argv, "-o"), nproc)
         return
     script = next(a for a in argv[1:] if a.endswith(".py"))
+    if script in EXAMPLE_CHECKS:
+        assert EXAMPLE_CHECKS[script](out), out
+        return
     losses = _losses(out)
     assert len(losses) >= 2 and all(math.isfinite(v) for v in losses), out
     assert losses[-1] < losses[0], f"the loss did not fall:\n{out}"
@@ -473,6 +486,9 @@ def test_bash_block(block, scratch, capsys):
             _run_calibrate(argv)
         elif kind == "torchrun":
             _run_torchrun(argv)
+        elif kind == "example":
+            done = _subprocess([sys.executable, *argv[1:]])
+            assert EXAMPLE_CHECKS[argv[1]](done.stdout), done.stdout
         else:
             assert kind in ("pip", "apt", "pytest", "long"), shlex.join(argv)
 
