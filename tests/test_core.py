@@ -276,7 +276,7 @@ def test_shard_parameters_installs_the_tensors_it_is_given():
     model, (x,) = build("gpt-tiny", batch=2, device="cpu", seed=0)
     traced = trace(model, (x,))
     solution = solve(traced, size=2)
-    gm = apply_solution(traced.gm, solution, coords=None)
+    gm = apply_solution(traced.gm, solution)
     local = local_parameters(gm, solution, {"tp": 1})
     qkv = next(t for t in local if t.endswith("c_attn.weight"))
     whole = traced.gm.get_parameter(qkv)
@@ -294,7 +294,7 @@ def test_shard_parameters_installs_the_tensors_it_is_given():
 
 def test_pass_emits_exactly_the_solution_collectives(gpt_meta):
     solution = solve(gpt_meta, size=2)
-    gm = apply_solution(gpt_meta.gm, solution, coords=None)
+    gm = apply_solution(gpt_meta.gm, solution)
     emitted = [m for m in gm.modules() if isinstance(m, Redistribute)]
     assert len(emitted) == sum(len(t.steps) for t in solution.transitions) + sum(
         1 for s in solution.strategies.values() if s.rewrite == "row_linear")

@@ -79,7 +79,7 @@ def test_every_strategy_of_the_zoo_is_handled(model, how):
     solution = SOLVES[how](traced)
     tags = {s.rewrite for s in solution.strategies.values()} - {None}
     assert all(isinstance(t, Rewrite) and t in REWRITES for t in tags), tags
-    apply_solution(traced.gm, solution, None)  # every handler runs on the real graph
+    apply_solution(traced.gm, solution)  # every handler runs on the real graph
 
 
 class _Noisy(torch.nn.Module):
@@ -105,6 +105,6 @@ def test_random_ops_always_run_on_a_stream(size):
             if n.target in (aten.dropout.default, aten.scaled_dot_product_attention.default)}
     assert tags == {aten.dropout.default: Rewrite.STREAM_DROPOUT,
                     aten.scaled_dot_product_attention.default: Rewrite.STREAM_ATTENTION}
-    gm = apply_solution(traced.gm, solution, None)
+    gm = apply_solution(traced.gm, solution)
     kinds = {type(m) for m in gm.modules()}
     assert {StreamDropout, StreamCall} <= kinds

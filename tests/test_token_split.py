@@ -121,7 +121,7 @@ def test_gpt2_cp_plan_uses_the_kernels_and_drops_the_mask():
     assert logits.shard_on("cp") == Shard(0, "cp", -8)
     assert not [t for t in solution.transitions
                 if any(c.op == "all_gather" and c.phase == "forward" for c in t.comm)]
-    local = apply_solution(traced.gm, solution, coords=None)
+    local = apply_solution(traced.gm, solution)
     targets = {n.target for n in local.graph.nodes if n.op == "call_function"}
     assert not targets & {aten.scaled_dot_product_attention.default, aten.eq.Tensor,
                           aten.__and__.Tensor, aten.cumsum.default}

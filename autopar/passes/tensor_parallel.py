@@ -57,10 +57,9 @@ def clone_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     return new_gm, mapping
 
 
-def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int] | None) -> \
-        fx.GraphModule:
-    """Sharded ops, explicit collectives and (when `coords` gives this rank's index on each
-    axis) this rank's parameter slices, as a new GraphModule."""
+def apply_solution(gm: fx.GraphModule, solution: Solution) -> fx.GraphModule:
+    """Sharded ops and explicit collectives, as a new GraphModule (this rank's parameter
+    slices are installed apart: `shard_parameters(gm, local_parameters(...))`)."""
     out, mapping = clone_graph_module(gm)
     readers: dict = {}
     for old, new in mapping.items():  # before the rewrite: redistributions copy this meta
@@ -68,8 +67,6 @@ def apply_solution(gm: fx.GraphModule, solution: Solution, coords: dict[str, int
     localize_ops(out, solution, mapping, readers)
     insert_collectives(out, solution, mapping, readers)
     drop_dead_code(out.graph)
-    if coords is not None:
-        shard_parameters(out, local_parameters(out, solution, coords))
     out.graph.lint()
     out.recompile()
     return out

@@ -161,7 +161,7 @@ class Engine(nn.Module):
 
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
-        gm = apply_solution(traced.gm, solution, coords=None)
+        gm = apply_solution(traced.gm, solution)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
         if self.moe_layers:
