@@ -205,6 +205,7 @@ class Outcome:
     verdict: str = "refused"  # refused (one sentence, autopar's error); or, for a bug being
     # fixed elsewhere, its current behaviour: "diverged" or "raw error" (and `issue` names it)
     issue: str = ""
+    bound: float | None = None  # a "diverged" entry's largest weight difference, if any
 
 
 def _refused(text: str, why: str) -> Outcome:
@@ -217,11 +218,14 @@ _FALCON_LINEAR = "issue 29: Falcon's x @ w.T linear is not recognized"
 _MQA_SEQUENCE = "issue 29: multi-query attention under ring and Ulysses"
 _OPT_FLAT = "issue 29: OPT's flattened (batch x sequence) MLP under Megatron-SP"
 _MOE_BLOCKS = "issue 29: the family's MoE block is not recognized for expert="
-# GPT-NeoX under 1D tensor parallelism and Megatron-SP: losses equal to the bit, and 3 SGD
-# steps give weights within 1.4e-6 (1e-9 absolute); under AdamW the zero-initialized fused
-# QKV bias of layer 0 ends 2e-5 relative off (its value-bias elements by 1e-7 absolute, on
-# gradients of 5e-4 and more, which Adam's eps does not amplify): a finding of this sweep.
-_GPT_NEOX_ADAMW = "found by the family sweep: GPT-NeoX's QKV bias under AdamW at tp 2"
+# GPT-NeoX under 1D tensor parallelism and Megatron-SP: losses equal to the bit and 3 SGD
+# steps give weights within 1.4e-6 relative (1e-9 absolute), but after 3 AdamW steps the
+# zero-initialized fused QKV bias of layer 0 ends 2e-5 relative off (1e-7 absolute, on values
+# of 1e-3). The difference follows AdamW's eps, not the plan: 6.6e-7 at eps 1e-3, 2e-5 at
+# 1e-5, 5.6e-4 at 1e-8: rounding amplified through the elements whose gradient is rounding
+# (the key bias moves by LR * 1e-9 / EPS a step, differently in each run), which reaches
+# neighbouring elements this per-element rule judges relatively. Pinned with a bound.
+_GPT_NEOX_ADAMW = "AdamW-amplified rounding, not the plan: see _GPT_NEOX_ADAMW's note"
 
 # (family, mode) -> its outcome (absent: trains equal to one device)
 EXPECTED: dict[tuple[str, str], Outcome] = {
@@ -244,13 +248,11 @@ EXPECTED: dict[tuple[str, str], Outcome] = {
         "1e-2 and weights by 25% within 3 steps", "diverged", _FALCON_LINEAR),
     ("falcon", "pipeline-2 x data-2"): Outcome(
         "the model has 1", "the unrecognized linears leave one block to cut", issue=_FALCON_LINEAR),
-    # Found by this sweep, not yet explained (see _GPT_NEOX_ADAMW): SGD trains equal.
-    ("gpt_neox", "tensor-1d"): Outcome(
-        "", "under AdamW the fused QKV bias ends 2e-5 relative off (SGD trains equal)",
-        "diverged", _GPT_NEOX_ADAMW),
-    ("gpt_neox", "megatron-sp"): Outcome(
-        "", "under AdamW the fused QKV bias ends 2e-5 relative off (SGD trains equal)",
-        "diverged", _GPT_NEOX_ADAMW),
+    # AdamW-amplified rounding (see _GPT_NEOX_ADAMW): losses equal, weights within 1e-4
+    **{("gpt_neox", mode): Outcome(
+        "", "AdamW (eps 1e-5) leaves the zero-initialized fused QKV bias 2e-5 relative off; "
+        "the difference scales with 1/eps, and SGD trains equal", "diverged", _GPT_NEOX_ADAMW,
+        bound=1e-4) for mode in ("tensor-1d", "megatron-sp")},
     **{(family, "expert"): Outcome(
         "has no MoE layer autopar runs", "the family's MoE block is not recognized, so "
         "nothing splits over experts", issue=_MOE_BLOCKS)
@@ -486,6 +488,8 @@ def test_family_mode(request, family, mode):
             assert expected.issue and expected.text in r["message"], r["message"]
         else:
             assert expected.issue
+            if expected.bound is not None:
+                assert r["loss"] <= TOLERANCE and r["weights"] <= expected.bound, r
 
 
 # --------------------------------------------------------------------------------------
