@@ -441,8 +441,8 @@ def run_cases(todo: list[tuple[str, str]]) -> list[dict]:
 # The tests
 # --------------------------------------------------------------------------------------
 
-pool2 = dist_pool_fixture(2, timeout_s=1800)
-pool4 = dist_pool_fixture(4, timeout_s=1800)
+pool2 = dist_pool_fixture(2, timeout_s=3600)
+pool4 = dist_pool_fixture(4, timeout_s=3600)
 
 _RESULTS: dict = {}
 
