@@ -107,17 +107,16 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
         batch = 2
     wrapper = _wrap(model, loss_fn, len(inputs))
     was_training = model.training
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
+    caching = _caching_configs(model)
     model.train(train)
-    if use_cache:  # transformers models: a generation cache is no tensor output to shard
+    for config in caching:  # transformers models: a generation cache is no tensor to shard
         config.use_cache = False
     try:
         gm, tracer, reason = _trace_either(wrapper, inputs)
     finally:
         model.train(was_training)
-        if use_cache:
-            config.use_cache = use_cache
+        for config in caching:
+            config.use_cache = True
     canonical_linears(gm)
     out_of_place(gm)
     params = _param_table(gm, model)
@@ -125,6 +124,19 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
                          with_loss=with_loss, fallback_reason=reason)
     analyse(traced)
     return traced
+
+
+def _caching_configs(model: nn.Module) -> list:
+    """Every distinct config of the model's modules that asks for a generation cache: an
+    encoder-decoder's stacks hold copies of their own (T5's decoder returns its cache from
+    its copy's use_cache, whatever the top config says)."""
+    seen, out = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if id(config) not in seen and getattr(config, "use_cache", None) is True:
+            seen.add(id(config))
+            out.append(config)
+    return out
 
 
 def _trace_either(wrapper: nn.Module, inputs: tuple) -> tuple[fx.GraphModule, str, str | None]:
