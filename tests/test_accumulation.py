@@ -178,3 +178,61 @@ def test_the_executable_search_offers_micro_batches_without_a_pipeline():
     plan = planner.to_plan(chain, world, res, 8, "bf16", 0.0)
     assert plan.mesh["pp"] == 1 and plan.pipeline.microbatches == 4
     assert plan.unsupported() == []
+
+
+def _experts(name: str, plan: dict) -> dict:
+    """A transformers MoE model (tests/test_moe_runtime.py's) at world 2 under `plan`, 4
+    AdamW steps beside one device; or the refusal's message."""
+    import copy
+    import functools
+
+    import torch.distributed as dist
+    from test_moe_runtime import _relative
+    from test_moe_runtime import build as moe_build
+
+    model, idx, target, loss_fn = moe_build(name)
+    reference = copy.deepcopy(model)
+    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
+    engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=(idx[:2],),
+                                 loss_fn=loss_fn, optimizer=opt, plan=plan)
+    ref_opt = opt(reference.parameters())
+    losses, measured, predicted = [], {}, {}
+    for step in range(4):
+        engine.comm_log.clear()
+        try:
+            loss = engine.train_step((idx,), target)
+        except PlanError as e:
+            return {"refused": str(e)}
+        if step == 0:
+            measured = engine.comm_log.totals()
+            predicted = engine.predicted_comm(idx.shape[0])
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(reference(idx), target)
+        ref_loss.backward()
+        ref_opt.step()
+        losses.append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
+    full, ref = engine.full_state_dict(), reference.state_dict()
+    return {"loss": max(losses), "keys_equal": list(full) == list(ref),
+            "weights": max(_relative(full[k], ref[k]) for k in ref
+                           if ref[k].dtype.is_floating_point),
+            "measured": measured, "predicted": predicted,
+            "microbatches": engine.microbatches, "experts": bool(engine.expert_load())}
+
+
+def test_experts_over_ep_with_micro_batches_equal_one_device(pool2):
+    """Mixtral's experts split over ep 2 (inside dp 2), each replica's batch in 2
+    micro-batches: every micro-batch dispatches its own tokens."""
+    for r in pool2.run(_experts, "hf-mixtral", {"expert": 2, "microbatches": 2}):
+        assert r["experts"] and r["microbatches"] == 2
+        _assert_equal([r])
+
+
+def test_a_balance_loss_with_micro_batches_is_refused():
+    """The MoE balance loss is a sum over the whole batch's routing: each micro-batch's
+    backward, right after its own forward, cannot know it, so the engine says so (a pool of
+    its own: every rank refuses)."""
+    from distributed import DistPool
+
+    with DistPool(2) as pool:
+        for r in pool.run(_experts, "moe-tiny", {"expert": 2, "microbatches": 2}):
+            assert "balance loss" in r["refused"] and "microbatches=1" in r["refused"], r
