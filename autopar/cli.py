@@ -208,6 +208,8 @@ def constraints_of(args) -> dict:
             out["schedule"] = fixed.pipeline.schedule
         if fixed.pipeline.micro_batch_size:
             out["micro_batch_size"] = fixed.pipeline.micro_batch_size
+        if fixed.pipeline.microbatches > 1:  # (with pp 1: gradient accumulation)
+            out["microbatches"] = fixed.pipeline.microbatches
     return out
 
 

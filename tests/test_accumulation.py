@@ -236,3 +236,25 @@ def test_a_balance_loss_with_micro_batches_is_refused():
     with DistPool(2) as pool:
         for r in pool.run(_experts, "moe-tiny", {"expert": 2, "microbatches": 2}):
             assert "balance loss" in r["refused"] and "microbatches=1" in r["refused"], r
+
+
+def test_context_parallel_with_micro_batches_equals_one_device(pool2):
+    """cp 2 (ring attention, zigzag): the tokens are cut over cp, the micro-batches over the
+    batch."""
+    _assert_equal(pool2.run(_equal_after, GPT, {"sequence": {"size": 2, "mode": "ring"},
+                                                "microbatches": 2}))
+
+
+def test_explain_plan_keeps_the_micro_batches(tmp_path, capsys):
+    """`autopar explain --plan` of a plan with micro-batches and no pipeline prices that
+    plan, its micro-batches included."""
+    import json
+
+    from autopar.cli import main
+
+    plan = Plan.from_dict({"data": 2, "microbatches": 4}, 2)
+    path = tmp_path / "accum.json"
+    plan.save(path)
+    assert main(["explain", GPT, "--world", "2", "--batch", "8", "--plan", str(path), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"]["pp"] == 1 and data["pipeline"]["microbatches"] == 4
