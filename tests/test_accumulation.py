@@ -18,6 +18,7 @@ from autopar.plans import Plan
 from autopar.runtime.measure import measure_peak_saved_activations
 
 pool2 = dist_pool_fixture(2)
+pool4 = dist_pool_fixture(4)
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
@@ -258,3 +259,10 @@ def test_explain_plan_keeps_the_micro_batches(tmp_path, capsys):
     assert main(["explain", GPT, "--world", "2", "--batch", "8", "--plan", str(path), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["mesh"]["pp"] == 1 and data["pipeline"]["microbatches"] == 4
+
+
+def test_2d_tensor_with_micro_batches_equals_one_device(pool4):
+    """A 2 x 2 SUMMA grid splits each micro-batch over its rows: 8 samples in 2
+    micro-batches of 4, each split in 2."""
+    _assert_equal(pool4.run(_equal_after, LLAMA, {"tensor": {"size": 4, "mode": "2d"},
+                                                  "microbatches": 2}))
