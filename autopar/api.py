@@ -16,8 +16,10 @@ from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
 from autopar.runtime.agree import check_ranks_agree
+from autopar.runtime.checkpoint import latest as latest_checkpoint
 from autopar.runtime.engine import Engine
 from autopar.runtime.mesh import plan_groups
+from autopar.runtime.metrics import StepMetrics
 from autopar.runtime.startup import Startup, check_weights, on_meta
 from autopar.search.planner import pipeline_stages
 from autopar.world import World, local_device
@@ -25,7 +27,10 @@ from autopar.world import World, local_device
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
                 plan=None, seed: int | None = None, max_grad_norm: float | None = None,
-                precision: str = "fp32", check_batches: bool = False, weights=None) -> Engine:
+                precision: str = "fp32", check_batches: bool = False, weights=None,
+                metrics=None, metrics_every: int = 10, checkpoint_dir=None,
+                checkpoint_every: int = 100, checkpoint_async: bool = True,
+                checkpoint_keep: int = 2) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
@@ -35,8 +40,17 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     global batch across ranks (the first step always does). A model on the meta device
     gets only this rank's slices, of its own initialization under `seed` (None: the random
     state now, as one device would draw it), or of `weights`: a safetensors file or
-    directory, an autopar checkpoint or a mapping, checked against the model first."""
+    directory, an autopar checkpoint or a mapping, checked against the model first.
+    `metrics`: a JSON-lines path (plus TensorBoard scalars in `<path>.tb` when tensorboard
+    is installed) or a callable, given each step's measured figures beside the plan's;
+    rank 0 writes, and prints a line every `metrics_every` steps (0: never).
+    `checkpoint_dir`: resume from its latest checkpoint when it holds one (any plan or
+    world wrote it; `engine.steps` says where the loop goes on), and save into it every
+    `checkpoint_every` steps (in the background when `checkpoint_async`; the newest
+    `checkpoint_keep` are kept)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
+    _check_checkpointing(checkpoint_dir, checkpoint_every, checkpoint_async, checkpoint_keep)
+    sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
@@ -67,11 +81,29 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
     start = Startup(model, source, seed, _start_device(example_inputs)) \
         if source is not None or on_meta(model) else None
-    return Engine(model, chosen, plan_groups(chosen), tuple(example_inputs), loss_fn, optimizer,
-                  seed=0 if seed is None else seed,
-                  max_grad_norm=max_grad_norm, precision=precision,
-                  forward_graph=traced, check_batches=check_batches,
-                  stage_planner=pipeline_stages, start=start)
+    engine = Engine(model, chosen, plan_groups(chosen), tuple(example_inputs), loss_fn,
+                    optimizer, seed=0 if seed is None else seed,
+                    max_grad_norm=max_grad_norm, precision=precision,
+                    forward_graph=traced, check_batches=check_batches,
+                    stage_planner=pipeline_stages, start=start)
+    engine.metrics = sink
+    if checkpoint_dir is not None:
+        engine.checkpoint_dir = os.fspath(checkpoint_dir)
+        engine.checkpoint_every, engine.checkpoint_async = checkpoint_every, checkpoint_async
+        engine.checkpoint_keep = checkpoint_keep
+        if latest_checkpoint(engine.checkpoint_dir) is not None:
+            engine.load(engine.checkpoint_dir)
+    return engine
+
+
+def _check_checkpointing(directory, every, asynchronous, keep) -> None:
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise PlanError(f"checkpoint_dir must be a directory path, not {directory!r}.")
+    for name, value in (("checkpoint_every", every), ("checkpoint_keep", keep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a whole number >= 1, not {value!r}.")
+    if not isinstance(asynchronous, bool):
+        raise PlanError(f"checkpoint_async must be True or False, not {asynchronous!r}.")
 
 
 def _start_device(example_inputs: tuple) -> torch.device:

@@ -41,14 +41,18 @@ if TYPE_CHECKING:  # annotations only
 
 
 class Progress:
-    """A one-line progress bar on stderr, shown only once a search has run for a second."""
+    """A one-line progress bar on stderr, shown only on a terminal (a redirected stderr gets
+    no carriage-return redraws) and only once a search has run for a second."""
 
-    def __init__(self, stream=sys.stderr, after_s: float = 1.0):
-        self.stream, self.after, self.start, self.shown = stream, after_s, time.perf_counter(), False
+    def __init__(self, stream=None, after_s: float = 1.0):
+        self.stream = sys.stderr if stream is None else stream
+        self.after, self.start, self.shown = after_s, time.perf_counter(), False
         self.last = -1
+        isatty = getattr(self.stream, "isatty", None)
+        self.on_terminal = bool(isatty and isatty())
 
     def __call__(self, done: int, total: int) -> None:
-        if time.perf_counter() - self.start < self.after or total <= 0:
+        if not self.on_terminal or time.perf_counter() - self.start < self.after or total <= 0:
             return
         percent = 100 * done // total
         if percent == self.last:  # redraw only on change: a log file gets one bar per percent
@@ -414,14 +418,15 @@ def validate_args(args) -> None:
         if value is not None and value < 1:
             raise AutoparError(f"{_flag(name)} {value} is out of range; give a whole number "
                                ">= 1.")
-    if getattr(args, "top_alternatives", 0) < 0:
+    if getattr(args, "top_alternatives", 1) < 1:
         raise AutoparError(f"--top-alternatives {args.top_alternatives} is out of range; give "
-                           "0 or more.")
+                           "a whole number >= 1.")
     rate = getattr(args, "min_throughput", None)
     if rate is not None and not rate > 0:
         raise AutoparError(f"--min-throughput {rate} is out of range; give a positive number "
                            "of tokens per second.")
     _validate_combinations(args)
+    _validate_seq(args)
     output = getattr(args, "output", None)
     if output:
         folder = os.path.dirname(os.path.abspath(output))
@@ -434,6 +439,21 @@ def validate_args(args) -> None:
         if not os.access(folder, os.W_OK):
             raise AutoparError(f"-o {output}: the directory {folder} is not writable; write "
                                "elsewhere.")
+
+
+def _validate_seq(args) -> None:
+    """A zoo model's sequence length, checked against the longest it takes before the model
+    is built (a transformers config or a factory is checked as it loads)."""
+    model, seq = getattr(args, "model", None), getattr(args, "seq", None)
+    if model is None or seq is None:
+        return
+    from autopar.models import ZOO_NAMES, check_seq
+
+    if model in ZOO_NAMES or ("=" in model and not os.path.exists(model)):
+        try:
+            check_seq(model, seq)
+        except ValueError as e:
+            raise AutoparError(str(e)) from e
 
 
 def _validate_combinations(args) -> None:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from autopar.cost.hardware import GiB, Hardware, load_hardware  # noqa: F401
+from autopar.cost.hardware import GiB, Hardware, builtin_names, load_hardware  # noqa: F401
 from autopar.errors import WorldError
 
 
@@ -28,6 +28,10 @@ class World:
             raise WorldError(f"a world needs a positive whole number of devices, not {self.devices!r}.")
         if not isinstance(self.per_node, int) or self.per_node < 1:
             raise WorldError(f"per_node must be a positive whole number, not {self.per_node!r}.")
+        if not isinstance(self.device, str):
+            raise WorldError(f"device names a hardware profile ({', '.join(builtin_names())}) or "
+                             f"a profile JSON file's path, not a {type(self.device).__name__}; "
+                             "save a custom profile to a file and pass its path.")
         profile(self.device)
 
     @property

@@ -17,7 +17,9 @@ absolute difference: 0 when the reshard is exact). Beside them, the gathered bas
 without running code: the `.metadata` of a 48-layer model saved over 64 ranks (every
 weight and AdamW moment in 64 chunks) read by autopar's safe reader (parse into inert
 records, schema and bounds checks, data files stat-ed) beside the plain `pickle.load` DCP
-itself would do, best of 3. Prints tables and writes benchmarks/results/checkpoint.json.
+itself would do, best of 3. Then saves in the background (`--async-plan`): the step alone,
+after a blocking save, and with a background save in flight, and the time to resume from a
+checkpoint directory. Prints tables and writes benchmarks/results/checkpoint.json.
 """
 
 import argparse
@@ -205,11 +207,60 @@ def metadata_read(scratch: str) -> dict:
             **{key: min(t) for key, t in times.items()}}
 
 
+def async_worker(rank, spec, batch, plan_name, scratch, rounds, out_path):
+    """One plan: the step alone, the step after a blocking save, the step with a background
+    save in flight (the save's staging included), and the time to resume from the
+    directory (parallelize with checkpoint_dir, beside parallelize without it)."""
+    import statistics
+
+    warnings.filterwarnings("ignore")
+    gen = torch.Generator().manual_seed(1)
+    root = os.path.join(scratch, "async")
+    engine = engine_for(spec, PLANS[plan_name], batch, seed=0)
+    x = torch.randint(0, 1024, (batch, 64), generator=gen)
+    y = x.roll(-1, 1)
+    engine.train_step(x, y)  # the optimizer has state: what a save writes
+    none, blocking, overlapped, staged, joined = [], [], [], [], []
+    for _ in range(rounds):
+        none.append(timed(lambda: engine.train_step(x, y))[1])
+        blocking.append(timed(lambda: (engine.save(root), engine.train_step(x, y)))[1])
+        handle, took = timed(lambda: (engine.save(root, asynchronous=True),
+                                      engine.train_step(x, y))[0])
+        overlapped.append(took)
+        staged.append(handle.staged_s)
+        joined.append(timed(engine.wait_for_checkpoint)[1])
+    _, fresh_s = timed(lambda: engine_for(spec, PLANS[plan_name], batch, seed=1))
+
+    def resume():
+        import autopar
+        from autopar.models import build
+
+        model, (x0,) = build(spec, batch=batch, device="cpu", seed=1)
+        return autopar.parallelize(model, dist.get_world_size(), example_inputs=(x0[:2],),
+                                   loss_fn=lm_loss, plan=PLANS[plan_name],
+                                   optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                                   checkpoint_dir=root)
+
+    resumed, resume_s = timed(resume)
+    if rank == 0:
+        med = statistics.median
+        with open(out_path, "w") as f:
+            json.dump({"plan": plan_name, "rounds": rounds, "step_s": med(none),
+                       "blocking_save_and_step_s": med(blocking),
+                       "async_save_and_step_s": med(overlapped),
+                       "staging_s": med(staged), "write_after_step_s": med(joined),
+                       "start_s": fresh_s, "start_and_resume_s": resume_s,
+                       "resumed_step": resumed.steps}, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--async-plan", default="data 4 zero 2", choices=list(PLANS),
+                        help="the plan the background-save rows run")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     out_path = results_path("checkpoint.json")
     with tempfile.TemporaryDirectory(prefix="autopar-bench-ckpt-") as scratch:
@@ -217,6 +268,11 @@ def main():
         with open(out_path) as f:
             result = json.load(f)
         result["metadata_read"] = metadata_read(scratch)
+        async_path = results_path("checkpoint_async.json")
+        run_world(async_worker, (args.model, args.batch, args.async_plan, scratch,
+                                 args.rounds, async_path), 4)
+        with open(async_path) as f:
+            result["async"] = json.load(f)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{args.model}, world 4 (gloo, CPU), AdamW after one step; times are the slowest "
@@ -241,6 +297,15 @@ def main():
           f"{m['bytes'] / 2**20:.1f} MiB; read without running code (autopar) "
           f"{m['safe_s']:.3f} s, plain pickle.load (DCP's own reader) {m['pickle_s']:.3f} s, "
           f"x{m['safe_s'] / m['pickle_s']:.1f}")
+    a = result["async"]
+    print(f"\nsaves in the background ({a['plan']}, median of {a['rounds']}; slowest rank):")
+    print(f"  step alone                                {a['step_s']:.3f} s")
+    print(f"  blocking save, then the step              {a['blocking_save_and_step_s']:.3f} s")
+    print(f"  background save (staging {a['staging_s']:.3f} s), then the step "
+          f"{a['async_save_and_step_s']:.3f} s ({a['async_save_and_step_s'] / a['blocking_save_and_step_s']:.2f}x "
+          f"the blocking one); the write went on {a['write_after_step_s']:.3f} s after it")
+    print(f"  resume: parallelize with checkpoint_dir {a['start_and_resume_s']:.3f} s beside "
+          f"{a['start_s']:.3f} s without (resumed at step {a['resumed_step']})")
     print(f"written to {os.path.relpath(out_path, ROOT)}")
 
 

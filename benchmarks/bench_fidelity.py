@@ -26,7 +26,7 @@ column is TFLOP/s / 989 rounded; PFLOP/s = TFLOP/s x GPUs) and the FLOP count ag
 that commit's num_floating_point_operations; their model sizes count the output
 projection apart from the embedding, so they are priced untied (under 1 point on each).
 Two of them stay beyond 15% (1.7B over, 32B under); the table under the rows shows why no
-setting of the communication closes both: see README, "Fidelity to published runs".
+setting of the communication closes both: see docs/fidelity.md.
 
 (b) Optimism. The free search (no constraint beyond world, global batch and sequence) for
 Llama-3 8B and 70B at sequence 8192 with a global batch of 512 sequences (4M tokens) on

@@ -103,15 +103,19 @@ def time_search(skip_cli: bool) -> dict:
     chain = gpt3_chain()
     prepare_s = time.perf_counter() - start
     world = World(1024, per_node=8, device="a100-80gb")
-    runs = []
+    runs, cpu = [], []
     for _ in range(3):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         res = planner.search(chain, world, global_batch=1536)
         runs.append((time.perf_counter() - start, res))
+        cpu.append(time.process_time() - start_cpu)
     search_s = statistics.median(t for t, _ in runs)
     res = runs[0][1]
+    # the process's own CPU seconds (all its threads): about what the wall clock reads on a
+    # quiet machine, and what other processes' load on a shared one does not inflate
     out = {"model": "gpt3-175b", "world": 1024, "per_node": 8, "global_batch": 1536,
            "seq": 2048, "prepare_s": prepare_s, "search_s": search_s,
+           "search_cpu_s": statistics.median(cpu),
            "search_runs_s": [t for t, _ in runs], "candidates": res.candidates,
            "plan": res.best.describe(), "step_time_s": res.best.step_time,
            "memory_gib": res.best.memory_per_device / 2 ** 30}
@@ -149,6 +153,9 @@ def print_time(t: dict) -> None:
     ok = "meets" if t["search_s"] < 1 else "MISSES"
     print(f"  search (median of 3)            {t['search_s']:8.3f} s   [{runs}]  "
           f"{ok} target < 1 s  ({t['candidates']} candidates priced)")
+    ok = "meets" if t["search_cpu_s"] < 1 else "MISSES"
+    print(f"  search CPU time (median of 3)   {t['search_cpu_s']:8.3f} s   {ok} target < 1 s "
+          "(the wall clock of a quiet machine; load on a shared one does not inflate it)")
     cli = t["cli"]
     if cli is not None:
         ok = "meets" if cli["wall_s"] < 10 and cli["status"] == "ok" else "MISSES"

@@ -1,9 +1,9 @@
-"""Regenerate docs/explain-report.png, the README's picture of `autopar explain --format html`.
+"""Regenerate docs/explain-report.png, the picture of `autopar explain --format html`.
 
     python docs/make_explain_report.py            # GPT-3 175B on 1024 A100s, about a minute
     python docs/make_explain_report.py --keep report.html
 
-Plans the showcase (the same command the README shows), writes the HTML report, lays it
+Plans the showcase (the same command docs/planning-offline.md shows), writes the HTML report, lays it
 out in headless Chromium (tests/chromium.py; `apt-get install -y chromium`) and takes a
 screenshot of the page down to the runners-up table.
 """

@@ -1,8 +1,8 @@
 """Headless Chromium for tests that check what a browser draws, and a small PNG reader.
 
 `tests/test_html_report.py` renders `autopar explain --format html` pages with it, and
-`docs/make_explain_report.py` takes the README's screenshot the same way. Chromium runs
-with a throw-away profile and everything that could reach the network switched off, so
+`docs/make_explain_report.py` takes the screenshot in docs/planning-offline.md the same way.
+Chromium runs with a throw-away profile and everything that could reach the network switched off, so
 a page that asks for an outside resource cannot get it (and the tests notice).
 
 PNG decoding (8-bit greyscale, RGB or RGBA, not interlaced: what Chromium writes) needs

@@ -722,3 +722,10 @@ def dist_pool_fixture(world_size: int, *, timeout_s: float = 300.0,
             yield pool
 
     return _dist_pool_fixture
+
+
+def fork_context():
+    """The multiprocessing context DistPool's workers come from: children forked from the
+    fork server that imported ``_PRELOAD`` once (spawn where there is no fork server).
+    tests/forked.py runs the documentation's scripts in such children."""
+    return _context()

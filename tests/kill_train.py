@@ -1,7 +1,7 @@
 """Train a tiny GPT under torchrun, checkpointing every few steps, and survive a killed rank.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
-        tests/kill_train.py --out DIR [--steps 8] [--every 2] [--kill-at 6]
+        tests/kill_train.py --out DIR [--steps 8] [--every 2] [--kill-at 6] [--auto]
 
 Plan: 1D tensor parallelism over the 2 ranks. On the first attempt
 (TORCHELASTIC_RESTART_COUNT 0) rank 1 sends itself SIGKILL in the middle of step
@@ -64,18 +64,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=6)
+    parser.add_argument("--auto", action="store_true",
+                        help="parallelize(checkpoint_dir=..., checkpoint_every=...) resumes "
+                             "and saves (in the background) by itself")
     args = parser.parse_args()
     torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # parallelize joins torchrun's group (each restart under its own store prefix)
     model, (x,) = build(SPEC, batch=BATCH, device="cpu", seed=0)
+    ckpt = os.path.join(args.out, "ckpt")
+    auto = dict(checkpoint_dir=ckpt, checkpoint_every=args.every) if args.auto else {}
     engine = autopar.parallelize(model, world, example_inputs=(x[:2],), loss_fn=lm_loss,
                                  optimizer=OPTIMIZER,
-                                 plan={"tensor": {"size": world, "mode": "1d"}})
-    ckpt = os.path.join(args.out, "ckpt")
-    resumed = None
-    if os.path.exists(os.path.join(ckpt, "latest")):
+                                 plan={"tensor": {"size": world, "mode": "1d"}}, **auto)
+    resumed = engine.steps if args.auto and engine.steps else None
+    if not args.auto and os.path.exists(os.path.join(ckpt, "latest")):
         engine.load(ckpt)
         resumed = engine.steps
     if attempt == 0 and rank == 1:
@@ -85,8 +89,9 @@ def main() -> None:
         engine.optimizer.register_step_pre_hook(die)
     while engine.steps < args.steps:
         engine.train_step(*batch(engine.steps))
-        if engine.steps % args.every == 0:
+        if not args.auto and engine.steps % args.every == 0:
             engine.save(ckpt)
+    engine.wait_for_checkpoint()
     final = engine.full_state_dict()
     if rank == 0:
         torch.save(final, os.path.join(args.out, "final.pt"))

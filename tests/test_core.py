@@ -267,9 +267,9 @@ def test_explain_groups_repeated_replicated_ops():
     assert len(data["replicated_ops"]) == 5
     text = explain.as_text(data)
     cumsum_lines = [line for line in text.splitlines() if "cumsum" in line]
-    assert cumsum_lines == ["    cumsum ... cumsum_3 (4 ops in 4 layers): no catalog entry for "
-                            "aten.cumsum.default; ran replicated"]
-    assert "    flip: no catalog entry for aten.flip.default; ran replicated" in text
+    assert cumsum_lines == ["    blocks.0 (cumsum) ... blocks.3 (cumsum) (4 ops in 4 layers): no "
+                            "catalog entry for aten.cumsum.default; runs replicated"]
+    assert "    flip: no catalog entry for aten.flip.default; runs replicated" in text
 
 
 def test_shard_parameters_installs_the_tensors_it_is_given():

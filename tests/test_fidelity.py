@@ -1,7 +1,7 @@
 """Published A100 runs, and MosaicML's H100 runs, priced on their published layouts stay
 within 15% of what they measured (benchmarks/bench_fidelity.py prints every row; the
 Megatron-Core H100 rows are reported there, not held to the bar here, as two are further
-off: see README).
+off: see docs/fidelity.md).
 
 Deterministic model-against-paper checks, no timing: MosaicML's MPT runs (FSDP, bf16,
 FlashAttention v1) and Megatron-LM's 2022 runs with sequence parallelism and selective

@@ -1,18 +1,24 @@
-"""Every command and snippet of README.md runs as written.
+"""Every command and snippet of the documentation runs as written.
 
-The fenced blocks are read from README.md, so a command added there is run here too. Each
-line of a ```bash block is a command (`&&` separates more than one); each ```python block
-is a script; each ```text block under Troubleshooting is an error message. Commands run in
-a scratch directory that links the repository's examples/, benchmarks/ and docs/, so they
-read the repository's scripts and write nothing into it: `autopar` is autopar.cli.main
-(what the console script calls), `torchrun` is torch.distributed.run, `python` this
-interpreter. Each run is checked on what it prints or writes, not only its exit status.
+The documentation is README.md and every page docs/*.md (found by glob, so a page added
+there is run too). Its fenced blocks are read from the pages, so a command added there is
+run here. Each line of a ```bash block is a command (`&&` separates more than one); each
+```python block is a script; each ```text block under Troubleshooting is an error message.
+Commands run in a scratch directory that links the repository's examples/, benchmarks/ and
+docs/, so they read the repository's scripts and write nothing into it: `autopar` is
+autopar.cli.main (what the console script calls), `torchrun` is torch.distributed.run,
+`python` this interpreter (Python scripts run in children forked from the test pools'
+preloaded fork server: tests/forked.py). Each run is checked on what it prints or writes,
+not only its exit status.
 
 The exceptions, each with its own test: the install lines (pip, apt-get) must be the ones
 .ci/run executes, since CI runs .ci/run from a bare Python; `python -m pytest -q` must be
 the command .ci/run calls; the benchmarks and the screenshot script take minutes, so they
-must exist and answer --help with the options the README gives them. A command of any
+must exist and answer --help with the options the pages give them. A command of any
 other kind fails `test_every_command_is_covered`.
+
+The README stays a newcomer's page: at most 300 lines, linking every docs/ page, and every
+page opens with its title and a one-line purpose.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from forked import run_script
 
 import autopar
 from autopar.cli import main as autopar_main
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEXT = {p.relative_to(ROOT).as_posix(): p.read_text() for p in PAGES}
+README = TEXT["README.md"]
+README_MAX_LINES = 300
 LINKED = ("examples", "benchmarks", "docs")  # repository folders commands name
 LONG_SCRIPTS = ("benchmarks/", "docs/")  # minutes each: --help only
 TIMEOUT = 900  # the machine may be shared: generous
@@ -44,6 +54,7 @@ TIMEOUT = 900  # the machine may be shared: generous
 
 @dataclass(frozen=True)
 class Block:
+    page: str  # README.md or docs/<topic>.md
     lang: str
     text: str
     heading: str  # the nearest heading above the block
@@ -51,13 +62,13 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"{self.heading} (README.md:{self.line})"
+        return f"{self.heading} ({self.page}:{self.line})"
 
 
-def _headings() -> list[tuple[int, int, str]]:
+def _headings(text: str) -> list[tuple[int, int, str]]:
     """(line, level, title) of each heading, outside fenced blocks (where `# ` is a comment)."""
     out, fenced = [], False
-    for number, line in enumerate(README.splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and (m := re.match(r"^(#+) (.+)$", line)):
@@ -65,29 +76,31 @@ def _headings() -> list[tuple[int, int, str]]:
     return out
 
 
-HEADINGS = _headings()
+HEADINGS = {page: _headings(text) for page, text in TEXT.items()}
 
 
-def _blocks() -> list[Block]:
-    out = []
-    for m in re.finditer(r"^```(\w*)\n(.*?)^```", README, re.DOTALL | re.MULTILINE):
-        line = README[:m.start()].count("\n") + 1
-        above = [title for number, _, title in HEADINGS if number < line]
-        out.append(Block(m.group(1), m.group(2), above[-1] if above else "", line))
+def _blocks(page: str) -> list[Block]:
+    out, text = [], TEXT[page]
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
+        line = text[:m.start()].count("\n") + 1
+        above = [title for number, _, title in HEADINGS[page] if number < line]
+        out.append(Block(page, m.group(1), m.group(2), above[-1] if above else "", line))
     return out
 
 
-def _section(name: str) -> list[Block]:
-    """The blocks from the heading `name` to the next heading of its level or higher."""
-    found = [(number, level) for number, level, title in HEADINGS if title == name]
-    assert found, f"README.md has no heading {name!r}"
-    first, level = found[0]
-    last = next((number for number, lv, _ in HEADINGS if number > first and lv <= level),
-                README.count("\n") + 2)
-    return [b for b in BLOCKS if first < b.line < last]
+BLOCKS = [b for page in TEXT for b in _blocks(page)]
 
 
-BLOCKS = _blocks()
+def _section(name: str, page: str | None = None) -> list[Block]:
+    """The blocks from the heading `name` (on `page`, or the one page that has it) to the
+    next heading of its level or higher."""
+    found = [(p, number, level) for p, headings in HEADINGS.items() if page in (None, p)
+             for number, level, title in headings if title == name]
+    assert len(found) == 1, f"{len(found)} headings {name!r} in {page or 'the pages'}"
+    (page, first, level), = found
+    last = next((number for number, lv, _ in HEADINGS[page] if number > first and lv <= level),
+                TEXT[page].count("\n") + 2)
+    return [b for b in BLOCKS if b.page == page and first < b.line < last]
 
 
 def _commands(block: Block) -> list[list[str]]:
@@ -126,7 +139,56 @@ ALL_COMMANDS = [(b, argv) for b in BASH for argv in _commands(b)]
 RUN_KINDS = ("plan", "calibrate", "torchrun")  # run by test_bash_block
 
 
-# ---------------------------------------------------------------- the README's shape
+# ---------------------------------------------------------------- the pages' shape
+
+
+def test_readme_is_a_newcomers_page():
+    lines = len(README.splitlines())
+    assert lines <= README_MAX_LINES, \
+        f"README.md has {lines} lines, more than {README_MAX_LINES}: move a topic to docs/"
+
+
+def _links(page: str) -> list[str]:
+    """The targets of the page's markdown links and images, outside fenced blocks."""
+    prose = re.sub(r"^```.*?^```", "", TEXT[page], flags=re.DOTALL | re.MULTILINE)
+    return re.findall(r"\]\(([^)\s]+)\)", prose)
+
+
+def _anchor(title: str) -> str:
+    """The anchor a heading gets: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_every_docs_page():
+    linked = {(ROOT / target.split("#")[0]).resolve() for target in _links("README.md")}
+    missing = [p.relative_to(ROOT).as_posix() for p in PAGES[1:] if p.resolve() not in linked]
+    assert PAGES[1:] and not missing, f"README.md links no {missing}: add a line under Documentation"
+
+
+def test_every_page_opens_with_a_title_and_a_one_line_purpose():
+    for page, text in TEXT.items():
+        lines = text.splitlines()
+        assert re.match(r"^# \S", lines[0]) and lines[1] == "", \
+            f"{page}: the first line is no `# Title` followed by a blank line"
+        if page != "README.md":
+            assert lines[2].strip() and lines[3] == "", \
+                f"{page}: the title is not followed by one line that says what the page is for"
+
+
+def test_every_relative_link_resolves():
+    """Each link to a file of the repository names one that exists, and each #anchor a
+    heading of its page."""
+    for page in TEXT:
+        for target in _links(page):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s), mailto
+            path, _, anchor = target.partition("#")
+            file = (ROOT / page).parent / path if path else ROOT / page
+            assert file.exists(), f"{page}: the link {target} names no file"
+            if anchor:
+                linked = file.resolve().relative_to(ROOT.resolve()).as_posix()
+                titles = [_anchor(title) for _, _, title in HEADINGS.get(linked, [])]
+                assert anchor in titles, f"{page}: the link {target} names no heading of {linked}"
 
 
 def test_every_block_is_bash_python_or_text():
@@ -140,14 +202,14 @@ def test_every_block_is_bash_python_or_text():
 
 
 def test_every_command_is_covered():
-    assert ALL_COMMANDS, "README.md has no ```bash block"
+    assert ALL_COMMANDS, "the pages have no ```bash block"
     for b, argv in ALL_COMMANDS:
         assert _kind(argv), \
             f"{b.id}: `{shlex.join(argv)}` is run by no test in tests/test_readme.py"
 
 
 def test_quickstart_is_one_install_line_and_two_commands():
-    (block,) = [b for b in _section("Quickstart") if b.lang == "bash"]
+    (block,) = [b for b in _section("Quickstart", "README.md") if b.lang == "bash"]
     kinds = [_kind(argv) for argv in _commands(block)]
     assert kinds == ["pip", "pip", "plan", "torchrun"], kinds
     assert len(block.text.strip().splitlines()) == 3
@@ -174,13 +236,13 @@ def _pip(argv: list[str]) -> list[str]:
 
 
 def test_install_lines_are_what_ci_runs():
-    """CI (.ci/run) installs from a bare Python: the README's pip installs are its pip
-    installs (less its pip upgrade), in its order; the README's apt-get packages are ones
-    it installs."""
-    readme = [argv[1:] for _, argv in ALL_COMMANDS if _kind(argv) == "pip"]
+    """CI (.ci/run) installs from a bare Python: the pages' pip installs are its pip
+    installs (less its pip upgrade), in its order; the pages' apt-get packages are ones it
+    installs."""
+    pages = [argv[1:] for _, argv in ALL_COMMANDS if _kind(argv) == "pip"]
     ci = [_pip(shlex.split(line)) for line in _ci_lines()]
     ci = [argv for argv in ci if argv[:1] == ["install"] and "--upgrade" not in argv]
-    assert readme and readme == ci, (readme, ci)
+    assert pages and pages == ci, (pages, ci)
     apt = {p for _, argv in ALL_COMMANDS if _kind(argv) == "apt" for p in argv[2:]
            if not p.startswith("-")}
     ci_apt = {p for line in _ci_lines() if "apt-get install" in line
@@ -190,30 +252,50 @@ def test_install_lines_are_what_ci_runs():
 
 
 def test_test_command_is_the_one_ci_runs():
-    readme = [shlex.join(argv) for _, argv in ALL_COMMANDS if _kind(argv) == "pytest"]
-    assert readme == ["python -m pytest -q"]
+    """The README names the test command once, the pages name no other, and it is the
+    command .ci/run calls."""
+    readme = [shlex.join(argv) for b, argv in ALL_COMMANDS
+              if _kind(argv) == "pytest" and b.page == "README.md"]
+    everywhere = {shlex.join(argv) for _, argv in ALL_COMMANDS if _kind(argv) == "pytest"}
+    assert readme == ["python -m pytest -q"] and everywhere == set(readme), everywhere
     assert [line for line in _ci_lines() if "pytest" in line] == readme
+
+
+def _addopts() -> list[str]:
+    """The options pyproject.toml gives every pytest run."""
+    section = (ROOT / "pyproject.toml").read_text().split("[tool.pytest.ini_options]", 1)[1]
+    addopts = re.search(r'^addopts = "([^"]*)"$', section.split("\n[", 1)[0], re.MULTILINE)
+    assert addopts, "pyproject.toml's [tool.pytest.ini_options] has no addopts"
+    return shlex.split(addopts.group(1))
+
+
+def test_ci_prints_the_20_slowest_tests():
+    """CI's command adds no options, so pytest's own from pyproject.toml hold."""
+    assert "--durations=20" in _addopts()
 
 
 def test_long_scripts_exist_and_answer_help():
     """Benchmarks and the screenshot script take minutes: each exists, answers --help, and
-    takes every option the README gives it."""
-    long = [argv for _, argv in ALL_COMMANDS if _kind(argv) == "long"]
-    assert long
-    for argv in long:
-        assert (ROOT / argv[1]).is_file(), argv[1]
+    takes every option a page gives it. Each script's help is asked once, in a child forked
+    from the preloaded server (tests/forked.py)."""
+    options: dict[str, set[str]] = {}
+    for _, argv in ALL_COMMANDS:
+        if _kind(argv) == "long":
+            options.setdefault(argv[1], set()).update(a for a in argv[2:] if a.startswith("--"))
+    assert options
+    for script in options:
+        assert (ROOT / script).is_file(), script
 
-    def helps(argv):
-        return subprocess.run([sys.executable, argv[1], "--help"], cwd=ROOT, env=_env(),
-                              capture_output=True, text=True, timeout=TIMEOUT)
+    def helps(script):
+        return run_script(ROOT / script, ["--help"], cwd=ROOT, timeout=TIMEOUT)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:  # each imports torch: two cores
-        done = list(pool.map(helps, long))
-    for argv, help_ in zip(long, done):
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two cores
+        done = dict(zip(options, pool.map(helps, options)))
+    for script, help_ in done.items():
         assert help_.returncode == 0 and help_.stdout.startswith("usage:"), \
-            f"{argv[1]} --help: {help_.stderr}"
-        for option in (a for a in argv[2:] if a.startswith("--")):
-            assert option in help_.stdout, f"{argv[1]} has no option {option}"
+            f"{script} --help: {help_.stderr}"
+        for option in sorted(options[script]):
+            assert option in help_.stdout, f"{script} has no option {option}"
 
 
 def _declared_options(path: Path) -> set[str]:
@@ -224,8 +306,8 @@ def _declared_options(path: Path) -> set[str]:
             if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
 
 
-def test_every_option_the_readme_names_exists(capsys):
-    """Each --option in README.md, in prose or command, is one the command line, torchrun
+def test_every_option_the_pages_name_exists(capsys):
+    """Each --option a page names, in prose or command, is one the command line, torchrun
     or a script of the repository declares."""
     from torch.distributed.run import get_args_parser
 
@@ -237,8 +319,10 @@ def test_every_option_the_readme_names_exists(capsys):
     for folder in LINKED:
         for script in (ROOT / folder).glob("*.py"):
             known |= _declared_options(script)
-    named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", README))
-    assert named - known == set(), f"README.md names options nothing declares: {named - known}"
+    known |= {option.split("=")[0] for option in _addopts()}  # pytest's, as CI runs it
+    for page, text in TEXT.items():
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+        assert named - known == set(), f"{page} names options nothing declares: {named - known}"
 
 
 # ---------------------------------------------------------------- running commands
@@ -251,7 +335,7 @@ def _env() -> dict:
 
 @pytest.fixture
 def scratch(tmp_path, monkeypatch) -> Path:
-    """A working directory for README commands, with the repository's script folders."""
+    """A working directory for the pages' commands, with the repository's script folders."""
     for name in LINKED:
         (tmp_path / name).symlink_to(ROOT / name, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
@@ -379,7 +463,7 @@ def _runnable(block: Block) -> bool:
 @pytest.mark.parametrize("block", [b for b in BASH if _runnable(b)], ids=lambda b: b.id)
 def test_bash_block(block, scratch, capsys):
     """The block's commands, in order, in one scratch directory: each succeeds and prints
-    or writes what the README says. Install, test and benchmark lines are checked by the
+    or writes what the page says. Install, test and benchmark lines are checked by the
     exception tests above."""
     for argv in _commands(block):
         kind = _kind(argv)
@@ -419,18 +503,19 @@ if "loss" in _seen:
     assert isinstance(loss, float) and _math.isfinite(loss), loss
 if isinstance(_seen.get("plan"), _autopar.Plan):
     assert plan.predicted["step_time_s"] > 0
-print("README SNIPPET DONE")
+print("SNIPPET DONE")
 """
 
 
 @pytest.mark.parametrize("block", SCRIPTS, ids=lambda b: b.id)
 def test_python_block(block, scratch):
-    """The snippet runs as written in a fresh interpreter (world 1: no launcher), then the
-    names it made are checked; what it writes is read back."""
-    done = subprocess.run([sys.executable, "-c", block.text + AFTER], cwd=scratch,
-                          capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    """The snippet runs as written, as a script in a fresh process (world 1: no launcher;
+    forked from the preloaded server), then the names it made are checked; what it writes
+    is read back."""
+    (scratch / "snippet.py").write_text(block.text + AFTER)
+    done = run_script(scratch / "snippet.py", [], cwd=scratch, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.rstrip().endswith("README SNIPPET DONE"), done.stdout
+    assert done.stdout.rstrip().endswith("SNIPPET DONE"), done.stdout
     for name in re.findall(r"\.save\(\"([^\"]+\.json)\"\)", block.text):  # a plan file
         saved = autopar.Plan.load(scratch / name)
         fixed = re.search(r"constraints=(\{[^}]*\})", block.text)
@@ -462,7 +547,7 @@ def _executable_world(spec: dict) -> int:
 
 @pytest.mark.parametrize("block", PLAN_DICTS, ids=lambda b: b.id)
 def test_plan_dicts_make_plans_the_runtime_executes(block):
-    specs = [eval(compile(ast.Expression(s.value), "README.md", "eval"), {"dict": dict})
+    specs = [eval(compile(ast.Expression(s.value), block.page, "eval"), {"dict": dict})
              for s in ast.parse(block.text).body]
     assert specs
     worlds = [_executable_world(spec) for spec in specs]
@@ -559,7 +644,7 @@ CLI_TRIGGERS = [
 
 
 def _matches(quoted: str, message: str) -> bool:
-    """`...` in the README's quote stands for any text."""
+    """`...` in the page's quote stands for any text."""
     pattern = ".*?".join(re.escape(part) for part in quoted.strip().split("..."))
     return re.fullmatch(pattern, message.strip(), re.DOTALL) is not None
 
@@ -568,8 +653,7 @@ def test_troubleshooting_quotes_the_messages_autopar_prints(scratch, capsys):
     """Each error the section quotes is triggered here and matches what autopar prints, and
     each error triggered here is quoted."""
     (scratch / "triggers.py").write_text(TRIGGERS)  # a file: tracebacks name its lines
-    done = subprocess.run([sys.executable, "triggers.py"], cwd=scratch, capture_output=True,
-                          text=True, timeout=TIMEOUT, env=_env())
+    done = run_script(scratch / "triggers.py", [], cwd=scratch, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout.strip().splitlines()[-1])
     for argv in CLI_TRIGGERS:
@@ -581,8 +665,8 @@ def test_troubleshooting_quotes_the_messages_autopar_prints(scratch, capsys):
     assert quoted
     for text in quoted:
         assert any(_matches(text, m) for m in printed), \
-            f"README quotes an error autopar does not print:\n{text}\nprinted:\n" + \
+            f"the page quotes an error autopar does not print:\n{text}\nprinted:\n" + \
             "\n".join(printed)
     for message in printed:
         assert any(_matches(text, message) for text in quoted), \
-            f"autopar prints an error the README does not quote:\n{message}"
+            f"autopar prints an error the page does not quote:\n{message}"

@@ -110,17 +110,30 @@ class Hardware:
         return hw
 
     def check(self) -> None:
-        """Refuse a number the cost model cannot price (a zero bandwidth divides by zero)."""
+        """Refuse a value the cost model cannot price (a zero bandwidth divides by zero),
+        field by field, the nested tables (peak rates, collective fits, attention kernels)
+        entry by entry."""
         for name, value in vars(self).items():
-            if name == "peak_flops":
-                for dtype, rate in (value or {}).items():
-                    _check_number(f"peak_flops.{dtype}", rate, positive=True)
+            if name in ("name", "source"):
+                if not isinstance(value, str):
+                    _refuse(name, value, "a string")
+            elif name == "extra":
+                if not isinstance(value, dict):
+                    _refuse(name, value, "a JSON object of notes")
+            elif name == "peak_flops":
+                _check_peak_flops(value)
+            elif name == "collectives":
+                _check_collectives(value)
+            elif name == "attention_kernels":
+                _check_attention_kernels(value)
+            elif name in _WHOLE and (isinstance(value, bool) or not isinstance(value, int)
+                                     or value < 1):
+                _refuse(name, value, "a whole number >= 1")
             elif name == "optimizer_implementation":
                 if value not in OPTIMIZER_IMPLEMENTATIONS:
                     raise WorldError(f"hardware profile field {name} is {value!r}; it must be "
                                      f"one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}.")
-            elif name in ("name", "source", "extra", "collectives", "attention_kernels") \
-                    or value is None:
+            elif value is None and name == "attention_efficiency":
                 continue
             else:
                 _check_number(name, value, positive=name not in _MAY_BE_ZERO,
@@ -138,6 +151,64 @@ _MAY_BE_ZERO = {"intra_node_latency", "inter_node_latency", "attention_half_toke
                 "gemm_half_flops",  # a calibration whose matmuls all ran at one rate
                 "kernel_floor_s", "comm_sm_share", "gemm_operand_traffic"}
 _BELOW_ONE = {"comm_sm_share"}  # overlapped compute runs 1 / (1 - share) slower
+
+
+_WHOLE = {"memory_bytes", "per_node", "host_memory_bytes"}
+PEAK_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # the dtypes a peak rate may be given for
+
+
+def _refuse(name: str, value, need: str) -> None:
+    raise WorldError(f"hardware profile field {name} is {value!r}; it must be {need} "
+                     "(fix the profile, or write a new one with `autopar calibrate`).")
+
+
+def _table(name: str, value, example: str) -> dict:
+    if not isinstance(value, dict):
+        _refuse(name, value, f"a JSON object such as {example}")
+    return value
+
+
+def _check_peak_flops(value) -> None:
+    table = _table("peak_flops", value, '{"bf16": 3.12e14}')
+    if not table:
+        _refuse("peak_flops", value, 'at least one dtype\'s rate, such as {"bf16": 3.12e14}')
+    for dtype, rate in table.items():
+        if dtype not in PEAK_DTYPES:
+            _refuse("peak_flops", value, f"keyed by dtype names ({', '.join(PEAK_DTYPES)}), "
+                    f"not {dtype!r}")
+        _check_number(f"peak_flops.{dtype}", rate, positive=True)
+
+
+def _check_collectives(value) -> None:
+    from autopar.cost.comm import ALGORITHMS  # comm prices with this module's Hardware
+
+    table = _table("collectives", value, '{"all_reduce": {"algorithm": "ring", "alpha": 1e-5, '
+                   '"beta": 1e-10}}')
+    for op, fit in table.items():
+        where = f"collectives.{op}"
+        if op not in ALGORITHMS:
+            _refuse("collectives", value, f"keyed by collective ({', '.join(ALGORITHMS)}), "
+                    f"not {op!r}")
+        fit = _table(where, fit, '{"algorithm": "ring", "alpha": 1e-5, "beta": 1e-10}')
+        if set(fit) != {"algorithm", "alpha", "beta"}:
+            _refuse(where, fit, "an object of exactly algorithm, alpha and beta")
+        if fit["algorithm"] not in ALGORITHMS[op]:
+            _refuse(f"{where}.algorithm", fit["algorithm"],
+                    f"one of {', '.join(ALGORITHMS[op])}")
+        _check_number(f"{where}.alpha", fit["alpha"], positive=False)
+        _check_number(f"{where}.beta", fit["beta"], positive=True)
+
+
+def _check_attention_kernels(value) -> None:
+    table = _table("attention_kernels", value, '{"flash1": {"efficiency": 0.22, '
+                   '"half_tokens": 263}}')
+    for kernel, fit in table.items():
+        where = f"attention_kernels.{kernel}"
+        fit = _table(where, fit, '{"efficiency": 0.22, "half_tokens": 263}')
+        if set(fit) != {"efficiency", "half_tokens"}:
+            _refuse(where, fit, "an object of exactly efficiency and half_tokens")
+        _check_number(f"{where}.efficiency", fit["efficiency"], positive=True, fraction=True)
+        _check_number(f"{where}.half_tokens", fit["half_tokens"], positive=False)
 
 
 def _check_number(name: str, value, positive: bool, fraction: bool = False,

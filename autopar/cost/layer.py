@@ -17,7 +17,7 @@ import sympy
 import torch
 
 from autopar.cost.memory import activation_bytes
-from autopar.graph.analysis import OpKind
+from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.sharding.divisible import indivisible
@@ -619,7 +619,7 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
         if c.where in names and c.where not in kept:
             (expert_comm if c.where in split_moe else comm).append(
                 (c.op, c.phase, Lin.of(c.bytes)))
-    notes = [f"{n.name}: {s.note}" for n, s in solution.strategies.items()
+    notes = [f"{node_label(n)}: {s.note}" for n, s in solution.strategies.items()
              if s.note and n.name in names]
     out = Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes,

@@ -126,10 +126,12 @@ def step_temps_dev(peak, first, last, device_of, pp: int) -> np.ndarray:
     device_of = np.asarray(device_of)
     out = np.zeros(pp)
     np.maximum.at(out, device_of, peak)
-    for d in range(pp):
-        idx = np.flatnonzero((device_of == d) & (peak > 0))
-        if len(idx) > 1:
-            out[d] = max(out[d], float((2 * first[idx[1:]] + last[idx[:-1]]).max()))
+    held = np.flatnonzero(peak > 0)  # layers with parameters, in layer order
+    order = held[np.argsort(device_of[held], kind="stable")]  # by rank, layer order within
+    ranks = device_of[order]
+    follows = ranks[1:] == ranks[:-1]  # layer order[j + 1] follows order[j] on its rank
+    pairs = 2 * first[order[1:][follows]] + last[order[:-1][follows]]
+    np.maximum.at(out, ranks[1:][follows], pairs)
     return out
 
 

@@ -231,6 +231,17 @@ def _kind(node: fx.Node, traced: TracedGraph) -> OpKind:
     return OpKind.OTHER
 
 
+def node_label(node: fx.Node) -> str:
+    """How a report names a node: the module that runs it and its op (`blocks.1.moe.gate
+    (linear)`), which a reader finds in the model, rather than the trace's `linear_17`."""
+    info = node.meta.get("autopar")
+    module = info.module if info is not None else node.meta.get("autopar_module", "")
+    if not module:
+        return node.name
+    op = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", node.name)
+    return f"{module} ({op})"
+
+
 def _from_sizes(node: fx.Node, traced: TracedGraph) -> bool:
     """Whether `node` is computed from sizes, constants and buffers only (its inputs already
     analysed): no input value, parameter or random number reaches it."""

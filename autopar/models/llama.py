@@ -1,15 +1,30 @@
-"""Llama: a decoder-only transformer in the LLaMA / LLaMA-2 layout.
+"""Llama: a decoder-only transformer in the LLaMA / LLaMA-2 / Llama-3 layout.
 
 RMSNorm before each sublayer, rotary position embeddings on queries and keys,
 grouped-query attention (fewer key/value heads than query heads) and a SwiGLU
-feed-forward. No linear has a bias.
+feed-forward. No linear has a bias. Options cover the family's later members: heads
+wider than dim / n_head and an RMSNorm over each query and key head (Qwen3), and
+Llama 3.1's rescaled rotary frequencies for its 128K context.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequencies for a longer context (its released `rope_scaling`):
+    wavelengths shorter than original_max_seq / high_freq_factor are kept, those longer than
+    original_max_seq / low_freq_factor divided by `factor`, the band between interpolated."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq: int = 8192
 
 
 @dataclass(frozen=True)
@@ -24,26 +39,46 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int = 0  # width of each head; 0: dim // n_head
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
-        if self.dim % self.n_head:
+        # a spec gives 0/1 for the flags
+        object.__setattr__(self, "tie_embeddings", bool(self.tie_embeddings))
+        object.__setattr__(self, "qk_norm", bool(self.qk_norm))
+        if not self.head_dim and self.dim % self.n_head:
             raise ValueError(
-                f"LlamaConfig: dim={self.dim} must be divisible by n_head={self.n_head}."
+                f"LlamaConfig: dim={self.dim} must be divisible by n_head={self.n_head} "
+                "(or give head_dim)."
             )
         if self.n_head % self.n_kv_head:
             raise ValueError(
                 f"LlamaConfig: n_head={self.n_head} must be a multiple of "
                 f"n_kv_head={self.n_kv_head}."
             )
-        if (self.dim // self.n_head) % 2:
+        if head_width(self) % 2:
             raise ValueError(
-                f"LlamaConfig: head dim {self.dim // self.n_head} must be even to rotate pairs."
+                f"LlamaConfig: head dim {head_width(self)} must be even to rotate pairs."
             )
 
 
-def rope_tables(head_dim: int, max_seq: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def head_width(cfg) -> int:
+    """The width of one attention head: `cfg.head_dim` where given, else dim / n_head."""
+    return getattr(cfg, "head_dim", 0) or cfg.dim // cfg.n_head
+
+
+def rope_tables(head_dim: int, max_seq: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) pair, each [max_seq, head_dim // 2]."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        wavelength = 2 * math.pi / inv_freq
+        old = scaling.original_max_seq
+        # 0 at the long-wavelength edge of the band, 1 at its short edge
+        blend = ((old / wavelength - scaling.low_freq_factor)
+                 / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+        inv_freq = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
     angles = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -87,16 +122,22 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.n_kv_head = cfg.n_kv_head
-        self.head_dim = cfg.dim // cfg.n_head
+        self.head_dim = head_width(cfg)
         self.wq = nn.Linear(cfg.dim, cfg.n_head * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_head * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.dim, bias=False)
+        qk_norm = getattr(cfg, "qk_norm", False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T = x.size(0), x.size(1)
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_head // self.n_kv_head
@@ -142,7 +183,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Derived from the config, so kept out of the state dict.
-        head_dim = cfg.dim // cfg.n_head
+        head_dim = head_width(cfg)
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq, head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq, head_dim // 2), persistent=False)
         self.init_weights()
@@ -155,7 +196,7 @@ class Llama(nn.Module):
         # to_empty() gives each module a parameter of its own, which breaks the tie.
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.dim // cfg.n_head, cfg.max_seq, cfg.rope_theta)
+        cos, sin = rope_tables(head_width(cfg), cfg.max_seq, cfg.rope_theta, cfg.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for module in self.modules():

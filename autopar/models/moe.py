@@ -6,7 +6,8 @@ per token and the output is their weighted sum (Jiang et al. 2024, "Mixtral of E
 eq. 1-2). Optional shared experts run on every token behind a sigmoid gate, as Qwen2-MoE.
 The first `dense_layers` blocks may keep a dense SwiGLU feed-forward of width `dense_ffn`
 instead, as DeepSeek-V3's first three of 61 (DeepSeek-AI 2024, "DeepSeek-V3 Technical
-Report", arXiv 2412.19437, §4.2).
+Report", arXiv 2412.19437, §4.2). With `kv_lora_rank` > 0 the attention is DeepSeek's
+multi-head latent attention (`autopar.models.mla`).
 
 `SparseMoE` computes the layer on one device with static shapes only, so torch.export
 traces it on the meta device: the token-expert pairs are sorted by expert (a fixed-size
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.llama import Attention, RMSNorm, rope_tables
+from autopar.models.mla import MLAttention
 
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
 SCORES = (SOFTMAX, SIGMOID)
@@ -50,6 +52,22 @@ class MoEConfig:
     tie_embeddings: bool = False
     dense_layers: int = 0  # the first blocks keep a dense SwiGLU feed-forward (DeepSeek-V3: 3)
     dense_ffn: int = 0  # its width (required when dense_layers > 0)
+    # multi-head latent attention (DeepSeek-V3) where kv_lora_rank > 0: the ranks of the
+    # query (0: no query bottleneck) and key/value latents, and the head widths
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The width the rotary tables turn: an MLA head's rotary part, else a whole head."""
+        return self.qk_rope_head_dim if self.mla else self.dim // self.n_head
 
     def __post_init__(self):
         if not 0 <= self.dense_layers < self.n_layer:
@@ -59,11 +77,19 @@ class MoEConfig:
         if (self.dense_ffn > 0) != (self.dense_layers > 0) or self.dense_ffn < 0:
             raise ValueError(f"MoEConfig: dense_ffn={self.dense_ffn} must be positive exactly "
                              f"when there are dense layers (dense_layers={self.dense_layers}).")
-        if self.dim % self.n_head or self.n_head % self.n_kv_head:
+        if (not self.mla and self.dim % self.n_head) or self.n_head % self.n_kv_head:
             raise ValueError(f"MoEConfig: dim={self.dim} must be divisible by n_head="
                              f"{self.n_head}, and n_head by n_kv_head={self.n_kv_head}.")
-        if (self.dim // self.n_head) % 2:
-            raise ValueError(f"MoEConfig: head dim {self.dim // self.n_head} must be even "
+        if self.mla and not (self.qk_nope_head_dim and self.qk_rope_head_dim
+                             and self.v_head_dim):
+            raise ValueError("MoEConfig: multi-head latent attention (kv_lora_rank="
+                             f"{self.kv_lora_rank}) needs positive qk_nope_head_dim, "
+                             "qk_rope_head_dim and v_head_dim.")
+        if not self.mla and self.q_lora_rank:
+            raise ValueError(f"MoEConfig: q_lora_rank={self.q_lora_rank} is multi-head latent "
+                             "attention's; give kv_lora_rank too, or leave q_lora_rank 0.")
+        if self.rope_dim % 2:
+            raise ValueError(f"MoEConfig: rotary width {self.rope_dim} must be even "
                              "to rotate pairs.")
         check_routing(self.n_experts, self.top_k, self.score)
 
@@ -273,7 +299,7 @@ class Block(nn.Module):
     def __init__(self, cfg: MoEConfig, dense: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = MLAttention(cfg) if cfg.mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if dense:
             self.ffn = SwiGLU(cfg.dim, cfg.dense_ffn)
@@ -311,9 +337,9 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        head_dim = cfg.dim // cfg.n_head
-        self.register_buffer("rope_cos", torch.empty(cfg.max_seq, head_dim // 2), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.max_seq, head_dim // 2), persistent=False)
+        half = cfg.rope_dim // 2
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq, half), persistent=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -322,7 +348,7 @@ class MoETransformer(nn.Module):
         cfg = self.config
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.dim // cfg.n_head, cfg.max_seq, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq, cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for module in self.modules():

@@ -16,7 +16,7 @@ from torch import nn
 
 from autopar.models.bert import Bert, BertConfig
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.models.llama import Llama, LlamaConfig
+from autopar.models.llama import Llama, LlamaConfig, RopeScaling
 from autopar.models.mlp import MLP, MLPConfig
 from autopar.models.moe import SIGMOID, MoEConfig, MoETransformer
 from autopar.models.vit import ViT, ViTConfig
@@ -128,6 +128,102 @@ _ZOO: dict[str, ModelConfig] = {
         max_seq=8192,
         rope_theta=500000.0,
     ),
+    # Llama 3.1 (Llama Team 2024, arXiv 2407.21783, Table 3): Llama 3's shapes trained on to a
+    # 128K context (§3.4.2), with the rotary frequencies rescaled as its released
+    # configuration does (rope_scaling: factor 8, low/high frequency factors 1 and 4, original
+    # 8192). 405B: 126 layers of 16384 with 128 heads (8 key/value), FFN 53248; Meta's
+    # model card gives 405B (this counts 405.85e9, embeddings and head untied).
+    "llama3.1-8b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        dim=4096,
+        ffn_hidden=14336,
+        max_seq=131072,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+    ),
+    "llama3.1-70b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        dim=8192,
+        ffn_hidden=28672,
+        max_seq=131072,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+    ),
+    "llama3.1-405b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=126,
+        n_head=128,
+        n_kv_head=8,
+        dim=16384,
+        ffn_hidden=53248,
+        max_seq=131072,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+    ),
+    # Llama 3.2 1B and 3B (Meta's model card and released configurations, September 2024):
+    # Llama 3.1's layout with tied input and output embeddings, rescaled RoPE (factor 32) and a
+    # 128K context; the card lists 1.23B and 3.21B (these count 1.236e9, 1.24B to two
+    # places, and 3.213e9).
+    "llama3.2-1b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        dim=2048,
+        ffn_hidden=8192,
+        max_seq=131072,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        rope_scaling=RopeScaling(factor=32.0),
+    ),
+    "llama3.2-3b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=28,
+        n_head=24,
+        n_kv_head=8,
+        dim=3072,
+        ffn_hidden=8192,
+        max_seq=131072,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        rope_scaling=RopeScaling(factor=32.0),
+    ),
+    # Qwen Team 2025, "Qwen3 Technical Report" (arXiv 2505.09388), Table 1, with the released
+    # configurations: heads of 128 (wider than dim / heads for 32B), RMSNorm over each query
+    # and key head (QK-norm, no attention bias), RoPE base 1e6, 32K native context, the
+    # 151936-token vocabulary, untied embeddings; the model cards give 8.2B and 32.8B.
+    "qwen3-8b": LlamaConfig(
+        vocab_size=151936,
+        n_layer=36,
+        n_head=32,
+        n_kv_head=8,
+        dim=4096,
+        ffn_hidden=12288,
+        max_seq=32768,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        head_dim=128,
+        qk_norm=True,
+    ),
+    "qwen3-32b": LlamaConfig(
+        vocab_size=151936,
+        n_layer=64,
+        n_head=64,
+        n_kv_head=8,
+        dim=5120,
+        ffn_hidden=25600,
+        max_seq=32768,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        head_dim=128,
+        qk_norm=True,
+    ),
     # Jiang et al. 2024, "Mixtral of Experts" (arXiv 2401.04088), Table 1: Mistral 7B's
     # shapes with 8 SwiGLU experts per layer, 2 active per token, 32k context; RoPE base 1e6
     # as in the released configuration.
@@ -166,6 +262,36 @@ _ZOO: dict[str, ModelConfig] = {
         rope_theta=10000.0,
         dense_layers=3,
         dense_ffn=18432,
+    ),
+    # DeepSeek-V3 itself (arXiv 2412.19437, §2.1.1 and §4.2, with the released configuration):
+    # deepseek-v3-moe's blocks with multi-head latent attention, query rank 1536, key/value
+    # rank 512, heads of 128 + 64 rotary for queries and keys and 128 for values. The report
+    # gives 671B parameters, 37B activated per token, without the multi-token-prediction
+    # module (the released checkpoint's 685B include it); this counts 6.710e11, and 3.66e10
+    # weights that a token's computation multiplies (the input embedding, a lookup, left
+    # out). It keeps the family's sigmoid gate on the shared expert, 7168
+    # weights a layer that DeepSeek-V3 has not (0.4M in all), and the 4K pre-training length
+    # (its 128K came from YaRN stages after pre-training).
+    "deepseek-v3": MoEConfig(
+        vocab_size=129280,
+        n_layer=61,
+        n_head=128,
+        n_kv_head=128,
+        dim=7168,
+        ffn_hidden=2048,
+        n_experts=256,
+        top_k=8,
+        max_seq=4096,
+        shared_ffn=2048,
+        score=SIGMOID,
+        rope_theta=10000.0,
+        dense_layers=3,
+        dense_ffn=18432,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
     # Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers", BERT-LARGE
     # (L=24, H=1024, A=16, feed-forward 4H), with the 30522-token uncased WordPiece vocabulary.
@@ -248,6 +374,9 @@ _FAMILIES: dict[str, _Family] = {
             "ffn": "ffn_hidden",
             "vocab": "vocab_size",
             "seq": "max_seq",
+            "head_dim": "head_dim",
+            "qk_norm": "qk_norm",
+            "tied": "tie_embeddings",
         },
         ("layers", "hidden", "heads"),
     ),
@@ -301,6 +430,11 @@ _FAMILIES: dict[str, _Family] = {
             "shared_ffn": "shared_ffn",
             "dense": "dense_layers",
             "dense_ffn": "dense_ffn",
+            "q_lora": "q_lora_rank",
+            "kv_lora": "kv_lora_rank",
+            "nope_dim": "qk_nope_head_dim",
+            "rope_dim": "qk_rope_head_dim",
+            "v_dim": "v_head_dim",
         },
         ("layers", "hidden", "experts", "top_k"),
     ),
@@ -328,6 +462,8 @@ def _spec_defaults(family: str, given: dict[str, int]) -> dict[str, int]:
             # a dense layer as wide as an MoE layer's active experts, as DeepSeek-V3's
             # 18432 = 8 x 2048 routed + 2048 shared
             defaults["dense_ffn"] = given["top_k"] * ffn + given.get("shared_ffn", 0)
+        if "kv_lora" in given:  # multi-head latent attention: DeepSeek-V3's head widths
+            defaults.update(nope_dim=128, rope_dim=64, v_dim=128)
         return defaults
     if family == "vit":
         return {"mlp": 4 * hidden, "image": 224, "patch": 16, "channels": 3, "classes": 1000}
@@ -350,7 +486,10 @@ def parse_spec(spec: str) -> ModelConfig:
     classes), mlp (in, hidden, out, layers), moe (layers, hidden, experts, top_k; heads,
     kv_heads, ffn, vocab, seq, shared_ffn: a shared expert's width, dense: how many of the
     first layers keep a dense FFN, dense_ffn: its width, by default top_k x ffn +
-    shared_ffn). Every value is a positive integer.
+    shared_ffn; kv_lora, q_lora, nope_dim, rope_dim, v_dim: multi-head latent attention's
+    ranks and head widths, DeepSeek-V3's widths by default). Llama also takes head_dim,
+    qk_norm=1 (Qwen3's per-head norms) and tied=1 (one embedding for input and output).
+    Every value is a positive integer.
     """
     family_name, colon, body = spec.partition(":")
     family_name = family_name.strip()
@@ -408,7 +547,7 @@ def format_spec(cfg: ModelConfig) -> str:
     """
     family_name = _family_of(cfg)
     keys = _FAMILIES[family_name].keys
-    return family_name + ":" + ",".join(f"{key}={getattr(cfg, field)}"
+    return family_name + ":" + ",".join(f"{key}={int(getattr(cfg, field))}"
                                         for key, field in keys.items() if getattr(cfg, field))
 
 
@@ -433,16 +572,9 @@ def _example_inputs(
     seed: int,
 ) -> tuple[torch.Tensor, ...]:
     family_name = _family_of(cfg)
-    seq_field = _FAMILIES[family_name].keys.get("seq")
-    if seq_field is None and seq is not None:
-        raise ValueError(f"seq={seq} given, but {family_name} models take no sequence length.")
+    seq_field = _FAMILIES[family_name].keys.get("seq")  # seq checked by `check_seq`
     if seq_field is not None:
-        max_seq = getattr(cfg, seq_field)
-        seq = max_seq if seq is None else seq
-        if not 1 <= seq <= max_seq:
-            raise ValueError(
-                f"seq={seq} is out of range for this {family_name} model: 1 <= seq <= {max_seq}."
-            )
+        seq = getattr(cfg, seq_field) if seq is None else seq
         shape, int_high = (batch, seq), cfg.vocab_size
     elif family_name == "vit":
         shape, int_high = (batch, cfg.channels, cfg.image_size, cfg.image_size), None
@@ -458,6 +590,48 @@ def _example_inputs(
     else:
         x = torch.randn(shape, generator=gen, dtype=dtype)
     return (x.to(device),)
+
+
+def longest_seq(cfg: ModelConfig) -> int | None:
+    """The longest sequence the model takes (None: a model that takes no sequence)."""
+    field = _FAMILIES[_family_of(cfg)].keys.get("seq")
+    return None if field is None else getattr(cfg, field)
+
+
+# what a longer context changes besides its length: the rotary frequencies
+_CONTEXT_FIELDS = ("rope_theta", "rope_scaling")
+
+
+def _same_shapes(a: ModelConfig, b: ModelConfig) -> bool:
+    if type(a) is not type(b):
+        return False
+    field = _FAMILIES[_family_of(a)].keys["seq"]
+    free = {f: getattr(a, f) for f in (field, *_CONTEXT_FIELDS) if hasattr(a, f)}
+    return dataclasses.replace(b, **free) == a
+
+
+def check_seq(name_or_spec: str | ModelConfig, seq: int | None) -> None:
+    """Refuse a sequence length the model does not take, naming its longest and the zoo
+    models of the same shapes that take ``seq``; cheap, so callers check before any work."""
+    cfg = config_of(name_or_spec)
+    longest = longest_seq(cfg)
+    if seq is None:
+        return
+    family = _family_of(cfg)
+    if longest is None:
+        raise ValueError(f"seq={seq} given, but {family} models take no sequence length; "
+                         "leave it out.")
+    if 1 <= seq <= longest:
+        return
+    what = name_or_spec if isinstance(name_or_spec, str) else f"this {family} model"
+    if seq < 1:
+        raise ValueError(f"seq={seq} is out of range for {what}: give 1 <= seq <= {longest}.")
+    longer = [name for name in ZOO_NAMES if _same_shapes(cfg, _ZOO[name])
+              and longest_seq(_ZOO[name]) >= seq]
+    hint = (f", or plan {' or '.join(longer)}, the same shapes at up to "
+            f"{longest_seq(_ZOO[longer[0]])}" if longer else "")
+    raise ValueError(f"seq={seq} is longer than {what} takes ({longest} at most); give "
+                     f"seq <= {longest}{hint}.")
 
 
 def config_of(name_or_spec: str | ModelConfig) -> ModelConfig:
@@ -488,6 +662,7 @@ def build(
     cfg = config_of(name_or_spec)
     if batch < 1:
         raise ValueError(f"batch={batch} must be at least 1.")
+    check_seq(name_or_spec, seq)
     model_cls = _FAMILIES[_family_of(cfg)].model
     device = torch.device(device)
     inputs = _example_inputs(cfg, batch, seq, device, dtype, 0 if seed is None else seed)

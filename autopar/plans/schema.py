@@ -291,6 +291,9 @@ class Plan:
         beat the alternatives (per-kind costs when the planner made it in this process)."""
         from autopar.report.predicted import plan_text
 
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise PlanError(f"explain(top={top!r}): top is how many layer rows to show, a whole "
+                            "number >= 1 (or None for all).")
         if self.detail is not None:
             return plan_text(self.detail, top)
         data = self.to_json()
@@ -320,6 +323,7 @@ class Plan:
         if not isinstance(data, dict) or data.get("version") != 1:
             raise PlanError("a plan file must be a JSON object with \"version\": 1, as written by "
                             "Plan.save or `autopar search -o`.")
+        _check_file_keys(data)
         try:
             tensor = data.get("tensor") or {}
             return cls(mesh=data["mesh"], tp_mode=tensor.get("mode", TP_1D),
@@ -405,6 +409,33 @@ class Plan:
                    zero=ZeroPlan(stage=_int(zero.get("stage", 0), "zero stage"),
                                  offload=bool(zero.get("offload", False))),
                    recompute=recompute, ep=_int(expert.get("size", 1), "expert size"))
+
+
+def _file_keys() -> dict:
+    """The keys a plan file may hold: the top level's (None) and each nested object's,
+    as `Plan.to_json` writes them; `layers` holds a list of such objects."""
+    written = Plan().to_json()
+    nested = {key: set(value) for key, value in written.items() if isinstance(value, dict)
+              and key not in ("mesh", "predicted", "search")}  # free maps
+    nested["layers"] = set(LayerPlan.__dataclass_fields__)
+    nested["world"] = set(World.__dataclass_fields__)
+    return {None: set(written), **nested}
+
+
+def _check_file_keys(data: dict) -> None:
+    """Refuse a key a plan file cannot hold, at the top or nested, as `from_dict` does."""
+    keys = _file_keys()
+    unknown = set(data) - keys[None]
+    if unknown:
+        raise PlanError(f"unknown plan file key(s) {sorted(unknown)}; valid keys are "
+                        f"{sorted(keys[None])}.")
+    for key, allowed in keys.items():
+        value = data.get(key) if key else None
+        items = value if key == "layers" and isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, dict) and set(item) - allowed:
+                raise PlanError(f"unknown key(s) {sorted(set(item) - allowed)} under '{key}'; "
+                                f"valid keys are {sorted(allowed)}.")
 
 
 def _sub(spec: dict, key: str, allowed: set) -> dict:

@@ -24,7 +24,7 @@ from autopar.modes import (
     TP_3D,
     TP_25D,
 )
-from autopar.report.predicted import MEMORY_KINDS, seconds_text, size_text
+from autopar.report.predicted import MEMORY_KINDS, counted, seconds_text, size_text
 
 GiB = 1024 ** 3
 WIDTH = 1160  # px of the page's content: every chart is drawn to it (or to half of it)
@@ -417,12 +417,13 @@ def _gantt_chart(data: dict) -> str:
                      + [("idle (bubble, waiting for a transfer)", "#f1f3f5")])
     idle = timeline.idle
     if pp > 1:
-        caption = (f"{schedule} over {pp} ranks, {m} micro-batches of "
+        caption = (f"{schedule} over {pp} ranks, {counted(m, 'micro-batch', 'micro-batches')} of "
                    f"{pipe['micro_batch_size']}; idle per rank "
                    + ", ".join(f"{100 * x:.0f}%" for x in idle) + ".")
     else:
-        caption = (f"No pipeline: one stage holds every layer and runs its {m} micro-batch"
-                   f"{'es' if m > 1 else ''} one after another, accumulating gradients.")
+        caption = (f"No pipeline: one stage holds every layer and runs its "
+                   f"{counted(m, 'micro-batch', 'micro-batches')} one after another, "
+                   "accumulating gradients.")
     if unit:
         caption += (" The report carries no per-stage costs, so the schedule is drawn with unit"
                     " costs (forward 1, backward 2).")
@@ -638,7 +639,7 @@ def _kinds_table(data: dict) -> str:
 
 
 def _notes(data: dict) -> str:
-    items = [f"ran replicated: {g['op']}: {g['note']}" for g in data.get("replicated_groups", [])]
+    items = [f"runs replicated: {g['op']}: {g['note']}" for g in data.get("replicated_groups", [])]
     items += list(data.get("notes", []))
     items += [f"left out of the search: {n}" for n in data.get("search", {}).get("left_out", [])]
     return ("<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in items) + "</ul>") if items else ""

@@ -13,7 +13,7 @@ import sympy
 import torch
 
 from autopar.cost.precision import runtime
-from autopar.graph.analysis import OpKind
+from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.trace import BATCH, TracedGraph
 from autopar.modes import TP_1D
 from autopar.sharding.solve import Solution
@@ -63,7 +63,7 @@ def layer_reports(traced: TracedGraph, solution: Solution, micro_batch: int) -> 
                     info.module != layer.name else info.kind.value
                 strategies.append(f"{where}: {strategy.name}")
             if strategy.note:
-                notes.append(f"{node.name}: {strategy.note}")
+                notes.append(f"{node_label(node)}: {strategy.note}")
             for c in comm_by_node.get(node.name, []):
                 key = (c.op, c.phase)
                 comm[key] = comm.get(key, 0) + int(sympy.sympify(c.bytes).subs(BATCH, micro_batch))
@@ -116,8 +116,8 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
 
 
 def replicated_groups(solution: Solution) -> list[dict]:
-    """Ops that ran replicated, one entry per (op, reason) with its nodes and layers (one
-    for a model of many identical layers)."""
+    """Ops that run replicated, one entry per (op, reason) with its nodes (named by module,
+    `node_label`) and layers (one entry for a model of many identical layers)."""
     groups: dict[tuple[str, str], dict] = {}
     for node, strategy in solution.strategies.items():
         if not strategy.note:
@@ -126,7 +126,7 @@ def replicated_groups(solution: Solution) -> list[dict]:
             getattr(node.target, "__name__", str(node.target))
         group = groups.setdefault((op, strategy.note), {"op": op, "note": strategy.note,
                                                         "nodes": [], "layers": []})
-        group["nodes"].append(node.name)
+        group["nodes"].append(node_label(node))
         layer = node.meta["autopar"].layer
         if layer not in group["layers"]:
             group["layers"].append(layer)
@@ -137,7 +137,10 @@ def replicated_line(group: dict) -> str:
     nodes, layers = group["nodes"], group["layers"]
     if len(nodes) == 1:
         return f"{nodes[0]}: {group['note']}"
-    names = ", ".join(nodes) if len(nodes) == 2 else f"{nodes[0]} ... {nodes[-1]}"
+    names = list(dict.fromkeys(nodes))  # a module may run the op more than once
+    if len(names) == 1:
+        return f"{names[0]}, {len(nodes)} ops: {group['note']}"
+    names = ", ".join(names) if len(names) == 2 else f"{names[0]} ... {names[-1]}"
     where = f"in {layers[0]}" if len(layers) == 1 else f"in {len(layers)} layers"
     return f"{names} ({len(nodes)} ops {where}): {group['note']}"
 
@@ -167,7 +170,7 @@ def as_text(data: dict, top: int | None = None) -> str:
         lines.append(f"  ... {len(data['layers']) - top} more layers")
     if data["replicated_groups"]:
         lines.append("")
-        lines.append("  ran replicated:")
+        lines.append("  runs replicated:")
         lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
     return "\n".join(lines)
 

@@ -117,6 +117,40 @@ def measured_report(engine, world: World | None = None) -> dict:
     }
 
 
+def step_prediction(engine, world: World | None = None) -> dict:
+    """What the plan says one step of `engine` takes, as it runs: step seconds (None where
+    the cost model cannot price it), memory per device (a searched plan's), model FLOPs per
+    step (forward + backward at twice the forward, no recomputation) and the peak FLOP/s of
+    one device at the engine's precision, which a measured MFU divides by."""
+    if engine.train_graph is None:
+        raise PlanError("the training graph is traced at the first train_step; call it first.")
+    runner = engine.pipeline
+    m = runner.microbatches if runner is not None else 1
+    world = _world_of(engine, world)
+    pred = _priced(engine, world, engine.global_batch, m)
+    traced = engine.train_graph
+    chain = chain_of(traced, tokens_per_sample(traced) or 1, (engine.plan.mesh[TP],))
+    fwd = sum(lt.forward_flops(1) for lt in chain.layers())
+    dtype = engine.precision if engine.precision in world.profile.peak_flops else "fp32"
+    return {"device": world.device, "step_time_s": pred.get("step_time_s"),
+            "memory_per_device_bytes": engine.plan.predicted.get("memory_per_device_bytes"),
+            "model_flops_per_step": int(3 * fwd * engine.global_batch),
+            "peak_flops": world.profile.flops(dtype), "peak_dtype": dtype}
+
+
+def _world_of(engine, world: World | None) -> World:
+    """`world`, else the plan's, else this machine's at the plan's size."""
+    if world is not None:
+        return world
+    plan = engine.plan
+    if isinstance(plan.world, World):
+        return plan.world
+    size = plan.world_size
+    return World(devices=size, per_node=min(size, int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                      size))),
+                 device=local_device())
+
+
 def _experts(engine, pred: dict | None, exact: dict, steps: int) -> list[dict]:
     """Per MoE layer split over ep that ran on this rank: the planner's tokens per expert
     (balanced routing; its busiest rank's at the routing imbalance the planner prices)
@@ -173,11 +207,7 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
     """The cost model's per-layer time and memory, per-axis time and step for the engine's
     plan as it runs: its layers' states and stages (`autopar.cost.step`)."""
     plan = engine.plan
-    size = plan.world_size
-    if world is None:
-        world = plan.world if isinstance(plan.world, World) else World(
-            devices=size, per_node=min(size, int(os.environ.get("LOCAL_WORLD_SIZE", size))),
-            device=local_device())
+    world = _world_of(engine, world)
     mesh, pipe, zero = plan.mesh, plan.pipeline, plan.zero
     tp = mesh[TP]
     traced = engine.train_graph

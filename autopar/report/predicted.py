@@ -327,6 +327,11 @@ def _effect_lines(effects: list[dict]) -> list[str]:
         for e in effects]
 
 
+def counted(n: int, one: str, many: str) -> str:
+    """`n` and the noun in agreement: "1 micro-batch", "8 micro-batches"."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def plan_text(data: dict, top: int | None = None) -> str:
     """The report as text a person reads top to bottom."""
     world, mesh, pred, search = data["world"], data["mesh"], data["predicted"], data["search"]
@@ -344,7 +349,8 @@ def plan_text(data: dict, top: int | None = None) -> str:
            "tokens)" if seq["mode"] else ""),
         f"  pipeline    {pipe['schedule'] if mesh['pp'] > 1 else 'none'}"
         + (f" x{pipe['chunks']} chunks" if pipe["chunks"] > 1 else "")
-        + f", {pipe['microbatches']} micro-batches of {pipe['micro_batch_size']}",
+        + f", {counted(pipe['microbatches'], 'micro-batch', 'micro-batches')} of "
+          f"{pipe['micro_batch_size']}",
         f"  ZeRO        stage {zero['stage']}" + (" with optimizer offload" if zero["offload"]
                                                    else ""),
         f"  recompute   {data['recompute']}",
@@ -405,7 +411,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
     if data.get("replicated_groups"):
         from autopar.report.layers import replicated_line
 
-        lines += ["", "  ran replicated:"]
+        lines += ["", "  runs replicated:"]
         lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
     if data.get("notes"):
         lines.append("")

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import sympy
+import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
 from autopar.modes import DP, EDP, EP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
+from autopar.runtime.metrics import FIELDS as METRIC_FIELDS
 
 
 def predicted_comm(engine, global_batch: int) -> dict[tuple[str, str], int]:
@@ -130,4 +132,13 @@ def _world(engine) -> dict[tuple[str, str], int]:
         world += 2 * len(optimizer.param_groups) * 8 * len(engine.params.norm_index)
     if engine.scaler is not None:  # fp16: the overflow flag
         world += 4
-    return {("all_reduce", "world"): world} if world else {}
+    out = {}
+    if engine.metrics is not None:  # runtime.metrics: the norm (when not clipping), the
+        # ranks' figures gathered
+        if engine.max_grad_norm is None:
+            world += 8
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        out[("all_gather", "world")] = METRIC_FIELDS * 8 * ranks
+    if world:
+        out[("all_reduce", "world")] = world
+    return out

@@ -122,7 +122,7 @@ def check_same_batch(tensors, step: int) -> None:
                          f"{'s' if len(odd) > 1 else ''} {ranks} than on rank 0, but it takes "
                          "the global batch, the same on every rank (autopar gives each "
                          "data-parallel rank its slice): feed every rank the same batches, e.g. "
-                         "a loader seeded alike everywhere (README, 'Feeding data'), instead of "
+                         "a loader seeded alike everywhere (docs/parallelize.md, 'Feeding data'), instead of "
                          "a DistributedSampler.")
 
 

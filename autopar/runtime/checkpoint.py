@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -429,6 +430,16 @@ def resolve(path) -> str:
     return os.path.join(path, published[-1])
 
 
+def latest(root) -> str | None:
+    """The checkpoint a job resuming from directory `root` starts from, or None when it
+    holds none (a fresh start); only complete, published checkpoints count."""
+    root = os.fspath(root)
+    if not os.path.isdir(root) or not (os.path.isfile(os.path.join(root, LATEST))
+                                       or _published(root)):
+        return None
+    return resolve(root)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -502,22 +513,86 @@ def _rank() -> int:
     return 0 if _single() else dist.get_rank()
 
 
-def _agree(error: str | None) -> None:
+def _agree(error: str | None, group=None) -> None:
     """Rank 0's outcome on every rank (a barrier that also carries rank 0's error)."""
     box = [error]
     if _distributed():
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     if box[0] is not None:
         raise CheckpointError(f"rank 0 could not prepare or publish the checkpoint ({box[0]}); "
                               "the last complete one, which `latest` names, is untouched.")
 
 
 # ---------------------------------------------------------------------- save / load
-def save(engine, path, keep: int = 2) -> str:
+class AsyncSave:
+    """A checkpoint being written in the background from host copies of the state (staged
+    when `save(..., asynchronous=True)` returned); `wait()` joins it and returns the
+    published directory, or raises what stopped it (`latest` then still names the last
+    complete checkpoint)."""
+
+    def __init__(self, write, step: int):
+        self.step = step
+        self.staged_s = 0.0  # how long the staging took (what the step waited for)
+        self._result: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(write,), daemon=True,
+                                        name=f"autopar-checkpoint-{step}")
+        self._thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            self._result = write()
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _staged(state: dict) -> dict:
+    """Host copies of every box (pinned on a GPU's host, so the copies run at DMA speed):
+    the step may change the live tensors while the copies are written."""
+    out = {}
+    for fqn, region in state.items():
+        boxes = []
+        for offsets, view in region.boxes:
+            host = torch.empty(view.shape, dtype=view.dtype, device="cpu",
+                               pin_memory=view.device.type == "cuda")
+            host.copy_(view, non_blocking=view.device.type == "cuda")
+            boxes.append((offsets, host))
+        out[fqn] = _Region(region.shape, boxes)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def checkpoint_group(engine):
+    """The process group a background save's collectives run in (its own, made once per
+    engine with gloo: the training's collectives go on meanwhile in theirs). None on one
+    process."""
+    if not _distributed():
+        return None
+    if engine.checkpoint_group is None:  # every rank is here: saves are collective
+        engine.checkpoint_group = dist.new_group(backend="gloo")
+    return engine.checkpoint_group
+
+
+def save(engine, path, keep: int = 2, asynchronous: bool = False) -> str | AsyncSave:
     """Write a checkpoint of `engine` under the directory `path` (made if missing) and
-    return the published checkpoint's directory; a collective: every rank calls it."""
+    return the published checkpoint's directory; a collective: every rank calls it.
+
+    `asynchronous`: return once the state is staged in host memory, and write it in a
+    background thread (an AsyncSave; `engine.wait_for_checkpoint()` joins it). At most one
+    is in flight: a save first joins the one before it."""
     if keep < 1:
         raise PlanError(f"keep must be at least 1 checkpoint, not {keep}.")
+    engine.wait_for_checkpoint()  # never two in flight; its leftovers are its own
     root = os.path.abspath(os.fspath(path))
     engine.fetch_pipeline_weights()  # a pipeline rank fetches the weights it released
     step = int(engine.steps)
@@ -534,16 +609,32 @@ def save(engine, path, keep: int = 2) -> str:
             error = str(e)
     _agree(error)
     state = _save_state(engine)
+    if not asynchronous:
+        return _write(state, tmp, root, step, _metadata(engine, state), keep)
+    started = time.perf_counter()
+    group = checkpoint_group(engine)
+    staged, meta = _staged(state), _metadata(engine, state)
+    handle = AsyncSave(lambda: _write(staged, tmp, root, step, meta, keep, group), step)
+    handle.staged_s = time.perf_counter() - started
+    engine.pending_checkpoint = handle
+    return handle
+
+
+def _write(state: dict, tmp: str, root: str, step: int, meta: dict, keep: int,
+           group=None) -> str:
+    """Every rank writes its boxes into `tmp`; rank 0 publishes it (collectives in `group`,
+    the default group when None)."""
     _dcp(dcp.save, state, f"writing the checkpoint of step {step} into {tmp}",
          tail="; `latest` still names the last complete checkpoint",
-         storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_SavePlanner())
-    published = None
+         storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_SavePlanner(),
+         process_group=group)
+    published, error = None, None
     if _rank() == 0:
         try:
-            published = _publish(root, tmp, step, _metadata(engine, state), keep)
+            published = _publish(root, tmp, step, meta, keep)
         except OSError as e:
             error = str(e)
-    _agree(error)
+    _agree(error, group)
     return published or resolve(root)
 
 

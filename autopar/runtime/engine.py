@@ -5,6 +5,7 @@ gradients, stages, batches, accounting, measure, zero, pipeline, checkpoint)."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.measure import Recorder, instrument
+from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.scaler import LossScaler
 from autopar.runtime.stages import PipelineWeights, build_pipeline, layers_here, pipeline_step
@@ -65,6 +67,13 @@ class Engine(nn.Module):
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
         self.comm_log.recorder = self.recorder
         self.after_backward: list = []
+        self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
+        self.checkpoint_dir: str | None = None  # saved every `checkpoint_every` steps
+        self.checkpoint_every = 0
+        self.checkpoint_async = True
+        self.checkpoint_keep = 2
+        self.pending_checkpoint = None  # a runtime.checkpoint.AsyncSave being written
+        self.checkpoint_group = None  # background saves' own process group, made once
         self.steps = 0
         self.model_card = ModelCard(model)  # what export needs once the model is released
         self._tp, self._dp = groups[TP], groups[DP]
@@ -261,6 +270,7 @@ class Engine(nn.Module):
 
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on a global batch; the loss equals the single-device loss."""
+        started, mark = time.perf_counter(), len(self.comm_log.records)
         inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
         self.recorder.begin_step(self.comm_log)
         for layer in self.expert_layers():
@@ -277,13 +287,25 @@ class Engine(nn.Module):
         for hook in self.after_backward:
             hook()
         self.grads.average()
-        self.last_grad_norm = self.grads.step(self.optimizer, self.scaler, self.max_grad_norm)
+        self.last_grad_norm = self.grads.step(
+            self.optimizer, self.scaler, self.max_grad_norm,
+            norm_phase=METRICS_PHASE if self.metrics is not None else None)
         self.steps += 1
         value = loss.detach().float().reshape(1)
         if self._dp.size > 1:
             value = self._dp.all_reduce(value, "step") / self._dp.size
         self.recorder.finish_step(self.comm_log)
-        return float(value)
+        value = float(value)  # (waits for the step's kernels on a GPU)
+        if self.checkpoint_dir is not None and self.steps % self.checkpoint_every == 0:
+            self.save(self.checkpoint_dir, keep=self.checkpoint_keep,
+                      asynchronous=self.checkpoint_async)
+        if self.metrics is not None:
+            sent: dict[str, int] = {}
+            for r in self.comm_log.records[mark:]:
+                sent[r.axis] = sent.get(r.axis, 0) + r.bytes
+            self.metrics.record(self, self.steps, value, time.perf_counter() - started,
+                                inputs, sent, self.last_grad_norm)
+        return value
 
     def _forward_backward(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
         """The step's loss, with its gradients in .grad (a pipeline's through its schedule)."""
@@ -373,6 +395,18 @@ class Engine(nn.Module):
         sends outside the graph (gradient sync, ZeRO, norms) is under layer "(step)"."""
         return accounting.predicted_comm_by_layer(self, global_batch)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes (its GPU under NCCL, else where the model was)."""
+        return self._device
+
+    def step_prediction(self, world=None) -> dict:
+        """The plan's step time, memory per device and model FLOPs per step as this engine
+        runs it, and the peak rate its MFU divides by (after the first train_step)."""
+        from autopar.report.measured import step_prediction
+
+        return step_prediction(self, world)
+
     @staticmethod
     def global_rank() -> int:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -412,12 +446,19 @@ class Engine(nn.Module):
         (runtime.startup.export); every rank calls it, a failure keeps an earlier export."""
         return export(self, directory, max_shard_bytes)
 
-    def save(self, path, keep: int = 2) -> str:
+    def save(self, path, keep: int = 2, asynchronous: bool = False):
         """Checkpoint under the directory `path` (any plan and world loads it; the newest
-        `keep` are kept); every rank calls it. Returns the checkpoint's directory."""
+        `keep` are kept); every rank calls it. Returns the checkpoint's directory, or with
+        `asynchronous` an AsyncSave once the state is staged in host memory (the files are
+        written in the background; `wait_for_checkpoint()` joins it)."""
         from autopar.runtime.checkpoint import save
 
-        return save(self, path, keep=keep)
+        return save(self, path, keep=keep, asynchronous=asynchronous)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Join the background save in flight, if any: its directory, or its error."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        return pending.wait() if pending is not None else None
 
     def load(self, path) -> str:
         """Restore a checkpoint `save` wrote under any plan or world (its directory, or one of

@@ -106,13 +106,18 @@ class Gradients:
         for piece in getattr(self.zero, "shards", ()):
             piece.grad = None
 
-    def step(self, optimizer, scaler, max_norm: float | None) -> float | None:
+    def step(self, optimizer, scaler, max_norm: float | None,
+             norm_phase: str | None = None) -> float | None:
         """Clip and step, unless fp16 overflowed on some rank (then every rank skips);
-        returns the global norm when clipping (inf for a skipped step)."""
+        returns the global norm when clipping, or when `norm_phase` asks for it without
+        clipping (its all-reduce logged in that phase), inf for a skipped step."""
         if self.overflowed(scaler):
             self.drop(optimizer)
-            return float("inf") if max_norm is not None else None
-        norm = self.clip(max_norm) if max_norm is not None else None
+            return float("inf") if max_norm is not None or norm_phase else None
+        if max_norm is not None:
+            norm = self.clip(max_norm)
+        else:
+            norm = self.global_norm(norm_phase) if norm_phase else None
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -127,9 +132,9 @@ class Gradients:
             optimizer.whole_norms = self.whole_norms
         return optimizer
 
-    def sum_over_world(self, vec: torch.Tensor) -> torch.Tensor:
+    def sum_over_world(self, vec: torch.Tensor, phase: str = "step") -> torch.Tensor:
         """Sum `vec` over every rank in place (logged as an all-reduce on axis 'world')."""
-        self.log.add("all_reduce", "world", vec.numel() * vec.element_size(), "step")
+        self.log.add("all_reduce", "world", vec.numel() * vec.element_size(), phase)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vec)
         return vec
@@ -149,14 +154,21 @@ class Gradients:
         gradient), so that the sum over the world counts each value once."""
         return t.detach().double().pow(2).sum() / self.copies(param)
 
+    def global_norm(self, phase: str = "step") -> float:
+        """The norm of every gradient over every shard, each value counted once (summed on
+        the gradients' device: NCCL reduces only GPU tensors)."""
+        held = self.held()
+        device = held[0][0].device if held else torch.device("cpu")
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for grad, param in held:
+            total += self.squares_once(grad, param)
+        return float(self.sum_over_world(total, phase).sqrt())
+
     def clip(self, max_norm: float) -> float:
         """Scale every gradient by max_norm / (global norm + 1e-6) when below 1, as
         torch.nn.utils.clip_grad_norm_ does on one device; returns the global norm."""
         grads = self.held()
-        total = torch.zeros(1, dtype=torch.float64)
-        for grad, param in grads:
-            total += self.squares_once(grad, param)
-        norm = float(self.sum_over_world(total).sqrt())
+        norm = self.global_norm()
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for grad, _ in grads:

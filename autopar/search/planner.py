@@ -7,6 +7,7 @@ runs, restricted to the modes the runtime executes.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -54,8 +55,10 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
     an MoE model's dense first layers and its MoE layers)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    _check_repeat(repeat)
     traced = trace(model, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target,
                    train=True)
+    _check_repeat(repeat, [layer.name for layer in traced.layers])
     if isinstance(layers, dict):
         names = {layer.name for layer in traced.layers}
         missing = sorted(set(layers) - names)
@@ -71,6 +74,31 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
         tokens_per_sample = int(x.shape[1]) if x.dim() > 1 and not x.dtype.is_floating_point \
             else 1
     return chain_of(traced, tokens_per_sample, tp_sizes, repeat)
+
+
+def _check_repeat(repeat, layer_names: list[str] | None = None) -> None:
+    """`repeat` maps layers of the model to the whole number of copies each stands for:
+    its form before tracing, its names (given `layer_names`) after."""
+    if repeat is None:
+        return
+    if not isinstance(repeat, dict):
+        raise PlanError(f"repeat must map layer names to copies, such as {{'blocks.1': 96}}, "
+                        f"not a {type(repeat).__name__}.")
+    for name, count in repeat.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise PlanError(f"repeat[{name!r}] is {count!r}; give the whole number of copies "
+                            "(>= 1) that layer stands for.")
+        if layer_names is not None and name not in layer_names:
+            close = difflib.get_close_matches(str(name), layer_names, n=1)
+            hint = f"closest '{close[0]}'; " if close else ""
+            raise PlanError(f"repeat names {name!r}, which is not a layer of the model; name "
+                            f"one of its layers ({hint}all: {', '.join(layer_names)}).")
+
+
+def _check_top(top) -> None:
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise PlanError(f"top={top!r} must be a whole number >= 1: how many of the best plans "
+                        "the search keeps.")
 
 
 def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: int,
@@ -121,6 +149,7 @@ def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
 def search(chain: LayerChain, world: World, *, global_batch: int, constraints=None,
            dtype: str = "bf16", attention_kernel: str = "flash", executable: bool = False,
            top: int = 5, progress=None) -> SearchResult:
+    _check_top(top)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
                       executable=RUNTIME if executable else None, top=top)
     if not executable:
@@ -245,7 +274,10 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
          repeat: dict[str, int] | None = None, progress=None, seq: int | None = None) -> Plan:
     """The fastest plan for `model` (a module, or a transformers config path with
     example_inputs None and `seq` tokens) on `world` (devices, or a World) that fits memory;
-    `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today."""
+    `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today;
+    `repeat` {layer: copies} counts a traced layer as that many; `top` best plans are kept."""
+    _check_top(top)
+    _check_repeat(repeat)
     world = world if isinstance(world, World) else World(devices=world)
     layers = None
     if isinstance(model, (str, os.PathLike)):
@@ -344,19 +376,20 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                                       micro_batch_size=best.micro_batch),
                 zero=ZeroPlan(stage=best.zero, offload=best.offload),
                 recompute=main.recompute, world=world, predicted=predicted, search=search_info,
-                notes=_notes(chain), ep=best.ep)
+                notes=_notes(chain, mesh["tp"]), ep=best.ep)
     return plan
 
 
-def _notes(chain: LayerChain) -> list[str]:
-    notes = list(getattr(chain, "refused", []))
+def _notes(chain: LayerChain, tp: int) -> list[str]:
+    """Notes on what the chosen plan does at its tensor size `tp`: a 1D split that size
+    refuses, ops that run whole; the sizes it did not choose are left out."""
+    notes = [note for note in getattr(chain, "refused", []) if note.startswith(f"tp={tp}:")]
     for lt in chain.types:
-        for size, sh in sorted(lt.sharded.items()):
-            if size > 1 and sh.replicated_ops:
-                notes.append(f"{lt.name} at tp={size}: " + "; ".join(sh.replicated_ops[:3])
-                             + (f" (+{len(sh.replicated_ops) - 3} more)"
-                                if len(sh.replicated_ops) > 3 else ""))
-                break
+        sh = lt.sharded.get(tp)
+        if tp > 1 and sh is not None and sh.replicated_ops:
+            notes.append(f"{lt.name} at tp={tp}: " + "; ".join(sh.replicated_ops[:3])
+                         + (f" (+{len(sh.replicated_ops) - 3} more)"
+                            if len(sh.replicated_ops) > 3 else ""))
     return notes
 
 

@@ -704,15 +704,19 @@ class _Prepared:
     def fit(self, chosen, idx, budget) -> None:
         """Fit one device's layers in ``budget`` activation bytes at the least extra time:
         layers of one kind keep one layout and choose their recompute (`_counts`)."""
+        mems = self.mem_lists
+        spare = budget - sum(mems[i][chosen[i]] for i in idx)
+        if spare >= 0:
+            return
         groups: dict = {}
         for i in idx:
             groups.setdefault(self.order[i], []).append(i)
-        mems = self.mem_lists
-        spare = budget - sum(mems[i][chosen[i]] for i in idx)
         # shrink the biggest groups first: each gets the share of the deficit it can cover
         for t, members in sorted(groups.items(), key=lambda g: -len(g[1])):
+            if spare >= 0:
+                break
             states = self.per_type[t][0]
-            if len(states) <= 1 or spare >= 0:
+            if len(states) <= 1:
                 continue
             layout = states[chosen[members[0]]].layout
             used = sum(mems[i][chosen[i]] for i in members)

@@ -71,7 +71,7 @@ def _rule_strategy(ctx: RuleContext) -> Strategy:
     if rule is None and ctx.info.from_sizes:  # whole on every rank is what it is: no note
         return replicate(ctx)
     if rule is None:
-        return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; ran replicated")
+        return replicate(ctx, note=f"no catalog entry for {ctx.node.target}; runs replicated")
     if kind in MODE_RULES:
         base = ctx.on_axis(ctx.axis)
         strategy = _normalized(rule(base), ctx.axis) if ctx.size > 1 else replicate(base)

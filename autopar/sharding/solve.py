@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.graph.analysis import OpKind
+from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.ir import TracedGraph
 from autopar.modes import CONTIGUOUS, CP, TP_1D
 from autopar.sharding.axes import TensorMesh
@@ -80,7 +80,7 @@ class Solution:
         return out
 
     def notes(self) -> list[str]:
-        return [f"{n.name}: {s.note}" for n, s in self.strategies.items() if s.note]
+        return [f"{node_label(n)}: {s.note}" for n, s in self.strategies.items() if s.note]
 
 
 def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.graph.analysis import OpKind
+from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.masks import is_causal_mask, too_large
 from autopar.modes import CP, RING, ULYSSES
 from autopar.sharding.layout import Layout, divisible
@@ -87,12 +87,12 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
             ctx.shape(q)[2] == ctx.shape(k)[2] and is_causal_mask(mask):
         causal, mask = True, None  # a causal mask built from positions (transformers' models)
     if isinstance(mask, fx.Node) and too_large(mask):
-        return replicate(ctx, note=f"the attention mask of {node.name} is too large to check "
-                                   "for causality; ran with the sequence gathered (pass "
+        return replicate(ctx, note=f"the attention mask of {node_label(node)} is too large to "
+                                   "check for causality; runs with the sequence gathered (pass "
                                    "is_causal=True instead of a causal mask)")
     if isinstance(mask, fx.Node) or dropout_p:
         return replicate(ctx, note="sequence-parallel attention takes no mask or dropout; "
-                                   "ran with the sequence gathered")
+                                   "runs with the sequence gathered")
     c = ctx.size
     shapes = [ctx.shape(n) for n in (q, k, v)]
     if not all(divisible(sh[2], c) for sh in shapes):

@@ -135,7 +135,7 @@ def concat(ctx: RuleContext) -> Strategy:
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % ndim
     if any(len(ctx.shape(p)) != ndim for p in pieces):
         return replicate(ctx, note="joins tensors with different numbers of dimensions; "
-                                   "ran replicated")
+                                   "runs replicated")
     layouts = [ctx.layout(p) for p in pieces]
     if any(lay.partial for lay in layouts):
         return replicate(ctx)
