@@ -212,6 +212,8 @@ def constraints_of(args) -> dict:
             out["schedule"] = fixed.pipeline.schedule
         if fixed.pipeline.micro_batch_size:
             out["micro_batch_size"] = fixed.pipeline.micro_batch_size
+        if fixed.pipeline.microbatches > 1:  # (with pp 1: gradient accumulation)
+            out["microbatches"] = fixed.pipeline.microbatches
     return out
 
 
@@ -373,7 +375,9 @@ def add_plan_arguments(p) -> None:
                    help="offload optimizer states to the host (--no-offload: never); default: "
                         "the search decides")
     p.add_argument("--recompute", choices=RECOMPUTE)
-    p.add_argument("--microbatches", type=int)
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per data-parallel replica per step: the pipeline's, or "
+                        "with --pp 1 gradient accumulation (one gradient sync per step)")
     p.add_argument("--schedule", choices=SCHEDULES)
     p.add_argument("--attention", choices=("flash", "flash1", "unfused"), default="flash",
                    help="attention kernel to price: FlashAttention-2, FlashAttention v1, or "

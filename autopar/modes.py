@@ -113,9 +113,6 @@ RUNTIME = Capabilities(
     cp_with_megatron_sp=False,  # ... without Megatron-SP
     recompute=("none",),
     offload_zero3_single_rank=False,
-    # without a pipeline a replica's batch runs in one pass: micro-batches (and ZeRO-2/3's
-    # per-micro-batch collectives) come with pp > 1 only
-    accumulation=False,
     expert_cp_extras=False,  # ep beside cp runs with dp and cp alone
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,

@@ -39,6 +39,8 @@ def describe(plan: autopar.Plan) -> str:
     if plan.mesh["pp"] > 1:
         parts.append(f"pipeline {plan.pipeline.schedule} x {plan.pipeline.microbatches} "
                      "micro-batches")
+    if plan.mesh["pp"] == 1 and plan.pipeline.microbatches > 1:
+        parts.append(f"gradient accumulation over {plan.pipeline.microbatches} micro-batches")
     if plan.zero.stage:
         parts.append(f"ZeRO-{plan.zero.stage}" + (" with offload" if plan.zero.offload else ""))
     return ", ".join(parts)

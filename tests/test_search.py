@@ -329,21 +329,20 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
     assert plan.search["left_out"] == res.left_out
 
 
-def test_executable_search_runs_a_replica_batch_in_one_pass_without_a_pipeline(small):
-    """Without a pipeline the runtime runs each replica's batch in one pass (no gradient
-    accumulation), so the executable search prices exactly that; pipelines keep their
-    micro-batches."""
+def test_executable_search_offers_gradient_accumulation_without_a_pipeline(small):
+    """The runtime accumulates gradients over micro-batches without a pipeline, so the
+    executable search prices pp 1 with micro-batches too, as the free search does, and
+    leaves nothing about accumulation out."""
     world = World(8, per_node=4)
     cands = planner.executable_candidates(small, world, global_batch=16)
     flat = [c for c in cands if c.mesh["pp"] == 1]
-    assert flat and all(c.microbatches == 1 for c in flat)
-    assert all(c.micro_batch == 16 // c.mesh["dp"] for c in flat)
-    assert any(c.microbatches > 1 for c in cands if c.mesh["pp"] > 1)
+    assert any(c.microbatches > 1 for c in flat)
+    assert all(c.micro_batch * c.microbatches == 16 // c.mesh["dp"] for c in flat)
     res = planner.search(small, world, global_batch=16, executable=True)
-    assert any("gradient accumulation" in n for n in res.left_out)
-    with pytest.raises(PlanError, match="micro-batch"):  # asked for, at pp 1: nothing runs it
-        planner.search(small, world, global_batch=16, executable=True,
-                       constraints={"pp": 1, "microbatches": 2})
+    assert not any("gradient accumulation" in n for n in res.left_out)
+    fixed = planner.search(small, world, global_batch=16, executable=True,
+                           constraints={"pp": 1, "microbatches": 2})
+    assert fixed.best.mesh["pp"] == 1 and fixed.best.microbatches == 2
 
 
 def test_executable_candidates_are_the_whole_executable_space(small, tmp_path):

@@ -40,7 +40,8 @@ from autopar.world import World
 
 __all__ = ["LayerPlan", "PipelinePlan", "Plan", "ZeroPlan", "cp_layout"]
 REPLICATE = "replicate"  # a layer's tensor mode when it runs whole on every rank
-_TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data", "expert"}
+_TOP_KEYS = {"pipeline", "tensor", "sequence", "zero", "recompute", "data", "expert",
+             "microbatches"}
 
 
 @dataclass
@@ -252,6 +253,10 @@ class Plan:
                 not runtime.offload_zero3_single_rank:
             out.append("ZeRO-3 offload over one data-parallel rank (no parameter to cut; "
                        "use zero=dict(stage=1, offload=True) to offload the optimizer)")
+        if self.mesh[PP] == 1 and self.pipeline.microbatches > 1 and not runtime.accumulation:
+            out.append(f"gradient accumulation over {self.pipeline.microbatches} micro-batches "
+                       "without a pipeline (use microbatches=1, or a pipeline of 2 or more "
+                       "stages)")
         out += self._unsupported_expert(runtime)
         if any(r not in runtime.recompute for r in [self.recompute] +
                [lp.recompute for lp in self.layers]):
@@ -377,6 +382,13 @@ class Plan:
         if "data" in spec and _int(spec["data"], "data size") != dp:
             raise PlanError(f"data size {spec['data']} does not match world {world_size} / "
                             f"(pipeline x tensor x sequence = {model_parallel}) = {dp}.")
+        microbatches = _int(pipeline.get("microbatches", 1), "microbatches")
+        if "microbatches" in spec:  # each replica's batch in micro-batches, with or without
+            top = _int(spec["microbatches"], "microbatches")  # a pipeline
+            if "microbatches" in pipeline and top != microbatches:
+                raise PlanError(f"microbatches={top} and pipeline microbatches={microbatches} "
+                                "disagree; give the number of micro-batches once.")
+            microbatches = top
         recompute = spec.get("recompute", NO_RECOMPUTE)
         layers = tensor.get("layers", {})
         if not isinstance(layers, dict):
@@ -392,8 +404,7 @@ class Plan:
                    sequence_mode=sequence.get("mode") if cp > 1 or "mode" in sequence else None,
                    sequence_layout=sequence.get("layout"),
                    pipeline=PipelinePlan(schedule=pipeline.get("schedule", ONE_F_ONE_B),
-                                         microbatches=_int(pipeline.get("microbatches", 1),
-                                                           "microbatches"),
+                                         microbatches=microbatches,
                                          chunks=_int(pipeline.get("chunks", 1), "chunks")),
                    zero=ZeroPlan(stage=_int(zero.get("stage", 0), "zero stage"),
                                  offload=bool(zero.get("offload", False))),

@@ -52,7 +52,7 @@ def measured_report(engine, world: World | None = None) -> dict:
                         "warm-up, not counted).")
     steps = rec.steps
     runner = engine.pipeline
-    m = runner.microbatches if runner is not None else 1
+    m = engine.microbatches  # a pipeline's, or gradient accumulation's
     global_batch = engine.global_batch
     mine = engine.pipeline_layers() if runner is not None else None
     names = [layer.name for layer in engine.train_graph.layers]

@@ -32,8 +32,9 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
     pipeline = engine.pipeline
     local = global_batch // engine.groups[DP].size
     mine = engine.pipeline_layers() if pipeline is not None else None
-    # a pipeline runs every collective once per micro-batch, at the micro-batch's size
-    runs = pipeline.microbatches if pipeline is not None else 1
+    # a pipeline, or gradient accumulation without one, runs every collective of the graph
+    # once per micro-batch, at the micro-batch's size
+    runs = engine.microbatches
     layer_of = {n.name: n.meta["autopar"].layer for n in engine.train_graph.graph.nodes}
     by_layer: dict[tuple[str, str, str], int] = {}
     # under bf16/fp16 the model part's collectives move 16-bit values

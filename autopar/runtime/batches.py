@@ -183,3 +183,20 @@ class Batches:
     def tokens(self, tensors: tuple, graph) -> tuple:
         """This cp rank's tokens of each [batch, tokens, ...] tensor."""
         return cut_tokens(tensors, graph, self.cp, self.cp_layout)
+
+
+def micro_batches(tensors: tuple, m: int, split: int, dp_size: int) -> list[tuple]:
+    """A replica's batch tensors cut into `m` equal micro-batches on dimension 0 (gradient
+    accumulation without a pipeline); each must still split over the grid's batch split."""
+    if m == 1:
+        return [tuple(tensors)]
+    n = tensors[0].shape[0]
+    if n % m or (n // m) % split:
+        unit = m * split
+        raise PlanError(f"the batch of {n} sample(s) per data-parallel replica (global batch "
+                        f"{n * dp_size} over {dp_size}) does not split into {m} micro-batches"
+                        + (f" of a multiple of the {split}-way batch split" if split > 1 else "")
+                        + f"; use a global batch that is a multiple of {unit * dp_size}, or "
+                        "another number of micro-batches.")
+    size = n // m
+    return [tuple(t[i * size:(i + 1) * size] for t in tensors) for i in range(m)]

@@ -19,7 +19,12 @@ from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
 from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
-from autopar.passes.experts import check_balance_loss, expert_weights, place_expert_layers
+from autopar.passes.experts import (
+    check_balance_loss,
+    expert_weights,
+    place_expert_layers,
+    with_balance_loss,
+)
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -188,6 +193,7 @@ class Engine(nn.Module):
         with opaque_moe(self._model, self.moe_layers):
             self.train_graph = trace(self._model, _blank(inputs, at), loss_fn=self.loss_fn,
                                      example_target=_blank((target,), at)[0], train=True)
+        _check_accumulation(self.microbatches, self._pp.size, self.train_graph.gm)
         fixed = {t: self.params.layout_for(p) for t, p in self.forward_graph.params.items()
                  if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
@@ -286,6 +292,9 @@ class Engine(nn.Module):
         *local_inputs, local_target = self.batches.tokens(
             tuple(local_inputs) + (local_target,), self.train_graph)
         self.train_gm.train()
+        self.recorder.constant = frozenset(  # what explain() does not count as activations
+            t.untyped_storage().data_ptr() for t in (*self.params.parameters(),
+                                                     *self.train_gm.buffers()))
         loss = self._forward_backward(tuple(local_inputs), local_target)
         for hook in self.after_backward:
             hook()
@@ -315,17 +324,15 @@ class Engine(nn.Module):
         if self.pipeline is not None:
             return pipeline_step(self.pipeline, self._weights, self.zero, inputs, target,
                                  self.loss_scale)
-        zero3 = self.zero is not None and self.zero.stage == 3
-        # (ZeRO-3: saved parameters are gathered again in the backward)
-        with self.recorder.saving(), self.zero.saving() if zero3 else contextlib.nullcontext():
-            loss = self.train_gm(*inputs, target)
-        if self.grads.buckets is not None:  # the all-reduce overlaps the backward
-            self.grads.buckets.armed = True
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
-        self.recorder.backward_done()
-        if zero3:
-            self.zero.end_backward()
-        return loss
+        return _accumulate(self, inputs, target)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches each replica's batch runs in per step: the pipeline's schedule's,
+        or without a pipeline the plan's gradient accumulation (1: the batch in one pass)."""
+        if self.pipeline is not None:
+            return self.pipeline.microbatches
+        return self.plan.pipeline.microbatches if self._pp.size == 1 else 1
 
     @property
     def loss_scale(self) -> float:
@@ -445,6 +452,48 @@ class Engine(nn.Module):
         from autopar.runtime.checkpoint import load
 
         return load(self, path)
+
+
+def _accumulate(engine: Engine, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
+    """Engine._forward_backward without a pipeline: the replica's batch in the plan's
+    micro-batches (one pass when 1), returning the loss over the whole batch."""
+    zero3 = engine.zero is not None and engine.zero.stage == 3
+    m = engine.microbatches
+    # gradient accumulation: each micro-batch's forward and backward in turn (its
+    # activations freed before the next), the gradients summed in .grad (ZeRO-2/3: in
+    # the pieces, reduce-scattered per micro-batch as the plan prices), each micro-batch's
+    # loss weighted 1/m: equal micro-batches' mean losses average to the batch's
+    parts = batches.micro_batches(inputs + (target,), m, engine.batch_split(), engine._dp.size)
+    total = None
+    for i, (*xs, y) in enumerate(parts):
+        # (ZeRO-3: saved parameters are gathered again in the backward)
+        with engine.recorder.saving(), \
+                engine.zero.saving() if zero3 else contextlib.nullcontext():
+            loss = engine.train_gm(*xs, y)
+        last = i == m - 1
+        if engine.grads.buckets is not None and last:  # the all-reduce overlaps the
+            engine.grads.buckets.armed = True  # last backward, once per step
+        scaled = loss * engine.scaler.scale if engine.scaler is not None else loss
+        (scaled / m if m > 1 else scaled).backward()
+        engine.recorder.backward_done()
+        if m > 1:
+            engine.recorder.next_microbatch()
+            if not last and engine.zero is not None and engine.zero.stage == 2:
+                engine.zero.reduce_gradients()  # this micro-batch's pieces, landed
+        total = loss.detach() if total is None else total + loss.detach()
+    if zero3:
+        engine.zero.end_backward()
+    return total / m if m > 1 else total
+
+
+def _check_accumulation(m: int, pp: int, gm) -> None:
+    """Micro-batches without a pipeline run each backward right after its forward: an MoE
+    balance loss (a sum over the whole batch's routing) cannot be taken exactly."""
+    if pp == 1 and m > 1 and with_balance_loss(gm):
+        raise PlanError(f"the model's MoE balance loss is a sum over the whole batch, which {m} "
+                        "micro-batches without a pipeline (each backward right after its "
+                        "forward) cannot take exactly; leave the balance loss out of the loss, "
+                        "or use microbatches=1.")
 
 
 def _stacked(outer, inner):

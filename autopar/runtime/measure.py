@@ -42,6 +42,7 @@ class _Call:
     forward: list
     backward: list
     handles: list = field(default_factory=list)
+    end: object = None  # when the backward that ran this call returned (whole-graph steps)
 
 
 class _GpuStamp:
@@ -79,6 +80,9 @@ class Recorder:
         self._calls: list[_Call] = []
         self._open: dict[int, _Call] = {}  # graph key -> its call in progress (forward)
         self._saved_storages: set[int] = set()
+        # storages of the parameters and buffers (the engine's, set each step): a saved view
+        # of a weight is no activation, as the plan counts none (cost.memory)
+        self.constant: frozenset[int] = frozenset()
         self._saved_step: dict[str, int] = {}  # layer -> bytes saved in this step
         self._backward_end: float | None = None
 
@@ -117,6 +121,8 @@ class Recorder:
                           None)
 
             def hook(grad, call=call, k=k, before=before):
+                if call.backward[k] is not None:  # a parameter's hook: a later micro-batch's
+                    return None
                 call.backward[k] = self._now()
                 self.layer = before  # the backward goes on with the segment before
                 return None
@@ -127,6 +133,14 @@ class Recorder:
         """The step's backward has returned (whole-graph steps): the first segment of a
         graph that had no probe of its own ends here."""
         self._backward_end = self._now()
+        for call in self._calls:
+            if call.end is None:
+                call.end = self._backward_end
+
+    def next_microbatch(self) -> None:
+        """A micro-batch's backward is done (gradient accumulation): the next one's saved
+        storages count again, even where the allocator gives back the same addresses."""
+        self._saved_storages.clear()
 
     @contextlib.contextmanager
     def saving(self):
@@ -143,7 +157,7 @@ class Recorder:
             if t.device.type != "meta":
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr not in self._saved_storages:
+                if ptr not in self._saved_storages and ptr not in self.constant:
                     self._saved_storages.add(ptr)
                     layer = self.layer or "?"
                     self._saved_step[layer] = self._saved_step.get(layer, 0) + storage.nbytes()
@@ -206,9 +220,9 @@ class Recorder:
         ticks (segment k's backward: from the next segment's tick to its own; a negative
         span, from segments that run side by side, counts as none)."""
         n = len(call.layers) - 1  # the last mark is the output's
-        if self._backward_end is not None and call.backward[0] is None and \
-                call.backward[n] is not None:
-            call.backward[0] = self._backward_end
+        end = call.end if call.end is not None else self._backward_end
+        if end is not None and call.backward[0] is None and call.backward[n] is not None:
+            call.backward[0] = end
         for k in range(n):
             fig = self.layers.setdefault(call.layers[k], LayerFigures())
             if call.forward[k] is not None and call.forward[k + 1] is not None:
