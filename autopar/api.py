@@ -16,6 +16,7 @@ from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
 from autopar.runtime.agree import check_ranks_agree
+from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.checkpoint import latest as latest_checkpoint
 from autopar.runtime.engine import Engine
 from autopar.runtime.mesh import plan_groups
@@ -88,11 +89,10 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                     stage_planner=pipeline_stages, start=start)
     engine.metrics = sink
     if checkpoint_dir is not None:
-        engine.checkpoint_dir = os.fspath(checkpoint_dir)
-        engine.checkpoint_every, engine.checkpoint_async = checkpoint_every, checkpoint_async
-        engine.checkpoint_keep = checkpoint_keep
-        if latest_checkpoint(engine.checkpoint_dir) is not None:
-            engine.load(engine.checkpoint_dir)
+        engine.checkpointing = Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,
+                                             checkpoint_async, checkpoint_keep)
+        if latest_checkpoint(checkpoint_dir) is not None:
+            engine.load(checkpoint_dir)
     return engine
 
 

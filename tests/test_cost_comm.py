@@ -291,3 +291,11 @@ def test_bad_placements_are_refused():
         placements({"tp": 2, "dp": 2}, ("tp",), 8)
     with pytest.raises(ValueError, match="positive integers"):
         placements({"tp": 0}, ("tp",), 8)
+
+
+def test_a_profiles_collective_names_are_the_ones_comm_prices():
+    """hardware.py checks a profile's `collectives` table against its own copy of the names
+    (comm imports hardware, so it cannot import comm's): the two stay equal."""
+    from autopar.cost import comm, hardware
+
+    assert hardware.ALGORITHMS == {op: tuple(algs) for op, algs in comm.ALGORITHMS.items()}

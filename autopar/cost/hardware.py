@@ -179,9 +179,20 @@ def _check_peak_flops(value) -> None:
         _check_number(f"peak_flops.{dtype}", rate, positive=True)
 
 
-def _check_collectives(value) -> None:
-    from autopar.cost.comm import ALGORITHMS  # comm prices with this module's Hardware
+# What a profile's `collectives` table may name: each collective and the algorithms
+# autopar.cost.comm prices it with (tests/test_cost_comm.py holds the two equal; comm
+# imports this module, so the names are written out here rather than imported).
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("ring", "tree", "hierarchical"),
+    "all_gather": ("ring", "tree", "hierarchical"),
+    "reduce_scatter": ("ring", "tree", "hierarchical"),
+    "all_to_all": ("ring", "tree"),
+    "broadcast": ("ring", "tree"),
+    "p2p": ("direct",),
+}
 
+
+def _check_collectives(value) -> None:
     table = _table("collectives", value, '{"all_reduce": {"algorithm": "ring", "alpha": 1e-5, '
                    '"beta": 1e-10}}')
     for op, fit in table.items():

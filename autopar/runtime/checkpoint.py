@@ -523,6 +523,22 @@ def _agree(error: str | None, group=None) -> None:
 
 
 # ---------------------------------------------------------------------- save / load
+@dataclass
+class Checkpointing:
+    """Where and how often an engine saves by itself (parallelize's checkpoint_dir), and the
+    background save in flight with the process group its collectives run in."""
+
+    directory: str | None = None
+    every: int = 1
+    asynchronous: bool = True
+    keep: int = 2
+    pending: AsyncSave | None = None
+    group: object | None = None  # made at the first background save, kept
+
+    def due(self, step: int) -> bool:
+        return self.directory is not None and step % self.every == 0
+
+
 class AsyncSave:
     """A checkpoint being written in the background from host copies of the state (staged
     when `save(..., asynchronous=True)` returned); `wait()` joins it and returns the
@@ -577,9 +593,9 @@ def checkpoint_group(engine):
     process."""
     if not _distributed():
         return None
-    if engine.checkpoint_group is None:  # every rank is here: saves are collective
-        engine.checkpoint_group = dist.new_group(backend="gloo")
-    return engine.checkpoint_group
+    if engine.checkpointing.group is None:  # every rank is here: saves are collective
+        engine.checkpointing.group = dist.new_group(backend="gloo")
+    return engine.checkpointing.group
 
 
 def save(engine, path, keep: int = 2, asynchronous: bool = False) -> str | AsyncSave:
@@ -615,7 +631,7 @@ def save(engine, path, keep: int = 2, asynchronous: bool = False) -> str | Async
     staged, meta = _staged(state), _metadata(engine, state)
     handle = AsyncSave(lambda: _write(staged, tmp, root, step, meta, keep, group), step)
     handle.staged_s = time.perf_counter() - started
-    engine.pending_checkpoint = handle
+    engine.checkpointing.pending = handle
     return handle
 
 

@@ -31,6 +31,7 @@ from autopar.plans import Plan
 from autopar.plans.checks import check_divisible, check_graph
 from autopar.runtime import accounting, batches
 from autopar.runtime.buckets import GradientBuckets
+from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.measure import Recorder, instrument
@@ -72,12 +73,7 @@ class Engine(nn.Module):
         self.startup_log = CommLog()
         self.after_backward: list = []
         self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
-        self.checkpoint_dir: str | None = None  # saved every `checkpoint_every` steps
-        self.checkpoint_every = 0
-        self.checkpoint_async = True
-        self.checkpoint_keep = 2
-        self.pending_checkpoint = None  # a runtime.checkpoint.AsyncSave being written
-        self.checkpoint_group = None  # background saves' own process group, made once
+        self.checkpointing = Checkpointing()  # saves by itself (parallelize's checkpoint_dir)
         self.steps = 0
         self.model_card = ModelCard(model)  # what export needs once the model is released
         self._tp, self._dp = groups[TP], groups[DP]
@@ -308,15 +304,7 @@ class Engine(nn.Module):
             value = self._dp.all_reduce(value, "step") / self._dp.size
         self.recorder.finish_step(self.comm_log)
         value = float(value)  # (waits for the step's kernels on a GPU)
-        if self.checkpoint_dir is not None and self.steps % self.checkpoint_every == 0:
-            self.save(self.checkpoint_dir, keep=self.checkpoint_keep,
-                      asynchronous=self.checkpoint_async)
-        if self.metrics is not None:
-            sent: dict[str, int] = {}
-            for r in self.comm_log.records[mark:]:
-                sent[r.axis] = sent.get(r.axis, 0) + r.bytes
-            self.metrics.record(self, self.steps, value, time.perf_counter() - started,
-                                inputs, sent, self.last_grad_norm)
+        _after_step(self, value, time.perf_counter() - started, mark, inputs)
         return value
 
     def _forward_backward(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
@@ -443,7 +431,7 @@ class Engine(nn.Module):
 
     def wait_for_checkpoint(self) -> str | None:
         """Join the background save in flight, if any: its directory, or its error."""
-        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        pending, self.checkpointing.pending = self.checkpointing.pending, None
         return pending.wait() if pending is not None else None
 
     def load(self, path) -> str:
@@ -494,6 +482,20 @@ def _check_accumulation(m: int, pp: int, gm) -> None:
                         "micro-batches without a pipeline (each backward right after its "
                         "forward) cannot take exactly; leave the balance loss out of the loss, "
                         "or use microbatches=1.")
+
+
+def _after_step(engine: Engine, loss: float, seconds: float, mark: int, inputs) -> None:
+    """Save when one is due (parallelize's checkpoint_dir) and write the step's metrics
+    (`mark`: where the step's records begin in the comm log)."""
+    ck = engine.checkpointing
+    if ck.due(engine.steps):
+        engine.save(ck.directory, keep=ck.keep, asynchronous=ck.asynchronous)
+    if engine.metrics is not None:
+        sent: dict[str, int] = {}
+        for r in engine.comm_log.records[mark:]:
+            sent[r.axis] = sent.get(r.axis, 0) + r.bytes
+        engine.metrics.record(engine, engine.steps, loss, seconds, inputs, sent,
+                              engine.last_grad_norm)
 
 
 def _stacked(outer, inner):
