@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import torch
@@ -56,6 +57,19 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
         lm_loss(model(x), y).backward()
         opt.step()
     return model.state_dict()
+
+
+def launch(out, steps: int = 8, every: int = 2, kill_at: int = 6, auto: bool = False):
+    """This script under torchrun: 2 processes, one restart allowed (what the tests run)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    if os.path.isdir("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+           os.path.abspath(__file__), "--out", str(out), "--steps", str(steps),
+           "--every", str(every), "--kill-at", str(kill_at)] + (["--auto"] if auto else [])
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=root)
 
 
 def main() -> None:

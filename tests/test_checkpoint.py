@@ -16,12 +16,10 @@ ranks under torchrun and resumes from the last checkpoint.
 import functools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from distributed import REPO_ROOT, dist_pool_fixture
+from distributed import dist_pool_fixture
 from equivalence import build
 
 pool2 = dist_pool_fixture(2)
@@ -398,17 +396,11 @@ def test_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
     """torchrun with one restart: rank 1 SIGKILLs itself inside step 6 (after the step-4
     checkpoint); the group restarts, loads step 4 and trains to step 8. The final weights
     equal one uninterrupted device's, and the resumed step is the last checkpoint's."""
+    from kill_train import launch
+
     steps, every, kill_at = 8, 2, 6
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-    if os.path.isdir("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
-           os.path.join(REPO_ROOT, "tests", "kill_train.py"), "--out", str(out),
-           "--steps", str(steps), "--every", str(every), "--kill-at", str(kill_at)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=REPO_ROOT)
+    done = launch(out, steps, every, kill_at)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["attempt"] == 1  # the run that finished is the restarted one

@@ -7,7 +7,6 @@ restarted by torchrun after a lost rank goes on from its last complete checkpoin
 import functools
 import json
 import os
-import subprocess
 import sys
 import threading
 
@@ -134,24 +133,16 @@ def test_a_killed_rank_resumes_by_itself_under_torchrun(tmp_path):
     parallelize(checkpoint_dir=...) loads the last complete background save (step 4, or
     step 2 if step 4's was still being written: never a partial one) and trains to step 8.
     The final weights equal one uninterrupted device's."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
+    from kill_train import launch, reference
+
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-    if os.path.isdir("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
-           os.path.join(REPO_ROOT, "tests", "kill_train.py"), "--out", str(out),
-           "--steps", "8", "--every", "2", "--kill-at", "6", "--auto"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=REPO_ROOT)
+    done = launch(out, auto=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["attempt"] == 1 and report["steps"] == 8
     assert report["resumed_from"] in (2, 4)
     final = torch.load(out / "final.pt")
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
-    from kill_train import reference
-
     want = reference(8)
     for k, v in want.items():
         a, b = final[k].double(), v.double()
