@@ -140,10 +140,11 @@ def test_sgd_steps_in_place(pool2):
 
 # ------------------------------------------------------------------------ the peak
 TINY = "gpt:layers=2,hidden=64,heads=4,vocab=4096,seq=8"  # a large embedding, few tokens
+LONG = "gpt:layers=2,hidden=64,heads=4,vocab=4096,seq=32"  # the same, 4x the tokens
 
 
-def _plan(batch: int, device: str = "cpu", **constraints):
-    model, (x,) = zoo_build(TINY, batch=batch)
+def _plan(batch: int, device: str = "cpu", spec: str = TINY, **constraints):
+    model, (x,) = zoo_build(spec, batch=batch)
     return autopar.plan(model, (x,), World(2, per_node=2, device=device), global_batch=batch,
                         executable=True, top=1,
                         constraints={"pp": 1, "recompute": "none", "sp": "none",
@@ -160,8 +161,9 @@ def _parts(plan) -> tuple:
 
 def test_the_step_adds_only_what_the_backward_freed_short_of():
     """Many tokens: the activations outweigh the step's temporaries, which add nothing. One
-    short sample: the step's two copies of the embedding set the peak."""
-    total, parts, state, step = _parts(_plan(256, tp=2, dp=1, zero=0))
+    short sample: the step's two copies of the embedding set the peak. (Many tokens per
+    sample: the search accumulates micro-batches of at most 16 samples.)"""
+    total, parts, state, step = _parts(_plan(256, tp=2, dp=1, zero=0, spec=LONG))
     assert 0 < step < parts["activations"] + parts["buffers"]
     assert parts["optimizer_step"] == 0
     assert total == sum(parts.values()) == state + parts["activations"] + parts["buffers"]
