@@ -122,10 +122,11 @@ def _profile_path(out: str) -> str:
 
 def _data(spec: str, batch: int, device, seed: int = 0):
     from autopar.models import build
+    from autopar.models.zoo import config_of
 
     gen = torch.Generator().manual_seed(seed)
     _, (x,) = build(spec, batch=batch)  # meta: shapes only
-    vocab = int(spec.split("vocab=")[1].split(",")[0])
+    vocab = config_of(spec).vocab_size
     x = torch.randint(0, vocab, x.shape, generator=gen)
     y = torch.randint(0, vocab, x.shape, generator=gen)
     return x.to(device), y.to(device)

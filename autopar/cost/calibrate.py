@@ -104,6 +104,13 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def _mean_over_ranks(values: list[float], device: torch.device, world: int) -> list[float]:
+    """Each value's mean over the ranks (every rank timed its own), so that all agree."""
+    flat = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(flat)
+    return (flat / world).tolist()
+
+
 def _seconds_per_call(fn: Callable[[], object], device: torch.device, effort: Effort,
                       together: bool = False) -> float:
     """Best seconds per call of `fn` over `effort.trials` batches.
@@ -392,10 +399,7 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
                 skipped[dt] = str(e).splitlines()[0]
     moved, copy_s = measure_copy(effort.copy_bytes, device, effort)
     if world > 1:  # every rank timed its own: take the mean, so all ranks agree
-        flat = torch.tensor(seconds + list(others.values()) + [copy_s], dtype=torch.float64,
-                            device=device)
-        dist.all_reduce(flat)
-        mean = (flat / world).tolist()
+        mean = _mean_over_ranks(seconds + list(others.values()) + [copy_s], device, world)
         seconds, copy_s = mean[:len(seconds)], mean[-1]
         others = dict(zip(others, mean[len(seconds):-1]))
 
@@ -420,10 +424,8 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
     curve_bytes = measure_copy_curve((QUICK_COPY_CURVE if effort is QUICK else
                                       COPY_CURVE)[device.type], device, effort)
     if world > 1:  # as above: the mean over the ranks, so all agree
-        flat = torch.tensor([t for *_, t in attention] + [floor] + [t for _, t in curve_bytes],
-                            dtype=torch.float64, device=device)
-        dist.all_reduce(flat)
-        mean = (flat / world).tolist()
+        mean = _mean_over_ranks([t for *_, t in attention] + [floor] +
+                                [t for _, t in curve_bytes], device, world)
         attention = [(q, f, t) for (q, f, _), t in zip(attention, mean)]
         floor = mean[len(attention)]
         curve_bytes = [(b, t) for (b, _), t in zip(curve_bytes, mean[len(attention) + 1:])]
