@@ -68,6 +68,10 @@ ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020
 NO_RECOMPUTE, SELECTIVE, FULL = "none", "selective", "full"
 RECOMPUTE = (NO_RECOMPUTE, SELECTIVE, FULL)  # Korthikanti et al. 2022 (selective), Chen 2016
 
+# Precisions: what --dtype and precision= take. fp8 runs the linear layers' GEMMs in float8
+# and the rest in bf16 (autopar.cost.fp8).
+FP32, BF16, FP16, FP8 = "fp32", "bf16", "fp16", "fp8"
+
 STEP = "(step)"  # the layer of what a step sends outside the graph (gradient sync, ZeRO)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from autopar.cost import experts as moe_cost
+from autopar.cost import fp8
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
@@ -53,6 +54,7 @@ EFFECTS = {
     "expert routing imbalance": "the busiest rank of an ep group computes and receives "
                                 "routing_imbalance x the mean rows (measured on the router "
                                 "at initialisation, autopar.cost.experts); the others wait",
+    **fp8.EFFECTS,
 }
 
 TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
@@ -132,6 +134,8 @@ class Context:
     attention_kernel: str = "flash"
     tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
     ep: Placement | None = None  # the expert-parallel groups (None: experts on every rank)
+    # under fp8, the layer kinds whose GEMMs stay in bf16 (autopar.cost.fp8.kept_high)
+    kept_high: frozenset = frozenset()
     # collective and layer-layout prices already worked out under this context: the states
     # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -298,6 +302,8 @@ class _LayoutCost:
     imbalance: float  # the busiest ep rank's rows over the mean (1.0 without ep)
     expert_fwd: float  # the grouped expert GEMMs' forward seconds on the busiest ep rank
     expert_even: float  # ... were the routing balanced
+    fp8_casts: tuple = (0.0, 0.0)  # (forward, backward) seconds of fp8 casts and amax passes
+    fp8_gemms: int = 0  # GEMMs that run in float8 (each scales its operands)
 
 
 def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
@@ -309,7 +315,7 @@ def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
 
 def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                   ctx: Context) -> _LayoutCost:
-    hw, dtype = ctx.hw, ctx.dtype
+    hw, dtype = ctx.hw, fp8.compute_dtype(ctx.dtype)
     t = mode.size
     c = ctx.cp.size
     sharded = lt.sharded[t if mode.name == "1d" else 1]
@@ -321,6 +327,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     ep = ctx.ep.size if ctx.ep is not None and lt.experts is not None else 1
     imbalance = moe_cost.imbalance_of(lt.experts, batch, c, ep) if ep > 1 else 1.0
     expert_fwd = expert_even = 0.0
+    casts = [0.0, 0.0]
+    fp8_gemms = 0
     for g, split in zip(lt.gemms, sharded.gemm_split if one_d else [True] * len(lt.gemms)):
         if g.expert:  # each expert's FFN width split over 1D tp (not beside cp), or whole
             cut = t if one_d and split and c == 1 else 1
@@ -335,8 +343,15 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
         local = g.flops(batch) / (parts * c)
         shape = local_gemm_shape(g, batch, parts * c // rows if g.weight else 1,
                                  rows if g.weight else parts * c)
-        moved = gemm_traffic_s(shape, hw, itemsize)
-        sec = _gemm_s(local, hw, dtype, moved)
+        if fp8.runs_fp8(ctx.dtype, g, lt, ctx.kept_high):
+            moved = hw.gemm_operand_traffic * memory_time(fp8.operand_bytes(shape), hw)
+            sec = _gemm_s(local, hw, fp8.FP8, moved)
+            casts = [x + memory_time(nbytes, hw) for x, nbytes in
+                     zip(casts, fp8.cast_bytes(shape))]
+            fp8_gemms += 1
+        else:
+            moved = gemm_traffic_s(shape, hw, itemsize)
+            sec = _gemm_s(local, hw, dtype, moved)
         gemm_fwd += sec
         gemm_traffic += min(sec, moved)
     attn_fwd = attn_ideal = attn_even = 0.0
@@ -369,7 +384,7 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     mem_roof = memory_time(traffic / c, hw)
     mem_kernels = max(0, lt.kernels - len(lt.gemms) - len(lt.attention))
     mem_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
-    forward = gemm_fwd + attn_fwd + mem_fwd
+    forward = gemm_fwd + attn_fwd + mem_fwd + casts[0]
     tp_comm = []
     if one_d and t > 1:
         for op, phase, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
@@ -383,7 +398,7 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
     return _LayoutCost(gemm_fwd, gemm_traffic, tuple(attn_each), attn_fwd, attn_ideal,
                        attn_even, mem_roof, mem_fwd, forward, tuple(tp_comm), ep, imbalance,
-                       expert_fwd, expert_even)
+                       expert_fwd, expert_even, tuple(casts), fp8_gemms)
 
 
 def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
@@ -396,7 +411,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     sp = state.sp == "megatron" and one_d and t > 1
     lay = _layout_cost(lt, mode, sp, batch, ctx)
     attn_fwd, forward = lay.attn_fwd, lay.forward
-    backward = 2 * forward
+    # the backward's two GEMMs per forward one; its fp8 casts are its own (fp8.cast_bytes)
+    backward = 2 * (forward - lay.fp8_casts[0]) + lay.fp8_casts[1]
     recompute = {"none": 0.0, "selective": attn_fwd, "full": forward}[state.recompute]
     # Communication inside the layer (not overlapped with its compute).
     comm = comm_bytes = 0.0
@@ -429,6 +445,13 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["attention on short sequences"] = a_runs * (lay.attn_even - lay.attn_ideal)
     effects["causal imbalance (contiguous cp)"] = a_runs * (attn_fwd - lay.attn_even)
     runs = 3 + (state.recompute == "full")
+    if lay.fp8_gemms:
+        amax = _fp8_amax(lay.fp8_gemms, t, state.recompute == "full", ctx)
+        comm += amax
+        comm_bytes += _fp8_amax(lay.fp8_gemms, t, state.recompute == "full", ctx, wire=True)
+        effects["fp8 amax all-reduce (tp)"] = amax
+        effects["fp8 casts and amax"] = sum(lay.fp8_casts) + \
+            (lay.fp8_casts[0] if state.recompute == "full" else 0.0)
     effects["GEMM operand traffic"] = runs * lay.gemm_traffic
     effects["memory-bound ops"] = runs * lay.mem_roof
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
@@ -477,6 +500,17 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
                      _step_temps(lt, mode, sharded, ep, cut))
+
+
+def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) -> float:
+    """Seconds (or wire bytes) of the fp8 amax all-reduces over tp of one micro-batch: one
+    forward (twice under full recompute) and one backward, each of the layer's amaxes."""
+    if t <= 1:
+        return 0.0
+    nbytes = fp8.amax_bytes(gemms)
+    runs = 3 if full else 2
+    return runs * (_wire_bytes("all_reduce", nbytes, t) if wire else
+                   ctx.coll("all_reduce", nbytes, ctx.tp))
 
 
 def _step_temps(lt: LayerType, mode: TensorMode, sharded, ep: int, cut: int) -> StepTemps:

@@ -24,6 +24,14 @@ class Precision:
     master: int  # an fp32 copy the optimizer updates; 0 where the weights are their own
     optimizer: int  # the optimizer's moments
     convention: str = "mixed"  # mixed | runtime (see the module docstring)
+    # bytes per parameter ZeRO-3 all-gathers for the forward and backward (None: the
+    # weights as held; 1 under fp8, which gathers float8 weights: autopar.cost.fp8)
+    gathered: float | None = None
+
+    @property
+    def gather_ratio(self) -> float:
+        """ZeRO-3's gathered bytes over the weights' bytes."""
+        return 1.0 if self.gathered is None else self.gathered / self.weights
 
     @property
     def total(self) -> int:

@@ -182,31 +182,37 @@ def optimizer_time(param_bytes: float, replicas: int, zero: int, offload: bool,
     return elements * precision.step_bytes / (hw.memory_bandwidth * hw.memory_efficiency)
 
 
-def dp_wire_bytes(param_bytes: float, replicas: int, zero: int) -> float:
+def dp_wire_bytes(param_bytes: float, replicas: int, zero: int, gather: float = 1.0) -> float:
     """Bytes one device sends to sync its gradients (ring all-reduce or reduce-scatter +
-    all-gather), half again under ZeRO-3, which also gathers for the backward."""
+    all-gather), half again under ZeRO-3, which also gathers for the backward; `gather`:
+    ZeRO-3's gathered bytes over the weights' (`Precision.gather_ratio`, 1/2 under fp8)."""
     if replicas <= 1:
         return 0.0
-    return 2 * (replicas - 1) / replicas * param_bytes * (1.5 if zero == 3 else 1)
+    if zero == 3:
+        return (replicas - 1) / replicas * param_bytes * (1 + 2 * gather)
+    return 2 * (replicas - 1) / replicas * param_bytes
 
 
 def dp_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units: int = 1,
-            cache: dict | None = None) -> float:
+            cache: dict | None = None, gather: float = 1.0) -> float:
     """Seconds of one device's gradient sync over `m` micro-batches (Rajbhandari et al.
     2019): ZeRO-3 gathers and reduce-scatters layer by layer, `units` layers each paying
-    its own latency. `cache`: seconds by parameter bytes, for this `grad_pl` only."""
+    its own latency. `cache`: seconds by parameter bytes, for this `grad_pl` and `gather`
+    only; `gather`: ZeRO-3's gathered bytes over the weights' (fp8 gathers float8)."""
     if grad_pl.size <= 1:
         return 0.0
     if zero == 3 and units > 1:
-        return units * dp_time(param_bytes / units, zero, m, grad_pl, hw, cache=cache)
+        return units * dp_time(param_bytes / units, zero, m, grad_pl, hw, cache=cache,
+                               gather=gather)
     hit = cache.get(param_bytes) if cache is not None else None
     if hit is None:
         hit = tuple(collective_time(op, param_bytes, grad_pl, hw)
-                    for op in ("all_reduce", "reduce_scatter", "all_gather"))
+                    for op in ("all_reduce", "reduce_scatter", "all_gather")) + \
+            (collective_time("all_gather", param_bytes * gather, grad_pl, hw),)
         if cache is not None:
             cache[param_bytes] = hit
-    ar, rs, ag = hit
-    return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * ag)}[zero]
+    ar, rs, ag, gathered = hit
+    return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * gathered)}[zero]
 
 
 def stage_transfer(layers, stage_of, b: int, pl: dict, hw: Hardware) -> tuple[float, float]:
@@ -287,11 +293,13 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
     if split is not None and experts_dev is not None:
         experts = float(experts_dev[int(np.argmax(params_dev))])
         worst -= experts
-        dp_s = dp_time(experts, zero, m, split.data, hw, units=max(1, units))
+        dp_s = dp_time(experts, zero, m, split.data, hw, units=max(1, units),
+                       gather=precision.gather_ratio)
         optimizer_s = optimizer_time(experts, split.replicas, zero, offload, precision, hw)
     else:
         dp_s = optimizer_s = 0.0
-    dp_s += dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache)
+    dp_s += dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache,
+                    gather=precision.gather_ratio)
     optimizer_s += optimizer_time(worst, replicas, zero, offload, precision, hw)
     return {"step_s": pipe + dp_s + optimizer_s, "pipeline_s": pipe, "bubble_s": bubble,
             "per_rank_s": dev, "dp_s": dp_s, "optimizer_s": optimizer_s}

@@ -221,7 +221,7 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
                          MEGATRON_SP if (sp is True or (sp and name in sp)) else NO_SP,
                          NO_RECOMPUTE) for name in names]
     stage_of = [stage_of_layer.get(name, 0) for name in names]
-    ctx = pricing_context(plan, world, engine.precision)  # its dtype names are the planner's
+    ctx = pricing_context(plan, world, engine.precision, chain)  # its dtype: the planner's
     costs = layer_costs(chain, states, ctx, b)
     out = {"device": world.device, "layers": {}, "axes": {}}
     for name, c in zip(names, costs):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopar.cost import fp8
 from autopar.cost.comm import placements
 from autopar.cost.experts import alltoall_count
 from autopar.cost.layer import LayerChain
@@ -41,7 +42,20 @@ from autopar.cost.step import (
     stage_transfer,
     step_temps_dev,
 )
-from autopar.modes import CP, DP, EP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
+from autopar.modes import (
+    BF16,
+    CP,
+    DP,
+    EP,
+    FP8,
+    MEGATRON_SP,
+    ORDER,
+    PP,
+    TP,
+    TP_1D,
+    TP_25D,
+    cp_layout,
+)
 from autopar.report.experts import expert_layout, expert_lines
 
 if TYPE_CHECKING:  # annotations only: report sits below plans
@@ -59,7 +73,7 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     data = plan.to_json()
     states = [LayerState(tensor_mode(lp.tp_mode, plan.mesh[TP], plan.tp_depth), lp.sp,
                          lp.recompute) for lp in plan.layers]
-    ctx = pricing_context(plan)
+    ctx = pricing_context(plan, chain=chain)
     costs = layer_costs(chain, states, ctx, plan.pipeline.micro_batch_size or 1)
     data["layers"] = [{"name": lp.name, "tp_mode": lp.tp_mode, "sp": lp.sp,
                        "recompute": lp.recompute, "stage": lp.stage, "kind": lt.name,
@@ -73,18 +87,57 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
         _add_strategies(data, plan, chain)
     data["formulas"] = {k: str(v) for k, v in formulas().items()}
     data["model"] = {"parameters": int(chain.params), "tokens_per_sample": chain.tokens_per_sample}
+    if ctx.dtype == FP8:
+        data["fp8"] = fp8_detail(chain, ctx, plan.zero.stage)
     return data
 
 
-def pricing_context(plan: Plan, world=None, dtype: str | None = None) -> Context:
+def fp8_detail(chain: LayerChain, ctx: Context, zero: int) -> dict:
+    """What runs in float8 under this plan and how it is priced (autopar.cost.fp8)."""
+    gemms = [(lt.name, fp8.runs_fp8(ctx.dtype, g, lt, ctx.kept_high))
+             for lt in chain.layers() for g in lt.gemms if g.weight]
+    return {"fp8_gemms": sum(on for _, on in gemms), "weight_gemms": len(gemms),
+            "kept_bf16": sorted({name for name, on in gemms if not on}),
+            "fp8_flops": ctx.hw.flops(FP8), "gemms": fp8.GEMMS, "kept": fp8.KEPT,
+            "gather": fp8.GATHER if zero == 3 else None, "mfu_peak": fp8.MFU_SOURCE}
+
+
+def _fp8_lines(data: dict) -> list[str]:
+    """The fp8 recipe of the plan, when it has one: what runs in float8, what stays bf16."""
+    f = data.get("fp8")
+    if not f:
+        return []
+    kept = ", ".join(f["kept_bf16"]) or "none"
+    lines = [f"  fp8         {f['fp8_gemms']} of {f['weight_gemms']} linear GEMMs per model "
+             f"pass at {f['fp8_flops'] / 1e12:.0f} TFLOP/s: {f['gemms']}",
+             f"              bf16: {f['kept']}; linear layers kept bf16: {kept}"]
+    if f.get("gather"):
+        lines.append(f"              {f['gather']}")
+    return lines
+
+
+def _mfu_line(pred: dict) -> str:
+    """MFU with the peak it divides by, model TFLOP/s per device, tokens/s and FLOPs."""
+    peak = pred.get("mfu_peak")
+    of = f" of {peak['dtype']} dense peak {peak['flops'] / 1e12:.1f} TFLOP/s" if peak else ""
+    rate = f"   {pred['model_tflops_per_device']:.0f} model TFLOP/s per device" \
+        if "model_tflops_per_device" in pred else ""
+    return (f"  MFU {100 * pred['mfu']:.1f}%{of}{rate}   {pred['tokens_per_s']:.0f} tokens/s   "
+            f"model FLOPs per step {pred['model_flops_per_step']:.3e}")
+
+
+def pricing_context(plan: Plan, world=None, dtype: str | None = None,
+                    chain: LayerChain | None = None) -> Context:
     """The pricing context the search used for this plan's mesh (on `world`, in `dtype`
-    where given)."""
+    where given; `chain`: the model, whose output projection stays bf16 under fp8)."""
     world = world or plan.world
     pl = placements(plan.mesh, ORDER, world.per_node)
     ep = expert_split(plan.mesh, plan.ep, world.per_node).dispatch if plan.ep > 1 \
         else None
-    return Context(world.profile, dtype or plan.search.get("dtype", "bf16"), pl[TP], pl[CP],
-                   plan.sequence_mode, plan.search.get("attention_kernel", "flash"), ep=ep)
+    dtype = dtype or plan.search.get("dtype", BF16)
+    kept = fp8.kept_high(chain.layers()) if dtype == FP8 and chain is not None else frozenset()
+    return Context(world.profile, dtype, pl[TP], pl[CP], plan.sequence_mode,
+                   plan.search.get("attention_kernel", "flash"), ep=ep, kept_high=kept)
 
 
 def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,
@@ -173,7 +226,8 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
                if plan.sequence_mode else "sequence parallelism around attention"},
         "dp": {"seconds": dp_comm_s,
-               "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage),
+               "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage,
+                                      precision.gather_ratio),
                "carries": "gradient sync over the dp x cp replicas" + (
                    f" (ZeRO-{zero.stage})" if zero.stage else "")},
         "pp": {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
@@ -354,14 +408,14 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"  ZeRO        stage {zero['stage']}" + (" with optimizer offload" if zero["offload"]
                                                    else ""),
         f"  recompute   {data['recompute']}",
+        *_fp8_lines(data),
         *expert_lines(data),
         "",
         f"  predicted step {pred['step_time_s']:.3f} s = pipeline/compute "
         f"{pred['compute_s']:.3f} s + tensor comm {pred['tp_comm_s']:.3f} s + bubble "
         f"{pred['bubble_s']:.3f} s + data-parallel sync {pred['dp_comm_s']:.3f} s + optimizer "
         f"{pred['optimizer_s']:.3f} s",
-        f"  MFU {100 * pred['mfu']:.1f}%   {pred['tokens_per_s']:.0f} tokens/s   model FLOPs "
-        f"per step {pred['model_flops_per_step']:.3e}",
+        _mfu_line(pred),
         f"  memory per device {pred['memory_per_device_bytes'] / GiB:.2f} GiB: "
         + ", ".join(f"{k} {v / GiB:.2f}" for k, v in pred["memory_breakdown_bytes"].items()),
         *_state_lines(data),

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from autopar.cost import fp8
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import tensor_modes
 from autopar.cost.precision import precision_of
@@ -23,7 +24,11 @@ from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.kernels.moe_layers import opaque_moe, priced_layers
 from autopar.modes import (
+    BF16,
     CONTIGUOUS,
+    FP8,
+    FP16,
+    FP32,
     GRID_MODES,
     INTERLEAVED,
     MEGATRON_SP,
@@ -40,8 +45,10 @@ from autopar.search import why
 from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
 from autopar.world import World, local_device
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# the parameters' dtype of each precision: fp8 holds bf16 weights and casts the linear
+# layers' GEMM operands to float8 (autopar.cost.fp8)
+DTYPES = {FP32: torch.float32, BF16: torch.bfloat16, FP16: torch.float16, FP8: torch.bfloat16}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items() if name != FP8}
 
 __all__ = ["DTYPES", "candidate_plan", "chain_of", "executable_candidates", "model_flops",
            "pipeline_stages", "plan", "prepare", "search", "to_plan"]
@@ -273,12 +280,15 @@ def candidate_plan(cand: Candidate, chain: LayerChain, world: World, global_batc
 def plan(model, example_inputs, world, *, global_batch: int | None = None, constraints=None,
          loss_fn=None, example_target=None, dtype: str | None = None,
          attention_kernel: str = "flash", executable: bool = False, top: int = 5,
-         repeat: dict[str, int] | None = None, progress=None, seq: int | None = None) -> Plan:
+         repeat: dict[str, int] | None = None, progress=None, seq: int | None = None,
+         precision: str | None = None) -> Plan:
     """The fastest plan for `model` (a module, or a transformers config path with
     example_inputs None and `seq` tokens) on `world` (devices, or a World) that fits memory;
     `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today;
-    `repeat` {layer: copies} counts a traced layer as that many; `top` best plans are kept."""
+    `repeat` {layer: copies} counts a traced layer as that many; `top` best plans are kept;
+    `precision` (parallelize's name for it) or `dtype`: fp32, bf16, fp16 or fp8."""
     _check_top(top)
+    dtype = _precision_of(dtype, precision)
     _check_repeat(repeat)
     world = world if isinstance(world, World) else World(devices=world)
     layers = None
@@ -312,6 +322,18 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
     return to_plan(chain, world, result, global_batch, dtype, time.perf_counter() - start)
 
 
+def _precision_of(dtype: str | None, precision: str | None) -> str | None:
+    """The one precision `plan` was given, by either name, checked against DTYPES."""
+    if dtype is not None and precision is not None and dtype != precision:
+        raise PlanError(f"plan() got dtype='{dtype}' and precision='{precision}'; pass one "
+                        f"of them (they name the same thing).")
+    chosen = precision if precision is not None else dtype
+    if chosen is not None and chosen not in DTYPES:
+        raise PlanError(f"precision '{chosen}' is not one the planner prices; use one of "
+                        f"{', '.join(DTYPES)}.")
+    return chosen
+
+
 def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch: int,
             dtype: str, total_s: float) -> Plan:
     best = result.best
@@ -332,7 +354,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                         sp=state.sp, recompute=state.recompute, stage=stage)
               for name, state, stage in zip(chain.names, best.states, best.stages)]
     flops = model_flops(chain, global_batch)
-    peak = world.profile.flops(dtype)
+    peak = world.profile.flops(fp8.MFU_PEAK if dtype == FP8 else dtype)
     mesh = best.mesh
     predicted = {
         "step_time_s": best.step_time,
@@ -350,6 +372,9 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
         "comm_bytes_per_device": int(best.comm_bytes_per_device),
         "model_flops_per_step": flops,
         "mfu": flops / (best.step_time * world.devices * peak) if best.step_time else 0.0,
+        "model_tflops_per_device": flops / (best.step_time * world.devices) / 1e12
+        if best.step_time else 0.0,
+        "mfu_peak": {"dtype": fp8.MFU_PEAK if dtype == FP8 else dtype, "flops": peak},
         "tokens_per_s": global_batch * chain.tokens_per_sample / best.step_time
         if best.step_time else 0.0,
     }

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.cost import fp8
 from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import LayerChain
@@ -47,6 +48,7 @@ from autopar.cost.step import (
 from autopar.errors import PlanError
 from autopar.modes import (
     DP,
+    FP8,
     INTERLEAVED,
     NO_PIPELINE,
     NO_SP,
@@ -142,6 +144,11 @@ class Search:
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
         self.precision = precision_of(chain.param_dtype, executable=options.executable is not None)
+        self.kept_high = frozenset()
+        if options.dtype == FP8:
+            fp8.check_device(self.hw)
+            self.precision = fp8.precision(self.precision)
+            self.kept_high = fp8.kept_high(self.layers)
         self.candidates = 0
         self._leaf_numbers = itertools.count()
 
@@ -260,7 +267,7 @@ class Search:
         if ctx is None:
             ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"],
                                                     cp_mode, self.opt.attention_kernel,
-                                                    ep=ep_pl)
+                                                    ep=ep_pl, kept_high=self.kept_high)
         per_type = []
         beside_cp = mesh["cp"] > 1
         for lt in self.chain.types:
@@ -342,7 +349,8 @@ class Search:
         `cache`: the one of `grad_pl` (`_dp_cache`)."""
         if cache is None:
             cache = self._dp_cache(grad_pl)
-        return dp_time(param_bytes, zero, m, grad_pl, self.hw, units, cache)
+        return dp_time(param_bytes, zero, m, grad_pl, self.hw, units, cache,
+                       self.precision.gather_ratio)
 
     def _dp_cache(self, grad_pl) -> dict:
         """Collective seconds by parameter bytes, over one gradient placement."""
@@ -473,13 +481,14 @@ class Search:
         worst = float(params_dev.max())
         replicas = mesh["dp"] * mesh["cp"]
         host = host_bytes(worst, replicas, zero, offload, self.precision)
-        wire = dp_wire_bytes(worst, replicas, zero)
+        wire = dp_wire_bytes(worst, replicas, zero, self.precision.gather_ratio)
         if leaf.split is not None:  # the heaviest rank's experts sync in their own group
             experts = float(experts_dev[int(np.argmax(params_dev))])
             host += host_bytes(experts, leaf.split.replicas, zero, offload, self.precision) - \
                 host_bytes(experts, replicas, zero, offload, self.precision)
-            wire += dp_wire_bytes(experts, leaf.split.replicas, zero) - \
-                dp_wire_bytes(experts, replicas, zero)
+            wire += dp_wire_bytes(experts, leaf.split.replicas, zero,
+                                  self.precision.gather_ratio) - \
+                dp_wire_bytes(experts, replicas, zero, self.precision.gather_ratio)
         slow = int(np.argmax(step["per_rank_s"]))
         on_slow = np.flatnonzero(device_of == slow)
         on_chosen = chosen[on_slow]
