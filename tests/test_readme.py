@@ -321,17 +321,17 @@ def test_every_option_the_pages_name_exists(capsys):
     or a script of the repository declares."""
     from torch.distributed.run import get_args_parser
 
-    known = set(re.findall(r"--[a-z][a-z-]*", get_args_parser().format_help()))
+    known = set(re.findall(r"--[a-z][a-z0-9-]*", get_args_parser().format_help()))
     for sub in ("explain", "search", "calibrate"):
         with pytest.raises(SystemExit):
             autopar_main([sub, "--help"])
-        known |= set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
+        known |= set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out))
     for folder in LINKED:
         for script in (ROOT / folder).glob("*.py"):
             known |= _declared_options(script)
     known |= {option.split("=")[0] for option in _addopts()}  # pytest's, as CI runs it
     for page, text in TEXT.items():
-        named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
         assert named - known == set(), f"{page} names options nothing declares: {named - known}"
 
 

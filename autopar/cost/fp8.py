@@ -47,11 +47,11 @@ KEPT = ("attention, norms, activations, embedding, the output projection and the
 GATHER = ("ZeRO-3 gathers each weight in float8 plus its fp32 scale, about half of bf16's "
           "bytes (torchtitan enable_fsdp_float8_all_gather); gradients reduce in bf16")
 # MFU divides by the dense bf16 peak under fp8 too: NVIDIA's NeMo performance summaries
-# report model TFLOP/s per GPU, and Megatron-LM's and torchtitan's MFU (get_peak_flops)
-# divide by the bf16 tensor-core peak whatever the GEMMs run in.
+# report FP8 runs as model TFLOP/s per GPU, the Megatron-LM README's MFU column is TFLOP/s
+# over 989 (H100 bf16), and torchtitan's get_peak_flops returns the bf16 peak.
 MFU_PEAK = BF16
-MFU_SOURCE = ("MFU divides by the dense bf16 peak, as NeMo/Megatron-LM reports and "
-              "torchtitan's get_peak_flops do under fp8 too")
+MFU_SOURCE = ("MFU divides by the dense bf16 peak (Megatron-LM README's MFU column, "
+              "torchtitan's get_peak_flops); NeMo reports fp8 runs as model TFLOP/s per GPU")
 
 
 def check_device(hw: Hardware) -> None:
