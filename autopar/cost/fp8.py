@@ -107,6 +107,15 @@ def amax_bytes(fp8_gemms: int) -> int:
     return SCALE_BYTES * 2 * fp8_gemms
 
 
+def planned(dtype: str, hw: Hardware, base: Precision, layers) -> tuple[Precision, frozenset]:
+    """(state bytes, layer kinds kept in bf16) a search in `dtype` prices: under fp8 the
+    device is checked, ZeRO-3 gathers 8 bits and the output projection stays bf16."""
+    if dtype != FP8:
+        return base, frozenset()
+    check_device(hw)
+    return precision(base), kept_high(layers)
+
+
 def precision(base: Precision) -> Precision:
     """The state bytes under fp8: `base` (fp32 masters and moments as mixed precision),
     with ZeRO-3 gathering one byte per parameter plus the scales."""

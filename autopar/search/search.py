@@ -48,7 +48,6 @@ from autopar.cost.step import (
 from autopar.errors import PlanError
 from autopar.modes import (
     DP,
-    FP8,
     INTERLEAVED,
     NO_PIPELINE,
     NO_SP,
@@ -143,12 +142,8 @@ class Search:
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
-        self.precision = precision_of(chain.param_dtype, executable=options.executable is not None)
-        self.kept_high = frozenset()
-        if options.dtype == FP8:
-            fp8.check_device(self.hw)
-            self.precision = fp8.precision(self.precision)
-            self.kept_high = fp8.kept_high(self.layers)
+        self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
+            chain.param_dtype, executable=options.executable is not None), self.layers)
         self.candidates = 0
         self._leaf_numbers = itertools.count()
 
@@ -481,14 +476,14 @@ class Search:
         worst = float(params_dev.max())
         replicas = mesh["dp"] * mesh["cp"]
         host = host_bytes(worst, replicas, zero, offload, self.precision)
-        wire = dp_wire_bytes(worst, replicas, zero, self.precision.gather_ratio)
+        gather = self.precision.gather_ratio
+        wire = dp_wire_bytes(worst, replicas, zero, gather)
         if leaf.split is not None:  # the heaviest rank's experts sync in their own group
             experts = float(experts_dev[int(np.argmax(params_dev))])
             host += host_bytes(experts, leaf.split.replicas, zero, offload, self.precision) - \
                 host_bytes(experts, replicas, zero, offload, self.precision)
-            wire += dp_wire_bytes(experts, leaf.split.replicas, zero,
-                                  self.precision.gather_ratio) - \
-                dp_wire_bytes(experts, replicas, zero, self.precision.gather_ratio)
+            wire += dp_wire_bytes(experts, leaf.split.replicas, zero, gather) - \
+                dp_wire_bytes(experts, replicas, zero, gather)
         slow = int(np.argmax(step["per_rank_s"]))
         on_slow = np.flatnonzero(device_of == slow)
         on_chosen = chosen[on_slow]
