@@ -77,7 +77,10 @@ def test_zero3_gathers_half_the_bytes_of_bf16(chain_13b):
     unit = wire["bf16"] / 3  # what one pass over the weights' bf16 bytes sends
     assert (wire["fp8"] - unit) / (wire["bf16"] - unit) == pytest.approx(0.5, rel=1e-9)
     assert plans["fp8"].predicted["dp_comm_s"] < plans["bf16"].predicted["dp_comm_s"]
-    assert "ZeRO-3 gathers each weight in float8" in plans["fp8"].explain()
+    text = plans["fp8"].explain()
+    assert "ZeRO-3 gathers each weight in float8" in text
+    assert "fp32 master 4 + moments 8; ZeRO-3 gathers 1 B/parameter" in text
+    assert "ZeRO-3 gathers" not in plans["bf16"].explain()
 
 
 def test_fp8_is_refused_on_a_device_without_fp8(chain_13b):

@@ -56,7 +56,9 @@ class Precision:
         if self.master:
             parts.append(f"fp32 master {self.master}")
         parts.append(f"moments {self.optimizer}")
-        return f"{self.total} B/parameter = " + " + ".join(parts)
+        gathered = "" if self.gathered is None else \
+            f"; ZeRO-3 gathers {self.gathered:g} B/parameter"
+        return f"{self.total} B/parameter = " + " + ".join(parts) + gathered
 
     def to_json(self) -> dict:
         return asdict(self)
