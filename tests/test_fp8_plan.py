@@ -48,7 +48,7 @@ def test_explain_llama3_70b_prints_an_fp8_plan_with_its_effects(capsys):
                  "--dtype", "fp8", "--tp", "8", "--batch", "64"]) == 0
     text = capsys.readouterr().out
     assert "fp8         " in text and "linear GEMMs per model pass at 1979 TFLOP/s" in text
-    assert "linear layers kept bf16: output" in text
+    assert "linear GEMMs kept bf16 (layer KxN): output 8192x128256" in text
     assert "of bf16 dense peak 989.5 TFLOP/s" in text and "model TFLOP/s per device" in text
     for name in fp8.EFFECTS:  # both priced, with a positive share of the step
         line = next(x for x in text.splitlines() if x.strip().startswith(name))
@@ -103,7 +103,7 @@ def test_plan_takes_precision_fp8():
                      example_target=w.target, precision="fp8", constraints={"tp": 2})
     assert p.search["dtype"] == "fp8"
     assert p.predicted["mfu_peak"] == {"dtype": "bf16", "flops": 989.5e12}
-    assert p.detail["fp8"]["kept_bf16"] == ["output"]
+    assert p.detail["fp8"]["kept_bf16"] == ["output 256x1024"]
     assert p.detail["fp8"]["fp8_gemms"] == p.detail["fp8"]["weight_gemms"] - 1 > 0
     assert p.predicted["model_tflops_per_device"] == pytest.approx(
         p.predicted["mfu"] * 989.5, rel=1e-9)
@@ -143,3 +143,17 @@ def test_fp8_fidelity_table_meets_its_goals(fp8_rows):
     held = [r for r in judged if r["held_out"]]
     assert len(held) >= 3 and all(abs(r["error_percent"]) <= 15 for r in held)
     assert {r["source"] for r in judged} >= {run.source for run in FP8_RUNS}
+
+
+def test_gemms_the_fp8_kernels_cannot_take_stay_bf16():
+    """An FFN width of 520 (not a multiple of 16) keeps the MLP's three GEMMs in bf16; the
+    attention projections (256 wide) still run in fp8."""
+    w = workload(SMALL.replace("ffn=512", "ffn=520"))
+    p = autopar.plan(w.model, w.inputs, World(8, per_node=8, device="h100-80gb"),
+                     global_batch=8, loss_fn=w.loss_fn, example_target=w.target,
+                     precision="fp8", constraints={"tp": 1})
+    f = p.detail["fp8"]
+    assert f["fp8_gemms"] == 2 * 4 and f["weight_gemms"] == 2 * 7 + 1
+    assert f["kept_bf16"] == ["blocks.0 256x520", "blocks.0 520x256", "output 256x1024"]
+    assert "linear GEMMs kept bf16 (layer KxN): blocks.0 256x520, blocks.0 520x256" in \
+        p.explain()

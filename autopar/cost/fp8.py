@@ -76,10 +76,15 @@ def kept_high(layers) -> frozenset:
     return frozenset()
 
 
+ALIGN = 16  # torch._scaled_mm and cuBLASLt's fp8 GEMMs take K and N in multiples of 16
+
+
 def runs_fp8(dtype: str, g, lt, kept: frozenset) -> bool:
     """Whether GEMM `g` of layer kind `lt` runs in float8: a linear layer's (a weight
-    operand), not an expert's grouped GEMM, outside the layers `kept` in bf16."""
-    return dtype == FP8 and g.weight and not g.expert and lt.name not in kept
+    operand), not an expert's grouped GEMM, outside the layers `kept` in bf16, with K and N
+    (of the whole weight) multiples of 16, which the fp8 kernels need."""
+    return dtype == FP8 and g.weight and not g.expert and lt.name not in kept and \
+        g.k % ALIGN == 0 and g.n % ALIGN == 0
 
 
 def operand_bytes(shape) -> float:

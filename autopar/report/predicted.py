@@ -94,8 +94,8 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
 
 def fp8_detail(chain: LayerChain, ctx: Context, zero: int) -> dict:
     """What runs in float8 under this plan and how it is priced (autopar.cost.fp8)."""
-    gemms = [(lt.name, fp8.runs_fp8(ctx.dtype, g, lt, ctx.kept_high))
-             for lt in chain.layers() for g in lt.gemms if g.weight]
+    gemms = [(f"{lt.name} {g.k}x{g.n}", fp8.runs_fp8(ctx.dtype, g, lt, ctx.kept_high))
+             for lt in chain.layers() for g in lt.gemms if g.weight and not g.expert]
     return {"fp8_gemms": sum(on for _, on in gemms), "weight_gemms": len(gemms),
             "kept_bf16": sorted({name for name, on in gemms if not on}),
             "fp8_flops": ctx.hw.flops(FP8), "gemms": fp8.GEMMS, "kept": fp8.KEPT,
@@ -110,7 +110,8 @@ def _fp8_lines(data: dict) -> list[str]:
     kept = ", ".join(f["kept_bf16"]) or "none"
     lines = [f"  fp8         {f['fp8_gemms']} of {f['weight_gemms']} linear GEMMs per model "
              f"pass at {f['fp8_flops'] / 1e12:.0f} TFLOP/s: {f['gemms']}",
-             f"              bf16: {f['kept']}; linear layers kept bf16: {kept}"]
+             f"              bf16: {f['kept']}; sizes not multiples of {fp8.ALIGN} too "
+             f"(the fp8 kernels need them); linear GEMMs kept bf16 (layer KxN): {kept}"]
     if f.get("gather"):
         lines.append(f"              {f['gather']}")
     return lines
