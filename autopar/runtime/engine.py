@@ -38,6 +38,7 @@ from autopar.runtime.measure import Recorder, instrument
 from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.scaler import LossScaler
+from autopar.runtime.snapshot import memory_snapshot
 from autopar.runtime.stages import PipelineWeights, build_pipeline, layers_here, pipeline_step
 from autopar.runtime.startup import ModelCard, export, retarget
 from autopar.runtime.watch import Watch
@@ -408,6 +409,12 @@ class Engine(nn.Module):
         if format != "text":
             raise PlanError(f"explain format must be 'text' or 'json', not {format!r}.")
         return measured_text(data)
+
+    def memory_snapshot(self, path) -> dict:
+        """This rank's live memory by layer and kind, written at `path` (`.pickle`: the
+        snapshot pytorch.org/memory_viz opens, the CUDA allocator's own on a GPU; `.json`;
+        else a text table); returns the table."""
+        return memory_snapshot(self, path)
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:
         """Per parameter name: (bytes held by this rank, bytes of the whole parameter)."""
