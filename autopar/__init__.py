@@ -2,12 +2,20 @@
 
 from autopar import optim
 from autopar.api import parallelize
-from autopar.errors import AutoparError, BatchError, PlanError, TokenIdError, TraceError, WorldError
+from autopar.errors import (
+    AutoparError,
+    BatchError,
+    PlanError,
+    RankStoppedError,
+    TokenIdError,
+    TraceError,
+    WorldError,
+)
 from autopar.graph import trace
 from autopar.plans import Plan
 from autopar.search.planner import plan
 from autopar.world import World
 
-__all__ = ["AutoparError", "BatchError", "Plan", "PlanError", "TokenIdError", "TraceError", "World",
-           "WorldError", "optim", "parallelize", "plan", "trace"]
+__all__ = ["AutoparError", "BatchError", "Plan", "PlanError", "RankStoppedError", "TokenIdError",
+           "TraceError", "World", "WorldError", "optim", "parallelize", "plan", "trace"]
 __version__ = "0.1.0"

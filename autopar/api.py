@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 
@@ -22,6 +23,7 @@ from autopar.runtime.engine import Engine
 from autopar.runtime.mesh import plan_groups
 from autopar.runtime.metrics import StepMetrics
 from autopar.runtime.startup import Startup, check_weights, on_meta
+from autopar.runtime.watch import DEFAULT_TIMEOUT, Watch, check_timeout
 from autopar.search.planner import pipeline_stages
 from autopar.world import World, local_device
 
@@ -31,7 +33,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                 precision: str = "fp32", check_batches: bool = False, weights=None,
                 metrics=None, metrics_every: int = 10, checkpoint_dir=None,
                 checkpoint_every: int = 100, checkpoint_async: bool = True,
-                checkpoint_keep: int = 2) -> Engine:
+                checkpoint_keep: int = 2, timeout=DEFAULT_TIMEOUT) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
@@ -48,9 +50,13 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     `checkpoint_dir`: resume from its latest checkpoint when it holds one (any plan or
     world wrote it; `engine.steps` says where the loop goes on), and save into it every
     `checkpoint_every` steps (in the background when `checkpoint_async`; the newest
-    `checkpoint_keep` are kept)."""
+    `checkpoint_keep` are kept). `timeout`: seconds (or a timedelta) any collective may
+    wait for another rank; past it, or at once when a rank dies, every other rank raises
+    RankStoppedError naming the rank that stopped and the step and phase where (None keeps
+    torch's default of 30 minutes)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
     _check_checkpointing(checkpoint_dir, checkpoint_every, checkpoint_async, checkpoint_keep)
+    seconds = check_timeout(timeout)
     sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
@@ -67,7 +73,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
             raise
         failure = e
     if failure is None:
-        _init_process_group(size)
+        _init_process_group(size, seconds)
         _check_process_group(size)
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
         try:
@@ -77,16 +83,22 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
             traced = traced or Engine.trace_for(model, tuple(example_inputs), chosen)
         except Exception as e:  # noqa: BLE001
             failure = e
-    # one small all-gather: every rank stops here together when any rank failed above, or
-    # when ranks differ in plan, model, weights or example inputs (before any group forms)
-    check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
-    start = Startup(model, source, seed, _start_device(example_inputs)) \
-        if source is not None or on_meta(model) else None
-    engine = Engine(model, chosen, plan_groups(chosen), tuple(example_inputs), loss_fn,
-                    optimizer, seed=0 if seed is None else seed,
-                    max_grad_norm=max_grad_norm, precision=precision,
-                    forward_graph=traced, check_batches=check_batches,
-                    stage_planner=pipeline_stages, start=start)
+    watch = Watch(seconds, size)
+    watch.bound([])
+    with watch.guard(-1, "parallelize"):
+        # one small all-gather: every rank stops here together when any rank failed above,
+        # or when ranks differ in plan, model, weights or example inputs (before any group)
+        check_ranks_agree(chosen, traced, tuple(example_inputs), failure)
+        start = Startup(model, source, seed, _start_device(example_inputs)) \
+            if source is not None or on_meta(model) else None
+        groups = plan_groups(chosen)
+        watch.bound(g.group for g in groups.values())
+        engine = Engine(model, chosen, groups, tuple(example_inputs), loss_fn,
+                        optimizer, seed=0 if seed is None else seed,
+                        max_grad_norm=max_grad_norm, precision=precision,
+                        forward_graph=traced, check_batches=check_batches,
+                        stage_planner=pipeline_stages, start=start)
+    engine.watch = watch
     engine.metrics = sink
     if checkpoint_dir is not None:
         engine.checkpointing = Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,
@@ -188,15 +200,16 @@ def _world_size(world) -> int:
     return world
 
 
-def _init_process_group(size: int) -> None:
+def _init_process_group(size: int, timeout: float | None) -> None:
     """Join the launcher's process group when torchrun started us and nobody did yet."""
     if size == 1 or not dist.is_available() or dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        bound = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         if attempt is None or "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **bound)
             return
         # torchrun keeps one store across restarts (--max-restarts): the keys a killed
         # attempt's ranks left there (their addresses) would be read by a rank that joins
@@ -206,7 +219,7 @@ def _init_process_group(size: int) -> None:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
                               is_master=rank == 0 and not agent)
         dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
-                                rank=rank, world_size=size)
+                                rank=rank, world_size=size, **bound)
 
 
 def rank_device(backend: str, environ=os.environ, device_count: int | None = None):

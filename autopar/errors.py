@@ -17,6 +17,11 @@ class WorldError(AutoparError):
     """The world (devices, process group, hardware profile) is not what the request needs."""
 
 
+class RankStoppedError(AutoparError, RuntimeError):
+    """Another rank stopped (died, left, or stopped calling train_step) and this one would
+    have waited for it: raised after parallelize's timeout, naming the rank and where."""
+
+
 class CheckpointError(AutoparError):
     """A checkpoint could not be written or read (the file system or a rank failed)."""
 

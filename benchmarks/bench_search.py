@@ -1,6 +1,7 @@
 """How fast the strategy search is, and whether it finds the optimum of its own space.
 
-    python benchmarks/bench_search.py [--skip-cli] [--only-time | --only-optimality]
+    python benchmarks/bench_search.py [--skip-cli] [--only-time | --only-optimality |
+                                       --only-absurd]
 
 (a) Search time. GPT-3 175B (96 layers, hidden 12288) on 1024 A100-80GB, 8 per node,
 global batch 1536, sequence 2048: `prepare` (trace two blocks and read the layer costs)
@@ -165,6 +166,36 @@ def print_time(t: dict) -> None:
           f"{t['memory_gib']:.1f} GiB per device")
     for name, seconds in CONTEXT:
         print(f"  context only: {name}: about {seconds:.0f} s")
+
+
+# Worlds far past any real cluster: each answers (a plan or one sentence) in a fresh process.
+ABSURD = ((2 ** 20, 8192), (10 ** 7, 8), (10 ** 9, 8), (10 ** 9, 2 ** 21))
+
+
+def time_absurd() -> list[dict]:
+    rows = []
+    for world, batch in ABSURD:
+        cmd = [sys.executable, "-m", "autopar.cli", "explain", "gpt3-175b", "--world",
+               str(world), "--batch", str(batch), "--device", "h100-80gb"]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        text = (proc.stdout if proc.returncode == 0 else proc.stderr).strip().splitlines()
+        answer = next((line.strip() for line in text if line.strip().startswith("mesh")),
+                      text[-1] if text else "?") if proc.returncode == 0 else \
+            (text[-1] if text else "?")
+        rows.append({"world": world, "batch": batch, "wall_s": wall,
+                     "returncode": proc.returncode, "answer": answer})
+    return rows
+
+
+def print_absurd(rows: list[dict]) -> None:
+    print("(c) absurd worlds: GPT-3 175B on H100-80GB, `autopar explain` in a fresh process "
+          "(target: an answer in seconds)")
+    for r in rows:
+        kind = "plan" if r["returncode"] == 0 else "refused"
+        print(f"  world {r['world']:>13,}  batch {r['batch']:>9,}  {r['wall_s']:6.1f} s  "
+              f"{kind}: {r['answer'][:150]}")
 
 
 # --------------------------------------------------------------------------- (b) optimality
@@ -615,13 +646,21 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--only-time", action="store_true")
     group.add_argument("--only-optimality", action="store_true")
+    group.add_argument("--only-absurd", action="store_true",
+                       help="only the absurd worlds (10^7 to 10^9 devices)")
     args = parser.parse_args()
     out = {}
-    if not args.only_optimality:
+    if not args.only_optimality and not args.only_time:
+        out["absurd"] = time_absurd()
+        print_absurd(out["absurd"])
+        print()
+        if args.only_absurd:
+            args.only_time = args.only_optimality = True
+    if not args.only_optimality and not args.only_absurd:
         out["time"] = time_search(args.skip_cli)
         print_time(out["time"])
         print()
-    if not args.only_time:
+    if not args.only_time and not args.only_absurd:
         with tempfile.TemporaryDirectory() as folder:
             out["optimality"] = optimality(folder)
         print_optimality(out["optimality"])

@@ -260,3 +260,18 @@ def test_a_mesh_size_in_the_vocabulary_gets_its_flag_check_and_constraint(monkey
     assert cli.constraints_of(args) == {"xp": 3, "tp": 2}
     with pytest.raises(cli.AutoparError, match="--xp 0 is out of range"):
         cli.validate_args(parser.parse_args([SMALL, "--xp", "0"]))
+
+
+@pytest.mark.parametrize("world,batch,most", [(10**9, 8, 198656), (10**9, 2**21, None)])
+def test_an_absurd_world_is_refused_in_one_sentence(capsys, world, batch, most):
+    """10^9 devices: more than GPT-3 can use at this batch, said with each axis's largest
+    size (dp dividing both the batch and the world), never planned device by device."""
+    rc = main(["explain", "gpt3-175b", "--world", str(world), "--batch", str(batch),
+               "--device", "h100-80gb"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith(f"autopar: a world of {world} devices is more than this model can "
+                          f"use at a global batch of {batch}: at most ")
+    if most is not None:
+        assert f"at most {most} (dp 8 x pp " in err
+    assert err.count(".") <= 2 and err.endswith("or a larger global batch.")

@@ -299,3 +299,51 @@ def test_a_profiles_collective_names_are_the_ones_comm_prices():
     from autopar.cost import comm, hardware
 
     assert hardware.ALGORITHMS == {op: tuple(algs) for op, algs in comm.ALGORITHMS.items()}
+
+
+def _counted_placement(stride: int, size: int, world: int, node: int):
+    """The placement by counting every rank of the world (the definition)."""
+    from autopar.cost import comm
+    counts = comm._pair_counts(range(world), stride, stride * size, node)
+    return comm._placement_of(counts, size, node)
+
+
+@pytest.mark.parametrize("limit", [64, 1 << 16])
+def test_uneven_placement_by_structure_equals_counting_every_rank(monkeypatch, limit):
+    """Past `_ENUMERATE` ranks an unevenly cut axis is placed from the nodes a block
+    boundary cuts (and a partial last node) alone; it equals counting every rank."""
+    import random
+
+    from autopar.cost import comm
+    monkeypatch.setattr(comm, "_ENUMERATE", limit)
+    rng = random.Random(0)
+    checked = 0
+    while checked < 400:
+        node = rng.choice([2, 3, 4, 6, 8, 16, 72])
+        stride, size = rng.randint(1, node - 1), rng.randint(2, 300)
+        world = stride * size * rng.randint(1, 6)
+        block = stride * size
+        if world > 20000 or world <= node or node % block == 0 or \
+                (node % stride == 0 and block % node == 0):
+            continue  # the regular layouts, placed without counting
+        got = comm._uneven_placement(stride, size, world, node)
+        want = _counted_placement(stride, size, world, node)
+        assert (got.per_node, got.sharing) == (want.per_node, want.sharing), \
+            (stride, size, world, node)
+        checked += 1
+
+
+def test_an_axis_of_a_billion_ranks_counts_a_few_nodes(monkeypatch):
+    from autopar.cost import comm
+    counted = []
+    original = comm._pair_counts
+
+    def counting(ranks, *args):
+        ranks = list(ranks)
+        counted.append(len(ranks))
+        return original(ranks, *args)
+
+    monkeypatch.setattr(comm, "_pair_counts", counting)
+    placement = comm._uneven_placement(5, 2 * 10**8, 10**9, 8)
+    assert (placement.per_node, placement.sharing) == (1, 5)
+    assert sum(counted) <= 8 * 8  # at most one node per block boundary in a period

@@ -149,14 +149,50 @@ def _axis_placement(stride: int, size: int, world: int, node: int) -> Placement:
     return _uneven_placement(stride, size, world, node)
 
 
+_ENUMERATE = 1 << 16  # ranks counted one by one at most; past it, by the layout's structure
+
+
 def _uneven_placement(stride: int, size: int, world: int, node: int) -> Placement:
-    """Count (group, node) pairs over one period of the layout, where the pattern repeats."""
+    """The placement of an axis that a node boundary cuts unevenly (stride < node here).
+
+    The layout repeats every lcm(block, node) ranks; a short period (or a short world) is
+    counted rank by rank. A long one needs blocks of at least two nodes, and then only the
+    nodes a block boundary cuts, and a partial last node, differ from the rest: every other
+    node lies inside one block and holds each of the block's `stride` groups, all of which
+    cross nodes, floor or ceil(node / stride) times. Those few nodes are counted rank by
+    rank, so an axis of 10^9 ranks costs a few node's worth of work."""
     block = stride * size
-    period = math.lcm(block, node) if world % node == 0 else world
+    period = math.lcm(block, node)
+    if world % node != 0 and world <= _ENUMERATE:
+        period = world
+    if period <= _ENUMERATE or block < 2 * node:
+        counts = _pair_counts(range(min(period, world)), stride, block, node)
+        if world % node != 0 and period < world:  # the partial last node
+            counts.update(_pair_counts(range(world - world % node, world), stride, block, node))
+        return _placement_of(counts, size, node)
+    blocks = min(period, world) // block
+    cut = {m * block // node for m in range(1, blocks) if m * block % node}
+    counts = _pair_counts((r for j in sorted(cut) for r in range(j * node, j * node + node)
+                           if r < world), stride, block, node)
+    if world % node != 0:
+        counts.update(_pair_counts(range(world - world % node, world), stride, block, node))
+    per_node = min([*counts.values(), node // stride])  # an inside node: floor(node / stride)
+    sharing = {}
+    for _, where in counts:  # every group of a block of two nodes or more crosses
+        sharing[where] = sharing.get(where, 0) + 1
+    return Placement(size, per_node, max([stride, *sharing.values()]), node)
+
+
+def _pair_counts(ranks, stride: int, block: int, node: int) -> dict[tuple[int, int], int]:
+    """Members of each (group, node) pair among `ranks`."""
     counts: dict[tuple[int, int], int] = {}
-    for rank in range(period):
+    for rank in ranks:
         key = ((rank // block) * stride + rank % stride, rank // node)
         counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _placement_of(counts: dict[tuple[int, int], int], size: int, node: int) -> Placement:
     nodes_of: dict[int, int] = {}
     for group, _ in counts:
         nodes_of[group] = nodes_of.get(group, 0) + 1

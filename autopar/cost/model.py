@@ -95,11 +95,10 @@ def tensor_modes(size: int, allowed=TENSOR_MODES) -> list[TensorMode]:
     q = math.isqrt(size)
     if "2d" in allowed and q * q == size:
         out.append(TensorMode("2d", size, q, 1))
-    if "2.5d" in allowed:
-        for d in (d for d in range(2, size // 4 + 1) if size % d == 0):
-            q = math.isqrt(size // d)
-            if size % d == 0 and q > 1 and q * q * d == size:
-                out.append(TensorMode("2.5d", size, q, d))
+    if "2.5d" in allowed:  # depths d with size / d a square q^2, q > 1: d = size / q^2
+        for q in range(math.isqrt(size // 2), 1, -1):
+            if size % (q * q) == 0:
+                out.append(TensorMode("2.5d", size, q, size // (q * q)))
     c = round(size ** (1 / 3))
     if "3d" in allowed and c > 1 and c ** 3 == size:
         out.append(TensorMode("3d", size, c, c))

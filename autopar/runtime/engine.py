@@ -38,8 +38,10 @@ from autopar.runtime.measure import Recorder, instrument
 from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.scaler import LossScaler
+from autopar.runtime.snapshot import memory_snapshot
 from autopar.runtime.stages import PipelineWeights, build_pipeline, layers_here, pipeline_step
 from autopar.runtime.startup import ModelCard, export, retarget
+from autopar.runtime.watch import Watch
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.solve import Solution, solve
 
@@ -74,6 +76,7 @@ class Engine(nn.Module):
         self.after_backward: list = []
         self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
         self.checkpointing = Checkpointing()  # saves by itself (parallelize's checkpoint_dir)
+        self.watch = Watch(None, 1)  # where this rank is (parallelize's timeout gives it a store)
         self.steps = 0
         self.model_card = ModelCard(model)  # what export needs once the model is released
         self._tp, self._dp = groups[TP], groups[DP]
@@ -278,6 +281,10 @@ class Engine(nn.Module):
 
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on a global batch; the loss equals the single-device loss."""
+        with self.watch.guard(self.steps, "forward and backward"):
+            return self._train_step(inputs, targets)
+
+    def _train_step(self, inputs, targets) -> float:
         started, mark = time.perf_counter(), len(self.comm_log.records)
         inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
         self.recorder.begin_step(self.comm_log)
@@ -294,17 +301,22 @@ class Engine(nn.Module):
         loss = self._forward_backward(tuple(local_inputs), local_target)
         for hook in self.after_backward:
             hook()
+        self.watch.at(self.steps, "gradient sync")
         self.grads.average()
+        self.watch.at(self.steps, "optimizer step")
         self.last_grad_norm = self.grads.step(
             self.optimizer, self.scaler, self.max_grad_norm,
             norm_phase=METRICS_PHASE if self.metrics is not None else None)
+        self.watch.at(self.steps, "loss average")
         self.steps += 1
         value = loss.detach().float().reshape(1)
         if self._dp.size > 1:
             value = self._dp.all_reduce(value, "step") / self._dp.size
         self.recorder.finish_step(self.comm_log)
         value = float(value)  # (waits for the step's kernels on a GPU)
+        self.watch.at(self.steps - 1, "checkpoint and metrics")
         _after_step(self, value, time.perf_counter() - started, mark, inputs)
+        self.watch.at(self.steps - 1, "done")
         return value
 
     def _forward_backward(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
@@ -397,6 +409,12 @@ class Engine(nn.Module):
         if format != "text":
             raise PlanError(f"explain format must be 'text' or 'json', not {format!r}.")
         return measured_text(data)
+
+    def memory_snapshot(self, path) -> dict:
+        """This rank's live memory by layer and kind, written at `path` (`.pickle`: the
+        snapshot pytorch.org/memory_viz opens, the CUDA allocator's own on a GPU; `.json`;
+        else a text table); returns the table."""
+        return memory_snapshot(self, path)
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:
         """Per parameter name: (bytes held by this rank, bytes of the whole parameter)."""

@@ -169,7 +169,7 @@ def search(chain: LayerChain, world: World, *, global_batch: int, constraints=No
 def _grids(world: int) -> list:
     """The multi-dimensional grids a tensor group of this world can form: (mode, depth)."""
     out = []
-    for tp in (d for d in range(4, world + 1) if world % d == 0):
+    for tp in (d for d in divisors(world) if d >= 4):
         for mode in tensor_modes(tp, GRID_MODES):
             grid = (mode.name, mode.d if mode.name == TP_25D else None)
             if grid not in out:

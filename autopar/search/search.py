@@ -224,7 +224,8 @@ class Search:
                 progress(i, 2 * len(meshes))
             leaves.extend(self._leaves(mesh, heads))
         if not leaves:
-            raise PlanError(why.no_leaf(self.space, meshes, self.opt.global_batch))
+            raise PlanError(why.too_many_devices(self.space, meshes, world, self.opt.global_batch)
+                            or why.no_leaf(self.space, meshes, self.opt.global_batch))
         return meshes, leaves
 
     def _check_ep(self, meshes) -> None:

@@ -74,6 +74,36 @@ def no_mesh(c, chain, world: int, n_blocks: int) -> str:
     return f"no way to split this model over {world} devices."
 
 
+def too_many_devices(space, meshes, world: int, global_batch: int) -> str | None:
+    """When `world` exceeds what the model can use at this batch, the sentence that says so.
+
+    An upper bound, so that it never refuses a world a plan could use: for each dp dividing
+    the batch and the world (each replica then has b = batch / dp samples), pp at most the blocks (one per
+    stage), cp the largest size the sequence splits over, and tp the largest divisor of the
+    world with a tensor mode that splits a micro-batch of b (1D where the layers split;
+    2D/2.5D/3D grids also cut the micro-batch)."""
+    blocks = max(1, space.n_blocks)
+    cp_max = max(m["cp"] for m in meshes)
+    refused = space.refused_tensor_sizes_1d()
+    sizes = divisors(world)
+
+    def tp_max(b: int) -> int:
+        return max(t for t in sizes if any(
+            (mode.name == TP_1D and t not in refused) or
+            (mode.name != TP_1D and b % mode.batch_split == 0) for mode in space.tp_modes(t)))
+
+    best = max(((dp, tp_max(global_batch // dp))
+                for dp in divisors(math.gcd(global_batch, world))),
+               key=lambda pair: pair[0] * pair[1])
+    most = best[0] * blocks * cp_max * best[1]
+    if world <= most:
+        return None
+    return (f"a world of {world} devices is more than this model can use at a global batch "
+            f"of {global_batch}: at most {most} (dp {best[0]} x pp {blocks}, one block per "
+            f"stage, x cp {cp_max} x tp {best[1]}, the largest sizes its batch, sequence and "
+            f"layers split over); use {most} devices or fewer, or a larger global batch.")
+
+
 def no_leaf(space, meshes, global_batch: int) -> str:
     """Why no micro-batch and schedule of any mesh left meets the constraints."""
     gb, c = global_batch, space.c

@@ -1,0 +1,131 @@
+"""No rank waits forever: when a rank dies, never calls parallelize, or stops calling
+train_step, the other raises RankStoppedError within parallelize's timeout, naming the rank
+and where it stopped (tests/stall_train.py runs the 2-rank jobs, all four at once)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from autopar.errors import PlanError, RankStoppedError
+from autopar.runtime.watch import Watch, check_timeout, lost_peer
+from tests.distributed import find_free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "stall_train.py"
+TIMEOUT = 10.0  # past any skew of the first step's tracing between two ranks here
+CASES = ("stall", "die", "absent", "die0")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every case's reports: {case: {rank: report}}."""
+    base = tmp_path_factory.mktemp("stall")
+    procs = {}
+    for case in CASES:
+        out = base / case
+        out.mkdir()
+        port = find_free_port()
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+            procs[case, rank] = subprocess.Popen(
+                [sys.executable, str(SCRIPT), "--case", case, "--out", str(out),
+                 "--timeout", str(TIMEOUT)], env=env, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+    survivors = {(c, 0 if c != "die0" else 1) for c in CASES}
+    deadline = time.monotonic() + 240
+    for key in survivors:
+        procs[key].wait(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs.values():  # the stopped ranks sleep or are gone
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return {c: {r: json.loads((base / c / f"rank{r}.json").read_text()) for r in (0, 1)
+                if (base / c / f"rank{r}.json").exists()} for c in CASES}
+
+
+def _waited(message: str) -> float:
+    return float(re.search(r"waited (\d+) s", message).group(1))
+
+
+def test_a_rank_that_stops_calling_train_step_is_named_with_its_last_step(jobs):
+    report = jobs["stall"][0]
+    assert report["raised"] == "RankStoppedError"
+    assert report["message"] == (
+        f"rank 0 waited {_waited(report['message']):.0f} s in step 2 (forward and backward): "
+        "rank 1 stopped calling train_step (last after step 1) while the others went on; "
+        "every rank must run the same steps.")
+    assert TIMEOUT - 1 <= _waited(report["message"]) <= TIMEOUT + 3
+
+
+def test_a_rank_that_dies_is_named_at_once(jobs):
+    report = jobs["die"][0]
+    assert report["raised"] == "RankStoppedError"
+    # rank 1 died after step 2's backward; rank 0 finished step 2 (its tensor all-reduces
+    # came before) and found the peer gone in step 3's first all-reduce, without waiting
+    assert report["message"] == (
+        "rank 0 waited 0 s in step 3 (forward and backward): rank 1 stopped running (last "
+        "in step 2 (forward and backward)); restart the job (torchrun --max-restarts) to "
+        "resume from the last checkpoint.")
+
+
+def test_a_rank_that_never_calls_parallelize_is_named(jobs):
+    report = jobs["absent"][0]
+    assert report["raised"] == "RankStoppedError"
+    assert report["message"] == (
+        f"rank 0 waited {_waited(report['message']):.0f} s in parallelize: rank 1 never "
+        "reached this parallelize call; start every rank with the same script and arguments.")
+    assert TIMEOUT - 1 <= _waited(report["message"]) <= TIMEOUT + 3
+
+
+def test_the_store_hosts_death_is_said_as_such(jobs):
+    report = jobs["die0"][1]
+    assert report["raised"] == "RankStoppedError"
+    assert "lost the job's store" in report["message"]
+    assert report["message"].startswith("rank 1 waited 0 s in step 3 (forward and backward)")
+
+
+def test_the_stopped_ranks_did_stop(jobs):
+    assert {c: "stopped_at" in jobs[c][1 if c != "die0" else 0] for c in CASES} == \
+        dict.fromkeys(CASES, True)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "60", True, float("nan"), datetime.timedelta(0)])
+def test_a_timeout_that_is_no_duration_is_refused(bad):
+    with pytest.raises(PlanError, match="^timeout must be a positive number of seconds"):
+        check_timeout(bad)
+
+
+def test_timeouts_in_seconds_or_timedelta():
+    assert check_timeout(None) is None
+    assert check_timeout(90) == 90.0
+    assert check_timeout(datetime.timedelta(minutes=2)) == 120.0
+
+
+def test_lost_peer_tells_collective_failures_from_other_errors():
+    assert lost_peer(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation"))
+    assert lost_peer(RuntimeError("Connection closed by peer [127.0.0.1]:4000"))
+    assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not lost_peer(ValueError("Timed out"))
+    assert not lost_peer(RankStoppedError("rank 1 stopped"))
+
+
+def test_a_world_of_one_keeps_no_store():
+    watch = Watch(30.0, 1)
+    assert watch.store is None and watch.number == 0
+    with watch.guard(0, "forward and backward"):  # nothing to name: errors pass as they are
+        pass
+    with pytest.raises(RuntimeError, match="Timed out"):
+        with watch.guard(0, "forward and backward"):
+            raise RuntimeError("Timed out")
+    assert not dist.is_initialized() or dist.get_world_size() >= 1
