@@ -13,6 +13,7 @@ import numpy as np
 
 from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
+from autopar.cost.hybrid import HybridSplit, replicas_time
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
 from autopar.cost.memory import FOR_LOOP, FUSED
 from autopar.cost.precision import ADAM_MOMENTS, Precision
@@ -270,20 +271,21 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
                grad_pl, hw: Hardware, schedule: str, v: int, m: int, zero: int,
                offload: bool, precision: Precision, cache: dict | None = None,
                pipeline: tuple | None = None, experts_dev=None,
-               split: ExpertSplit | None = None) -> dict:
+               split: ExpertSplit | None = None, hybrid: HybridSplit | None = None) -> dict:
     """Seconds of one step by part: the pipeline (its bubble, each rank's seconds per
     micro-batch), the gradient sync and the optimizer of the rank holding most weights.
     `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds;
     `pipeline`: `pipeline_time` of these arguments when already known (ZeRO options of one
     leaf share it). Under expert parallelism (`split`) that rank's `experts_dev` bytes sync
-    over the expert-data group and step on its ZeRO shard."""
+    over the expert-data group and step on its ZeRO shard. Under HSDP (`hybrid`) ZeRO runs
+    over the shard group and each piece is summed over the replicas (`cost.hybrid`)."""
     pp = len(params_dev)
     if pipeline is None:
         pipeline = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
                                  transfer)
     pipe, bubble, dev = pipeline
     worst = float(params_dev.max())
-    replicas = grad_pl.size
+    replicas = grad_pl.size if hybrid is None else hybrid.ranks
     if split is not None and experts_dev is not None:
         experts = float(experts_dev[int(np.argmax(params_dev))])
         worst -= experts
@@ -291,7 +293,10 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
         optimizer_s = optimizer_time(experts, split.replicas, zero, offload, precision, hw)
     else:
         dp_s = optimizer_s = 0.0
-    dp_s += dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache)
+    dp_s += dp_time(worst, zero, m, grad_pl if hybrid is None else hybrid.shard, hw,
+                    units=max(1, units), cache=cache)
+    if hybrid is not None:
+        dp_s += replicas_time(worst, zero, m, hybrid, hw, units=max(1, units))
     optimizer_s += optimizer_time(worst, replicas, zero, offload, precision, hw)
     return {"step_s": pipe + dp_s + optimizer_s, "pipeline_s": pipe, "bubble_s": bubble,
             "per_rank_s": dev, "dp_s": dp_s, "optimizer_s": optimizer_s}
