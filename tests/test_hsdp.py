@@ -90,3 +90,57 @@ def test_the_runtime_refuses_hsdp_beside_a_pipeline():
     plan = Plan.from_dict({"data": {"size": 4, "shard": 2}, "zero": {"stage": 1},
                            "pipeline": 2}, 8)
     assert any("hybrid sharding beside a pipeline" in u for u in plan.unsupported())
+
+
+# ----------------------------------------------------------------------- planned
+MEDIUM = "llama:layers=4,hidden=2048,heads=16,kv_heads=8,ffn=5632,vocab=32000,seq=2048"
+
+
+@pytest.fixture(scope="module")
+def medium():
+    from autopar.models import workload
+    from autopar.search import planner
+
+    w = workload(MEDIUM, max_layers=None)
+    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                           tokens_per_sample=w.tokens_per_sample, tp_sizes=[1])
+
+
+def _search(chain, **constraints):
+    from autopar.search import planner
+    from autopar.world import World
+
+    world = World(64, per_node=8, device="h100-80gb")
+    fixed = dict(tp=1, pp=1, cp=1, **constraints)
+    result = planner.search(chain, world, global_batch=64, constraints=fixed)
+    return planner.to_plan(chain, world, result, 64, "bf16", 0.0), result.best
+
+
+def test_the_search_keeps_zero3_gathers_inside_a_node_and_explains_both_groups(medium):
+    """At dp 64 over 8 nodes, ZeRO-3's per-layer gathers across every node cost more than
+    inside a shard group of 1 to 8 nodes plus one all-reduce of each piece over the replicas."""
+    plan, best = _search(medium, zero=3)
+    assert best.dp_shard in (8, 16, 32) and plan.zero.shard == best.dp_shard
+    _, full = _search(medium, zero=3, dp_shard=64)  # ZeRO over all of dp
+    assert full.dp_shard is None and best.dp_comm_s < full.dp_comm_s
+    text = plan.explain()
+    assert f"dp_shard={plan.dp_shard}" in text and f"dp_replicate={plan.dp_replicate}" in text
+
+
+def test_hsdp_state_is_the_state_over_the_shard_size(medium):
+    """Parameters, gradients and optimizer state per device are those of ZeRO-3 over 64
+    ranks, times 64 / 8 with a shard group of 8."""
+    _, hybrid = _search(medium, zero=3, dp_shard=8)
+    _, full = _search(medium, zero=3, dp_shard=64)
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert hybrid.memory[kind] == pytest.approx(full.memory[kind] * 8, rel=1e-9), kind
+
+
+def test_dp_shard_on_the_command_line(capsys):
+    from autopar import cli
+
+    cli.main(["explain", MEDIUM, "--world", "64", "--device", "h100-80gb", "--batch", "64",
+              "--tp", "1", "--pp", "1", "--cp", "1", "--zero", "2", "--dp-shard", "16",
+              "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["zero"] == {"stage": 2, "offload": False, "shard": 16}

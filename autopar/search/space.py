@@ -337,13 +337,15 @@ class Space:
 
     def zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
         """(ZeRO stage, offload, hybrid shard size) options for this mesh: the shard None
-        cuts over all of dp; a size (`cost.hybrid.shard_sizes`) is HSDP, tried without offload."""
+        cuts over all of dp; a size (`cost.hybrid.shard_sizes`) is HSDP, tried without offload,
+        for ZeRO-3 (any stage when the constraint dp_shard fixes it)."""
         out = []
         replicas = mesh["dp"] * mesh["cp"]
         caps = self.caps
-        fixed = self.c.dp_shard if self.c.dp_shard != mesh["dp"] else None
-        shards = shard_sizes(mesh, per_node, fixed) if caps is None or (
-            caps.hybrid_shard and (mesh["pp"] == 1 or caps.hybrid_with_pp)) else []
+        fixed = self.c.dp_shard  # (the data-parallel size itself: ZeRO over all of dp)
+        shards = [] if fixed == mesh["dp"] or (caps is not None and not (
+            caps.hybrid_shard and (mesh["pp"] == 1 or caps.hybrid_with_pp))) \
+            else shard_sizes(mesh, per_node, fixed)
         for zero in ZERO_STAGES:
             if self.c.zero is not None and zero != self.c.zero:
                 continue
@@ -360,8 +362,9 @@ class Space:
                 if offload and zero == 3 and mesh["dp"] == 1 and caps is not None and \
                         not caps.offload_zero3_single_rank:
                     continue  # the runtime cuts ZeRO-3 pieces over dp alone (Plan.unsupported)
-                if fixed is None:
+                if fixed is None or fixed == mesh["dp"]:
                     out.append((zero, offload, None))
-                if zero and not offload:
+                if not offload and (zero == 3 or (zero and fixed is not None)):
+                    # free, HSDP is tried for ZeRO-3, whose per-layer gathers it keeps near
                     out += [(zero, offload, shard) for shard in shards]
         return out
