@@ -8,7 +8,6 @@ HSDP loads under another plan."""
 import json
 
 import pytest
-
 from distributed import dist_pool_fixture
 from equivalence import assert_equal, compare
 from test_checkpoint import _reshard

@@ -7,7 +7,6 @@ import functools
 
 import pytest
 import torch
-
 from distributed import dist_pool_fixture
 from equivalence import build
 

@@ -12,9 +12,9 @@ import numpy as np
 
 from autopar.cost.comm import placements
 from autopar.cost.experts import imbalance_of, tokens_per_expert
+from autopar.cost.hybrid import hybrid_split
 from autopar.cost.model import LayerState
 from autopar.cost.schedule import stage_owner
-from autopar.cost.hybrid import hybrid_split
 from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_parts
 from autopar.errors import PlanError
 from autopar.modes import (

@@ -44,7 +44,6 @@ from autopar.cost.step import (
 )
 from autopar.modes import (
     CP,
-    DP,
     DP_REPLICATE,
     DP_SHARD,
     EP,

@@ -20,9 +20,9 @@ import numpy as np
 
 from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
+from autopar.cost.hybrid import HybridSplit, hybrid_split, replicas_time, replicas_wire_bytes
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import RECOMPUTE, Context, state_cost
-from autopar.cost.hybrid import HybridSplit, hybrid_split, replicas_time, replicas_wire_bytes
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
