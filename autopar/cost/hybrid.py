@@ -7,6 +7,7 @@ one all-reduce of 1/shard of the bytes; a device holds 1/shard of the state, not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
@@ -30,12 +31,24 @@ class HybridSplit:
         return self.shard.size
 
 
-def hybrid_split(mesh: dict, dp_shard: int, per_node: int) -> HybridSplit:
-    """The shard and replica placements of `mesh` under a shard size `dp_shard` (dividing dp)."""
-    pl = placements({TP: mesh[TP], DP_SHARD: dp_shard * mesh[CP],
-                     DP_REPLICATE: mesh[DP] // dp_shard, PP: mesh[PP]},
+def hybrid_split(mesh: dict, dp_shard: int | None, per_node: int) -> HybridSplit | None:
+    """The shard and replica placements of `mesh` under a shard size `dp_shard` (dividing dp;
+    None: no HSDP)."""
+    if dp_shard is None:
+        return None
+    return _split(mesh[TP], mesh[CP], mesh[DP], mesh[PP], dp_shard, per_node)
+
+
+@lru_cache(maxsize=4096)
+def _split(tp: int, cp: int, dp: int, pp: int, dp_shard: int, per_node: int) -> HybridSplit:
+    pl = placements({TP: tp, DP_SHARD: dp_shard * cp, DP_REPLICATE: dp // dp_shard, PP: pp},
                     (TP, DP_SHARD, DP_REPLICATE, PP), per_node)
     return HybridSplit(dp_shard, pl[DP_SHARD], pl[DP_REPLICATE])
+
+
+def zero_ranks(mesh: dict, dp_shard: int | None) -> int:
+    """The ranks ZeRO cuts the state over: the dp x cp replicas, or the HSDP shard group."""
+    return (dp_shard or mesh[DP]) * mesh[CP]
 
 
 def replicas_time(param_bytes: float, zero: int, m: int, split: HybridSplit, hw: Hardware,

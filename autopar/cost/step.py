@@ -210,6 +210,17 @@ def dp_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units:
     return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * ag)}[zero]
 
 
+def sync_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units: int = 1,
+              cache: dict | None = None, hybrid: HybridSplit | None = None) -> float:
+    """`dp_time` over `grad_pl`; under HSDP (`hybrid`) over the shard group, plus the
+    replicas' all-reduce of each piece (`cost.hybrid.replicas_time`); `cache`: seconds by
+    bytes of the placement the ZeRO collectives run on."""
+    if hybrid is None:
+        return dp_time(param_bytes, zero, m, grad_pl, hw, units, cache)
+    return dp_time(param_bytes, zero, m, hybrid.shard, hw, units, cache) + \
+        replicas_time(param_bytes, zero, m, hybrid, hw, units)
+
+
 def stage_transfer(layers, stage_of, b: int, pl: dict, hw: Hardware) -> tuple[float, float]:
     """(seconds, bytes) of one transfer between pipeline stages: each rank's 1/(tp x cp)
     slice of the biggest activation crossing a stage boundary (Narayanan et al. 2021 §4.1)."""
@@ -293,10 +304,7 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
         optimizer_s = optimizer_time(experts, split.replicas, zero, offload, precision, hw)
     else:
         dp_s = optimizer_s = 0.0
-    dp_s += dp_time(worst, zero, m, grad_pl if hybrid is None else hybrid.shard, hw,
-                    units=max(1, units), cache=cache)
-    if hybrid is not None:
-        dp_s += replicas_time(worst, zero, m, hybrid, hw, units=max(1, units))
+    dp_s += sync_time(worst, zero, m, grad_pl, hw, max(1, units), cache, hybrid)
     optimizer_s += optimizer_time(worst, replicas, zero, offload, precision, hw)
     return {"step_s": pipe + dp_s + optimizer_s, "pipeline_s": pipe, "bubble_s": bubble,
             "per_rank_s": dev, "dp_s": dp_s, "optimizer_s": optimizer_s}

@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
-from autopar.cost.hybrid import HybridSplit, hybrid_split, replicas_time, replicas_wire_bytes
+from autopar.cost.hybrid import hybrid_split, replicas_wire_bytes, zero_ranks
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import RECOMPUTE, Context, state_cost
 from autopar.cost.precision import Precision, precision_of
@@ -30,7 +30,6 @@ from autopar.cost.step import (
     ExpertSplit,
     conversion_s,
     crossing_transfer,
-    dp_time,
     dp_wire_bytes,
     expert_split,
     grad_placement,
@@ -44,10 +43,10 @@ from autopar.cost.step import (
     state_factors,
     step_parts,
     step_temps_dev,
+    sync_time,
 )
 from autopar.errors import PlanError
 from autopar.modes import (
-    DP,
     INTERLEAVED,
     NO_PIPELINE,
     NO_SP,
@@ -315,8 +314,9 @@ class Search:
             # it runs over a smaller group)
             avg = prep.min_total / pp
             slowest = max(avg, prep.min_single)
-            dp_lb = min(self._dp_bound((prep.min_params - prep.min_experts) / pp, z, m,
-                                       grad_pl, mesh, shard, dp_cache)
+            dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
+                                      grad_pl, cache=None if shard else dp_cache,
+                                      hybrid=hybrid_split(mesh, shard, self.world.per_node))
                         for z, _, shard in leaf_zeros)
             for schedule, v in self.space.schedules(pp, m):
                 if pp * v > len(self.chain.order):
@@ -341,30 +341,12 @@ class Search:
 
     # ------------------------------------------------------------------ pricing
     def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl, units: int = 1,
-                 cache: dict | None = None) -> float:
-        """Data-parallel gradient sync of one device's parameters (`cost.step.dp_time`);
-        `cache`: the one of `grad_pl` (`_dp_cache`)."""
+                 cache: dict | None = None, hybrid=None) -> float:
+        """Data-parallel gradient sync of one device's parameters (`cost.step.sync_time`;
+        `hybrid`: HSDP's groups); `cache`: the one of its placement (`_dp_cache`)."""
         if cache is None:
-            cache = self._dp_cache(grad_pl)
-        return dp_time(param_bytes, zero, m, grad_pl, self.hw, units, cache)
-
-    def _dp_bound(self, param_bytes, zero, m, grad_pl, mesh, shard, cache) -> float:
-        """`_dp_time` at one unit; under HSDP (`shard`) over the shard group, with the
-        replicas' all-reduce (`cost.hybrid`)."""
-        if shard is None:
-            return self._dp_time(param_bytes, zero, m, grad_pl, cache=cache)
-        hybrid = self._hybrid(mesh, shard)
-        return self._dp_time(param_bytes, zero, m, hybrid.shard) + \
-            replicas_time(param_bytes, zero, m, hybrid, self.hw)
-
-    def _hybrid(self, mesh: dict, shard: int | None) -> HybridSplit | None:
-        if shard is None:
-            return None
-        key = ("hybrid", tuple(mesh.items()), shard)
-        hit = self._cost_cache.get(key)
-        if hit is None:
-            hit = self._cost_cache[key] = hybrid_split(mesh, shard, self.world.per_node)
-        return hit
+            cache = self._dp_cache(grad_pl if hybrid is None else hybrid.shard)
+        return sync_time(param_bytes, zero, m, grad_pl, self.hw, units, cache, hybrid)
 
     def _dp_cache(self, grad_pl) -> dict:
         """Collective seconds by parameter bytes, over one gradient placement."""
@@ -417,7 +399,7 @@ class Search:
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh["pp"]
-        replicas = _zero_ranks(leaf.mesh, shard)
+        replicas = zero_ranks(leaf.mesh, shard)
         per_param = sum(state_factors(self.precision, replicas, zero, offload))
         in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
         weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
@@ -428,7 +410,7 @@ class Search:
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
                 experts_dev=None, temps_dev=None, shard=None):
-        replicas = _zero_ranks(leaf.mesh, shard)
+        replicas = zero_ranks(leaf.mesh, shard)
         step = optimizer_step_dev(params_dev, temps_dev, replicas, zero, offload,
                                   self.precision, self.hw.optimizer_implementation,
                                   experts_dev, leaf.split)
@@ -485,18 +467,18 @@ class Search:
         heaviest = int(np.argmax(params_dev))
         units = int(np.count_nonzero((device_of == heaviest) & (params > 0)))  # holding any
         pipeline = leaf.fast.pipeline if fast else None
-        hybrid = self._hybrid(mesh, shard)
+        hybrid = hybrid_split(mesh, shard, self.world.per_node)
         step = step_parts(prep.layer_time if fast else prep.path_time(chosen), device_of,
                           leaf.stage_of, params_dev, units, transfer=self._transfer(leaf),
                           grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
                           m=leaf.m, zero=zero, offload=offload, precision=self.precision,
-                          cache=leaf.dp_cache if hybrid is None else
-                          self._dp_cache(hybrid.shard), pipeline=pipeline,
+                          cache=self._dp_cache(leaf.grad_pl if hybrid is None else
+                                               hybrid.shard), pipeline=pipeline,
                           experts_dev=experts_dev, split=leaf.split, hybrid=hybrid)
         if fast:
             leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         worst = float(params_dev.max())
-        replicas = _zero_ranks(mesh, shard)
+        replicas = zero_ranks(mesh, shard)
         host = host_bytes(worst, replicas, zero, offload, self.precision)
         wire = dp_wire_bytes(worst, replicas, zero) + \
             (replicas_wire_bytes(worst, hybrid) if hybrid is not None else 0.0)
@@ -542,11 +524,6 @@ class Search:
                          schedule=leaf.schedule, chunks=leaf.v, zero=0, offload=False,
                          cp_mode=leaf.cp_mode, states=prep.states_of(prep.fast), stages=[],
                          step_time=leaf.bound, ep=leaf.split.ep if leaf.split else 1)
-
-
-def _zero_ranks(mesh: dict, shard: int | None) -> int:
-    """The ranks ZeRO cuts the state over: the dp x cp replicas, or the HSDP shard group."""
-    return (shard or mesh[DP]) * mesh["cp"]
 
 
 @dataclass(kw_only=True)
