@@ -1,5 +1,6 @@
 """Hybrid sharded data parallelism (HSDP): ZeRO over a shard group of neighbouring dp ranks,
-replicated over the groups (`dict(data=dict(size=4, shard=2), zero=...)`). Each run equals
+replicated over the groups (`dict(data=dict(size=4, shard=2), zero=...)`; world 8 as 2 x 4).
+Each run equals
 one device (loss and weights within 1e-5), the bytes of every collective per (op, axis)
 are the plan's prediction (gathers and reduce-scatters on dp_shard, one all-reduce of each
 piece on dp_replicate), a rank holds 1/shard of the state, and a checkpoint saved under
@@ -16,6 +17,7 @@ from autopar.errors import PlanError
 from autopar.plans import Plan
 
 pool4 = dist_pool_fixture(4)
+pool8 = dist_pool_fixture(8)
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 
@@ -49,6 +51,18 @@ def test_hsdp_2x2_equals_one_device_with_exact_comm(pool4, stage):
         for (a, b) in r["norms"]:  # clipping counts each replicated piece once
             assert abs(a - b) <= 1e-5 * b
 
+
+def test_hsdp_2x4_zero3_equals_one_device_with_exact_comm(pool8):
+    """dp 8 as 2 replicas of 4-rank shard groups, the plan dict of the public contract."""
+    plan = {"data": {"size": 8, "shard": 4}, "zero": {"stage": 3}}
+    results = pool8.run(compare, GPT, plan, 2, 8, _state_bytes)
+    assert_equal(results)
+    for r in results:
+        measured = r["measured"]
+        assert measured[("all_reduce", "dp_replicate")] == \
+            measured[("reduce_scatter", "dp_shard")] // 4
+        probe = r["probe"]  # a quarter of the state on each rank of a shard group
+        assert abs(probe["pieces"] - probe["whole"] / 8) <= 0.03 * probe["whole"] / 8
 
 def test_hsdp_checkpoint_loads_under_another_plan(tmp_path, pool4):
     """Saved from ZeRO-3 pieces cut over shard groups of 2 (each piece written by both
