@@ -1,8 +1,8 @@
 """Hybrid sharded data parallelism (HSDP): ZeRO over a shard group of neighbouring dp ranks,
 replicated over the groups (`dict(data=dict(size=4, shard=2), zero=...)`; world 8 as 2 x 4).
 Each run equals one device (loss and weights within 1e-5), the bytes of every collective
-per (op, axis) are the plan's prediction (gathers and reduce-scatters on dp_shard, one all-reduce of each
-piece on dp_replicate), a rank holds 1/shard of the state, and a checkpoint saved under
+per (op, axis) are the plan's prediction (gathers and reduce-scatters on dp_shard, one
+all-reduce of each piece on dp_replicate), a rank holds 1/shard of the state, and a checkpoint saved under
 HSDP loads under another plan."""
 
 import json
