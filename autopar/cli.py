@@ -201,6 +201,8 @@ def constraints_of(args) -> dict:
         out["ep"] = fixed.ep
         out.update(tp_mode=fixed.tp_mode, zero=fixed.zero.stage, offload=fixed.zero.offload,
                    recompute=fixed.recompute)
+        if fixed.zero.stage:
+            out["dp_shard"] = fixed.dp_shard
         if fixed.recompute == NO_RECOMPUTE and any(lp.recompute != NO_RECOMPUTE
                                                    for lp in fixed.layers):
             del out["recompute"]  # a per-layer mix: the search finds it again

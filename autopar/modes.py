@@ -19,6 +19,11 @@ EP, EDP = "ep", "edp"
 # No axis either: the group of the dp x cp ranks that split the tokens (the MoE balance
 # loss's statistics are summed over it; its collectives are logged on axis dp).
 TOKENS = "dp_cp"
+# Hybrid sharded data parallelism (HSDP; Zhao et al. 2023, PyTorch FSDP §3.2.2): ZeRO's
+# state cut over a shard group of dp_shard neighbouring dp ranks, the shard groups
+# replicas of one another over dp_replicate (dp = dp_replicate x dp_shard). Neither is a
+# factor of the world beside dp: both lie inside it, and their collectives log on these axes.
+DP_SHARD, DP_REPLICATE = "dp_shard", "dp_replicate"
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ MESH_SIZES = (
     MeshSize(DP, "data-parallel size (ZeRO shards over it)"),
     MeshSize(CP, "context-parallel size: the sequence split over it (with --sp ulysses|ring)"),
     MeshSize(EP, "expert-parallel size: MoE experts split over ep ranks inside dp x cp"),
+    MeshSize(DP_SHARD, "hybrid sharding: ZeRO shards over groups of this many neighbouring "
+                       "dp ranks, replicated over the rest of dp"),
 )
 
 # Tensor parallelism: Megatron 1D, SUMMA 2D (Xu et al. 2021), Tesseract 2.5D (Wang et al.
@@ -106,6 +113,9 @@ class Capabilities:
     expert_zero: tuple[int, ...] = ZERO_STAGES  # ZeRO stages that run beside an ep axis
     expert_with_pp: bool = True  # ep beside a pipeline
     expert_zero_with_pp: tuple[int, ...] = ZERO_STAGES  # ZeRO stages beside ep and a pipeline
+    hybrid_shard: bool = True  # HSDP: ZeRO over dp_shard ranks, replicated over dp_replicate
+    hybrid_with_pp: bool = True  # HSDP beside a pipeline
+    hybrid_with_ep: bool = True  # HSDP beside an ep axis
 
 
 # What the planner can price: everything.
@@ -121,4 +131,6 @@ RUNTIME = Capabilities(
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
     expert_zero_with_pp=(0, 1, 2, 3),
+    hybrid_with_pp=False,
+    hybrid_with_ep=False,
 )

@@ -555,8 +555,11 @@ def _executable_world(spec: dict) -> int:
             errors.append(f"{world}: {e}")
             continue
         assert plan.unsupported() == [], (spec, plan.unsupported())
-        if "data" in spec:
-            assert plan.mesh["dp"] == spec["data"]
+        data = spec.get("data")
+        if isinstance(data, dict):  # HSDP: dict(size=8, shard=4)
+            assert (plan.mesh["dp"], plan.dp_shard) == (data["size"], data["shard"])
+        elif data is not None:
+            assert plan.mesh["dp"] == data
         return world
     raise AssertionError(f"{spec} makes no plan on 1 to 64 devices: {errors}")
 

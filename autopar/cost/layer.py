@@ -126,6 +126,9 @@ class Sharded:
     # bytes per device of each parameter tensor outside the experts, in graph order (the
     # order the engine's optimizer steps them: autopar.cost.memory.StepTemps)
     param_tensors: tuple = ()
+    # per tensor of `param_tensors`: whether it has one dim (a bias, a norm's weight), which
+    # the 2D, 2.5D and 3D grid kernels split q ways where they split a matrix q^2 or q^3 ways
+    param_vectors: tuple = ()
 
 
 @dataclass
@@ -564,6 +567,7 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
     expert_split = 1
     names = {n.name for n in layer.nodes}
     tensors = {}  # target -> bytes per device
+    vectors = {}  # target -> whether it has one dim
     for node in layer.nodes:
         info = node.meta["autopar"]
         if node.op == "get_attr":
@@ -579,6 +583,7 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
                 param_repl += nbytes
             tensors.setdefault(node.target, nbytes // size if layout is not None and
                                layout.shards else nbytes)
+            vectors.setdefault(node.target, len(p.shape) == 1)
             continue
         layout = solution.layouts.get(node)
         split = _split(layout) or (solution.strategies.get(node) is not None and any(
@@ -625,7 +630,9 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
     out = Sharded(size, gemm_split, attention_split, Lin.of(t_split).scale(1 / size),
                   Lin.of(t_repl), comm, param_bytes, param_repl, ZERO, ZERO, ZERO, notes,
                   expert_split=expert_split, expert_comm=expert_comm,
-                  param_tensors=tuple(b for t, b in tensors.items() if t not in experts))
+                  param_tensors=tuple(b for t, b in tensors.items() if t not in experts),
+                  param_vectors=tuple(vectors.get(t, False) for t in tensors
+                                      if t not in experts))
     if router:
         expert_tensor_split(traced, solution, grouped, router, gemm_at, out)
     return out

@@ -491,10 +491,11 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     expert_whole = lt.experts.param_bytes if lt.experts is not None else 0
     if one_d:
         params = sharded.param_bytes - expert_whole / sharded.expert_split
-    elif mode.name == "2.5d":
-        params = (lt.param_bytes - expert_whole) / (mode.q * mode.q)
-    else:
-        params = (lt.param_bytes - expert_whole) / t
+    else:  # the grid kernels cut a matrix over q^2 (2D, 2.5D) or q^3 (3D) ranks, a bias or a
+        # norm's weight over q (autopar.kernels.multid)
+        vectors = sum(b for b, one in zip(sharded.param_tensors, sharded.param_vectors) if one)
+        params = (lt.param_bytes - expert_whole - vectors) / _grid_parts(mode) + \
+            vectors / mode.q
     params += expert_params
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
@@ -512,15 +513,22 @@ def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) 
                    ctx.coll("all_reduce", nbytes, ctx.tp))
 
 
+def _grid_parts(mode: TensorMode) -> int:
+    """The ranks a 2D, 2.5D or 3D grid cuts a weight matrix over (2.5D keeps a copy per
+    depth layer)."""
+    return mode.q * mode.q if mode.name == "2.5d" else mode.size
+
+
 def _step_temps(lt: LayerType, mode: TensorMode, sharded, ep: int, cut: int) -> StepTemps:
     """The layer's parameter tensors per device, in order, as the optimizer steps them: 1D
-    as the catalog splits each, 2D and 3D 1/t of each, 2.5D 1/q^2 (as `params` above), then
-    its experts (a stacked one 1/ep, each 1/cut)."""
+    as the catalog splits each, 2D and 3D 1/t of each matrix, 2.5D 1/q^2 (as `params` above), then
+    its experts (a stacked one 1/ep, each 1/cut); a grid's biases and norms 1/q."""
     if mode.name == "1d":
         dense = list(sharded.param_tensors)
     else:
-        parts = mode.q * mode.q if mode.name == "2.5d" else mode.size
-        dense = [b / parts for b in sharded.param_tensors]
+        vectors = sharded.param_vectors or (False,) * len(sharded.param_tensors)
+        dense = [b / (mode.q if one else _grid_parts(mode))
+                 for b, one in zip(sharded.param_tensors, vectors)]
     experts = [b / (ep if stacked else 1) / cut
                for b, stacked in (lt.experts.tensors if lt.experts is not None else ())]
     return StepTemps.of(dense + experts)

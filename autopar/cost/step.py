@@ -13,6 +13,7 @@ import numpy as np
 
 from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
+from autopar.cost.hybrid import HybridSplit, replicas_time
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
 from autopar.cost.memory import FOR_LOOP, FUSED
 from autopar.cost.precision import ADAM_MOMENTS, Precision
@@ -215,6 +216,18 @@ def dp_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units:
     return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * gathered)}[zero]
 
 
+def sync_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units: int = 1,
+              cache: dict | None = None, hybrid: HybridSplit | None = None,
+              gather: float = 1.0) -> float:
+    """`dp_time` over `grad_pl`; under HSDP (`hybrid`) over the shard group, plus the
+    replicas' all-reduce of each piece (`cost.hybrid.replicas_time`); `cache`: seconds by
+    bytes of the placement the ZeRO collectives run on; `gather` as `dp_time`'s."""
+    if hybrid is None:
+        return dp_time(param_bytes, zero, m, grad_pl, hw, units, cache, gather)
+    return dp_time(param_bytes, zero, m, hybrid.shard, hw, units, cache, gather) + \
+        replicas_time(param_bytes, zero, m, hybrid, hw, units)
+
+
 def stage_transfer(layers, stage_of, b: int, pl: dict, hw: Hardware) -> tuple[float, float]:
     """(seconds, bytes) of one transfer between pipeline stages: each rank's 1/(tp x cp)
     slice of the biggest activation crossing a stage boundary (Narayanan et al. 2021 §4.1)."""
@@ -276,20 +289,21 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
                grad_pl, hw: Hardware, schedule: str, v: int, m: int, zero: int,
                offload: bool, precision: Precision, cache: dict | None = None,
                pipeline: tuple | None = None, experts_dev=None,
-               split: ExpertSplit | None = None) -> dict:
+               split: ExpertSplit | None = None, hybrid: HybridSplit | None = None) -> dict:
     """Seconds of one step by part: the pipeline (its bubble, each rank's seconds per
     micro-batch), the gradient sync and the optimizer of the rank holding most weights.
     `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds;
     `pipeline`: `pipeline_time` of these arguments when already known (ZeRO options of one
     leaf share it). Under expert parallelism (`split`) that rank's `experts_dev` bytes sync
-    over the expert-data group and step on its ZeRO shard."""
+    over the expert-data group and step on its ZeRO shard. Under HSDP (`hybrid`) ZeRO runs
+    over the shard group and each piece is summed over the replicas (`cost.hybrid`)."""
     pp = len(params_dev)
     if pipeline is None:
         pipeline = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
                                  transfer)
     pipe, bubble, dev = pipeline
     worst = float(params_dev.max())
-    replicas = grad_pl.size
+    replicas = grad_pl.size if hybrid is None else hybrid.ranks
     if split is not None and experts_dev is not None:
         experts = float(experts_dev[int(np.argmax(params_dev))])
         worst -= experts
@@ -298,8 +312,8 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
         optimizer_s = optimizer_time(experts, split.replicas, zero, offload, precision, hw)
     else:
         dp_s = optimizer_s = 0.0
-    dp_s += dp_time(worst, zero, m, grad_pl, hw, units=max(1, units), cache=cache,
-                    gather=precision.gather_ratio)
+    dp_s += sync_time(worst, zero, m, grad_pl, hw, max(1, units), cache, hybrid,
+                      precision.gather_ratio)
     optimizer_s += optimizer_time(worst, replicas, zero, offload, precision, hw)
     return {"step_s": pipe + dp_s + optimizer_s, "pipeline_s": pipe, "bubble_s": bubble,
             "per_rank_s": dev, "dp_s": dp_s, "optimizer_s": optimizer_s}

@@ -65,6 +65,9 @@ class PipelinePlan:
 class ZeroPlan:
     stage: int = 0
     offload: bool = False
+    # hybrid sharding (HSDP): the state is cut over groups of `shard` neighbouring dp ranks
+    # and replicated over dp / shard such groups; None: cut over all of dp
+    shard: int | None = None
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Plan:
             raise PlanError(f"zero stage must be 0, 1, 2 or 3, not {self.zero.stage!r}.")
         if not isinstance(self.zero.offload, bool):
             raise PlanError(f"zero offload must be true or false, not {self.zero.offload!r}.")
+        self.check_shard()
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"sequence_parallel must be true or false, not "
                             f"{self.sequence_parallel!r}.")
@@ -145,6 +149,32 @@ class Plan:
         if self.world is not None and self.world.devices != self.world_size:
             raise PlanError(f"the plan's mesh {self._mesh_text()} uses {self.world_size} devices "
                             f"but the world has {self.world.devices}.")
+
+    def check_shard(self) -> None:
+        """A hybrid shard size is a whole number >= 2 dividing dp, under a ZeRO stage."""
+        shard = self.zero.shard
+        if shard is None:
+            return
+        _int(shard, "data shard size")
+        dp = self.mesh[DP]
+        if shard < 2 or dp % shard:
+            raise PlanError(f"data shard size {shard} must be 2 or more and divide the data-"
+                            f"parallel size {dp}; choose a divisor of {dp} (or drop shard to "
+                            "shard over all of dp).")
+        if self.zero.stage == 0:
+            raise PlanError(f"data shard size {shard} cuts ZeRO's state over {shard} ranks, but "
+                            "the plan has no ZeRO stage; give zero=dict(stage=1, 2 or 3), or "
+                            "drop shard.")
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks ZeRO cuts its state over: the shard group (all of dp without HSDP)."""
+        return self.zero.shard or self.mesh[DP]
+
+    @property
+    def dp_replicate(self) -> int:
+        """How many shard groups hold copies of the same state (1 without HSDP)."""
+        return self.mesh[DP] // self.dp_shard
 
     def check_expert(self) -> None:
         """ep must be a whole number dividing the data (and context) ranks it lies inside."""
@@ -258,6 +288,15 @@ class Plan:
                        "without a pipeline (use microbatches=1, or a pipeline of 2 or more "
                        "stages)")
         out += self._unsupported_expert(runtime)
+        if self.dp_replicate > 1:
+            if not runtime.hybrid_shard:
+                out.append("hybrid sharding (a data shard size below the data-parallel size)")
+            if self.mesh[PP] > 1 and not runtime.hybrid_with_pp:
+                out.append("hybrid sharding beside a pipeline (use pipeline size 1, or drop "
+                           "the data shard size)")
+            if self.ep > 1 and not runtime.hybrid_with_ep:
+                out.append("hybrid sharding beside expert parallelism (use expert size 1, or "
+                           "drop the data shard size)")
         if any(r not in runtime.recompute for r in [self.recompute] +
                [lp.recompute for lp in self.layers]):
             out.append("recomputation")
@@ -370,6 +409,7 @@ class Plan:
         sequence = _sub(spec, "sequence", {"size", "mode", "layout"})
         zero = _sub(spec, "zero", {"stage", "offload"})
         expert = _sub(spec, "expert", {"size"})
+        data = _sub(spec, "data", {"size", "shard"})
         pp = _int(pipeline.get("size", 1), "pipeline size")
         tp = _int(tensor.get("size", 1), "tensor size")
         cp = _int(sequence.get("size", 1), "sequence size")
@@ -379,8 +419,8 @@ class Plan:
                             f"does not divide the world size {world_size}; choose sizes whose "
                             f"product divides {world_size}.")
         dp = world_size // model_parallel
-        if "data" in spec and _int(spec["data"], "data size") != dp:
-            raise PlanError(f"data size {spec['data']} does not match world {world_size} / "
+        if "size" in data and _int(data["size"], "data size") != dp:
+            raise PlanError(f"data size {data['size']} does not match world {world_size} / "
                             f"(pipeline x tensor x sequence = {model_parallel}) = {dp}.")
         microbatches = _int(pipeline.get("microbatches", 1), "microbatches")
         if "microbatches" in spec:  # each replica's batch in micro-batches, with or without
@@ -407,7 +447,8 @@ class Plan:
                                          microbatches=microbatches,
                                          chunks=_int(pipeline.get("chunks", 1), "chunks")),
                    zero=ZeroPlan(stage=_int(zero.get("stage", 0), "zero stage"),
-                                 offload=bool(zero.get("offload", False))),
+                                 offload=bool(zero.get("offload", False)),
+                                 shard=data.get("shard")),
                    recompute=recompute, ep=_int(expert.get("size", 1), "expert size"))
 
 

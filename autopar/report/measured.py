@@ -12,6 +12,7 @@ import numpy as np
 
 from autopar.cost.comm import placements
 from autopar.cost.experts import imbalance_of, tokens_per_expert
+from autopar.cost.hybrid import hybrid_split
 from autopar.cost.model import LayerState
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_parts
@@ -248,7 +249,9 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
         step = step_parts(layer_time, device_of, stage_of, params_dev, units, transfer=transfer,
                           grad_pl=grad_placement(mesh, world.per_node), hw=world.profile,
                           schedule=schedule, v=v, m=m, zero=zero.stage,
-                          offload=zero.offload, precision=plan_precision(plan, chain))
+                          offload=zero.offload, precision=plan_precision(plan, chain),
+                          hybrid=hybrid_split(mesh, plan.dp_shard, world.per_node)
+                          if plan.dp_replicate > 1 else None)
     except PlanError as e:
         out["error"] = str(e)
         step = None

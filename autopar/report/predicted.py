@@ -15,6 +15,7 @@ import numpy as np
 from autopar.cost import fp8
 from autopar.cost.comm import placements
 from autopar.cost.experts import alltoall_count
+from autopar.cost.hybrid import SOURCE, hybrid_split, replicas_wire_bytes
 from autopar.cost.layer import LayerChain
 from autopar.cost.memory import STEP_SOURCE
 from autopar.cost.model import (
@@ -45,7 +46,8 @@ from autopar.cost.step import (
 from autopar.modes import (
     BF16,
     CP,
-    DP,
+    DP_REPLICATE,
+    DP_SHARD,
     EP,
     FP8,
     MEGATRON_SP,
@@ -192,7 +194,9 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
     acts_dev = np.bincount(device_of, weights=[c.activations for c in costs], minlength=pp)
     held = in_flight_of(pipe.schedule, pp, v, m)
-    replicas = mesh[DP] * mesh[CP]
+    replicas = plan.dp_shard * mesh[CP]  # ZeRO's ranks (HSDP: the shard group)
+    hybrid = hybrid_split(mesh, plan.dp_shard, world.per_node) if plan.dp_replicate > 1 \
+        else None
     biggest = max((c.params for c in costs), default=0.0)
     precision = plan_precision(plan, chain)
     split = expert_split(mesh, plan.ep, world.per_node) if plan.ep > 1 else None
@@ -228,9 +232,13 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                if plan.sequence_mode else "sequence parallelism around attention"},
         "dp": {"seconds": dp_comm_s,
                "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage,
-                                      precision.gather_ratio),
+                                      precision.gather_ratio) + (
+                   replicas_wire_bytes(float(params_dev.max()), hybrid) if hybrid else 0.0),
                "carries": "gradient sync over the dp x cp replicas" + (
-                   f" (ZeRO-{zero.stage})" if zero.stage else "")},
+                   f" (ZeRO-{zero.stage})" if zero.stage else "") + (
+                   f"; HSDP: ZeRO inside {DP_SHARD} groups of {plan.dp_shard}, each piece "
+                   f"all-reduced over {plan.dp_replicate} {DP_REPLICATE} copies ({SOURCE})"
+                   if hybrid else "")},
         "pp": {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
                "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
                "carries": "activations forward and their gradients backward between stages"},
@@ -387,6 +395,16 @@ def counted(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+def _hybrid_text(zero: dict, mesh: dict) -> str:
+    """HSDP's two groups, as the ZeRO line names them ('' without a shard size)."""
+    shard = zero.get("shard")
+    if not shard or shard == mesh["dp"]:
+        return ""
+    return (f", hybrid: state cut over {DP_SHARD}={shard} neighbouring dp ranks (gathers and "
+            f"reduce-scatters inside them), replicated over {DP_REPLICATE}="
+            f"{mesh['dp'] // shard} (one all-reduce of each piece)")
+
+
 def plan_text(data: dict, top: int | None = None) -> str:
     """The report as text a person reads top to bottom."""
     world, mesh, pred, search = data["world"], data["mesh"], data["predicted"], data["search"]
@@ -407,7 +425,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
         + f", {counted(pipe['microbatches'], 'micro-batch', 'micro-batches')} of "
           f"{pipe['micro_batch_size']}",
         f"  ZeRO        stage {zero['stage']}" + (" with optimizer offload" if zero["offload"]
-                                                   else ""),
+                                                   else "") + _hybrid_text(zero, mesh),
         f"  recompute   {data['recompute']}",
         *_fp8_lines(data),
         *expert_lines(data),

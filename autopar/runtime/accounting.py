@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
-from autopar.modes import DP, EDP, EP, PP
+from autopar.modes import DP, DP_REPLICATE, DP_SHARD, EDP, EP, PP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
 from autopar.runtime.metrics import FIELDS as METRIC_FIELDS
@@ -101,26 +101,34 @@ def _expert_data(engine, runs: int) -> dict[tuple[str, str], int]:
 
 
 def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
-    """The gradient sync over dp, then the loss's all-reduce."""
+    """The gradient sync over dp, then the loss's all-reduce. Under HSDP ZeRO's gathers and
+    reduce-scatters run on dp_shard, and each reduce-scattered piece is summed over
+    dp_replicate (its bytes: the reduce-scatter's over the shard size)."""
     if engine.groups[DP].size == 1:
         return {}
     zero = engine.zero
+    hybrid = engine.plan.dp_replicate > 1
+    axis = DP_SHARD if hybrid else DP
     if zero is not None and zero.stage == 3:
         # each layer gathered for its forward, again where its backward needs it (an
         # embedding's does not), its gradients reduce-scattered (per micro-batch)
         once = sum(zero.unit_bytes(u) for u in engine.train_units)
         gathers = runs * sum(zero.gather_bytes(u) for u in engine.train_units) + \
             sum(zero.gather_bytes(u) for u in zero.backward_gathers or ())
-        return {("all_reduce", DP): 4, ("reduce_scatter", DP): runs * once,
-                ("all_gather", DP): gathers}
-    if zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
+        out = {("all_reduce", DP): 4, ("reduce_scatter", axis): runs * once,
+               ("all_gather", axis): gathers}
+    elif zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
         # (stage 2 under a pipeline reduce-scatters each micro-batch's gradients)
         sends = runs if zero.stage == 2 else 1
-        return {("all_reduce", DP): 4, ("reduce_scatter", DP): sends * zero.padded_bytes(),
-                ("all_gather", DP): zero.padded_bytes()}
-    grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.data_parameters()
-                     if p.requires_grad)
-    return {("all_reduce", DP): grad_bytes + 4}
+        out = {("all_reduce", DP): 4, ("reduce_scatter", axis): sends * zero.padded_bytes(),
+               ("all_gather", axis): zero.padded_bytes()}
+    else:
+        grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.data_parameters()
+                         if p.requires_grad)
+        return {("all_reduce", DP): grad_bytes + 4}
+    if hybrid:
+        out[("all_reduce", DP_REPLICATE)] = out[("reduce_scatter", axis)] // zero.dp.size
+    return out
 
 
 def _pipeline(engine) -> dict[tuple[str, str], int]:

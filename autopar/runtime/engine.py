@@ -18,7 +18,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, PP, RING, TP, TP_1D
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
@@ -34,6 +34,7 @@ from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
+from autopar.runtime.hsdp import ShardGroup
 from autopar.runtime.measure import Recorder, instrument
 from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
@@ -85,17 +86,21 @@ class Engine(nn.Module):
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
             self.mesh = TensorMesh(TP_1D, ((CP, self._cp.size), (TP, self._tp.size)))
+        # ZeRO's group: dp, or under HSDP the shard group with its replicas
+        self._zero_dp = ShardGroup(groups[DP_SHARD], groups[DP_REPLICATE]) \
+            if DP_SHARD in groups else self._dp
         self.streams = RandomStreams(seed, self._dp.rank, self._tp.rank, self._cp.rank)
         self.params = ShardedParams(self.mesh, {a: groups[a].rank for a in self.mesh.physical},
                                     model, start)  # start: a meta model's or weights= values
         self.grads = Gradients(self.params, self._dp, self.comm_log)
+        self.grads.replicas = plan.dp_replicate  # HSDP: ZeRO's pieces held this many times
         self.moe_layers = expert_layers(model, plan)  # MoE layers over ep or 1D tp
         self._model = model  # kept until the training graph is traced, then released
         self._device = start.device if start is not None else \
             next((p.device for p in model.parameters()), torch.device("cpu"))
         self.recorder.device = self._device  # CUDA events time a GPU's layers
         if start is not None:  # ZeRO-3 without a pipeline: only pieces, from the start
-            start.expect_zero(plan.zero, self._dp, self._pp.size,
+            start.expect_zero(plan.zero, self._zero_dp, self._pp.size,
                               groups[EDP] if self.moe_layers and plan.ep > 1 else None)
             # a pipeline rank makes only its stages' slices, once the stages are cut
             self.params.defer = self._pp.size > 1
@@ -254,7 +259,7 @@ class Engine(nn.Module):
         """ZeRO: the optimizer runs on this rank's 1/dp of every parameter (`stages`: each
         pipeline stage's parameters, for stage 2's per-micro-batch reduction; `pieces`:
         ZeRO-3's pieces a start made, adopted as they are)."""
-        self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._dp,
+        self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._zero_dp,
                                                 self._optimizer_factory, self.compute_dtype,
                                                 stages, experts=self.grads, pieces=pieces)
         if self.zero.stage == 3:  # the graphs gather each layer's parameters

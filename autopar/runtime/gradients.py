@@ -8,6 +8,7 @@ from torch import nn
 
 from autopar.kernels.collectives import AxisGroup, CommLog, world_group
 from autopar.runtime.buckets import average_gradients
+from autopar.runtime.hsdp import ShardGroup
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.zero import ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
@@ -29,11 +30,13 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     if experts is not None and experts.edp is not None:
         return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
                            experts.params.is_expert, factory, compute_dtype, stages, pieces)
+    # under HSDP `dp` is a runtime.hsdp.ShardGroup: the sum it reduces spans its replicas
+    divisor = dp.divisor if isinstance(dp, ShardGroup) else 1
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype,
-                         pieces=pieces)
+                         pieces=pieces, divisor=divisor)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
-                                 offload=plan_zero.offload, stages=stages)
+                                 offload=plan_zero.offload, stages=stages, divisor=divisor)
 
 
 class Gradients:
@@ -49,6 +52,7 @@ class Gradients:
         self.ep_size = 1  # ... and the ep size
         self.expert_divisor = 1.0  # dp / edp: what the sum over edp is divided by, over edp
         self.world: AxisGroup | None = None  # every rank, as axis "world" (made when used)
+        self.replicas = 1  # HSDP: how many shard groups hold the same ZeRO pieces
 
     def split_experts(self, edp: AxisGroup, ep_size: int) -> None:
         """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data (x cp)
@@ -147,6 +151,8 @@ class Gradients:
         copies = self.params.tensor_copies(param)
         if self.zero is None:
             copies *= self.edp.size if self.params.is_expert(param) else self.dp.size
+        else:
+            copies *= self.replicas
         if self.pipeline is not None:
             copies *= self.pipeline.copies(param)
         return copies

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import WorldError
 from autopar.kernels.collectives import AxisGroup, CommLog, exchange_objects
-from autopar.modes import AXES, CP, DP, EDP, EP, PP, TOKENS, TP, TP_1D
+from autopar.modes import AXES, CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, PP, TOKENS, TP, TP_1D
 from autopar.sharding.axes import TensorMesh
 
 _SHARED: dict = {}  # key -> device mesh or group, for the default group under "world"
@@ -43,7 +43,10 @@ def plan_groups(plan) -> dict[str, AxisGroup]:
     else:
         groups = axis_groups({a: plan.mesh[a] for a in AXES
                               if a in (DP, TP) or plan.mesh[a] > 1})
-    return {**groups, **expert_groups(groups[DP], plan.ep, groups.get(CP))}
+    groups.update(expert_groups(groups[DP], plan.ep, groups.get(CP)))
+    if plan.dp_replicate > 1:  # HSDP: ZeRO's shard and replica groups inside dp
+        groups.update(hybrid_groups(groups[DP], plan.dp_shard))
+    return groups
 
 
 def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, AxisGroup]:
@@ -159,4 +162,28 @@ def expert_groups(dp: AxisGroup, ep: int, cp: AxisGroup | None = None) -> dict[s
         row, group = next((r, g) for r, g in zip(rows_, groups, strict=True) if me in r)
         out[key] = AxisGroup(axis, len(row), row.index(me), group if len(row) > 1 else None,
                              dp.log)
+    return out
+
+
+def hybrid_groups(dp: AxisGroup, shard: int) -> dict[str, AxisGroup]:
+    """The dp_shard groups (runs of `shard` consecutive members of each dp group, dp index
+    i // shard) and the dp_replicate groups (the members at the same place of every run, dp
+    index i % shard). Collective: every rank learns every dp group, so all create the same
+    groups in the same order."""
+    if dp.size % shard:
+        raise WorldError(f"data shard size {shard} does not divide the {dp.size} data-parallel "
+                         "ranks; choose a divisor.")
+    mine = tuple(dist.get_process_group_ranks(dp.group)) if dp.size > 1 else (dist.get_rank(),)
+    rows = sorted(set(exchange_objects(mine)))
+    shard_rows = [row[i:i + shard] for row in rows for i in range(0, len(row), shard)]
+    replicate_rows = [row[i::shard] for row in rows for i in range(shard)]
+    made = shared_group(("hybrid", tuple(shard_rows), tuple(replicate_rows)), lambda: (
+        [dist.new_group(list(r)) for r in shard_rows],
+        [dist.new_group(list(r)) for r in replicate_rows]))
+    me, out = dist.get_rank(), {}
+    for axis, rows_, groups in ((DP_SHARD, shard_rows, made[0]),
+                                (DP_REPLICATE, replicate_rows, made[1])):
+        row, group = next((r, g) for r, g in zip(rows_, groups, strict=True) if me in r)
+        out[axis] = AxisGroup(axis, len(row), row.index(me), group if len(row) > 1 else None,
+                              dp.log)
     return out

@@ -401,7 +401,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                 pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else ONE_F_ONE_B,
                                       microbatches=best.microbatches, chunks=best.chunks,
                                       micro_batch_size=best.micro_batch),
-                zero=ZeroPlan(stage=best.zero, offload=best.offload),
+                zero=ZeroPlan(stage=best.zero, offload=best.offload, shard=best.dp_shard),
                 recompute=main.recompute, world=world, predicted=predicted, search=search_info,
                 notes=_notes(chain, mesh["tp"]), ep=best.ep)
     return plan

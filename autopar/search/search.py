@@ -21,6 +21,7 @@ import numpy as np
 from autopar.cost import fp8
 from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
+from autopar.cost.hybrid import hybrid_split, replicas_wire_bytes, zero_ranks
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import RECOMPUTE, Context, state_cost
 from autopar.cost.precision import Precision, precision_of
@@ -30,7 +31,6 @@ from autopar.cost.step import (
     ExpertSplit,
     conversion_s,
     crossing_transfer,
-    dp_time,
     dp_wire_bytes,
     expert_split,
     grad_placement,
@@ -44,10 +44,10 @@ from autopar.cost.step import (
     state_factors,
     step_parts,
     step_temps_dev,
+    sync_time,
 )
 from autopar.errors import PlanError
 from autopar.modes import (
-    DP,
     INTERLEAVED,
     NO_PIPELINE,
     NO_SP,
@@ -89,6 +89,7 @@ class Candidate:
     host_per_device: float = 0.0  # bytes offloaded to the host per device (ZeRO-Offload)
     ep: int = 1  # experts split over ep ranks inside the dp x cp ranks
     ep_comm_s: float = 0.0  # of comm_s: the all-to-alls on the ep axis
+    dp_shard: int | None = None  # HSDP: ZeRO over this many dp ranks (None: all of dp)
 
     def describe(self) -> str:
         m = self.mesh
@@ -105,7 +106,8 @@ class Candidate:
             parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.schedule == INTERLEAVED
                                                else ""))
         parts.append(f"mb {self.micro_batch}x{self.microbatches}")
-        parts.append(f"zero {self.zero}" + ("+offload" if self.offload else ""))
+        parts.append(f"zero {self.zero}" + ("+offload" if self.offload else "")
+                     + (f" shard {self.dp_shard}" if self.dp_shard else ""))
         parts.append("recompute " + "/".join(rc))
         return ", ".join(parts)
 
@@ -297,7 +299,7 @@ class Search:
             return []
         per_replica = gb // dp
         micro = self.space.micro_batches(per_replica, pp)
-        zeros = self.space.zero_options(mesh)
+        zeros = self.space.zero_options(mesh, self.world.per_node)
         grad_pl = grad_placement(mesh, self.world.per_node)
         dp_cache = self._dp_cache(grad_pl)
         out = []
@@ -316,7 +318,9 @@ class Search:
             avg = prep.min_total / pp
             slowest = max(avg, prep.min_single)
             dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
-                                      grad_pl, cache=dp_cache) for z, _ in leaf_zeros)
+                                      grad_pl, cache=None if shard else dp_cache,
+                                      hybrid=hybrid_split(mesh, shard, self.world.per_node))
+                        for z, _, shard in leaf_zeros)
             for schedule, v in self.space.schedules(pp, m):
                 if pp * v > len(self.chain.order):
                     continue
@@ -340,13 +344,13 @@ class Search:
 
     # ------------------------------------------------------------------ pricing
     def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl, units: int = 1,
-                 cache: dict | None = None) -> float:
-        """Data-parallel gradient sync of one device's parameters (`cost.step.dp_time`);
-        `cache`: the one of `grad_pl` (`_dp_cache`)."""
+                 cache: dict | None = None, hybrid=None) -> float:
+        """Data-parallel gradient sync of one device's parameters (`cost.step.sync_time`;
+        `hybrid`: HSDP's groups); `cache`: the one of its placement (`_dp_cache`)."""
         if cache is None:
-            cache = self._dp_cache(grad_pl)
-        return dp_time(param_bytes, zero, m, grad_pl, self.hw, units, cache,
-                       self.precision.gather_ratio)
+            cache = self._dp_cache(grad_pl if hybrid is None else hybrid.shard)
+        return sync_time(param_bytes, zero, m, grad_pl, self.hw, units, cache, hybrid,
+                         self.precision.gather_ratio)
 
     def _dp_cache(self, grad_pl) -> dict:
         """Collective seconds by parameter bytes, over one gradient placement."""
@@ -383,23 +387,23 @@ class Search:
             leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
             leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh["pp"])
                               for s in leaf.stage_of]
-        for zero, offload in leaf.zeros:
-            cand, moved = self._priced(leaf, zero, offload)
+        for zero, offload, shard in leaf.zeros:
+            cand, moved = self._priced(leaf, zero, offload, shard)
             yield cand
             if leaf.mesh["pp"] > 1 and leaf.v == 1 and (not cand.fits or (
                     moved and cand.states != leaf.prep.states_of(leaf.prep.fast))):
                 # the time-balanced split needs recomputation or does not fit: also try the
                 # fastest split whose stages hold their in-flight activations as they are
-                alt = self._memory_split(leaf, zero, offload)
+                alt = self._memory_split(leaf, zero, offload, shard)
                 if alt is not None and alt != leaf.stage_of:
                     yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
                                                           transfer=None, fast=None),
-                                      zero, offload)
+                                      zero, offload, shard)
 
-    def _memory_split(self, leaf, zero, offload) -> list[int] | None:
+    def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh["pp"]
-        replicas = leaf.mesh[DP] * leaf.mesh["cp"]
+        replicas = zero_ranks(leaf.mesh, shard)
         per_param = sum(state_factors(self.precision, replicas, zero, offload))
         in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
         weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
@@ -409,8 +413,8 @@ class Search:
         return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
-                experts_dev=None, temps_dev=None):
-        replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
+                experts_dev=None, temps_dev=None, shard=None):
+        replicas = zero_ranks(leaf.mesh, shard)
         step = optimizer_step_dev(params_dev, temps_dev, replicas, zero, offload,
                                   self.precision, self.hw.optimizer_implementation,
                                   experts_dev, leaf.split)
@@ -419,10 +423,10 @@ class Search:
                                leaf.split, step)
         return sum(parts.values()), parts, step
 
-    def _price(self, leaf, zero, offload) -> Candidate:
-        return self._priced(leaf, zero, offload)[0]
+    def _price(self, leaf, zero, offload, shard=None) -> Candidate:
+        return self._priced(leaf, zero, offload, shard)[0]
 
-    def _priced(self, leaf, zero, offload) -> tuple[Candidate, bool]:
+    def _priced(self, leaf, zero, offload, shard=None) -> tuple[Candidate, bool]:
         """The leaf's candidate under one ZeRO option, and whether fitting memory moved a
         layer off its fastest state."""
         prep, mesh = leaf.prep, leaf.mesh
@@ -440,7 +444,7 @@ class Search:
         experts_dev = self._experts_dev(leaf, chosen, device_of)
         total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero,
                                               offload, in_flight, experts_dev,
-                                              leaf.fast.temps_dev)
+                                              leaf.fast.temps_dev, shard)
         params, moved = prep.params, False
         if total.max() > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
@@ -459,26 +463,30 @@ class Search:
             temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
                                        device_of, pp)
             total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, biggest, zero,
-                                                  offload, in_flight, experts_dev, temps_dev)
+                                                  offload, in_flight, experts_dev, temps_dev,
+                                                  shard)
             moved = chosen != prep.fast
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
         heaviest = int(np.argmax(params_dev))
         units = int(np.count_nonzero((device_of == heaviest) & (params > 0)))  # holding any
         pipeline = leaf.fast.pipeline if fast else None
+        hybrid = hybrid_split(mesh, shard, self.world.per_node)
         step = step_parts(prep.layer_time if fast else prep.path_time(chosen), device_of,
                           leaf.stage_of, params_dev, units, transfer=self._transfer(leaf),
                           grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
                           m=leaf.m, zero=zero, offload=offload, precision=self.precision,
-                          cache=leaf.dp_cache, pipeline=pipeline,
-                          experts_dev=experts_dev, split=leaf.split)
+                          cache=self._dp_cache(leaf.grad_pl if hybrid is None else
+                                               hybrid.shard), pipeline=pipeline,
+                          experts_dev=experts_dev, split=leaf.split, hybrid=hybrid)
         if fast:
             leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         worst = float(params_dev.max())
-        replicas = mesh["dp"] * mesh["cp"]
+        replicas = zero_ranks(mesh, shard)
         host = host_bytes(worst, replicas, zero, offload, self.precision)
         gather = self.precision.gather_ratio
-        wire = dp_wire_bytes(worst, replicas, zero, gather)
+        wire = dp_wire_bytes(worst, replicas, zero, gather) + \
+            (replicas_wire_bytes(worst, hybrid) if hybrid is not None else 0.0)
         if leaf.split is not None:  # the heaviest rank's experts sync in their own group
             experts = float(experts_dev[int(np.argmax(params_dev))])
             host += host_bytes(experts, leaf.split.replicas, zero, offload, self.precision) - \
@@ -506,7 +514,7 @@ class Search:
             comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table) + wire,
             fits=bool(total.max() <= self.capacity and host <= self.host_capacity),
             host_per_device=host, ep=leaf.split.ep if leaf.split is not None else 1,
-            ep_comm_s=leaf.m * slow_sum(prep.ep_comm_table)), moved
+            ep_comm_s=leaf.m * slow_sum(prep.ep_comm_table), dp_shard=shard), moved
 
     def _experts_dev(self, leaf, chosen, device_of):
         """Bytes of expert weights each pipeline rank holds (None without expert parallelism)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.cost.hybrid import shard_sizes
 from autopar.cost.model import LayerState, TensorMode, tensor_modes
 from autopar.cost.schedule import check_microbatches
 from autopar.errors import PlanError
@@ -53,6 +54,7 @@ class Constraints:
     schedule: str | None = None
     chunks: int | None = None  # stages per rank of the interleaved schedule
     ep: int | None = None  # experts over ep ranks inside the dp x cp ranks (1: replicated)
+    dp_shard: int | None = None  # HSDP: ZeRO over this many dp ranks (dp: over all of dp)
 
     @classmethod
     def of(cls, value) -> Constraints:
@@ -73,7 +75,8 @@ class Constraints:
 
     def check(self) -> None:
         """Refuse a constraint of the wrong type or out of range, naming it and what works."""
-        for name in ("tp", "pp", "dp", "cp", "microbatches", "micro_batch_size", "chunks", "ep"):
+        for name in ("tp", "pp", "dp", "cp", "microbatches", "micro_batch_size", "chunks", "ep",
+                     "dp_shard"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -86,6 +89,10 @@ class Constraints:
                                       (name == "offload")):
                 raise PlanError(f"constraint {name}={value!r} must be one of "
                                 f"{', '.join(map(str, options))}.")
+        if self.dp_shard is not None and self.zero == 0:
+            raise PlanError(f"constraint dp_shard={self.dp_shard} cuts ZeRO's state over "
+                            f"{self.dp_shard} ranks, but zero is fixed to 0; fix zero to 1, 2 "
+                            "or 3, or drop dp_shard.")
         if self.sp == MEGATRON_SP and self.tp == 1:
             raise PlanError("constraint sp='megatron' splits the sequence over the tensor axis, "
                             "but tp is fixed to 1; fix tp to 2 or more, or drop sp.")
@@ -317,20 +324,28 @@ class Space:
                 out.append(option)
         return out
 
-    def expert_zero_options(self, mesh: dict, zeros: list) -> list[tuple[int, bool]]:
-        """The (ZeRO stage, offload) pairs of `zeros` that run beside an ep axis."""
+    def expert_zero_options(self, mesh: dict, zeros: list) -> list[tuple[int, bool, None]]:
+        """The (ZeRO stage, offload, None) options of `zeros` that run beside an ep axis (the
+        experts' state is cut over their expert-data group: no hybrid shard beside it)."""
         caps = self.caps
+        zeros = [(z, o, shard) for z, o, shard in zeros if shard is None]
         if caps is None:
             return zeros
-        return [(z, o) for z, o in zeros if z in caps.expert_zero and (
+        return [(z, o, shard) for z, o, shard in zeros if z in caps.expert_zero and (
             mesh["pp"] == 1 or z in caps.expert_zero_with_pp) and (
             mesh.get("cp", 1) == 1 or z == 0 or caps.expert_cp_extras)]
 
-    def zero_options(self, mesh: dict) -> list[tuple[int, bool]]:
-        """(ZeRO stage, offload) pairs for this mesh."""
+    def zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
+        """(ZeRO stage, offload, hybrid shard size) options for this mesh: the shard None
+        cuts over all of dp; a size (`cost.hybrid.shard_sizes`) is HSDP, tried without offload,
+        for ZeRO-3 (any stage when the constraint dp_shard fixes it)."""
         out = []
         replicas = mesh["dp"] * mesh["cp"]
         caps = self.caps
+        fixed = self.c.dp_shard  # (the data-parallel size itself: ZeRO over all of dp)
+        shards = [] if fixed == mesh["dp"] or (caps is not None and not (
+            caps.hybrid_shard and (mesh["pp"] == 1 or caps.hybrid_with_pp))) \
+            else shard_sizes(mesh, per_node, fixed)
         for zero in ZERO_STAGES:
             if self.c.zero is not None and zero != self.c.zero:
                 continue
@@ -347,6 +362,9 @@ class Space:
                 if offload and zero == 3 and mesh["dp"] == 1 and caps is not None and \
                         not caps.offload_zero3_single_rank:
                     continue  # the runtime cuts ZeRO-3 pieces over dp alone (Plan.unsupported)
-                out.append((zero, offload))
+                if fixed is None or fixed == mesh["dp"]:
+                    out.append((zero, offload, None))
+                if not offload and (zero == 3 or (zero and fixed is not None)):
+                    # free, HSDP is tried for ZeRO-3, whose per-layer gathers it keeps near
+                    out += [(zero, offload, shard) for shard in shards]
         return out
-
