@@ -96,6 +96,54 @@ def test_cycle_finder_sees_imports_inside_functions(tmp_path):
     assert _imports("autopar.a", a, {"autopar.a": a, "autopar.b": a}) == set()
 
 
+def private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """`from autopar.x import _name` and `x._name` (x an autopar module bound by an import)
+    in module `name`, each as 'line: what'."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found, bound = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base == name:
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    bound.add(alias.asname or alias.name)
+                elif base in modules and alias.name.startswith("_"):
+                    found.append(f"{node.lineno}: from {base} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            bound.update(a.asname for a in node.names if a.asname and a.name in modules)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.value.id in bound and node.attr.startswith("_") and \
+                not node.attr.startswith("__"):
+            found.append(f"{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_names_across_modules():
+    modules = _modules()
+    offenders = {name: hits for name, path in modules.items()
+                 if (hits := private_imports(name, path, modules))}
+    assert offenders == {}, "private names used across modules (give them a public name): " \
+                            f"{offenders}"
+
+
+def test_private_name_finder_sees_imports_and_attributes(tmp_path):
+    a = tmp_path / "a.py"
+    mods = {"autopar.a": a, "autopar.b": a}
+    a.write_text("from autopar.b import _hidden, shown\n")
+    assert private_imports("autopar.a", a, mods) == ["1: from autopar.b import _hidden"]
+    a.write_text("from . import b\nimport autopar.b as bee\nb._x, bee._y, b.__name__, b.z\n")
+    assert sorted(private_imports("autopar.a", a, mods)) == ["3: b._x", "3: bee._y"]
+    a.write_text("from autopar.a import _mine\n")  # a module's own names are its own
+    assert private_imports("autopar.a", a, mods) == []
+
+
 def test_layers_contract_holds():
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     done = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True)
