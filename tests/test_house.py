@@ -1,6 +1,7 @@
-"""The house's shape: no import cycles (imports inside functions count), no file over 1000
-lines, no class over 400 lines. The layers themselves are import-linter's contract in
-pyproject.toml, run by .ci/run and by the last test here."""
+"""The house's shape: no import cycles (imports inside functions and type-only imports
+count), no file over 1000 lines, no class over 400 lines, no private name used across
+modules. The layers themselves are import-linter's contract in pyproject.toml, run by .ci/run
+and by the last tests here."""
 
 import ast
 import shutil
@@ -9,6 +10,11 @@ import sys
 from pathlib import Path
 
 import networkx as nx
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: import-linter's own dependency reads TOML there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autopar"
@@ -23,23 +29,11 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text())
-    skip = _type_checking_lines(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -93,7 +87,7 @@ def test_cycle_finder_sees_imports_inside_functions(tmp_path):
     a.write_text("def f():\n    from autopar import b\n")
     assert _imports("autopar.a", a, {"autopar.a": a, "autopar.b": a}) == {"autopar.b"}
     a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import autopar.b\n")
-    assert _imports("autopar.a", a, {"autopar.a": a, "autopar.b": a}) == set()
+    assert _imports("autopar.a", a, {"autopar.a": a, "autopar.b": a}) == {"autopar.b"}
 
 
 def private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
@@ -149,3 +143,32 @@ def test_layers_contract_holds():
     done = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "Contracts: 1 kept, 0 broken" in done.stdout
+
+
+def _layers() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = config["contracts"]
+    assert config["exclude_type_checking_imports"] is False  # type-only imports obey too
+    return [layer.split(" | ") for layer in contract["layers"]]
+
+
+def test_layers_read_top_down():
+    """The report sits above the planner and runtime it describes."""
+    where = {name: i for i, names in enumerate(_layers()) for name in names}
+    for upper, lower in [("report", "search"), ("report", "runtime"), ("report", "plans")]:
+        assert where[f"autopar.{upper}"] < where[f"autopar.{lower}"], (upper, lower)
+
+
+def test_the_report_fills_every_view_and_refuses_unknown_ones():
+    """Plan.explain, the planner's detail and the engine's report draw through the views the
+    report fills at import; a slot the layers below do not call is refused."""
+    import pytest
+
+    import autopar  # noqa: F401  (its import loads the report)
+    from autopar.errors import AutoparError
+    from autopar.plans import views
+    from autopar.report import predicted
+
+    assert views.views().plan_text is predicted.plan_text
+    with pytest.raises(AutoparError, match="no view slot named plan_html"):
+        views.provide(plan_html=predicted.plan_text)

@@ -29,6 +29,7 @@ from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
 from autopar.plans.checks import check_divisible, check_graph
+from autopar.plans.views import views
 from autopar.runtime import accounting, batches
 from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
@@ -377,9 +378,7 @@ class Engine(nn.Module):
     def step_prediction(self, world=None) -> dict:
         """The plan's step time, memory per device and model FLOPs per step as this engine
         runs it, and the peak rate its MFU divides by (after the first train_step)."""
-        from autopar.report.measured import step_prediction
-
-        return step_prediction(self, world)
+        return views().step_prediction(self, world)
 
     @staticmethod
     def global_rank() -> int:
@@ -389,14 +388,12 @@ class Engine(nn.Module):
         """The plan's prediction beside what this rank measured per layer and mesh axis over
         the steps run (the first is a warm-up); `format="json"` returns a dict. `world`: an
         autopar.World whose hardware profile prices the plan (default: this machine's)."""
-        from autopar.report.measured import measured_report, measured_text
-
-        data = measured_report(self, world)
+        data = views().measured_report(self, world)
         if format == "json":
             return data
         if format != "text":
             raise PlanError(f"explain format must be 'text' or 'json', not {format!r}.")
-        return measured_text(data)
+        return views().measured_text(data)
 
     def parameter_bytes(self) -> dict[str, tuple[int, int]]:
         """Per parameter name: (bytes held by this rank, bytes of the whole parameter)."""

@@ -36,6 +36,7 @@ from autopar.modes import (
     TP_25D,
 )
 from autopar.plans import LayerPlan, PipelinePlan, Plan, ZeroPlan
+from autopar.plans.views import views
 from autopar.search import why
 from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
 from autopar.world import World, local_device
@@ -317,10 +318,8 @@ def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch:
     best = result.best
     if best is None:
         raise PlanError(why.nothing_fits(result, world))
-    from autopar.report.predicted import plan_report
-
     made = _plan_of(best, chain, world, result, global_batch, dtype, total_s)
-    made.detail = plan_report(made, chain)
+    made.detail = views().plan_report(made, chain)
     return made
 
 
