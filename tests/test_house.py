@@ -153,9 +153,11 @@ def _layers() -> list[str]:
 
 
 def test_layers_read_top_down():
-    """The report sits above the planner and runtime it describes."""
+    """The report sits above the planner and runtime it describes, and the model zoo above
+    the kernels and cost model that run and price its layers."""
     where = {name: i for i, names in enumerate(_layers()) for name in names}
-    for upper, lower in [("report", "search"), ("report", "runtime"), ("report", "plans")]:
+    for upper, lower in [("report", "search"), ("report", "runtime"), ("report", "plans"),
+                         ("models", "kernels"), ("models", "cost")]:
         assert where[f"autopar.{upper}"] < where[f"autopar.{lower}"], (upper, lower)
 
 
@@ -172,3 +174,12 @@ def test_the_report_fills_every_view_and_refuses_unknown_ones():
     assert views.views().plan_text is predicted.plan_text
     with pytest.raises(AutoparError, match="no view slot named plan_html"):
         views.provide(plan_html=predicted.plan_text)
+
+
+def test_only_the_cli_and_the_planner_import_the_zoo():
+    """The zoo is a user of the house (its MoE layer's routing lives in kernels/): the kernels,
+    the cost model and everything else below the planner price and run any model without it."""
+    graph = import_graph()
+    users = {src for src, dst in graph.edges
+             if dst.startswith("autopar.models") and not src.startswith("autopar.models")}
+    assert users == {"autopar.cli", "autopar.search.planner"}
