@@ -217,9 +217,17 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
                 moved = True
         if not moved:
             raise RuntimeError(f"the {schedule} order deadlocks at {pos}")
+    peak_b, peak_m = _peaks(orders, owner, grad_kind, acts)
+    return Timeline(max(free), busy, peak_b, peak_m, spans)
+
+def _peaks(orders: list, owner: list[int], grad_kind: dict, acts: list) -> tuple[list, list]:
+    """Per rank, the most activation bytes (`acts` per stage) and the most micro-batches
+    (a stage's weighing 1 / the rank's stages) held at once as its order runs: a forward
+    saves them, the action that ends its stage's backward (W after a split I, else B)
+    frees them."""
     peak_b, peak_m = [], []
     for r, ops in enumerate(orders):
-        mine = [s for s in range(n) if owner[s] == r]
+        mine = [s for s in range(len(owner)) if owner[s] == r]
         weight = 1.0 / len(mine)
         held = held_m = best = best_m = 0.0
         frees = {s: ("W" if grad_kind.get(s) == "I" else "B") for s in mine}
@@ -233,7 +241,7 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
                 held_m -= weight
         peak_b.append(best)
         peak_m.append(best_m)
-    return Timeline(max(free), busy, peak_b, peak_m, spans)
+    return peak_b, peak_m
 
 
 @lru_cache(maxsize=1024)

@@ -121,19 +121,7 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     conv = conversions(layers, states, b, pl, hw)
     n_stages = max(stage_of, default=0) + 1
     owner = [stage_owner(pipe.schedule, s, pp) if pp > 1 else 0 for s in range(n_stages)]
-    stages = []
-    for s in range(n_stages):
-        idx = [i for i, st in enumerate(stage_of) if st == s]
-        share = [costs[i].comm / 2 + conv[i] / 2 for i in idx]
-        stages.append({
-            "stage": s, "rank": owner[s], "layers": len(idx),
-            "first": names[idx[0]] if idx else None,
-            "last": names[idx[-1]] if idx else None,
-            "forward_s": sum(costs[i].forward for i in idx) + sum(share),
-            "backward_s": sum(costs[i].backward + costs[i].recompute for i in idx) + sum(share),
-            "activation_bytes": int(sum(costs[i].activations for i in idx)),
-            "param_bytes": int(sum(costs[i].params for i in idx)),
-        })
+    stages = _stage_rows(names, stage_of, owner, costs, conv)
     device_of = np.array([owner[s] for s in stage_of], dtype=int)
     params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
     acts_dev = np.bincount(device_of, weights=[c.activations for c in costs], minlength=pp)
@@ -162,23 +150,60 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     p2p_s, p2p_bytes = stage_transfer(layers, stage_of, b, pl, hw) if pp > 1 else (0.0, 0.0)
     if dp_comm_s is None:
         dp_comm_s = plan.predicted.get("dp_comm_s", 0.0)
+    comm = _comm_by_axis(plan, costs, conv, slow, m, v, (p2p_s, p2p_bytes), dp_comm_s,
+                         float(params_dev.max()))
+    capacity = _memory_capacity(plan, world, float(params_dev.max()), precision)
+    effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
+                "priced_as": how} for name, how in EFFECTS.items()]
+    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
+            "effects": [e for e in effects if e["seconds"] > 0],
+            "experts": expert_layout(plan, chain, costs, slow, m, b)}
+
+
+def _stage_rows(names, stage_of, owner, costs: list[StateCost], conv) -> list[dict]:
+    """Per stage: its rank, layers, time per micro-batch forward and backward (a layer's comm
+    and conversions counted half in each) and its activation and parameter bytes."""
+    stages = []
+    for s, rank in enumerate(owner):
+        idx = [i for i, st in enumerate(stage_of) if st == s]
+        share = [costs[i].comm / 2 + conv[i] / 2 for i in idx]
+        stages.append({
+            "stage": s, "rank": rank, "layers": len(idx),
+            "first": names[idx[0]] if idx else None,
+            "last": names[idx[-1]] if idx else None,
+            "forward_s": sum(costs[i].forward for i in idx) + sum(share),
+            "backward_s": sum(costs[i].backward + costs[i].recompute for i in idx) + sum(share),
+            "activation_bytes": int(sum(costs[i].activations for i in idx)),
+            "param_bytes": int(sum(costs[i].params for i in idx)),
+        })
+    return stages
+
+
+def _comm_by_axis(plan: Plan, costs: list[StateCost], conv, slow: list[int], m: int, v: int,
+                  transfer: tuple[float, float], dp_comm_s: float, params_max: float) -> dict:
+    """Seconds, bytes, size and what it carries per mesh axis, on the slowest pipeline rank
+    (its layers `slow`) over a step of `m` micro-batches through `v` chunks per stage;
+    `transfer`: the seconds and bytes of one stage-to-stage transfer."""
+    mesh, zero = plan.mesh, plan.zero
+    p2p_s, p2p_bytes = transfer
+    replicas = mesh[DP] * mesh[CP]
     comm = {
-        "tp": {"seconds": m * sum(costs[i].comm - costs[i].cp_comm - costs[i].ep_comm + conv[i]
-                                  for i in slow),
-               "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes -
-                                costs[i].ep_comm_bytes for i in slow),
-               "carries": "tensor-parallel collectives inside layers and layout conversions"},
-        "cp": {"seconds": m * sum(costs[i].cp_comm for i in slow),
-               "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
-               "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
-               if plan.sequence_mode else "sequence parallelism around attention"},
-        "dp": {"seconds": dp_comm_s,
-               "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage),
-               "carries": "gradient sync over the dp x cp replicas" + (
-                   f" (ZeRO-{zero.stage})" if zero.stage else "")},
-        "pp": {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
-               "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
-               "carries": "activations forward and their gradients backward between stages"},
+        TP: {"seconds": m * sum(costs[i].comm - costs[i].cp_comm - costs[i].ep_comm + conv[i]
+                                for i in slow),
+             "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes -
+                              costs[i].ep_comm_bytes for i in slow),
+             "carries": "tensor-parallel collectives inside layers and layout conversions"},
+        CP: {"seconds": m * sum(costs[i].cp_comm for i in slow),
+             "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
+             "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
+             if plan.sequence_mode else "sequence parallelism around attention"},
+        DP: {"seconds": dp_comm_s,
+             "bytes": dp_wire_bytes(params_max, replicas, zero.stage),
+             "carries": "gradient sync over the dp x cp replicas" + (
+                 f" (ZeRO-{zero.stage})" if zero.stage else "")},
+        PP: {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
+             "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
+             "carries": "activations forward and their gradients backward between stages"},
     }
     if plan.ep > 1:
         comm[EP] = {"seconds": m * sum(costs[i].ep_comm for i in slow),
@@ -186,21 +211,23 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                     "carries": "MoE token dispatch and combine (all-to-alls, counts first)"}
     for axis, entry in comm.items():
         entry["size"] = mesh.get(axis, plan.ep)
-    capacity = {"device_bytes": int(hw.memory_bytes),
-                "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
-                "host_bytes_per_node": int(hw.host_memory_bytes),
-                "host_usable_bytes_per_device": int(host_capacity(hw, world.per_node,
-                                                                  world.devices)),
-                "host_offloaded_bytes_per_device": int(host_bytes(
-                    float(params_dev.max()), replicas, zero.stage, zero.offload, precision)),
-                "bytes_per_parameter": precision.to_json(),
-                "optimizer_step": {"implementation": hw.optimizer_implementation,
-                                   "priced_as": STEP_SOURCE[hw.optimizer_implementation]}}
-    effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
-                "priced_as": how} for name, how in EFFECTS.items()]
-    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
-            "effects": [e for e in effects if e["seconds"] > 0],
-            "experts": expert_layout(plan, chain, costs, slow, m, b)}
+    return comm
+
+
+def _memory_capacity(plan: Plan, world, params_max: float, precision: Precision) -> dict:
+    """What a device and its host hold, and what the plan offloads there per device."""
+    hw, zero = world.profile, plan.zero
+    replicas = plan.mesh[DP] * plan.mesh[CP]
+    return {"device_bytes": int(hw.memory_bytes),
+            "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
+            "host_bytes_per_node": int(hw.host_memory_bytes),
+            "host_usable_bytes_per_device": int(host_capacity(hw, world.per_node,
+                                                              world.devices)),
+            "host_offloaded_bytes_per_device": int(host_bytes(
+                params_max, replicas, zero.stage, zero.offload, precision)),
+            "bytes_per_parameter": precision.to_json(),
+            "optimizer_step": {"implementation": hw.optimizer_implementation,
+                               "priced_as": STEP_SOURCE[hw.optimizer_implementation]}}
 
 
 def conversions(layers, states: list[LayerState], b: int, pl: dict, hw) -> list[float]:
@@ -375,26 +402,48 @@ def plan_text(data: dict, top: int | None = None) -> str:
     ]
     kinds = data["layer_kinds"] if top is None else data["layer_kinds"][:top]
     for k in kinds:
-        pm = k["per_micro_batch"]
-        strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == MEGATRON_SP else "") + \
-            (f" rc:{k['recompute']}" if k["recompute"] != "none" else "")
-        if len(k["states"]) > 1:
-            strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"
-        lines.append(f"  {k['span']:<26} {k['layers']:>4} {strategy:<24} "
-                     f"{1e3 * (pm['forward_s'] + pm['backward_s'] + pm['recompute_s']):>10.2f} "
-                     f"{1e3 * pm['comm_s']:>8.2f} {size_text(pm['activation_bytes']):>9} "
-                     f"{size_text(k['param_bytes_per_device']):>10}")
-        if k.get("ffn"):
-            lines.append(_ffn_line(k["ffn"]))
-        if k.get("strategies"):
-            lines.append("      " + ", ".join(k["strategies"]))
-        for c in k["collectives"]:
-            lines.append(f"      {c['phase']:<8} {c['op']:<26} on {c['axis']}: "
-                         f"{size_text(c['bytes'])} per micro-batch")
+        lines += _kind_lines(k)
     if top is not None and len(data["layer_kinds"]) > top:
         lines.append(f"  ... {len(data['layer_kinds']) - top} more kinds of layer")
-    lines += ["", f"  why this plan: searched {search['candidates']} candidates in "
-                  f"{search['time_s']:.2f} s ({search.get('total_s', 0):.2f} s with tracing)"]
+    lines += _why_lines(search, pred)
+    if data.get("replicated_groups"):
+        from autopar.report.layers import replicated_line
+
+        lines += ["", "  runs replicated:"]
+        lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
+    if data.get("notes"):
+        lines.append("")
+        lines.extend(f"  note: {n}" for n in data["notes"])
+    if "min_devices" in data:
+        lines.append(f"\n  fewest devices that fit: {data['min_devices']['devices']}")
+    return "\n".join(lines)
+
+
+def _kind_lines(k: dict) -> list[str]:
+    """One kind of layer: its row of the table, then its FFN, strategies and collectives."""
+    pm = k["per_micro_batch"]
+    strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == MEGATRON_SP else "") + \
+        (f" rc:{k['recompute']}" if k["recompute"] != "none" else "")
+    if len(k["states"]) > 1:
+        strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"
+    lines = [f"  {k['span']:<26} {k['layers']:>4} {strategy:<24} "
+             f"{1e3 * (pm['forward_s'] + pm['backward_s'] + pm['recompute_s']):>10.2f} "
+             f"{1e3 * pm['comm_s']:>8.2f} {size_text(pm['activation_bytes']):>9} "
+             f"{size_text(k['param_bytes_per_device']):>10}"]
+    if k.get("ffn"):
+        lines.append(_ffn_line(k["ffn"]))
+    if k.get("strategies"):
+        lines.append("      " + ", ".join(k["strategies"]))
+    for c in k["collectives"]:
+        lines.append(f"      {c['phase']:<8} {c['op']:<26} on {c['axis']}: "
+                     f"{size_text(c['bytes'])} per micro-batch")
+    return lines
+
+
+def _why_lines(search: dict, pred: dict) -> list[str]:
+    """How long the search took, and each runner-up beside the winner with why it lost."""
+    lines = ["", f"  why this plan: searched {search['candidates']} candidates in "
+              f"{search['time_s']:.2f} s ({search.get('total_s', 0):.2f} s with tracing)"]
     if search.get("alternatives"):
         lines.append(f"    {'step':>9} {'mem/dev':>9}  plan: why it lost")
         if "winner" in search:
@@ -408,17 +457,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
                      f"{size_text(mem) if mem else '-':>9}  {alt['plan']}: {alt['reason']}")
     for note in search.get("left_out", []):
         lines.append(f"  left out: {note}")
-    if data.get("replicated_groups"):
-        from autopar.report.layers import replicated_line
-
-        lines += ["", "  runs replicated:"]
-        lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
-    if data.get("notes"):
-        lines.append("")
-        lines.extend(f"  note: {n}" for n in data["notes"])
-    if "min_devices" in data:
-        lines.append(f"\n  fewest devices that fit: {data['min_devices']['devices']}")
-    return "\n".join(lines)
+    return lines
 
 
 def _state_lines(data: dict) -> list[str]:
