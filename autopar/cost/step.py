@@ -221,16 +221,16 @@ def crossing_transfer(biggest: float | None, pl: dict, hw: Hardware) -> tuple[fl
     """`stage_transfer` of the biggest activation crossing a boundary (None: none does)."""
     if biggest is None:
         return 0.0, 0.0
-    nbytes = biggest / (pl["tp"].size * pl["cp"].size)
-    return collective_time("p2p", nbytes, pl["pp"], hw), nbytes
+    nbytes = biggest / (pl[TP].size * pl[CP].size)
+    return collective_time("p2p", nbytes, pl[PP], hw), nbytes
 
 
 def conversion_s(boundary_bytes: float, pl: dict, hw: Hardware) -> float:
     """Seconds to hand a layer's output to a neighbour of another layout: an all-gather over
     tp of this rank's cp share of it."""
-    if pl["tp"].size <= 1:
+    if pl[TP].size <= 1:
         return 0.0
-    return collective_time("all_gather", boundary_bytes / max(1, pl["cp"].size), pl["tp"], hw)
+    return collective_time("all_gather", boundary_bytes / max(1, pl[CP].size), pl[TP], hw)
 
 
 def in_flight_of(schedule: str, pp: int, v: int, m: int) -> np.ndarray:

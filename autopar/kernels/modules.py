@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.kernels import multid
 from autopar.kernels.collectives import FUNCTIONS, AxisGroup, Bound
-from autopar.modes import TP_2D, TP_3D, TP_25D
+from autopar.modes import TP, TP_2D, TP_3D, TP_25D
 
 
 class VocabParallelEmbedding(Bound):
@@ -101,7 +101,7 @@ class GridBound(Bound):
     """A graph module that needs several mesh axes (the groups of a 2D, 2.5D or 3D grid)."""
 
     def __init__(self, axes: tuple[str, ...]):
-        super().__init__(axes[0] if axes else "tp")
+        super().__init__(axes[0] if axes else TP)
         self.axes = tuple(axes)
         self.groups: dict[str, AxisGroup] | None = None
 

@@ -41,7 +41,22 @@ from autopar.cost.step import (
     stage_transfer,
     step_temps_dev,
 )
-from autopar.modes import CP, DP, EP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
+from autopar.modes import (
+    BF16,
+    CP,
+    DP,
+    EP,
+    FULL,
+    MEGATRON_SP,
+    NO_PIPELINE,
+    NO_RECOMPUTE,
+    ORDER,
+    PP,
+    TP,
+    TP_1D,
+    TP_25D,
+    cp_layout,
+)
 from autopar.report.experts import expert_layout, expert_lines
 
 if TYPE_CHECKING:  # annotations only: report sits below plans
@@ -83,7 +98,7 @@ def pricing_context(plan: Plan, world=None, dtype: str | None = None) -> Context
     pl = placements(plan.mesh, ORDER, world.per_node)
     ep = expert_split(plan.mesh, plan.ep, world.per_node).dispatch if plan.ep > 1 \
         else None
-    return Context(world.profile, dtype or plan.search.get("dtype", "bf16"), pl[TP], pl[CP],
+    return Context(world.profile, dtype or plan.search.get("dtype", BF16), pl[TP], pl[CP],
                    plan.sequence_mode, plan.search.get("attention_kernel", "flash"), ep=ep)
 
 
@@ -301,9 +316,9 @@ def _ffn_kind(lt, cost, ep: int, recompute: str) -> dict:
     if lt.experts is None:
         return {"kind": "dense", "all_to_alls": 0, "all_to_all_bytes": 0, "all_to_all_s": 0.0,
                 "expert_param_bytes_per_device": 0}
-    return {"kind": "moe", "experts": lt.experts.count, "top_k": lt.experts.top_k, "ep": ep,
+    return {"kind": "moe", "experts": lt.experts.count, "top_k": lt.experts.top_k, EP: ep,
             "experts_per_rank": lt.experts.count // ep,
-            "all_to_alls": alltoall_count(2 if recompute == "full" else 1) if ep > 1 else 0,
+            "all_to_alls": alltoall_count(2 if recompute == FULL else 1) if ep > 1 else 0,
             "all_to_all_bytes": int(cost.ep_comm_bytes), "all_to_all_s": cost.ep_comm,
             "expert_param_bytes_per_device": int(cost.expert_params)}
 
@@ -316,7 +331,7 @@ def _ffn_line(ffn: dict) -> str:
            f"{size_text(ffn['all_to_all_bytes'])}, {1e3 * ffn['all_to_all_s']:.2f} ms"
            if ffn["all_to_alls"] else "experts on every rank, no all-to-all")
     return (f"      MoE FFN: {ffn['experts']} experts top-{ffn['top_k']}, "
-            f"{ffn['experts_per_rank']} per rank over ep={ffn['ep']} "
+            f"{ffn['experts_per_rank']} per rank over ep={ffn[EP]} "
             f"({size_text(ffn['expert_param_bytes_per_device'])} of experts); {a2a}")
 
 
@@ -366,15 +381,15 @@ def plan_text(data: dict, top: int | None = None) -> str:
     lines = [
         f"autopar plan for {world['devices']} x {world['device']} ({world['per_node']} per node)",
         *_model_line(data.get("model")),
-        f"  mesh        pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} tp={mesh['tp']}"
-        + (f" ep={mesh['ep']} (experts over ep ranks inside dp x cp)" if mesh.get("ep", 1) > 1
+        f"  mesh        pp={mesh[PP]} dp={mesh[DP]} cp={mesh[CP]} tp={mesh[TP]}"
+        + (f" ep={mesh[EP]} (experts over ep ranks inside dp x cp)" if mesh.get(EP, 1) > 1
            else "") + "  (tp innermost: tensor groups sit inside a node first)",
         f"  tensor      {data['tensor']['mode']}"
         + (f" depth {data['tensor']['depth']}" if data['tensor']['mode'] == TP_25D else "")
         + (", Megatron sequence parallel" if data["tensor"]["sequence_parallel"] else "")
         + (f"; sequence {seq['mode']} over cp ({cp_layout(seq['mode'], seq.get('layout'))} "
            "tokens)" if seq["mode"] else ""),
-        f"  pipeline    {pipe['schedule'] if mesh['pp'] > 1 else 'none'}"
+        f"  pipeline    {pipe['schedule'] if mesh[PP] > 1 else NO_PIPELINE}"
         + (f" x{pipe['chunks']} chunks" if pipe["chunks"] > 1 else "")
         + f", {counted(pipe['microbatches'], 'micro-batch', 'micro-batches')} of "
           f"{pipe['micro_batch_size']}",
@@ -423,7 +438,7 @@ def _kind_lines(k: dict) -> list[str]:
     """One kind of layer: its row of the table, then its FFN, strategies and collectives."""
     pm = k["per_micro_batch"]
     strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == MEGATRON_SP else "") + \
-        (f" rc:{k['recompute']}" if k["recompute"] != "none" else "")
+        (f" rc:{k['recompute']}" if k["recompute"] != NO_RECOMPUTE else "")
     if len(k["states"]) > 1:
         strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"
     lines = [f"  {k['span']:<26} {k['layers']:>4} {strategy:<24} "

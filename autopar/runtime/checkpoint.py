@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from autopar.errors import CheckpointError, PlanError
 from autopar.json_file import read_json
+from autopar.modes import PP
 from autopar.passes.tensor_parallel import shard_steps
 from autopar.runtime.agree import agree_with_rank_zero, process_rank
 from autopar.runtime.safe_metadata import METADATA, SafeReader, read_metadata
@@ -719,7 +720,7 @@ def load(engine, path) -> str:
     stored = reader.read_metadata().state_dict_metadata
     engine.fetch_pipeline_weights()  # every slice held again, to be overwritten
     targets = _weight_targets(engine, stored)
-    hold = engine.plan.mesh["pp"] > 1 and engine.pipeline is None
+    hold = engine.plan.mesh[PP] > 1 and engine.pipeline is None
     pairs = [(p, p) for p in engine.params.parameters() if p.requires_grad] if hold else \
         _optimizer_params(engine)
     fill = _optimizer_targets(engine, stored, targets, pairs)

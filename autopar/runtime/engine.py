@@ -18,7 +18,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, EDP, EP, FP16, FP32, PP, RING, TP, TP_1D
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
@@ -54,7 +54,7 @@ class Engine(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
-                 precision: str = "fp32", check_batches: bool = False, stage_planner=None,
+                 precision: str = FP32, check_batches: bool = False, stage_planner=None,
                  start=None):
         super().__init__()
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
@@ -63,7 +63,7 @@ class Engine(nn.Module):
         self.stage_planner = stage_planner  # layers -> stages when the plan names none
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
-        self.scaler = LossScaler() if precision == "fp16" else None
+        self.scaler = LossScaler() if precision == FP16 else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers

@@ -21,7 +21,7 @@ import numpy as np
 from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import RECOMPUTE, Context, state_cost
+from autopar.cost.model import Context, state_cost
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
@@ -46,11 +46,15 @@ from autopar.cost.step import (
 )
 from autopar.errors import PlanError
 from autopar.modes import (
+    CP,
     DP,
     INTERLEAVED,
     NO_PIPELINE,
     NO_SP,
     ORDER,
+    PP,
+    RECOMPUTE,
+    TP,
     ZERO_BUBBLE,
 )
 from autopar.search import why
@@ -94,13 +98,13 @@ class Candidate:
         modes = sorted({str(s.mode) for s in self.states if s.mode.size > 1}) or ["-"]
         rc = sorted({s.recompute for s in self.states})
         sp = sorted({s.sp for s in self.states} - {NO_SP})
-        parts = [f"pp{m['pp']} dp{m['dp']} cp{m['cp']} tp{m['tp']}"
+        parts = [f"pp{m[PP]} dp{m[DP]} cp{m[CP]} tp{m[TP]}"
                  + (f" ep{self.ep}" if self.ep > 1 else ""), f"tp {'/'.join(modes)}"]
         if sp:
             parts.append("sp " + "/".join(sp))
         if self.cp_mode:
             parts.append(f"cp {self.cp_mode}")
-        if m["pp"] > 1:
+        if m[PP] > 1:
             parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.schedule == INTERLEAVED
                                                else ""))
         parts.append(f"mb {self.micro_batch}x{self.microbatches}")
@@ -252,19 +256,19 @@ class Search:
         """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
         all pp x dp); None where some layer has no state."""
         ep_pl = split.dispatch if split is not None else None
-        key = (mesh["tp"], pl["tp"], pl["cp"], cp_mode, b, ep_pl)
+        key = (mesh[TP], pl[TP], pl[CP], cp_mode, b, ep_pl)
         if key in self._cost_cache:
             return self._cost_cache[key]
-        ctx_key = (pl["tp"], pl["cp"], cp_mode, ep_pl)
+        ctx_key = (pl[TP], pl[CP], cp_mode, ep_pl)
         ctx = self._contexts.get(ctx_key)
         if ctx is None:
-            ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"],
+            ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl[TP], pl[CP],
                                                     cp_mode, self.opt.attention_kernel,
                                                     ep=ep_pl)
         per_type = []
-        beside_cp = mesh["cp"] > 1
+        beside_cp = mesh[CP] > 1
         for lt in self.chain.types:
-            states = [s for s in self.space.states(lt, mesh["tp"]) if b % s.mode.batch_split == 0
+            states = [s for s in self.space.states(lt, mesh[TP]) if b % s.mode.batch_split == 0
                       and (not beside_cp or self.space.beside_cp(s))]
             if not states:
                 self._cost_cache[key] = None
@@ -289,7 +293,7 @@ class Search:
 
     def _leaves(self, mesh, heads):
         pl = placements(mesh, ORDER, self.world.per_node)
-        gb, dp, pp = self.opt.global_batch, mesh["dp"], mesh["pp"]
+        gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
         if gb % dp:
             return []
         per_replica = gb // dp
@@ -346,7 +350,7 @@ class Search:
 
     def _dp_cache(self, grad_pl) -> dict:
         """Collective seconds by parameter bytes, over one gradient placement."""
-        return self._cost_cache.setdefault(("dp", grad_pl), {})
+        return self._cost_cache.setdefault((DP, grad_pl), {})
 
     def _pipeline_time(self, layer_time, device_of, stage_of, pp, v, m, schedule, pl, b):
         """(step seconds of the pipeline, bubble seconds, per-device seconds per micro-batch)."""
@@ -357,7 +361,7 @@ class Search:
     def _transfer(self, leaf) -> float:
         """Seconds of one activation crossing a stage boundary of the leaf's pipeline
         (`cost.step.stage_transfer`), once per leaf."""
-        if leaf.mesh["pp"] == 1:
+        if leaf.mesh[PP] == 1:
             return 0.0
         if leaf.transfer is None:
             stages = np.asarray(leaf.stage_of)
@@ -376,13 +380,13 @@ class Search:
     def _evaluate(self, leaf):
         leaf.prep.build()
         if leaf.stage_of is None:
-            leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
-            leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh["pp"])
+            leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v)
+            leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
         for zero, offload in leaf.zeros:
             cand, moved = self._priced(leaf, zero, offload)
             yield cand
-            if leaf.mesh["pp"] > 1 and leaf.v == 1 and (not cand.fits or (
+            if leaf.mesh[PP] > 1 and leaf.v == 1 and (not cand.fits or (
                     moved and cand.states != leaf.prep.states_of(leaf.prep.fast))):
                 # the time-balanced split needs recomputation or does not fit: also try the
                 # fastest split whose stages hold their in-flight activations as they are
@@ -394,8 +398,8 @@ class Search:
 
     def _memory_split(self, leaf, zero, offload) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
-        prep, pp = leaf.prep, leaf.mesh["pp"]
-        replicas = leaf.mesh[DP] * leaf.mesh["cp"]
+        prep, pp = leaf.prep, leaf.mesh[PP]
+        replicas = leaf.mesh[DP] * leaf.mesh[CP]
         per_param = sum(state_factors(self.precision, replicas, zero, offload))
         in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
         weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
@@ -406,7 +410,7 @@ class Search:
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
                 experts_dev=None, temps_dev=None):
-        replicas = leaf.mesh["dp"] * leaf.mesh["cp"]
+        replicas = leaf.mesh[DP] * leaf.mesh[CP]
         step = optimizer_step_dev(params_dev, temps_dev, replicas, zero, offload,
                                   self.precision, self.hw.optimizer_implementation,
                                   experts_dev, leaf.split)
@@ -422,7 +426,7 @@ class Search:
         """The leaf's candidate under one ZeRO option, and whether fitting memory moved a
         layer off its fastest state."""
         prep, mesh = leaf.prep, leaf.mesh
-        pp = mesh["pp"]
+        pp = mesh[PP]
         in_flight = self._in_flight(leaf.schedule, pp, leaf.v, leaf.m)
         chosen = list(prep.fast)
         if leaf.fast is None:
@@ -471,7 +475,7 @@ class Search:
         if fast:
             leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         worst = float(params_dev.max())
-        replicas = mesh["dp"] * mesh["cp"]
+        replicas = mesh[DP] * mesh[CP]
         host = host_bytes(worst, replicas, zero, offload, self.precision)
         wire = dp_wire_bytes(worst, replicas, zero)
         if leaf.split is not None:  # the heaviest rank's experts sync in their own group
@@ -508,7 +512,7 @@ class Search:
         if leaf.split is None:
             return None
         experts = leaf.prep.take(leaf.prep.expert_table, chosen)
-        return np.bincount(device_of, weights=experts, minlength=leaf.mesh["pp"])
+        return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
 
     def _bound_candidate(self, leaf) -> Candidate:
         prep = leaf.prep.build()
@@ -661,7 +665,7 @@ class _Prepared:
         return table[self.rows, chosen]
 
     def _conversion(self, search, a, b_type, pl, b):
-        key = ("conv", a, b_type, b, pl["tp"], pl["cp"])
+        key = ("conv", a, b_type, b, pl[TP], pl[CP])
         mat = search._cost_cache.get(key)
         if mat is None:
             prev_states, cur_states = self.per_type[a][0], self.per_type[b_type][0]
@@ -852,7 +856,7 @@ def _collector_paused():
 
 
 def _mesh_key(mesh) -> tuple:
-    return (mesh["pp"], mesh["dp"], mesh["cp"], mesh["tp"])
+    return (mesh[PP], mesh[DP], mesh[CP], mesh[TP])
 
 
 def _better(a: Candidate, b: Candidate) -> bool:
