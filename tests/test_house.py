@@ -217,21 +217,6 @@ def test_layers_read_top_down():
         assert where[f"autopar.{upper}"] < where[f"autopar.{lower}"], (upper, lower)
 
 
-def test_the_report_fills_every_view_and_refuses_unknown_ones():
-    """Plan.explain, the planner's detail and the engine's report draw through the views the
-    report fills at import; a slot the layers below do not call is refused."""
-    import pytest
-
-    import autopar  # noqa: F401  (its import loads the report)
-    from autopar.errors import AutoparError
-    from autopar.plans import views
-    from autopar.report import predicted
-
-    assert views.views().plan_text is predicted.plan_text
-    with pytest.raises(AutoparError, match="no view slot named plan_html"):
-        views.provide(plan_html=predicted.plan_text)
-
-
 def test_only_the_cli_and_the_planner_import_the_zoo():
     """The zoo is a user of the house (its MoE layer's routing lives in kernels/): the kernels,
     the cost model and everything else below the planner price and run any model without it."""
