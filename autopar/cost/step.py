@@ -86,6 +86,12 @@ def expert_split(mesh: dict, ep: int, per_node: int) -> ExpertSplit:
     return ExpertSplit(ep, pl[EP], pl[DP])
 
 
+def buffer_bytes(biggest: float, replicas: int, zero: int) -> float:
+    """The flat buffers of the biggest layer (`biggest` parameter bytes on a device): twice
+    for data-parallel sync where there are replicas, twice more for ZeRO-3's gathers."""
+    return (2 * biggest if replicas > 1 else 0.0) + (2 * biggest if zero == 3 else 0.0)
+
+
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
                    offload: bool, in_flight, precision: Precision, workspace: float = 0.0,
                    experts_dev=None, split: ExpertSplit | None = None,
@@ -101,8 +107,7 @@ def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: in
     temporaries `step_dev` (`optimizer_step_dev`)); `optimizer_step` is what the step adds
     over the backward's peak, max(0, step_dev - activations - buffers)."""
     weights, grads, optim = state_factors(precision, replicas, zero, offload)
-    buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
-                           + (2 * biggest if zero == 3 else 0.0) + workspace)
+    buffers = np.full_like(params_dev, buffer_bytes(biggest, replicas, zero) + workspace)
     if split is None or experts_dev is None:
         dense, experts, factors = params_dev, 0.0, (0.0, 0.0, 0.0)
     else:

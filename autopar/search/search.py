@@ -27,6 +27,7 @@ from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
     USABLE_MEMORY,
     ExpertSplit,
+    buffer_bytes,
     conversion_s,
     crossing_transfer,
     dp_time,
@@ -403,8 +404,7 @@ class Search:
         per_param = sum(state_factors(self.precision, replicas, zero, offload))
         in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
         weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
-        buffers = (2 * prep.biggest if replicas > 1 else 0.0) + \
-            (2 * prep.biggest if zero == 3 else 0.0)
+        buffers = buffer_bytes(prep.biggest, replicas, zero)
         capacity = np.full(pp, self.capacity - buffers)
         return balance_within(prep.layer_time, weights, capacity, pp)
 
