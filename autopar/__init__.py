@@ -1,5 +1,6 @@
 """autopar: trace a PyTorch model, plan how to split it over devices, and run the plan."""
 
+import autopar.report  # noqa: F401  (fills the views Plan.explain and the engine draw)
 from autopar import optim
 from autopar.api import parallelize
 from autopar.errors import (

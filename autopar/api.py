@@ -12,7 +12,7 @@ from torch import nn
 
 from autopar.errors import PlanError, WorldError
 from autopar.kernels.moe_layers import expert_layers
-from autopar.modes import CP, TP_1D
+from autopar.modes import CP, FP32, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
@@ -30,7 +30,7 @@ from autopar.world import World, local_device
 
 def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimizer=None,
                 plan=None, seed: int | None = None, max_grad_norm: float | None = None,
-                precision: str = "fp32", check_batches: bool = False, weights=None,
+                precision: str = FP32, check_batches: bool = False, weights=None,
                 metrics=None, metrics_every: int = 10, checkpoint_dir=None,
                 checkpoint_every: int = 100, checkpoint_async: bool = True,
                 checkpoint_keep: int = 2, timeout=DEFAULT_TIMEOUT) -> Engine:
@@ -270,7 +270,7 @@ def _check_process_group(size: int) -> None:
 
 
 def _search_plan(model, size: int, world, example_inputs, loss_fn,
-                 precision: str = "fp32") -> Plan:
+                 precision: str = FP32) -> Plan:
     """plan=None: search among the modes the runtime executes (and say what was left out),
     timing the compute at `precision`'s rate (the planner's `dtype`, same names; fp32
     leaves it to the parameters' dtype, as before)."""
@@ -289,7 +289,7 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
             target = _example_target(model(*inputs), loss_fn)
     chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
                        example_target=target, executable=True, top=3,
-                       dtype=None if precision == "fp32" else precision)
+                       dtype=None if precision == FP32 else precision)
     chosen.notes.extend(f"left out: {n}" for n in chosen.search.get("left_out", []))
     return chosen
 

@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
 from autopar.modes import (
+    BF16,
     CP,
+    DP,
+    DP_SHARD,
+    EP,
     GRID_MODES,
     LAYER_SP,
     MEGATRON_SP,
@@ -198,11 +202,11 @@ def constraints_of(args) -> dict:
 
         fixed = Plan.load(args.plan)
         out.update({axis: size for axis, size in fixed.mesh.items()})
-        out["ep"] = fixed.ep
+        out[EP] = fixed.ep
         out.update(tp_mode=fixed.tp_mode, zero=fixed.zero.stage, offload=fixed.zero.offload,
                    recompute=fixed.recompute)
         if fixed.zero.stage:
-            out["dp_shard"] = fixed.dp_shard
+            out[DP_SHARD] = fixed.dp_shard
         if fixed.recompute == NO_RECOMPUTE and any(lp.recompute != NO_RECOMPUTE
                                                    for lp in fixed.layers):
             del out["recompute"]  # a per-layer mix: the search finds it again
@@ -228,7 +232,7 @@ def _plan(args, world_size: int | None = None):
     model, inputs, loss_fn, target, layers = load_model(args.model, args.batch, args.seq,
                                                         DTYPES[args.dtype])
     constraints = constraints_of(args)
-    sizes = [constraints["tp"]] if "tp" in constraints else divisors(world.devices)
+    sizes = [constraints[TP]] if TP in constraints else divisors(world.devices)
     start = time.perf_counter()
     chain = planner.prepare(model, inputs, loss_fn=loss_fn, example_target=target,
                             tp_sizes=sizes, layers=layers)
@@ -293,7 +297,7 @@ def min_devices(args) -> int:
     sizes = sorted({n for n in (1, 2, 4) if n < args.per_node} |
                    set(range(args.per_node, args.world + 1, args.per_node)) | {args.world})
     constraints = constraints_of(args)
-    tp_sizes = [constraints["tp"]] if "tp" in constraints else \
+    tp_sizes = [constraints[TP]] if TP in constraints else \
         sorted({d for n in sizes for d in divisors(n)})
     start = time.perf_counter()
     model, inputs, loss_fn, target, layers = load_model(args.model, args.batch, args.seq,
@@ -329,7 +333,7 @@ def min_devices(args) -> int:
                        + f" (largest tried: {last}); raise --world or relax the request.")
 
 
-DEFAULTS = {"world": 8, "per_node": 8, "device": "a100-80gb", "batch": 8, "dtype": "bf16"}
+DEFAULTS = {"world": 8, "per_node": 8, "device": "a100-80gb", "batch": 8, "dtype": BF16}
 
 
 def fill_defaults(args) -> None:
@@ -459,7 +463,7 @@ def _validate_seq(args) -> None:
 
 
 def _validate_combinations(args) -> None:
-    tp, cp, sp = getattr(args, "tp", None), getattr(args, "cp", None), getattr(args, "sp", None)
+    tp, cp, sp = getattr(args, TP, None), getattr(args, CP, None), getattr(args, "sp", None)
     if sp == MEGATRON_SP and tp == 1:
         raise AutoparError("--sp megatron splits the sequence over the tensor axis, but --tp is "
                            "1; give --tp 2 or more, or --sp none.")
@@ -474,7 +478,7 @@ def _validate_combinations(args) -> None:
         errors = [grid_size_error(mode, tp, d) for d in depths]
         if all(errors):
             raise AutoparError(f"--tp {tp} cannot run --tp-mode {mode}: {errors[0]}")
-    batch, dp, m = getattr(args, "batch", None), getattr(args, "dp", None), \
+    batch, dp, m = getattr(args, "batch", None), getattr(args, DP, None), \
         getattr(args, "microbatches", None)
     if batch is not None and dp is not None and m is not None and batch % dp == 0 and \
             (batch // dp) % m:

@@ -64,6 +64,7 @@ SEQUENCE_LAYOUTS = (ZIGZAG, CONTIGUOUS)
 MEGATRON_SP = "megatron"  # Korthikanti et al. 2022: norms/dropout split on the sequence
 NO_SP = "none"
 LAYER_SP = (NO_SP, MEGATRON_SP)  # what one layer's `sp` may be
+NO_TP = "none"  # a layer's tensor mode where the tp axis is 1 (as the HTML report labels it)
 
 # Pipeline schedules: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Narayanan et al.
 # 2021), zero-bubble ZB-H1 (Qi et al. 2024).
@@ -75,9 +76,9 @@ ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020
 NO_RECOMPUTE, SELECTIVE, FULL = "none", "selective", "full"
 RECOMPUTE = (NO_RECOMPUTE, SELECTIVE, FULL)  # Korthikanti et al. 2022 (selective), Chen 2016
 
-# Precisions: what --dtype and precision= take. fp8 runs the linear layers' GEMMs in float8
-# and the rest in bf16 (autopar.cost.fp8).
-FP32, BF16, FP16, FP8 = "fp32", "bf16", "fp16", "fp8"
+# Precisions: parallelize(precision=...), the CLI's --dtype, the dtypes a profile's peak rate
+# is given for (tf32: fp32 matmuls on tensor cores) and the bytes of a GEMM operand.
+FP32, TF32, BF16, FP16, FP8 = "fp32", "tf32", "bf16", "fp16", "fp8"
 
 STEP = "(step)"  # the layer of what a step sends outside the graph (gradient sync, ZeRO)
 
@@ -125,7 +126,7 @@ PLANNER = Capabilities()
 RUNTIME = Capabilities(
     cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism ...
     cp_with_megatron_sp=False,  # ... without Megatron-SP
-    recompute=("none",),
+    recompute=(NO_RECOMPUTE,),
     offload_zero3_single_rank=False,
     expert_cp_extras=False,  # ep beside cp runs with dp and cp alone
     expert_zero=(0, 1, 2, 3),

@@ -20,7 +20,7 @@ per layer kind (dense and MoE blocks) its all-to-all bytes on ep per micro-batch
 dense blocks, which hold no experts.
 
 (b) Measured, the MoE layer alone on a gloo world of 4 (float32): `autopar.kernels.moe.MoE`
-split over ep = 4 against `autopar.models.moe.SparseMoE` whole on every rank, each rank
+split over ep = 4 against `autopar.kernels.sparse_moe.SparseMoE` whole on every rank, each rank
 routing its own `--tokens` tokens of unit-variance noise (what the layer sees after its
 RMSNorm at initialisation) through a router initialised as the zoo's (N(0, 0.02)). A step
 is forward, backward and the gradient sync data parallelism needs: every gradient averaged
@@ -64,8 +64,8 @@ from autopar.cost.experts import routing_imbalance  # noqa: E402
 from autopar.errors import PlanError  # noqa: E402
 from autopar.kernels.collectives import AxisGroup, CommLog  # noqa: E402
 from autopar.kernels.moe import MoE  # noqa: E402
+from autopar.kernels.sparse_moe import SparseMoE  # noqa: E402
 from autopar.models import workload  # noqa: E402
-from autopar.models.moe import SparseMoE  # noqa: E402
 from autopar.search.planner import prepare, search, to_plan  # noqa: E402
 from autopar.world import World  # noqa: E402
 

@@ -68,7 +68,6 @@ sys.path.insert(0, ROOT)
 from autopar.cost.comm import collective_time, placements  # noqa: E402
 from autopar.cost.hardware import load_hardware  # noqa: E402
 from autopar.cost.model import (
-    RECOMPUTE,
     Context,
     LayerState,
     state_cost,
@@ -78,7 +77,7 @@ from autopar.cost.schedule import check_microbatches, stage_owner  # noqa: E402
 from autopar.cost.step import host_bytes, optimizer_time, state_factors  # noqa: E402
 from autopar.errors import PlanError  # noqa: E402
 from autopar.models import workload  # noqa: E402
-from autopar.modes import ORDER, SCHEDULES  # noqa: E402
+from autopar.modes import ORDER, RECOMPUTE, SCHEDULES  # noqa: E402
 from autopar.search import planner  # noqa: E402
 from autopar.search.partition import balance, balance_within  # noqa: E402
 from autopar.search.search import Options, Search  # noqa: E402

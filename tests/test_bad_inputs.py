@@ -330,7 +330,7 @@ def test_out_of_range_ids_and_targets_in_the_split_kernels():
     table, where a missing row would read as zeros: both refuse as one device does."""
     from autopar.kernels.collectives import AxisGroup, CommLog
     from autopar.kernels.modules import VocabParallelCrossEntropy, VocabParallelEmbedding
-    from autopar.kernels.multid import _VocabParallelCE
+    from autopar.kernels.multid import VocabParallelCE
 
     group = AxisGroup("tp", 2, 0, None, CommLog())  # rank 0 of 2: refused before any send
     emb = VocabParallelEmbedding("tp")
@@ -342,7 +342,7 @@ def test_out_of_range_ids_and_targets_in_the_split_kernels():
     with pytest.raises(IndexError, match=r"target holds 80, outside \[0, 64\)"):
         ce(torch.randn(3, 32), torch.tensor([1, 80, -100]))
     with pytest.raises(TokenIdError, match=r"holds -3, outside \[0, 16\)"):
-        _VocabParallelCE.apply(torch.randn(3, 16), torch.tensor([1, -3, 2]), None, (), -100)
+        VocabParallelCE.apply(torch.randn(3, 16), torch.tensor([1, -3, 2]), None, (), -100)
 
 
 def test_a_dict_output_searches_a_plan(gpt):

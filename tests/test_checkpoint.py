@@ -231,7 +231,7 @@ def test_boxes_are_what_local_slice_cuts():
         for index in itertools.product(*[range(n) for _, n in mesh.dims]):
             coords = dict(zip(mesh.physical, index))
             local = local_slice(full, layout, coords, mesh)
-            runs = ck._runs(layout, mesh, coords, shape)
+            runs = ck.slice_runs(layout, mesh, coords, shape)
             assert ck._whole_shape(local.shape, layout, mesh) == shape
             region = ck._slice_region(local, runs, shape)
             assert sum(v.numel() for _, v in region.boxes) == local.numel()

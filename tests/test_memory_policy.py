@@ -13,6 +13,7 @@ the search and in `--min-devices`.
 import functools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +233,20 @@ def test_min_devices_counts_offload_against_the_hosts_memory(tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         answers[host] = (out["min_devices"]["devices"], out["zero"]["offload"])
     assert answers == {1: (8, False), 10 ** 12: (2, True)}
+
+
+def test_one_formula_prices_the_flat_buffers():
+    """The biggest layer's flat buffers (twice for the sync between replicas, twice more for
+    ZeRO-3's gathers) are one cost formula, which the memory by kind and the search's
+    memory-balanced stage split both read."""
+    import numpy as np
+
+    from autopar.cost.step import buffer_bytes, memory_by_kind
+
+    assert [buffer_bytes(10.0, r, z) for r, z in [(1, 0), (2, 0), (1, 3), (4, 3)]] == \
+        [0.0, 20.0, 20.0, 40.0]
+    parts = memory_by_kind(np.array([100.0]), np.zeros(1), 10.0, 4, 3, False, np.ones(1),
+                           mixed(torch.bfloat16), workspace=5.0)
+    assert parts["buffers"][0] == buffer_bytes(10.0, 4, 3) + 5.0
+    search_source = (Path(planner.__file__).parent / "search.py").read_text()
+    assert "buffer_bytes(prep.biggest, replicas, zero)" in search_source

@@ -1,4 +1,4 @@
-"""The dropless MoE layer (autopar.models.moe, autopar.kernels.moe) and the zoo's MoE model.
+"""The dropless MoE layer (autopar.kernels.sparse_moe, autopar.kernels.moe) and the zoo's MoE model.
 
 Routing against a hand-written top-k, the layer against a per-token loop over experts (forward
 and gradients, grouped-matmul, loop and traced dense paths) and against transformers'
@@ -18,8 +18,9 @@ from torch.export import Dim
 
 from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.kernels.moe import MoE
+from autopar.kernels.routing import SIGMOID, SOFTMAX, route
+from autopar.kernels.sparse_moe import SparseMoE
 from autopar.models import build, format_spec, get_config, parse_spec, workload
-from autopar.models.moe import SIGMOID, SOFTMAX, SparseMoE, route
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 pool4 = dist_pool_fixture(4, timeout_s=120)

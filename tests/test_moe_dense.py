@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from autopar.cost.model import LayerState
+from autopar.kernels.routing import SIGMOID
+from autopar.kernels.sparse_moe import SwiGLU
 from autopar.models import build, format_spec, get_config, parse_spec, workload
-from autopar.models.moe import SIGMOID, SwiGLU
 from autopar.report.html import plan_html
 from autopar.report.predicted import layer_costs, plan_report, pricing_context, tensor_mode
 from autopar.search.planner import model_flops, prepare, search, to_plan

@@ -31,7 +31,7 @@ from torch import nn
 import autopar
 from autopar.errors import PlanError
 from autopar.kernels.moe_layers import find_moe_layers, moe_op, opaque_moe, run, spec_key
-from autopar.models.moe import GROUP_MAX, GROUP_TOP2, SIGMOID, SOFTMAX
+from autopar.kernels.routing import GROUP_MAX, GROUP_TOP2, SIGMOID, SOFTMAX
 
 pool2 = dist_pool_fixture(2, timeout_s=300)
 TOL = 1e-4

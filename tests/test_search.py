@@ -612,8 +612,8 @@ def _priced_states(chain):
     """Every (layer kind, state, micro-batch, cp mode) the search prices on 8 ranks under
     tp 1, 2 (1D) and 4 (1D, 2D) with and without 2-way context parallelism."""
     from autopar.cost.comm import placements
-    from autopar.cost.model import RECOMPUTE, Context, LayerState, tensor_modes
-    from autopar.modes import ORDER
+    from autopar.cost.model import Context, LayerState, tensor_modes
+    from autopar.modes import ORDER, RECOMPUTE
 
     hw = load_hardware("a100-80gb")
     for tp, cp, cp_mode in ((1, 1, None), (2, 1, None), (4, 1, None), (2, 2, "ring"),

@@ -39,8 +39,9 @@ from torch.multiprocessing.spawn import ProcessException
 from autopar.cost.comm import SYMBOLS, collective_expr, single_link
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.errors import WorldError
+from autopar.modes import BF16, FP16, FP32, TF32
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {FP32: torch.float32, BF16: torch.bfloat16, FP16: torch.float16}
 
 # The formula each collective's measurements are fitted with: gloo and NCCL run rings
 # (pairwise exchange for all-to-all) for large messages, and a two-rank broadcast is one
@@ -387,7 +388,7 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
                        world: int) -> tuple[dict, dict]:
     """Profile fields for matmul and memory, and the raw measurements behind them."""
     dims = effort.matmul_dims[device.type]
-    curve_dtype = "bf16" if device.type == "cuda" else "fp32"
+    curve_dtype = BF16 if device.type == "cuda" else FP32
     curve = measure_matmul(dims, DTYPES[curve_dtype], device, effort)
     flops, seconds = [f for f, _ in curve], [s for _, s in curve]
     others, skipped = {}, {}
@@ -409,9 +410,9 @@ def _calibrate_compute(hw: Hardware, device: torch.device, effort: Effort,
     for dt, s in others.items():  # the same curve, through this dtype's largest matmul
         peak_flops[dt] = flops[-1] / s / at_largest
     measured = {curve_dtype, *others}
-    if device.type == "cpu" and "tf32" in peak_flops:  # a CPU runs TF32 requests in fp32
-        peak_flops["tf32"] = peak_flops["fp32"]
-        measured.add("tf32")
+    if device.type == "cpu" and TF32 in peak_flops:  # a CPU runs TF32 requests in fp32
+        peak_flops[TF32] = peak_flops[FP32]
+        measured.add(TF32)
     fields = dict(peak_flops=peak_flops, gemm_efficiency=efficiency, gemm_half_flops=half,
                   memory_bandwidth=moved / copy_s, memory_efficiency=1.0)
     # torch.optim's default here: foreach kernels on CUDA, a loop over the tensors on the CPU

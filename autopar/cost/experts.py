@@ -19,7 +19,7 @@ import torch
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Experts
-from autopar.models.moe import route
+from autopar.kernels.routing import route
 
 # The router as autopar's zoo initialises it (autopar.models.moe: gate weights N(0, 0.02))
 # on unit-RMS inputs (the RMSNorm before the MoE at initialisation).
@@ -34,7 +34,7 @@ def expert_shares(experts: int, top_k: int, hidden: int) -> tuple[float, ...]:
     """Each expert's share of the token-expert rows, measured by routing SAMPLED_TOKENS tokens
     through the zoo router at initialisation: gate weights W [hidden, experts] drawn
     N(0, INIT_STD) (seeded), inputs of unit RMS, so a token's logits are N(0, WᵀW);
-    `autopar.models.moe.route` picks its top_k. A narrow router's gate columns differ in
+    `autopar.kernels.routing.route` picks its top_k. A narrow router's gate columns differ in
     norm, so its experts differ in share; a wide one's are near 1/E."""
     gen = torch.Generator().manual_seed(SEED)
     w = torch.randn(hidden, experts, generator=gen, dtype=torch.float64) * INIT_STD

@@ -16,6 +16,7 @@ from importlib import resources
 
 from autopar.errors import WorldError
 from autopar.json_file import read_json
+from autopar.modes import BF16, FP8, FP16, FP32, TF32
 
 GiB = 1024 ** 3
 OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")  # torch.optim's three
@@ -154,7 +155,7 @@ _BELOW_ONE = {"comm_sm_share"}  # overlapped compute runs 1 / (1 - share) slower
 
 
 _WHOLE = {"memory_bytes", "per_node", "host_memory_bytes"}
-PEAK_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")  # the dtypes a peak rate may be given for
+PEAK_DTYPES = (FP32, TF32, BF16, FP16, FP8)  # the dtypes a peak rate may be given for
 
 
 def _refuse(name: str, value, need: str) -> None:

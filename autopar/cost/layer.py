@@ -20,6 +20,7 @@ from autopar.cost.memory import activation_bytes
 from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
+from autopar.modes import NO_RECOMPUTE, SELECTIVE, TP
 from autopar.sharding.divisible import indivisible
 from autopar.sharding.solve import Solution, replicated_regions, solve
 from autopar.sharding.strategy import Rewrite
@@ -473,7 +474,7 @@ def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[s
     solutions = {}
     for size in sizes:
         try:
-            solution = solve(traced, axis="tp", size=size)
+            solution = solve(traced, axis=TP, size=size)
         except Exception as e:  # a size the model's shapes do not divide
             refused.append(f"tp={size}: {e}")
             continue
@@ -535,16 +536,16 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
     def at(batch, recompute, sol):
         return activation_bytes(traced, sol, micro_batch=batch, recompute=recompute)
 
-    one = {b: at(b, "none", None) for b in (1, 2)}
-    local = {(b, r): at(b, r, solution) for b in (1, 2) for r in ("none", "selective")}
+    one = {b: at(b, NO_RECOMPUTE, None) for b in (1, 2)}
+    local = {(b, r): at(b, r, solution) for b in (1, 2) for r in (NO_RECOMPUTE, SELECTIVE)}
     for name, lt in by_name.items():
         def lin(table, name=name):
             return Lin(2 * table[1].get(name, 0) - table[2].get(name, 0),
                        table[2].get(name, 0) - table[1].get(name, 0))
 
         whole = lin(one)
-        kept = lin({b: local[(b, "none")] for b in (1, 2)})
-        no_attn = lin({b: local[(b, "selective")] for b in (1, 2)})
+        kept = lin({b: local[(b, NO_RECOMPUTE)] for b in (1, 2)})
+        no_attn = lin({b: local[(b, SELECTIVE)] for b in (1, 2)})
         attention = kept + no_attn.scale(-1)
         rest = no_attn
         if size > 1:

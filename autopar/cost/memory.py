@@ -86,10 +86,10 @@ from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
+from autopar.modes import FULL, NO_RECOMPUTE, RECOMPUTE, SELECTIVE, TP_3D
 from autopar.sharding.layout import Layout
 from autopar.sharding.strategy import Rewrite
 
-RECOMPUTE = ("none", "selective", "full")
 _BATCHES = (2, 3)  # the graph runs at these two batch sizes; every size is linear in between
 _CACHE_ATTR = "_autopar_memory"  # on the TracedGraph: the analysis lives and dies with it
 
@@ -342,7 +342,7 @@ def _inside(producer: fx.Node, internal: bool, shape: tuple, inside: set[fx.Node
 
 # ------------------------------------------------------------------------ bytes per device
 def activation_bytes(traced: TracedGraph, solution=None, micro_batch: int = 1,
-                     recompute: str | dict[str, str] = "none") -> dict[str, int]:
+                     recompute: str | dict[str, str] = NO_RECOMPUTE) -> dict[str, int]:
     """Bytes of saved activations one device holds after the forward pass, per layer.
 
     `solution`: a tensor-parallel Solution (None: one device). `micro_batch`: the batch one
@@ -355,15 +355,15 @@ def activation_bytes(traced: TracedGraph, solution=None, micro_batch: int = 1,
     """
     modes = _recompute_modes(traced, recompute)
     saves = _layer_saves(traced, solution, micro_batch)
-    reads = _layer_reads(traced, solution, micro_batch) if "full" in modes.values() else {}
+    reads = _layer_reads(traced, solution, micro_batch) if FULL in modes.values() else {}
     seen: set = set()
     out: dict[str, int] = {}
     for layer in traced.layers:
         mode = modes[layer.name]
-        kept = reads.get(layer.name, {}) if mode == "full" else saves.get(layer.name, {})
+        kept = reads.get(layer.name, {}) if mode == FULL else saves.get(layer.name, {})
         total = 0
         for key, (nbytes, attention_inside) in kept.items():
-            if key in seen or (mode == "selective" and attention_inside):
+            if key in seen or (mode == SELECTIVE and attention_inside):
                 continue
             seen.add(key)
             total += nbytes
@@ -378,9 +378,9 @@ def _recompute_modes(traced: TracedGraph, recompute) -> dict[str, str]:
         if unknown:
             raise PlanError(f"recompute names {', '.join(unknown)}, which are not layers of this "
                             f"graph; its layers are {', '.join(names)}.")
-        modes = {name: recompute.get(name, "none") for name in names}
+        modes = {name: recompute.get(name, NO_RECOMPUTE) for name in names}
     else:
-        modes = {name: recompute if name.rsplit(".", 1)[-1].isdigit() else "none"
+        modes = {name: recompute if name.rsplit(".", 1)[-1].isdigit() else NO_RECOMPUTE
                  for name in names}
     for mode in set(modes.values()):
         if mode not in RECOMPUTE:
@@ -624,7 +624,7 @@ def _kernel_saves(solution, micro_batch: int) -> tuple[set, dict[str, dict]]:
     for node, strategy in solution.strategies.items():
         args = strategy.args
         layer = node.meta["autopar"].layer
-        if strategy.rewrite == "grid_linear" and args.get("mode") == "3d":
+        if strategy.rewrite == "grid_linear" and args.get("mode") == TP_3D:
             x, w = (node.args[1], node.args[2]) if args["transposed"] else node.args[:2]
             inp, wgt, _ = args["grid"]
             for key, src, axis in (("gathered input", x, inp), ("gathered weight", w, wgt)):

@@ -30,6 +30,27 @@ from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
 from autopar.cost.memory import StepTemps
+from autopar.modes import (
+    BF16,
+    CONTIGUOUS,
+    CP,
+    FP8,
+    FP16,
+    FP32,
+    FULL,
+    MEGATRON_SP,
+    NO_RECOMPUTE,
+    NO_SP,
+    RING,
+    SELECTIVE,
+    TF32,
+    TP_1D,
+    TP_2D,
+    TP_3D,
+    TP_25D,
+    TP_MODES,
+    ZIGZAG,
+)
 
 # The physical effects a step's time carries beyond an ideal device, as explain names them
 # (StateCost.effects), each with where its price comes from.
@@ -57,10 +78,7 @@ EFFECTS = {
     **fp8.EFFECTS,
 }
 
-TENSOR_MODES = ("1d", "2d", "2.5d", "3d")
-ITEMSIZE = {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}  # bytes of a GEMM operand
-SP_MODES = ("none", "megatron")
-RECOMPUTE = ("none", "selective", "full")
+ITEMSIZE = {FP8: 1, BF16: 2, FP16: 2, TF32: 4, FP32: 4}  # bytes of a GEMM operand
 
 
 @dataclass(frozen=True)
@@ -76,32 +94,32 @@ class TensorMode:
     @property
     def batch_split(self) -> int:
         """How many ways the multi-dimensional modes split the micro-batch of activations."""
-        return {"1d": 1, "2d": self.q, "2.5d": self.q * self.d, "3d": self.q * self.q}[self.name]
+        return {TP_1D: 1, TP_2D: self.q, TP_25D: self.q * self.d, TP_3D: self.q * self.q}[self.name]
 
     def __str__(self) -> str:
-        if self.name == "1d" or self.size == 1:
+        if self.name == TP_1D or self.size == 1:
             return self.name
-        if self.name == "2.5d":
+        if self.name == TP_25D:
             return f"2.5d({self.q}x{self.q}x{self.d})"
-        return f"{self.name}({'x'.join([str(self.q)] * (2 if self.name == '2d' else 3))})"
+        return f"{self.name}({'x'.join([str(self.q)] * (2 if self.name == TP_2D else 3))})"
 
 
 @functools.lru_cache(maxsize=None)
-def tensor_modes(size: int, allowed=TENSOR_MODES) -> list[TensorMode]:
+def tensor_modes(size: int, allowed=TP_MODES) -> list[TensorMode]:
     """Every tensor mode that ``size`` devices can form."""
-    out = [TensorMode("1d", size)] if "1d" in allowed else []
+    out = [TensorMode(TP_1D, size)] if TP_1D in allowed else []
     if size < 4:
         return out
     q = math.isqrt(size)
-    if "2d" in allowed and q * q == size:
-        out.append(TensorMode("2d", size, q, 1))
-    if "2.5d" in allowed:  # depths d with size / d a square q^2, q > 1: d = size / q^2
+    if TP_2D in allowed and q * q == size:
+        out.append(TensorMode(TP_2D, size, q, 1))
+    if TP_25D in allowed:  # depths d with size / d a square q^2, q > 1: d = size / q^2
         for q in range(math.isqrt(size // 2), 1, -1):
             if size % (q * q) == 0:
-                out.append(TensorMode("2.5d", size, q, size // (q * q)))
+                out.append(TensorMode(TP_25D, size, q, size // (q * q)))
     c = round(size ** (1 / 3))
-    if "3d" in allowed and c > 1 and c ** 3 == size:
-        out.append(TensorMode("3d", size, c, c))
+    if TP_3D in allowed and c > 1 and c ** 3 == size:
+        out.append(TensorMode(TP_3D, size, c, c))
     return out
 
 
@@ -110,8 +128,8 @@ class LayerState:
     """The strategy of one layer: tensor mode, sequence parallelism, recompute."""
 
     mode: TensorMode
-    sp: str = "none"
-    recompute: str = "none"
+    sp: str = NO_SP
+    recompute: str = NO_RECOMPUTE
 
     @property
     def layout(self) -> tuple:
@@ -261,7 +279,7 @@ def attention_time(flops: float, keys: float, causal: bool, hw: Hardware, dtype:
 def attention_keys(a: Attention, cp: int, cp_mode: str | None) -> float:
     """Keys per query one attention kernel call sees: ring attention runs one call per
     block of S/cp keys; Ulysses gathers the whole sequence for a subset of heads."""
-    return a.keys / cp if cp > 1 and cp_mode == "ring" else a.keys
+    return a.keys / cp if cp > 1 and cp_mode == RING else a.keys
 
 
 def causal_imbalance(cp: int, layout: str) -> float:
@@ -269,7 +287,7 @@ def causal_imbalance(cp: int, layout: str) -> float:
     contiguous split the rank holding the last chunk computes cp - 1/2 of the cp x cp key
     blocks' unmasked work against cp/2 on average (Brandon et al. 2023, arXiv 2311.09431,
     Striped Attention); the zigzag split (two mirrored chunks per rank) evens it out."""
-    return (2 * cp - 1) / cp if cp > 1 and layout == "contiguous" else 1.0
+    return (2 * cp - 1) / cp if cp > 1 and layout == CONTIGUOUS else 1.0
 
 
 def memory_time(nbytes: float, hw: Hardware) -> float:
@@ -317,8 +335,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
     hw, dtype = ctx.hw, fp8.compute_dtype(ctx.dtype)
     t = mode.size
     c = ctx.cp.size
-    sharded = lt.sharded[t if mode.name == "1d" else 1]
-    one_d = mode.name == "1d"
+    sharded = lt.sharded[t if mode.name == TP_1D else 1]
+    one_d = mode.name == TP_1D
     # Compute: GEMMs at their local size (each of the backward's two GEMMs is as large).
     gemm_fwd = gemm_traffic = 0.0
     rows = c * (1 if one_d else mode.batch_split)
@@ -369,8 +387,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
             kernel = ctx.attention_kernel
             even = attention_time(a.flops(batch) / parts, keys, a.causal, hw, dtype, kernel)
             ideal = attention_time(a.flops(batch) / parts, math.inf, a.causal, hw, dtype, kernel)
-            layout = "contiguous" if a.keys % (2 * c) else "zigzag"
-            sec = even * (causal_imbalance(c, layout) if a.causal and ctx.cp_mode == "ring"
+            layout = CONTIGUOUS if a.keys % (2 * c) else ZIGZAG
+            sec = even * (causal_imbalance(c, layout) if a.causal and ctx.cp_mode == RING
                           else 1.0)
         attn_each.append(sec)
         attn_fwd += sec
@@ -405,52 +423,52 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     mode = state.mode
     t = mode.size
     c = ctx.cp.size
-    sharded = lt.sharded[t if mode.name == "1d" else 1]
-    one_d = mode.name == "1d"
-    sp = state.sp == "megatron" and one_d and t > 1
+    sharded = lt.sharded[t if mode.name == TP_1D else 1]
+    one_d = mode.name == TP_1D
+    sp = state.sp == MEGATRON_SP and one_d and t > 1
     lay = _layout_cost(lt, mode, sp, batch, ctx)
     attn_fwd, forward = lay.attn_fwd, lay.forward
     # the backward's two GEMMs per forward one; its fp8 casts are its own (fp8.cast_bytes)
     backward = 2 * (forward - lay.fp8_casts[0]) + lay.fp8_casts[1]
-    recompute = {"none": 0.0, "selective": attn_fwd, "full": forward}[state.recompute]
+    recompute = {NO_RECOMPUTE: 0.0, SELECTIVE: attn_fwd, FULL: forward}[state.recompute]
     # Communication inside the layer (not overlapped with its compute).
     comm = comm_bytes = 0.0
     if one_d and t > 1:
-        full = state.recompute == "full"
+        full = state.recompute == FULL
         for forward_phase, sec, wire in lay.tp_comm:
             reruns = 2 if forward_phase and full else 1
             comm += reruns * sec
             comm_bytes += reruns * wire
     elif t > 1:
-        full = state.recompute == "full"
+        full = state.recompute == FULL
         sec, nbytes = ctx.of_layer(("multi-d", mode, batch, full), lt,
                                    lambda: _multi_d_comm(lt, mode, batch / c, ctx, full))
         comm += sec
         comm_bytes += nbytes
     cp_comm = cp_bytes = 0.0
-    rerun = state.recompute in ("full", "selective")  # the attention forward runs twice
+    rerun = state.recompute in (FULL, SELECTIVE)  # the attention forward runs twice
     effects = {}
     workspace = 0.0
     if c > 1 and lt.attention:
-        ring = ctx.of_layer(("cp", mode, sp, batch, rerun), lt, lambda: _context_comm(
+        ring = ctx.of_layer((CP, mode, sp, batch, rerun), lt, lambda: _context_comm(
             lt, mode, batch, ctx, list(lay.attn_each), rerun))
         cp_bytes, workspace = ring.nbytes, ring.workspace
         cp_comm = ring.exposed + ring.contention
         comm += cp_comm
         comm_bytes += cp_bytes
-        effects["cp ring hops exposed"] = ring.exposed if ctx.cp_mode == "ring" else 0.0
+        effects["cp ring hops exposed"] = ring.exposed if ctx.cp_mode == RING else 0.0
         effects["collectives' SM contention"] = ring.contention
     a_runs = 3 + rerun
     effects["attention on short sequences"] = a_runs * (lay.attn_even - lay.attn_ideal)
     effects["causal imbalance (contiguous cp)"] = a_runs * (attn_fwd - lay.attn_even)
-    runs = 3 + (state.recompute == "full")
+    runs = 3 + (state.recompute == FULL)
     if lay.fp8_gemms:
-        amax = _fp8_amax(lay.fp8_gemms, t, state.recompute == "full", ctx)
+        amax = _fp8_amax(lay.fp8_gemms, t, state.recompute == FULL, ctx)
         comm += amax
-        comm_bytes += _fp8_amax(lay.fp8_gemms, t, state.recompute == "full", ctx, wire=True)
+        comm_bytes += _fp8_amax(lay.fp8_gemms, t, state.recompute == FULL, ctx, wire=True)
         effects["fp8 amax all-reduce (tp)"] = amax
         effects["fp8 casts and amax"] = sum(lay.fp8_casts) + \
-            (lay.fp8_casts[0] if state.recompute == "full" else 0.0)
+            (lay.fp8_casts[0] if state.recompute == FULL else 0.0)
     effects["GEMM operand traffic"] = runs * lay.gemm_traffic
     effects["memory-bound ops"] = runs * lay.mem_roof
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
@@ -461,7 +479,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     if lt.experts is not None:
         expert_params = lt.experts.param_bytes / ep / cut
         if ep > 1:
-            reruns = 2 if state.recompute == "full" else 1
+            reruns = 2 if state.recompute == FULL else 1
             ep_comm, ep_bytes, _ = moe_cost.alltoall_s(lt.experts, batch, c, ctx.ep, ctx.hw,
                                                        imbalance, reruns)
             comm += ep_comm
@@ -473,18 +491,18 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
             workspace = max(workspace, 2 * imbalance *
                             moe_cost.dispatch_bytes(lt.experts, batch, c))
     # Memory: activations kept for backward, parameters held.
-    if state.recompute == "full":
+    if state.recompute == FULL:
         acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)
     elif one_d:
         acts = sharded.act_split(batch) + sharded.act_replicated(batch) / (t if sp else 1)
-        if state.recompute == "none":
+        if state.recompute == NO_RECOMPUTE:
             acts += sharded.act_attention(batch)
     else:
         whole = sharded.act_split(batch) + sharded.act_replicated(batch)
-        if state.recompute == "none":
+        if state.recompute == NO_RECOMPUTE:
             whole += sharded.act_attention(batch)
         acts = whole / t
-        if mode.name == "3d":
+        if mode.name == TP_3D:
             acts += _gathered_3d(lt, mode, batch)
     acts /= c
     # each rank holds its E/ep experts, each split over 1D tp (whole in the other modes)
@@ -516,14 +534,14 @@ def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) 
 def _grid_parts(mode: TensorMode) -> int:
     """The ranks a 2D, 2.5D or 3D grid cuts a weight matrix over (2.5D keeps a copy per
     depth layer)."""
-    return mode.q * mode.q if mode.name == "2.5d" else mode.size
+    return mode.q * mode.q if mode.name == TP_25D else mode.size
 
 
 def _step_temps(lt: LayerType, mode: TensorMode, sharded, ep: int, cut: int) -> StepTemps:
     """The layer's parameter tensors per device, in order, as the optimizer steps them: 1D
     as the catalog splits each, 2D and 3D 1/t of each matrix, 2.5D 1/q^2 (as `params` above), then
     its experts (a stacked one 1/ep, each 1/cut); a grid's biases and norms 1/q."""
-    if mode.name == "1d":
+    if mode.name == TP_1D:
         dense = list(sharded.param_tensors)
     else:
         vectors = sharded.param_vectors or (False,) * len(sharded.param_tensors)
@@ -603,11 +621,11 @@ def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
             continue
         m = g.flops(batch) / (2 * g.k * g.n)  # tokens
         mk, kn, mn = m * g.k * e, g.k * g.n * e, m * g.n * e
-        if mode.name == "2d":
+        if mode.name == TP_2D:
             fwd = (q - 1) * (mk + kn) / q ** 2
             bwd = 2 * fwd
             extra = 0.0
-        elif mode.name == "2.5d":
+        elif mode.name == TP_25D:
             fwd = (q - 1) * (mk / d + kn) / q ** 2
             bwd = 2 * fwd
             extra = ctx.coll("all_reduce", kn / q ** 2, _depth(mode, ctx))
@@ -697,10 +715,10 @@ def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     if c <= 1:
         return CpCost(0.0, 0.0, 0.0)
     for a, attn in zip(lt.attention, attn_each):
-        kv_heads = max(1, a.kv_heads // (mode.size if mode.name == "1d" else 1))
-        heads = max(1, a.heads // (mode.size if mode.name == "1d" else 1))
+        kv_heads = max(1, a.kv_heads // (mode.size if mode.name == TP_1D else 1))
+        heads = max(1, a.heads // (mode.size if mode.name == TP_1D else 1))
         kv = 2 * act * kv_heads / heads
-        if ctx.cp_mode == "ring":
+        if ctx.cp_mode == RING:
             hop, pair = ctx.coll("p2p", kv, ctx.cp), ctx.coll("p2p", 2 * kv, ctx.cp)
             e, h = ring_exposed(c, hop, pair, attn / c, 2 * attn / c, rerun)
             exposed += e

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from autopar.errors import PlanError
+from autopar.modes import GPIPE, INTERLEAVED, ONE_F_ONE_B, SCHEDULES, ZERO_BUBBLE
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
-_TORCH = {"interleaved": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleZBVZeroBubble"}
+_TORCH = {INTERLEAVED: "ScheduleInterleaved1F1B", ZERO_BUBBLE: "ScheduleZBVZeroBubble"}
 
 
 def stage_count(schedule: str, members: int, chunks: int = 1) -> int:
@@ -43,9 +43,9 @@ def stage_count(schedule: str, members: int, chunks: int = 1) -> int:
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; choose one of "
                         f"{', '.join(SCHEDULES)}.")
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in (GPIPE, ONE_F_ONE_B):
         return members
-    if schedule == "zero_bubble":
+    if schedule == ZERO_BUBBLE:
         return 2 * members
     if chunks < 2:
         raise PlanError("the interleaved schedule needs chunks >= 2 (virtual stages per rank); "
@@ -55,25 +55,25 @@ def stage_count(schedule: str, members: int, chunks: int = 1) -> int:
 
 def stage_owner(schedule: str, stage: int, members: int) -> int:
     """The pipeline rank that runs `stage`."""
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in (GPIPE, ONE_F_ONE_B):
         return stage
-    if schedule == "zero_bubble":  # V shape: down the ranks, then back up
+    if schedule == ZERO_BUBBLE:  # V shape: down the ranks, then back up
         return stage if stage < members else 2 * members - 1 - stage
     return stage % members
 
 
 def stages_per_rank(schedule: str, chunks: int = 1) -> int:
-    return {"gpipe": 1, "1f1b": 1, "zero_bubble": 2}.get(schedule, chunks)
+    return {GPIPE: 1, ONE_F_ONE_B: 1, ZERO_BUBBLE: 2}.get(schedule, chunks)
 
 
 def check_microbatches(schedule: str, members: int, microbatches: int, chunks: int = 1) -> None:
     """One sentence when the schedule cannot run `microbatches` on `members` ranks."""
     n = stage_count(schedule, members, chunks)
-    if schedule == "1f1b" and microbatches < n:
+    if schedule == ONE_F_ONE_B and microbatches < n:
         raise PlanError(f"the 1f1b schedule over {n} stages needs at least {n} "
                         f"micro-batches, not {microbatches}; use pipeline=dict(..., "
                         f"microbatches={n}) or more, or the gpipe schedule.")
-    if schedule == "interleaved":
+    if schedule == INTERLEAVED:
         rounds = max(1, microbatches // members)
         if microbatches % rounds:
             raise PlanError(f"the interleaved schedule on {members} ranks runs micro-batches in "
@@ -89,10 +89,10 @@ def order(schedule: str, members: int, microbatches: int, chunks: int = 1) -> tu
     """Per rank, its actions in the order the runtime runs them."""
     p, m = members, microbatches
     check_microbatches(schedule, p, m, chunks)
-    if schedule == "gpipe":
+    if schedule == GPIPE:
         return tuple(tuple([("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)])
                      for r in range(p))
-    if schedule == "1f1b":
+    if schedule == ONE_F_ONE_B:
         out = []
         for r in range(p):
             warm = min(m, p - r)
@@ -217,9 +217,17 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
                 moved = True
         if not moved:
             raise RuntimeError(f"the {schedule} order deadlocks at {pos}")
+    peak_b, peak_m = _peaks(orders, owner, grad_kind, acts)
+    return Timeline(max(free), busy, peak_b, peak_m, spans)
+
+def _peaks(orders: list, owner: list[int], grad_kind: dict, acts: list) -> tuple[list, list]:
+    """Per rank, the most activation bytes (`acts` per stage) and the most micro-batches
+    (a stage's weighing 1 / the rank's stages) held at once as its order runs: a forward
+    saves them, the action that ends its stage's backward (W after a split I, else B)
+    frees them."""
     peak_b, peak_m = [], []
     for r, ops in enumerate(orders):
-        mine = [s for s in range(n) if owner[s] == r]
+        mine = [s for s in range(len(owner)) if owner[s] == r]
         weight = 1.0 / len(mine)
         held = held_m = best = best_m = 0.0
         frees = {s: ("W" if grad_kind.get(s) == "I" else "B") for s in mine}
@@ -233,7 +241,7 @@ def simulate(schedule: str, members: int, microbatches: int, chunks: int = 1, *,
                 held_m -= weight
         peak_b.append(best)
         peak_m.append(best_m)
-    return Timeline(max(free), busy, peak_b, peak_m, spans)
+    return peak_b, peak_m
 
 
 @lru_cache(maxsize=1024)
@@ -247,13 +255,13 @@ def in_flight(schedule: str, members: int, microbatches: int, chunks: int = 1) -
     (Qi et al. 2024 §6: the memory of 1F1B's first stage, everywhere). Otherwise the
     schedule is played."""
     p, m, v = members, microbatches, stages_per_rank(schedule, chunks)
-    if schedule == "gpipe":
+    if schedule == GPIPE:
         return (float(m),) * p
-    if schedule == "1f1b":
+    if schedule == ONE_F_ONE_B:
         return tuple(float(min(m, p - r)) for r in range(p))
-    if m >= 2 * p and schedule == "interleaved":
+    if m >= 2 * p and schedule == INTERLEAVED:
         return tuple(p + (p - 1 - 2 * r) / v for r in range(p))
-    if m >= 2 * p and schedule == "zero_bubble":
+    if m >= 2 * p and schedule == ZERO_BUBBLE:
         return (float(p),) * p
     return tuple(simulate(schedule, p, m, chunks, forward=1.0, backward=2.0).peak_microbatches)
 
@@ -271,9 +279,9 @@ def step_time(schedule: str, members: int, microbatches: int, device_s, chunks: 
     p, m, v = members, microbatches, stages_per_rank(schedule, chunks)
     if p == 1:
         return m * slowest
-    if schedule == "interleaved":
+    if schedule == INTERLEAVED:
         return m * slowest + (p - 1) * slowest / v
-    if schedule == "zero_bubble":
+    if schedule == ZERO_BUBBLE:
         return m * slowest + (p - 1) * slowest / (6 if m >= 2 * p else 3)
     return (m - 1) * slowest + total
 

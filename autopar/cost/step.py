@@ -87,6 +87,12 @@ def expert_split(mesh: dict, ep: int, per_node: int) -> ExpertSplit:
     return ExpertSplit(ep, pl[EP], pl[DP])
 
 
+def buffer_bytes(biggest: float, replicas: int, zero: int) -> float:
+    """The flat buffers of the biggest layer (`biggest` parameter bytes on a device): twice
+    for data-parallel sync where there are replicas, twice more for ZeRO-3's gathers."""
+    return (2 * biggest if replicas > 1 else 0.0) + (2 * biggest if zero == 3 else 0.0)
+
+
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
                    offload: bool, in_flight, precision: Precision, workspace: float = 0.0,
                    experts_dev=None, split: ExpertSplit | None = None,
@@ -102,8 +108,7 @@ def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: in
     temporaries `step_dev` (`optimizer_step_dev`)); `optimizer_step` is what the step adds
     over the backward's peak, max(0, step_dev - activations - buffers)."""
     weights, grads, optim = state_factors(precision, replicas, zero, offload)
-    buffers = np.full_like(params_dev, (2 * biggest if replicas > 1 else 0.0)
-                           + (2 * biggest if zero == 3 else 0.0) + workspace)
+    buffers = np.full_like(params_dev, buffer_bytes(biggest, replicas, zero) + workspace)
     if split is None or experts_dev is None:
         dense, experts, factors = params_dev, 0.0, (0.0, 0.0, 0.0)
     else:
@@ -240,16 +245,16 @@ def crossing_transfer(biggest: float | None, pl: dict, hw: Hardware) -> tuple[fl
     """`stage_transfer` of the biggest activation crossing a boundary (None: none does)."""
     if biggest is None:
         return 0.0, 0.0
-    nbytes = biggest / (pl["tp"].size * pl["cp"].size)
-    return collective_time("p2p", nbytes, pl["pp"], hw), nbytes
+    nbytes = biggest / (pl[TP].size * pl[CP].size)
+    return collective_time("p2p", nbytes, pl[PP], hw), nbytes
 
 
 def conversion_s(boundary_bytes: float, pl: dict, hw: Hardware) -> float:
     """Seconds to hand a layer's output to a neighbour of another layout: an all-gather over
     tp of this rank's cp share of it."""
-    if pl["tp"].size <= 1:
+    if pl[TP].size <= 1:
         return 0.0
-    return collective_time("all_gather", boundary_bytes / max(1, pl["cp"].size), pl["tp"], hw)
+    return collective_time("all_gather", boundary_bytes / max(1, pl[CP].size), pl[TP], hw)
 
 
 def in_flight_of(schedule: str, pp: int, v: int, m: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.kernels import multid
 from autopar.kernels.collectives import FUNCTIONS, AxisGroup, Bound
-from autopar.modes import TP_2D, TP_3D, TP_25D
+from autopar.modes import TP, TP_2D, TP_3D, TP_25D
 
 
 class VocabParallelEmbedding(Bound):
@@ -51,7 +51,7 @@ class PartialBias(Bound):
         return y + bias if self._g().rank == 0 else y + bias * 0.0
 
 
-class _VocabParallelCE(torch.autograd.Function):
+class VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, g: AxisGroup, reduction: int, ignore_index: int):
         cols = logits.shape[1]
@@ -93,7 +93,7 @@ class VocabParallelCrossEntropy(Bound):
         self.reduction, self.ignore_index = reduction, ignore_index
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out = _VocabParallelCE.apply(logits, target, self._g(), self.reduction, self.ignore_index)
+        out = VocabParallelCE.apply(logits, target, self._g(), self.reduction, self.ignore_index)
         return out.to(logits.dtype)
 
 
@@ -101,7 +101,7 @@ class GridBound(Bound):
     """A graph module that needs several mesh axes (the groups of a 2D, 2.5D or 3D grid)."""
 
     def __init__(self, axes: tuple[str, ...]):
-        super().__init__(axes[0] if axes else "tp")
+        super().__init__(axes[0] if axes else TP)
         self.axes = tuple(axes)
         self.groups: dict[str, AxisGroup] | None = None
 
@@ -148,9 +148,9 @@ class GridNorm(GridBound):
         hidden, *replicas = self._gs(self.axes)
         if self.kind == "layer":
             eps = 1e-5 if self.eps is None else self.eps
-            return multid._LayerNorm.apply(x, weight, bias, hidden, tuple(replicas), eps)
+            return multid.SplitLayerNorm.apply(x, weight, bias, hidden, tuple(replicas), eps)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return multid._RMSNorm.apply(x, weight, hidden, tuple(replicas), eps)
+        return multid.SplitRMSNorm.apply(x, weight, hidden, tuple(replicas), eps)
 
 
 class GridCrossEntropy(GridBound):
@@ -167,7 +167,7 @@ class GridCrossEntropy(GridBound):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         vocab = self._gs((self.vocab,))[0] if self.vocab else None
-        return multid._VocabParallelCE.apply(logits, target, vocab, self._gs(self.batch),
+        return multid.VocabParallelCE.apply(logits, target, vocab, self._gs(self.batch),
                                              self.ignore_index)
 
 

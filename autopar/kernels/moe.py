@@ -1,7 +1,7 @@
 """Expert parallelism for the dropless MoE layer: experts split over an `ep` axis, tokens sent
 to their experts' ranks by all-to-all with variable sizes, and back.
 
-`MoE` is `autopar.models.moe.SparseMoE` (router, sorted dispatch, SwiGLU experts, combine in
+`MoE` is `autopar.kernels.sparse_moe.SparseMoE` (router, sorted dispatch, SwiGLU experts, combine in
 slot order) with its E experts split over the members of an `AxisGroup`: member r holds
 experts r*E/ep ... (r+1)*E/ep - 1. Each member routes its own tokens, sorts the token-expert
 pairs by expert and then (GShard, Lepikhin et al. 2020; dropless as Megablocks, Gale et al.
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.kernels.collectives import AxisGroup, CommLog, copy_to_region, reduce_from_region
-from autopar.models.moe import Routing, SparseMoE, balance_loss, balance_stats, is_eager
+from autopar.kernels.routing import Routing, balance_loss, balance_stats
+from autopar.kernels.sparse_moe import SparseMoE, is_eager
 from autopar.modes import EP
 
 

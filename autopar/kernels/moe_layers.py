@@ -5,7 +5,7 @@ the zoo's `SparseMoE`, and any transformers block that holds `experts` (fused ga
 [E, 2F, H] and down_proj [E, H, F], SwiGLU), a router (`gate` or `router`: one linear map
 to E logits, maybe with a bias, maybe a correction bias on it or on the block) and maybe a
 shared SwiGLU expert (`shared_expert(s)` or `shared_mlp`, with a sigmoid
-`shared_expert_gate` or without). The routing (`autopar.models.moe.Router`: softmax or
+`shared_expert_gate` or without). The routing (`autopar.kernels.routing.Router`: softmax or
 sigmoid scores, the correction bias on the scores or the logits, group-limited top-k,
 normalisation, a scaling factor) is read from the block's attributes where it names them
 and chosen by a probe otherwise: the op's output and gradients must equal the block's own
@@ -34,7 +34,8 @@ from autopar.errors import PlanError
 from autopar.graph.opaque import MOE_OP_NAME, described, register
 from autopar.kernels.collectives import AxisGroup, Bound
 from autopar.kernels.moe import MoE
-from autopar.models.moe import GROUP_MAX, GROUP_SCORES, SCORES, SIGMOID, SOFTMAX, Router, SparseMoE
+from autopar.kernels.routing import GROUP_MAX, GROUP_SCORES, SCORES, SIGMOID, SOFTMAX, Router
+from autopar.kernels.sparse_moe import SparseMoE
 from autopar.modes import CP, DP, EP, TOKENS
 
 _SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' SiLU modules

@@ -380,7 +380,7 @@ def _param_grads(dy, xhat, wants, replicas):
     return dw, db
 
 
-class _LayerNorm(torch.autograd.Function):
+class SplitLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, hidden: AxisGroup, replicas: tuple, eps: float):
         n = x.shape[-1] * hidden.size
@@ -413,7 +413,7 @@ class _LayerNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class _RMSNorm(torch.autograd.Function):
+class SplitRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, hidden: AxisGroup, replicas: tuple, eps: float):
         n = x.shape[-1] * hidden.size
@@ -447,7 +447,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     is taken around the global mean). Backward: one all-reduce of two values per row, and
     one of the packed weight and bias gradients per batch-splitting group.
     """
-    return _LayerNorm.apply(x, weight, bias, grid.hidden, grid.batch, eps)
+    return SplitLayerNorm.apply(x, weight, bias, grid.hidden, grid.batch, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, grid: Grid,
@@ -455,7 +455,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, grid: Grid,
     """RMSNorm over the whole hidden dim (eps None: the dtype's machine epsilon, as torch)."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    return _RMSNorm.apply(x, weight, grid.hidden, grid.batch, eps)
+    return SplitRMSNorm.apply(x, weight, grid.hidden, grid.batch, eps)
 
 
 # --------------------------------------------------------------------------------------
@@ -520,7 +520,7 @@ def check_index_range(ids: torch.Tensor, rows: int, what: str,
                            f"{rows}, e.g. a tokenizer with the model's vocabulary size.")
 
 
-class _VocabParallelCE(torch.autograd.Function):
+class VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab: AxisGroup, batch: tuple, ignore_index: int):
         vl = logits.shape[-1]
@@ -574,7 +574,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gri
     logit) all-reduce per row over `grid.hidden`, then (loss sum, row count) all-reduced
     over each batch-splitting group. Backward needs no communication.
     """
-    return _VocabParallelCE.apply(logits, target, grid.hidden, grid.batch, ignore_index)
+    return VocabParallelCE.apply(logits, target, grid.hidden, grid.batch, ignore_index)
 
 
 def classifier_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -1,4 +1,4 @@
-"""A mixture-of-experts decoder in the Mixtral layout, and its dropless MoE feed-forward.
+"""A mixture-of-experts decoder in the Mixtral layout.
 
 Llama's blocks (RMSNorm, rotary embeddings, grouped-query attention) with the SwiGLU
 feed-forward replaced by `SparseMoE`: a router picks `top_k` of `n_experts` SwiGLU experts
@@ -7,34 +7,22 @@ eq. 1-2). Optional shared experts run on every token behind a sigmoid gate, as Q
 The first `dense_layers` blocks may keep a dense SwiGLU feed-forward of width `dense_ffn`
 instead, as DeepSeek-V3's first three of 61 (DeepSeek-AI 2024, "DeepSeek-V3 Technical
 Report", arXiv 2412.19437, §4.2). With `kv_lora_rank` > 0 the attention is DeepSeek's
-multi-head latent attention (`autopar.models.mla`).
-
-`SparseMoE` computes the layer on one device with static shapes only, so torch.export
-traces it on the meta device: the token-expert pairs are sorted by expert (a fixed-size
-argsort), the experts run as one grouped matmul over the sorted rows (`torch._grouped_mm`,
-whose FLOPs are those of the active experts only), and each token sums its top-k results
-in slot order. `autopar.kernels.moe.MoE` is the same layer with its experts split over an
-expert-parallel group.
+multi-head latent attention (`autopar.models.mla`). The layer itself (`SparseMoE`, the
+dropless feed-forward on one device) and its routing live in `autopar.kernels.sparse_moe`
+and `autopar.kernels.routing`, which the expert-parallel kernel and the cost model share.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from autopar.kernels.routing import SOFTMAX, check_routing
+from autopar.kernels.sparse_moe import SparseMoE, SwiGLU
 from autopar.models.llama import Attention, RMSNorm, rope_tables
 from autopar.models.mla import MLAttention
-
-SOFTMAX, SIGMOID = "softmax", "sigmoid"
-SCORES = (SOFTMAX, SIGMOID)
-# how a group of experts is scored for group-limited routing: its best expert's score
-# (DeepSeek-V2's group_limited_greedy) or the sum of its best two (DeepSeek-V3)
-GROUP_MAX, GROUP_TOP2 = "max", "top2"
-GROUP_SCORES = (GROUP_MAX, GROUP_TOP2)
 
 
 @dataclass(frozen=True)
@@ -96,278 +84,6 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: rotary width {self.rope_dim} must be even "
                              "to rotate pairs.")
         check_routing(self.n_experts, self.top_k, self.score)
-
-
-def check_routing(experts: int, top_k: int, score: str) -> None:
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts "
-                         f"({experts}).")
-    if score not in SCORES:
-        raise ValueError(f"router score {score!r} is not one of {', '.join(SCORES)}.")
-
-
-@dataclass(frozen=True)
-class Router:
-    """How gate logits [T, E] choose and weigh a token's experts.
-
-    `score`: softmax or sigmoid of the logits (in float32). `corrected`: a per-expert bias
-    (DeepSeek-V3's e_score_correction_bias) is added to the scores for the choice only, the
-    weights stay the uncorrected scores. `groups` > 1: the experts form that many groups of
-    consecutive experts, each scored by `group_score` over its (corrected) scores, and a
-    token chooses among the experts of its best `topk_groups` groups only (DeepSeek-V2 and
-    V3's group-limited routing; the others' scores masked to -inf, or with `masks_to_zero`
-    to 0). `corrects_logits`: the correction bias is added to the logits instead. `normalize`: the chosen weights are divided by their sum.
-    `scale`: the weights are multiplied by it last (routed_scaling_factor)."""
-
-    score: str = SOFTMAX
-    normalize: bool = True
-    scale: float = 1.0
-    corrected: bool = False
-    groups: int = 1
-    topk_groups: int = 1
-    group_score: str = GROUP_MAX
-    corrects_logits: bool = False  # the bias is added to the logits, not the scores
-    masks_to_zero: bool = False  # experts outside the best groups score 0, not -inf
-
-    def __post_init__(self):
-        if self.score not in SCORES:
-            raise ValueError(f"router score {self.score!r} is not one of {', '.join(SCORES)}.")
-        if self.group_score not in GROUP_SCORES:
-            raise ValueError(f"group score {self.group_score!r} is not one of "
-                             f"{', '.join(GROUP_SCORES)}.")
-        if not 1 <= self.topk_groups <= self.groups:
-            raise ValueError(f"topk_groups={self.topk_groups} must be between 1 and the number "
-                             f"of groups ({self.groups}).")
-
-
-@dataclass(frozen=True)
-class Routing:
-    """Where each of T tokens goes: `experts` [T, k] (long) with their combine `weights`
-    [T, k], and the router's probabilities `probs` [T, E] (float32, summing to 1 per token)
-    from which the balance loss is taken."""
-
-    weights: torch.Tensor
-    experts: torch.Tensor
-    probs: torch.Tensor
-
-
-def route(logits: torch.Tensor, top_k: int, score: str = SOFTMAX,
-          normalize: bool = True, router: Router | None = None,
-          correction: torch.Tensor | None = None) -> Routing:
-    """Top-k routing of gate logits [T, E]: softmax (or sigmoid) scores in float32, the k
-    largest by torch.topk (so ties fall as torch.topk breaks them), optionally renormalised
-    to sum to 1 per token. `router` (else Router(score, normalize)) may add a correction bias
-    [E] for the choice (`correction`), limit it to the best groups of experts and scale the
-    weights (see Router). Sigmoid scores are normalised per token for the balance loss, as
-    DeepSeek-V3's sequence-wise balance loss does."""
-    router = Router(score, normalize) if router is None else router
-    experts_count = logits.size(-1)
-    check_routing(experts_count, top_k, router.score)
-    logits = logits.float()
-    scores = logits.softmax(-1) if router.score == SOFTMAX else logits.sigmoid()
-    if not router.corrected and router.groups == 1:
-        weights, experts = torch.topk(scores, top_k, dim=-1)
-    else:
-        choice = logits if router.corrects_logits else scores
-        choice = choice + correction.float() if router.corrected else choice
-        if router.groups > 1:
-            grouped = choice.view(-1, router.groups, experts_count // router.groups)
-            group = grouped.amax(-1) if router.group_score == GROUP_MAX else \
-                grouped.topk(2, dim=-1).values.sum(-1)
-            best = torch.topk(group, router.topk_groups, dim=-1).indices
-            keep = torch.zeros_like(group, dtype=torch.bool).scatter(1, best, True)
-            keep = keep.repeat_interleave(experts_count // router.groups, dim=1)
-            choice = choice.masked_fill(~keep, 0.0 if router.masks_to_zero else float("-inf"))
-        experts = torch.topk(choice, top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
-    if router.normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    if router.scale != 1.0:
-        weights = weights * router.scale
-    probs = scores if router.score == SOFTMAX else scores / scores.sum(-1, keepdim=True)
-    return Routing(weights, experts, probs)
-
-
-def balance_stats(routing: Routing) -> torch.Tensor:
-    """[2E + 1] float32: top-k assignments per expert, summed router probabilities per expert,
-    and the token count. Sums, so that ranks holding parts of a batch add theirs up."""
-    probs = routing.probs
-    flat = routing.experts.reshape(-1)
-    counts = torch.zeros(probs.size(-1), dtype=torch.float32, device=probs.device).scatter_add(
-        0, flat, torch.ones_like(flat, dtype=torch.float32))
-    tokens = torch.ones_like(probs[:, :1]).sum(0)
-    return torch.cat([counts, probs.sum(0), tokens])
-
-
-def balance_loss(stats: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss (Fedus et al. 2021, eq. 4, alpha = 1):
-    E * sum_i f_i P_i, f_i the share of top-k assignments sent to expert i per token and P_i
-    its mean router probability; as transformers' `load_balancing_loss_func` (Mixtral)."""
-    num_experts = (stats.numel() - 1) // 2
-    tokens = stats[-1]
-    f, p = stats[:num_experts] / tokens, stats[num_experts:2 * num_experts] / tokens
-    return num_experts * (f * p).sum()
-
-
-def is_eager(x: torch.Tensor) -> bool:
-    """A real tensor run eagerly (not a fake or meta tensor under tracing)."""
-    return type(x) in (torch.Tensor, nn.Parameter) and x.device.type != "meta" \
-        and not torch.compiler.is_compiling()
-
-
-@functools.cache
-def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs (forward and backward) on this device and dtype."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x = torch.ones(4, 8, dtype=dtype, device=device_type, requires_grad=True)
-        w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
-        torch._grouped_mm(x, w, offs=offs).backward(torch.ones(4, 8, dtype=dtype,
-                                                               device=device_type))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    # row strides of 16 bytes, as the kernels require
-    aligned = all(w.size(1) * w.element_size() % 16 == 0 and w.size(2) * w.element_size() % 16
-                  == 0 for w in weights)
-    if not is_eager(x):  # its meta kernel, which fake tensors run, takes bfloat16 only
-        return aligned and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
-    return aligned and _grouped_mm_runs(x.device.type, x.dtype)
-
-
-def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-               w2: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts on rows grouped by expert: xs [N, H], counts [E] rows per expert (in
-    expert order, summing to N), w1, w3 [E, F, H], w2 [E, H, F] -> [N, H].
-
-    One grouped matmul per weight where torch._grouped_mm runs; else, eagerly, a loop over
-    the experts; else (a trace in a dtype or width it does not take) every expert on every
-    row, masked, which computes the same values with E times the FLOPs.
-    """
-    if _grouped_mm_fits(xs, w1, w2):
-        offs = counts.cumsum(0).to(torch.int32)
-
-        def mm(a, w):
-            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
-
-        return mm(F.silu(mm(xs, w1)) * mm(xs, w3), w2)
-    if is_eager(xs):
-        parts = torch.split(xs, counts.tolist())
-        return torch.cat([F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e])
-                          for e, part in enumerate(parts)])
-    ids = torch.repeat_interleave(torch.arange(w1.size(0), device=xs.device), counts,
-                                  output_size=xs.size(0))
-    out = xs.new_zeros(xs.shape[0], w2.size(1))
-    for e in range(w1.size(0)):
-        y = F.linear(F.silu(F.linear(xs, w1[e])) * F.linear(xs, w3[e]), w2[e])
-        out = out + (ids == e).unsqueeze(-1).to(y.dtype) * y
-    return out
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class SparseMoE(nn.Module):
-    """Dropless top-k MoE feed-forward on one device: x [..., H] -> [..., H].
-
-    Experts are stacked weights w1, w3 [E, F, H] and w2 [E, H, F] (Mixtral's gate, up and
-    down projections). `forward(x, return_aux=True)` also returns the balance loss.
-    `last_tokens_per_expert` holds the rows each expert computed in the last eager forward.
-    """
-
-    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
-                 score: str = SOFTMAX, normalize: bool = True, shared_ffn: int = 0,
-                 local_experts: int | None = None, router: Router | None = None,
-                 gate_bias: bool = False, shared_gate: bool = True):
-        super().__init__()
-        self.router = Router(score, normalize) if router is None else router
-        check_routing(experts, top_k, self.router.score)
-        if experts % self.router.groups:
-            raise ValueError(f"{experts} experts do not form {self.router.groups} groups of "
-                             "equal size; choose a group count that divides the experts.")
-        self.num_experts, self.top_k = experts, top_k
-        local = experts if local_experts is None else local_experts
-        self.gate = nn.Linear(hidden, experts, bias=gate_bias)
-        self.w1 = nn.Parameter(torch.empty(local, ffn, hidden))
-        self.w3 = nn.Parameter(torch.empty(local, ffn, hidden))
-        self.w2 = nn.Parameter(torch.empty(local, hidden, ffn))
-        # DeepSeek-V3's correction bias for the choice (a buffer: load balancing sets it)
-        self.register_buffer("score_bias", torch.zeros(experts) if self.router.corrected
-                             else None)
-        self.shared_expert = SwiGLU(hidden, shared_ffn) if shared_ffn else None
-        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate \
-            else None
-        self.last_tokens_per_expert: torch.Tensor | None = None
-        self.init_weights()
-
-    @property
-    def score(self) -> str:
-        return self.router.score
-
-    @property
-    def normalize(self) -> bool:
-        return self.router.normalize
-
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        for p in self.parameters():
-            nn.init.normal_(p, mean=0.0, std=std)
-
-    def forward(self, x: torch.Tensor, return_aux: bool = False):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (T, H)
-        routing = route(self.gate(x), self.top_k, router=self.router,
-                        correction=self.score_bias)
-        k = self.top_k
-        flat = routing.experts.reshape(-1)  # (T*k,) token-major
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add(
-            0, flat, torch.ones_like(flat))
-        xe = self.enter_experts(x)
-        ys = self.leave_experts(self.run_experts(xe.index_select(0, order // k), counts))
-        y = ys.index_select(0, torch.argsort(order)).view(-1, k, shape[-1])  # (T, k, H)
-        out = (y.float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
-        if self.shared_expert is not None:
-            shared = self.leave_experts(self.shared_expert(self.enter_experts(x)))  # (T, H)
-            out = out + (shared if self.shared_gate is None else
-                         torch.sigmoid(self.shared_gate(x)) * shared)
-        out = out.view(shape)
-        if not return_aux:
-            return out
-        return out, self.balance_loss(routing)
-
-    def enter_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """The tokens as the experts (routed or shared) read them: x itself on one device (the
-        kernel's tensor-parallel experts sum its gradient over their ranks here)."""
-        return x
-
-    def leave_experts(self, y: torch.Tensor) -> torch.Tensor:
-        """The experts' output rows before the combine: y itself on one device (the kernel's
-        tensor-parallel experts all-reduce their partial sums here)."""
-        return y
-
-    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts on rows grouped by expert: xs [T*k, H], counts [E] -> [T*k, H]."""
-        if is_eager(xs):
-            self.last_tokens_per_expert = counts.detach().clone()
-        return expert_ffn(xs, counts, self.w1, self.w3, self.w2)
-
-    def balance_loss(self, routing: Routing) -> torch.Tensor:
-        """The balance loss of this batch (the kernel's subclass takes it over its group)."""
-        return balance_loss(balance_stats(routing))
 
 
 class Block(nn.Module):

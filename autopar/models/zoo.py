@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar.kernels.routing import SIGMOID
 from autopar.models.bert import Bert, BertConfig
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig, RopeScaling
 from autopar.models.mlp import MLP, MLPConfig
-from autopar.models.moe import SIGMOID, MoEConfig, MoETransformer
+from autopar.models.moe import MoEConfig, MoETransformer
 from autopar.models.vit import ViT, ViTConfig
 
 ModelConfig = GPTConfig | LlamaConfig | BertConfig | ViTConfig | MLPConfig | MoEConfig

@@ -22,12 +22,13 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
+from autopar.modes import BF16, FP16, FP32
 from autopar.passes.tensor_parallel import clone_graph_module
 from autopar.sharding.strategy import Rewrite
 
 aten = torch.ops.aten
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {FP32: None, BF16: torch.bfloat16, FP16: torch.float16}
 """`parallelize(precision=...)` names -> compute dtype (None: no cast, today's fp32)."""
 
 LOSS_LAYER = "loss"  # the layer analyse gives the nodes the loss function added

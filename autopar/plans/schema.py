@@ -35,6 +35,7 @@ from autopar.modes import (
     ZERO_STAGES,
     cp_layout,
 )
+from autopar.plans.views import views
 from autopar.sharding.axes import MULTI_D, TensorMesh, grid_size_error
 from autopar.world import World
 
@@ -328,16 +329,14 @@ class Plan:
     def explain(self, top: int | None = None) -> str:
         """The plan as text a person reads: strategy, predicted time and memory, and why it
         beat the alternatives (per-kind costs when the planner made it in this process)."""
-        from autopar.report.predicted import plan_text
-
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
             raise PlanError(f"explain(top={top!r}): top is how many layer rows to show, a whole "
                             "number >= 1 (or None for all).")
         if self.detail is not None:
-            return plan_text(self.detail, top)
+            return views().plan_text(self.detail, top)
         data = self.to_json()
         data["layer_kinds"] = []
-        return plan_text(data, top)
+        return views().plan_text(data, top)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:

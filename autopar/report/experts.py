@@ -6,7 +6,7 @@ from __future__ import annotations
 from autopar.cost import experts as moe_cost
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import StateCost
-from autopar.modes import CP, TP, TP_1D
+from autopar.modes import CP, EP, FULL, TP, TP_1D
 
 
 def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[int],
@@ -27,10 +27,10 @@ def expert_layout(plan, chain: LayerChain, costs: list[StateCost], slow: list[in
     balanced = moe_cost.tokens_per_expert(moe, b, cp, ep)
     imbalance = moe_cost.imbalance_of(moe, b, cp, ep)
     on_slow = [i for i in slow if i in set(moe_layers)]
-    count = sum(moe_cost.alltoall_count(2 if _recompute(plan, i) == "full" else 1)
+    count = sum(moe_cost.alltoall_count(2 if _recompute(plan, i) == FULL else 1)
                 for i in on_slow) if ep > 1 else 0
     return {
-        "ep": ep, "experts": moe.count, "top_k": moe.top_k, "moe_layers": len(moe_layers),
+        EP: ep, "experts": moe.count, "top_k": moe.top_k, "moe_layers": len(moe_layers),
         # transformer blocks with a dense feed-forward (DeepSeek-V3's first three): priced
         # with no all-to-all and no expert memory
         "dense_layers": sum(1 for lt in chain.layers() if lt.attention and lt.experts is None),
@@ -58,7 +58,7 @@ def expert_lines(data: dict) -> list[str]:
     e = data.get("experts")
     if not e:
         return []
-    head = (f"  experts     {e['experts']} per MoE layer (top-{e['top_k']}) over ep={e['ep']}: "
+    head = (f"  experts     {e['experts']} per MoE layer (top-{e['top_k']}) over ep={e[EP]}: "
             f"{e['experts_per_rank']} per rank")
     if e.get("expert_tensor_split", 1) > 1:
         head += f", each split over tp={e['expert_tensor_split']} (its FFN width)"
@@ -67,11 +67,11 @@ def expert_lines(data: dict) -> list[str]:
                  "experts, no all-to-all)")
     tokens = ("              tokens per expert per micro-batch "
               f"{e['tokens_per_expert_per_microbatch']:.0f} predicted (balanced)")
-    if e["ep"] > 1:
+    if e[EP] > 1:
         tokens += (f", {e['tokens_per_expert_busiest']:.0f} on the busiest rank (routing "
                    f"imbalance {e['routing_imbalance']:.3f}, {e['imbalance_source']})")
     lines = [head, tokens]
-    if e["ep"] > 1:
+    if e[EP] > 1:
         lines.append(f"              all-to-all on ep: {e['all_to_alls_per_step']} per step, "
                      f"{e['all_to_all_bytes_per_step'] / 1024 ** 3:.2f} GiB sent, "
                      f"{1e3 * e['all_to_all_s_per_step']:.1f} ms on the slowest rank")

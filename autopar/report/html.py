@@ -13,12 +13,19 @@ import math
 from autopar.cost.schedule import simulate, stage_count
 from autopar.modes import (
     AXES,
+    CP,
+    DP,
+    EP,
     FULL,
     MEGATRON_SP,
     NO_RECOMPUTE,
+    NO_SP,
+    NO_TP,
     ONE_F_ONE_B,
     ORDER,
+    PP,
     SELECTIVE,
+    TP,
     TP_1D,
     TP_2D,
     TP_3D,
@@ -34,7 +41,7 @@ WIDTH = 1160  # px of the page's content: every chart is drawn to it (or to half
 STAGE_COLOURS = ("#3a6fb0", "#e07b39", "#4f9d5d", "#c8474f", "#6bb3b0", "#d9b43c",
                  "#9468a8", "#e693a6", "#8a6a50", "#8e9aa6")
 MODE_COLOURS = {TP_1D: "#4a4e9c", TP_2D: "#c2185b", TP_25D: "#7cb342", TP_3D: "#6d4c41",
-                "replicate": "#8e9aa6", "none": "#d5dae1"}
+                "replicate": "#8e9aa6", NO_TP: "#d5dae1"}
 RECOMPUTE_COLOURS = {NO_RECOMPUTE: "#d5dae1", SELECTIVE: "#f0a35e", FULL: "#c4503c"}
 SEQUENCE_COLOURS = ("#d5dae1", "#2a9d8f", "#6bb3b0", "#1f6f66", "#9fd3c7")
 WORK_COLOURS = {"F": "#3a6fb0", "B": "#e07b39", "I": "#e07b39", "W": "#4f9d5d",
@@ -44,8 +51,8 @@ WORK_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weig
 MEMORY_COLOURS = {"parameters": "#3a6fb0", "gradients": "#e07b39", "optimizer": "#9468a8",
                   "activations": "#4f9d5d", "buffers": "#8e9aa6",
                   "optimizer_step": "#c9a227"}
-AXIS_COLOURS = {"tp": "#3a6fb0", "cp": "#2a9d8f", "dp": "#e07b39", "pp": "#9468a8",
-                "ep": "#c2477a"}
+AXIS_COLOURS = {TP: "#3a6fb0", CP: "#2a9d8f", DP: "#e07b39", PP: "#9468a8",
+                EP: "#c2477a"}
 OTHER_AXIS_COLOUR = "#c0504d"  # an axis beyond AXIS_COLOURS (a new mode's) still draws
 STEP_COLOURS = {"compute": "#3a6fb0", "tensor/sequence comm": "#2a9d8f",
                 "pipeline bubble": "#d5dae1", "data-parallel sync": "#e07b39",
@@ -192,7 +199,7 @@ def _header(data: dict, model: str | None) -> str:
     if seq.get("mode"):
         tensor_text += f", {seq['mode']} over cp"
     pipeline_text = (f"{pipe['schedule']}" + (f" x{pipe['chunks']}" if pipe.get("chunks", 1) > 1
-                                              else "")) if mesh["pp"] > 1 else "no pipeline"
+                                              else "")) if mesh[PP] > 1 else "no pipeline"
     memory = size_text(pred.get("memory_per_device_bytes", 0))
     cards = [
         ("predicted step", seconds_text(pred.get("step_time_s", 0.0))),
@@ -203,7 +210,7 @@ def _header(data: dict, model: str | None) -> str:
         ("tensor / sequence", tensor_text),
         ("pipeline", f"{pipeline_text}, {pipe['microbatches']} x {pipe['micro_batch_size']}"),
         ("ZeRO / recompute", f"stage {zero['stage']}" + (" + offload" if zero["offload"] else "")
-         + f" / {data.get('recompute', 'none')}"),
+         + f" / {data.get('recompute', NO_RECOMPUTE)}"),
     ]
     sub = []
     if world:
@@ -252,10 +259,10 @@ def _step_chart(data: dict) -> str:
 
 def _sequence_label(layer: dict, data: dict) -> str:
     seq = (data.get("sequence") or {}).get("mode")
-    parts = [layer["sp"]] if layer.get("sp", "none") != "none" else []
-    if seq and data["mesh"]["cp"] > 1:
+    parts = [layer["sp"]] if layer.get("sp", NO_SP) != NO_SP else []
+    if seq and data["mesh"][CP] > 1:
         parts.append(f"{seq} over cp")
-    return " + ".join(parts) or "none"
+    return " + ".join(parts) or NO_SP
 
 
 def _strategy_chart(data: dict) -> str:
@@ -266,19 +273,19 @@ def _strategy_chart(data: dict) -> str:
     mesh = data["mesh"]
     owner = {st["stage"]: st["rank"] for st in data.get("stages", [])}
     seq_values = list(dict.fromkeys(_sequence_label(lp, data) for lp in layers))
-    seq_colours = {v: SEQUENCE_COLOURS[0] if v == "none" else
+    seq_colours = {v: SEQUENCE_COLOURS[0] if v == NO_SP else
                    SEQUENCE_COLOURS[1 + i % (len(SEQUENCE_COLOURS) - 1)]
-                   for i, v in enumerate(v for v in seq_values if v != "none")}
-    seq_colours.setdefault("none", SEQUENCE_COLOURS[0])
+                   for i, v in enumerate(v for v in seq_values if v != NO_SP)}
+    seq_colours.setdefault(NO_SP, SEQUENCE_COLOURS[0])
 
     def mode_of(lp):
-        return lp["tp_mode"] if mesh["tp"] > 1 else "none"
+        return lp["tp_mode"] if mesh[TP] > 1 else NO_TP
 
     def rank_of(lp):  # the device holding the stage: with ZB-V stages s and 2p-1-s share one
         return owner.get(lp["stage"], lp["stage"])
 
     rows = [("pipeline stage", lambda lp: STAGE_COLOURS[rank_of(lp) % len(STAGE_COLOURS)]),
-            (f"tensor (tp {mesh['tp']})", lambda lp: MODE_COLOURS.get(mode_of(lp), "#8e9aa6")),
+            (f"tensor (tp {mesh[TP]})", lambda lp: MODE_COLOURS.get(mode_of(lp), "#8e9aa6")),
             ("sequence", lambda lp: seq_colours[_sequence_label(lp, data)]),
             ("recompute", lambda lp: RECOMPUTE_COLOURS.get(lp["recompute"], "#8e9aa6"))]
     timed = all("time_s" in lp for lp in layers)
@@ -347,7 +354,7 @@ def _play(data: dict):
     """(timeline, schedule, unit costs?) of the plan's pipeline, played with the stages'
     costs from the report, or with unit costs (forward 1, backward 2) without them."""
     mesh, pipe = data["mesh"], data["pipeline"]
-    pp, m = mesh["pp"], pipe["microbatches"]
+    pp, m = mesh[PP], pipe["microbatches"]
     chunks = pipe.get("chunks", 1) or 1
     # one rank runs its micro-batches one after another: 1F1B on one stage is exactly that
     schedule = pipe["schedule"] if pp > 1 else ONE_F_ONE_B
@@ -356,7 +363,7 @@ def _play(data: dict):
     if len(stages) == n:
         forward = [st["forward_s"] for st in stages]
         backward = [st["backward_s"] for st in stages]
-        p2p = ((data.get("comm_by_axis") or {}).get("pp") or {}).get("per_transfer_s", 0.0)
+        p2p = ((data.get("comm_by_axis") or {}).get(PP) or {}).get("per_transfer_s", 0.0)
         return simulate(schedule, pp, m, chunks, forward=forward, backward=backward,
                         p2p=p2p), schedule, False
     return simulate(schedule, pp, m, chunks, forward=1.0, backward=2.0), schedule, True
@@ -366,7 +373,7 @@ def _gantt_chart(data: dict) -> str:
     """Each rank's forward, backward (or input and weight gradient) boxes per micro-batch
     over one step, then the step's data-parallel sync and optimizer update."""
     mesh, pipe, pred = data["mesh"], data["pipeline"], data["predicted"]
-    pp, m = mesh["pp"], pipe["microbatches"]
+    pp, m = mesh[PP], pipe["microbatches"]
     timeline, schedule, unit = _play(data)
     tail = [] if unit else [("sync", pred.get("dp_comm_s", 0.0)),
                             ("optimizer", pred.get("optimizer_s", 0.0))]
@@ -516,9 +523,9 @@ def _comm_chart(data: dict) -> str:
     if not comm:
         note = (" The report has no per-axis detail: tp and cp are shown together, from the"
                 " predicted totals.")
-        comm = {"tp": {"seconds": pred.get("tp_comm_s", 0.0), "bytes": 0, "size": mesh["tp"],
+        comm = {TP: {"seconds": pred.get("tp_comm_s", 0.0), "bytes": 0, "size": mesh[TP],
                        "carries": "tensor and sequence parallelism"},
-                "dp": {"seconds": pred.get("dp_comm_s", 0.0), "bytes": 0, "size": mesh["dp"],
+                DP: {"seconds": pred.get("dp_comm_s", 0.0), "bytes": 0, "size": mesh[DP],
                        "carries": "gradient sync"}}
     axes = _in_order(comm, ORDER)
     width, height = (WIDTH - 34 - 14) / 2 - 34, 300
@@ -592,7 +599,7 @@ def _experts_table(data: dict) -> str:
              f"{e['moe_layers']} layers"),
             *([("dense layers (no experts, no all-to-all)", e["dense_layers"])]
               if e.get("dense_layers") else []),
-            ("expert-parallel size ep", e["ep"]),
+            ("expert-parallel size ep", e[EP]),
             ("experts per rank", e["experts_per_rank"]),
             ("expert weights per rank", size_text(e["expert_param_bytes_per_rank"])),
             ("tokens per expert per micro-batch (predicted, balanced)",
@@ -617,7 +624,7 @@ def _kinds_table(data: dict) -> str:
     for k in kinds:
         pm = k["per_micro_batch"]
         strategy = k["tp_mode"] + (" + SP" if k["sp"] == MEGATRON_SP else "") + (
-            f", recompute {k['recompute']}" if k["recompute"] != "none" else "")
+            f", recompute {k['recompute']}" if k["recompute"] != NO_RECOMPUTE else "")
         detail = ", ".join(k.get("strategies") or [])
         colls = "; ".join(f"{c['phase']} {c['op']} on {c['axis']} {size_text(c['bytes'])}"
                           for c in k.get("collectives", []))

@@ -15,7 +15,7 @@ import torch
 from autopar.cost.precision import runtime
 from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.trace import BATCH, TracedGraph
-from autopar.modes import TP_1D
+from autopar.modes import DP, NO_RECOMPUTE, NO_SP, TP_1D
 from autopar.sharding.solve import Solution
 
 if TYPE_CHECKING:  # annotations only: report sits below plans
@@ -82,7 +82,7 @@ def _numel(shape) -> int:
 def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: int,
            tokens_per_sample: int) -> dict:
     """The plan as the JSON object of the public contract (fields that exist at this stage)."""
-    dp = plan.mesh["dp"]
+    dp = plan.mesh[DP]
     micro = global_batch // dp
     layers = layer_reports(traced, solution, micro)
     param_local = sum(lr.params_local_bytes for lr in layers)
@@ -104,8 +104,8 @@ def report(traced: TracedGraph, solution: Solution, plan: Plan, global_batch: in
     }
     plan.predicted = predicted
     data = plan.to_json()
-    data["layers"] = [{"name": lr.name, "tp_mode": lr.tp_mode, "sp": "none", "recompute": "none",
-                       "stage": 0, "strategies": lr.strategies,
+    data["layers"] = [{"name": lr.name, "tp_mode": lr.tp_mode, "sp": NO_SP,
+                       "recompute": NO_RECOMPUTE, "stage": 0, "strategies": lr.strategies,
                        "params_bytes_per_device": lr.params_local_bytes,
                        "comm_bytes_per_device": {f"{op}/{phase}": b
                                                  for (op, phase), b in lr.comm.items()},

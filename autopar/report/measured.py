@@ -21,6 +21,7 @@ from autopar.modes import (
     AXES,
     DP,
     EP,
+    FP32,
     MEGATRON_SP,
     NO_PIPELINE,
     NO_RECOMPUTE,
@@ -132,7 +133,7 @@ def step_prediction(engine, world: World | None = None) -> dict:
     traced = engine.train_graph
     chain = chain_of(traced, tokens_per_sample(traced) or 1, (engine.plan.mesh[TP],))
     fwd = sum(lt.forward_flops(1) for lt in chain.layers())
-    dtype = engine.precision if engine.precision in world.profile.peak_flops else "fp32"
+    dtype = engine.precision if engine.precision in world.profile.peak_flops else FP32
     return {"device": world.device, "step_time_s": pred.get("step_time_s"),
             "memory_per_device_bytes": engine.plan.predicted.get("memory_per_device_bytes"),
             "model_flops_per_step": int(3 * fwd * engine.global_batch),
@@ -171,7 +172,7 @@ def _experts(engine, pred: dict | None, exact: dict, steps: int) -> list[dict]:
         routed, computed = sum(got["routed"]), sum(got["computed"])
         out.append({
             "layer": layer, "module": module.name, "experts": module.spec.experts,
-            "top_k": module.spec.top_k, "ep": engine.plan.ep,
+            "top_k": module.spec.top_k, EP: engine.plan.ep,
             "predicted": dict(planned.get(layer, {}), alltoall_bytes=sum(
                 nbytes for (_, axis, at), nbytes in exact.items()
                 if axis == EP and at == layer)),
@@ -185,7 +186,7 @@ def _experts(engine, pred: dict | None, exact: dict, steps: int) -> list[dict]:
 
 def _axis(name: str) -> str:
     """The cost model's axis for a runtime axis (2D/2.5D/3D split `tp` into several)."""
-    return "tp" if name.startswith("tp") else name
+    return TP if name.startswith(TP) else name
 
 
 def _held_bytes(engine) -> dict[str, int]:
@@ -352,7 +353,7 @@ def measured_text(data: dict) -> str:
             busiest = p.get("busiest_tokens_per_expert")
             load = "-" if mm["load"] is None else f"x{mm['load']:.2f}"
             lines.append(
-                f"  {e['layer']:<14}{e['experts']:>5}/{e['ep']:<2}"
+                f"  {e['layer']:<14}{e['experts']:>5}/{e[EP]:<2}"
                 f"{_n(p.get('tokens_per_expert')):>18}{_n(busiest):>9}"
                 f"{_n(mm['tokens_per_expert']):>9}"
                 f"{load:>7}"

@@ -46,11 +46,15 @@ from autopar.cost.step import (
 from autopar.modes import (
     BF16,
     CP,
+    DP,
     DP_REPLICATE,
     DP_SHARD,
     EP,
     FP8,
+    FULL,
     MEGATRON_SP,
+    NO_PIPELINE,
+    NO_RECOMPUTE,
     ORDER,
     PP,
     TP,
@@ -90,7 +94,7 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     data["formulas"] = {k: str(v) for k, v in formulas().items()}
     data["model"] = {"parameters": int(chain.params), "tokens_per_sample": chain.tokens_per_sample}
     if ctx.dtype == FP8:
-        data["fp8"] = fp8_detail(chain, ctx, plan.zero.stage)
+        data[FP8] = fp8_detail(chain, ctx, plan.zero.stage)
     return data
 
 
@@ -106,10 +110,10 @@ def fp8_detail(chain: LayerChain, ctx: Context, zero: int) -> dict:
 
 def _fp8_lines(data: dict) -> list[str]:
     """The fp8 recipe of the plan, when it has one: what runs in float8, what stays bf16."""
-    f = data.get("fp8")
+    f = data.get(FP8)
     if not f:
         return []
-    kept = ", ".join(f["kept_bf16"]) or "none"
+    kept = ", ".join(f["kept_bf16"]) or "no GEMM"
     lines = [f"  fp8         {f['fp8_gemms']} of {f['weight_gemms']} linear GEMMs per model "
              f"pass at {f['fp8_flops'] / 1e12:.0f} TFLOP/s: {f['gemms']}",
              f"              bf16: {f['kept']}; sizes not multiples of {fp8.ALIGN} too "
@@ -177,19 +181,7 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     conv = conversions(layers, states, b, pl, hw)
     n_stages = max(stage_of, default=0) + 1
     owner = [stage_owner(pipe.schedule, s, pp) if pp > 1 else 0 for s in range(n_stages)]
-    stages = []
-    for s in range(n_stages):
-        idx = [i for i, st in enumerate(stage_of) if st == s]
-        share = [costs[i].comm / 2 + conv[i] / 2 for i in idx]
-        stages.append({
-            "stage": s, "rank": owner[s], "layers": len(idx),
-            "first": names[idx[0]] if idx else None,
-            "last": names[idx[-1]] if idx else None,
-            "forward_s": sum(costs[i].forward for i in idx) + sum(share),
-            "backward_s": sum(costs[i].backward + costs[i].recompute for i in idx) + sum(share),
-            "activation_bytes": int(sum(costs[i].activations for i in idx)),
-            "param_bytes": int(sum(costs[i].params for i in idx)),
-        })
+    stages = _stage_rows(names, stage_of, owner, costs, conv)
     device_of = np.array([owner[s] for s in stage_of], dtype=int)
     params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
     acts_dev = np.bincount(device_of, weights=[c.activations for c in costs], minlength=pp)
@@ -220,28 +212,66 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     p2p_s, p2p_bytes = stage_transfer(layers, stage_of, b, pl, hw) if pp > 1 else (0.0, 0.0)
     if dp_comm_s is None:
         dp_comm_s = plan.predicted.get("dp_comm_s", 0.0)
+    comm = _comm_by_axis(plan, costs, conv, slow, m, v, (p2p_s, p2p_bytes), dp_comm_s,
+                         float(params_dev.max()), precision, hybrid)
+    capacity = _memory_capacity(plan, world, float(params_dev.max()), precision)
+    effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
+                "priced_as": how} for name, how in EFFECTS.items()]
+    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
+            "effects": [e for e in effects if e["seconds"] > 0],
+            "experts": expert_layout(plan, chain, costs, slow, m, b)}
+
+
+def _stage_rows(names, stage_of, owner, costs: list[StateCost], conv) -> list[dict]:
+    """Per stage: its rank, layers, time per micro-batch forward and backward (a layer's comm
+    and conversions counted half in each) and its activation and parameter bytes."""
+    stages = []
+    for s, rank in enumerate(owner):
+        idx = [i for i, st in enumerate(stage_of) if st == s]
+        share = [costs[i].comm / 2 + conv[i] / 2 for i in idx]
+        stages.append({
+            "stage": s, "rank": rank, "layers": len(idx),
+            "first": names[idx[0]] if idx else None,
+            "last": names[idx[-1]] if idx else None,
+            "forward_s": sum(costs[i].forward for i in idx) + sum(share),
+            "backward_s": sum(costs[i].backward + costs[i].recompute for i in idx) + sum(share),
+            "activation_bytes": int(sum(costs[i].activations for i in idx)),
+            "param_bytes": int(sum(costs[i].params for i in idx)),
+        })
+    return stages
+
+
+def _comm_by_axis(plan: Plan, costs: list[StateCost], conv, slow: list[int], m: int, v: int,
+                  transfer: tuple[float, float], dp_comm_s: float, params_max: float,
+                  precision: Precision, hybrid) -> dict:
+    """Seconds, bytes, size and what it carries per mesh axis, on the slowest pipeline rank
+    (its layers `slow`) over a step of `m` micro-batches through `v` chunks per stage;
+    `transfer`: the seconds and bytes of one stage-to-stage transfer; `hybrid`: HSDP's
+    groups (None without)."""
+    mesh, zero = plan.mesh, plan.zero
+    p2p_s, p2p_bytes = transfer
+    replicas = plan.dp_shard * mesh[CP]  # ZeRO's ranks (HSDP: the shard group)
     comm = {
-        "tp": {"seconds": m * sum(costs[i].comm - costs[i].cp_comm - costs[i].ep_comm + conv[i]
-                                  for i in slow),
-               "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes -
-                                costs[i].ep_comm_bytes for i in slow),
-               "carries": "tensor-parallel collectives inside layers and layout conversions"},
-        "cp": {"seconds": m * sum(costs[i].cp_comm for i in slow),
-               "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
-               "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
-               if plan.sequence_mode else "sequence parallelism around attention"},
-        "dp": {"seconds": dp_comm_s,
-               "bytes": dp_wire_bytes(float(params_dev.max()), replicas, zero.stage,
-                                      precision.gather_ratio) + (
-                   replicas_wire_bytes(float(params_dev.max()), hybrid) if hybrid else 0.0),
-               "carries": "gradient sync over the dp x cp replicas" + (
-                   f" (ZeRO-{zero.stage})" if zero.stage else "") + (
-                   f"; HSDP: ZeRO inside {DP_SHARD} groups of {plan.dp_shard}, each piece "
-                   f"all-reduced over {plan.dp_replicate} {DP_REPLICATE} copies ({SOURCE})"
-                   if hybrid else "")},
-        "pp": {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
-               "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
-               "carries": "activations forward and their gradients backward between stages"},
+        TP: {"seconds": m * sum(costs[i].comm - costs[i].cp_comm - costs[i].ep_comm + conv[i]
+                                for i in slow),
+             "bytes": m * sum(costs[i].comm_bytes - costs[i].cp_comm_bytes -
+                              costs[i].ep_comm_bytes for i in slow),
+             "carries": "tensor-parallel collectives inside layers and layout conversions"},
+        CP: {"seconds": m * sum(costs[i].cp_comm for i in slow),
+             "bytes": m * sum(costs[i].cp_comm_bytes for i in slow),
+             "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
+             if plan.sequence_mode else "sequence parallelism around attention"},
+        DP: {"seconds": dp_comm_s,
+             "bytes": dp_wire_bytes(params_max, replicas, zero.stage, precision.gather_ratio) + (
+                 replicas_wire_bytes(params_max, hybrid) if hybrid else 0.0),
+             "carries": "gradient sync over the dp x cp replicas" + (
+                 f" (ZeRO-{zero.stage})" if zero.stage else "") + (
+                 f"; HSDP: ZeRO inside {DP_SHARD} groups of {plan.dp_shard}, each piece "
+                 f"all-reduced over {plan.dp_replicate} {DP_REPLICATE} copies ({SOURCE})"
+                 if hybrid else "")},
+        PP: {"seconds": m * 2 * v * p2p_s, "bytes": m * 2 * v * p2p_bytes,
+             "per_transfer_s": p2p_s, "per_transfer_bytes": p2p_bytes,
+             "carries": "activations forward and their gradients backward between stages"},
     }
     if plan.ep > 1:
         comm[EP] = {"seconds": m * sum(costs[i].ep_comm for i in slow),
@@ -249,21 +279,23 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                     "carries": "MoE token dispatch and combine (all-to-alls, counts first)"}
     for axis, entry in comm.items():
         entry["size"] = mesh.get(axis, plan.ep)
-    capacity = {"device_bytes": int(hw.memory_bytes),
-                "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
-                "host_bytes_per_node": int(hw.host_memory_bytes),
-                "host_usable_bytes_per_device": int(host_capacity(hw, world.per_node,
-                                                                  world.devices)),
-                "host_offloaded_bytes_per_device": int(host_bytes(
-                    float(params_dev.max()), replicas, zero.stage, zero.offload, precision)),
-                "bytes_per_parameter": precision.to_json(),
-                "optimizer_step": {"implementation": hw.optimizer_implementation,
-                                   "priced_as": STEP_SOURCE[hw.optimizer_implementation]}}
-    effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
-                "priced_as": how} for name, how in EFFECTS.items()]
-    return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
-            "effects": [e for e in effects if e["seconds"] > 0],
-            "experts": expert_layout(plan, chain, costs, slow, m, b)}
+    return comm
+
+
+def _memory_capacity(plan: Plan, world, params_max: float, precision: Precision) -> dict:
+    """What a device and its host hold, and what the plan offloads there per device."""
+    hw, zero = world.profile, plan.zero
+    replicas = plan.dp_shard * plan.mesh[CP]  # ZeRO's ranks (HSDP: the shard group)
+    return {"device_bytes": int(hw.memory_bytes),
+            "usable_bytes": int(hw.memory_bytes * USABLE_MEMORY),
+            "host_bytes_per_node": int(hw.host_memory_bytes),
+            "host_usable_bytes_per_device": int(host_capacity(hw, world.per_node,
+                                                              world.devices)),
+            "host_offloaded_bytes_per_device": int(host_bytes(
+                params_max, replicas, zero.stage, zero.offload, precision)),
+            "bytes_per_parameter": precision.to_json(),
+            "optimizer_step": {"implementation": hw.optimizer_implementation,
+                               "priced_as": STEP_SOURCE[hw.optimizer_implementation]}}
 
 
 def conversions(layers, states: list[LayerState], b: int, pl: dict, hw) -> list[float]:
@@ -337,9 +369,9 @@ def _ffn_kind(lt, cost, ep: int, recompute: str) -> dict:
     if lt.experts is None:
         return {"kind": "dense", "all_to_alls": 0, "all_to_all_bytes": 0, "all_to_all_s": 0.0,
                 "expert_param_bytes_per_device": 0}
-    return {"kind": "moe", "experts": lt.experts.count, "top_k": lt.experts.top_k, "ep": ep,
+    return {"kind": "moe", "experts": lt.experts.count, "top_k": lt.experts.top_k, EP: ep,
             "experts_per_rank": lt.experts.count // ep,
-            "all_to_alls": alltoall_count(2 if recompute == "full" else 1) if ep > 1 else 0,
+            "all_to_alls": alltoall_count(2 if recompute == FULL else 1) if ep > 1 else 0,
             "all_to_all_bytes": int(cost.ep_comm_bytes), "all_to_all_s": cost.ep_comm,
             "expert_param_bytes_per_device": int(cost.expert_params)}
 
@@ -352,7 +384,7 @@ def _ffn_line(ffn: dict) -> str:
            f"{size_text(ffn['all_to_all_bytes'])}, {1e3 * ffn['all_to_all_s']:.2f} ms"
            if ffn["all_to_alls"] else "experts on every rank, no all-to-all")
     return (f"      MoE FFN: {ffn['experts']} experts top-{ffn['top_k']}, "
-            f"{ffn['experts_per_rank']} per rank over ep={ffn['ep']} "
+            f"{ffn['experts_per_rank']} per rank over ep={ffn[EP]} "
             f"({size_text(ffn['expert_param_bytes_per_device'])} of experts); {a2a}")
 
 
@@ -398,11 +430,11 @@ def counted(n: int, one: str, many: str) -> str:
 def _hybrid_text(zero: dict, mesh: dict) -> str:
     """HSDP's two groups, as the ZeRO line names them ('' without a shard size)."""
     shard = zero.get("shard")
-    if not shard or shard == mesh["dp"]:
+    if not shard or shard == mesh[DP]:
         return ""
     return (f", hybrid: state cut over {DP_SHARD}={shard} neighbouring dp ranks (gathers and "
             f"reduce-scatters inside them), replicated over {DP_REPLICATE}="
-            f"{mesh['dp'] // shard} (one all-reduce of each piece)")
+            f"{mesh[DP] // shard} (one all-reduce of each piece)")
 
 
 def plan_text(data: dict, top: int | None = None) -> str:
@@ -412,15 +444,15 @@ def plan_text(data: dict, top: int | None = None) -> str:
     lines = [
         f"autopar plan for {world['devices']} x {world['device']} ({world['per_node']} per node)",
         *_model_line(data.get("model")),
-        f"  mesh        pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} tp={mesh['tp']}"
-        + (f" ep={mesh['ep']} (experts over ep ranks inside dp x cp)" if mesh.get("ep", 1) > 1
+        f"  mesh        pp={mesh[PP]} dp={mesh[DP]} cp={mesh[CP]} tp={mesh[TP]}"
+        + (f" ep={mesh[EP]} (experts over ep ranks inside dp x cp)" if mesh.get(EP, 1) > 1
            else "") + "  (tp innermost: tensor groups sit inside a node first)",
         f"  tensor      {data['tensor']['mode']}"
         + (f" depth {data['tensor']['depth']}" if data['tensor']['mode'] == TP_25D else "")
         + (", Megatron sequence parallel" if data["tensor"]["sequence_parallel"] else "")
         + (f"; sequence {seq['mode']} over cp ({cp_layout(seq['mode'], seq.get('layout'))} "
            "tokens)" if seq["mode"] else ""),
-        f"  pipeline    {pipe['schedule'] if mesh['pp'] > 1 else 'none'}"
+        f"  pipeline    {pipe['schedule'] if mesh[PP] > 1 else NO_PIPELINE}"
         + (f" x{pipe['chunks']} chunks" if pipe["chunks"] > 1 else "")
         + f", {counted(pipe['microbatches'], 'micro-batch', 'micro-batches')} of "
           f"{pipe['micro_batch_size']}",
@@ -448,26 +480,48 @@ def plan_text(data: dict, top: int | None = None) -> str:
     ]
     kinds = data["layer_kinds"] if top is None else data["layer_kinds"][:top]
     for k in kinds:
-        pm = k["per_micro_batch"]
-        strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == MEGATRON_SP else "") + \
-            (f" rc:{k['recompute']}" if k["recompute"] != "none" else "")
-        if len(k["states"]) > 1:
-            strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"
-        lines.append(f"  {k['span']:<26} {k['layers']:>4} {strategy:<24} "
-                     f"{1e3 * (pm['forward_s'] + pm['backward_s'] + pm['recompute_s']):>10.2f} "
-                     f"{1e3 * pm['comm_s']:>8.2f} {size_text(pm['activation_bytes']):>9} "
-                     f"{size_text(k['param_bytes_per_device']):>10}")
-        if k.get("ffn"):
-            lines.append(_ffn_line(k["ffn"]))
-        if k.get("strategies"):
-            lines.append("      " + ", ".join(k["strategies"]))
-        for c in k["collectives"]:
-            lines.append(f"      {c['phase']:<8} {c['op']:<26} on {c['axis']}: "
-                         f"{size_text(c['bytes'])} per micro-batch")
+        lines += _kind_lines(k)
     if top is not None and len(data["layer_kinds"]) > top:
         lines.append(f"  ... {len(data['layer_kinds']) - top} more kinds of layer")
-    lines += ["", f"  why this plan: searched {search['candidates']} candidates in "
-                  f"{search['time_s']:.2f} s ({search.get('total_s', 0):.2f} s with tracing)"]
+    lines += _why_lines(search, pred)
+    if data.get("replicated_groups"):
+        from autopar.report.layers import replicated_line
+
+        lines += ["", "  runs replicated:"]
+        lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
+    if data.get("notes"):
+        lines.append("")
+        lines.extend(f"  note: {n}" for n in data["notes"])
+    if "min_devices" in data:
+        lines.append(f"\n  fewest devices that fit: {data['min_devices']['devices']}")
+    return "\n".join(lines)
+
+
+def _kind_lines(k: dict) -> list[str]:
+    """One kind of layer: its row of the table, then its FFN, strategies and collectives."""
+    pm = k["per_micro_batch"]
+    strategy = f"{k['tp_mode']}" + (" +sp" if k["sp"] == MEGATRON_SP else "") + \
+        (f" rc:{k['recompute']}" if k["recompute"] != NO_RECOMPUTE else "")
+    if len(k["states"]) > 1:
+        strategy += " (" + ", ".join(f"{n}x {s}" for s, n in k["states"].items()) + ")"
+    lines = [f"  {k['span']:<26} {k['layers']:>4} {strategy:<24} "
+             f"{1e3 * (pm['forward_s'] + pm['backward_s'] + pm['recompute_s']):>10.2f} "
+             f"{1e3 * pm['comm_s']:>8.2f} {size_text(pm['activation_bytes']):>9} "
+             f"{size_text(k['param_bytes_per_device']):>10}"]
+    if k.get("ffn"):
+        lines.append(_ffn_line(k["ffn"]))
+    if k.get("strategies"):
+        lines.append("      " + ", ".join(k["strategies"]))
+    for c in k["collectives"]:
+        lines.append(f"      {c['phase']:<8} {c['op']:<26} on {c['axis']}: "
+                     f"{size_text(c['bytes'])} per micro-batch")
+    return lines
+
+
+def _why_lines(search: dict, pred: dict) -> list[str]:
+    """How long the search took, and each runner-up beside the winner with why it lost."""
+    lines = ["", f"  why this plan: searched {search['candidates']} candidates in "
+              f"{search['time_s']:.2f} s ({search.get('total_s', 0):.2f} s with tracing)"]
     if search.get("alternatives"):
         lines.append(f"    {'step':>9} {'mem/dev':>9}  plan: why it lost")
         if "winner" in search:
@@ -481,17 +535,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
                      f"{size_text(mem) if mem else '-':>9}  {alt['plan']}: {alt['reason']}")
     for note in search.get("left_out", []):
         lines.append(f"  left out: {note}")
-    if data.get("replicated_groups"):
-        from autopar.report.layers import replicated_line
-
-        lines += ["", "  runs replicated:"]
-        lines.extend(f"    {replicated_line(g)}" for g in data["replicated_groups"])
-    if data.get("notes"):
-        lines.append("")
-        lines.extend(f"  note: {n}" for n in data["notes"])
-    if "min_devices" in data:
-        lines.append(f"\n  fewest devices that fit: {data['min_devices']['devices']}")
-    return "\n".join(lines)
+    return lines
 
 
 def _state_lines(data: dict) -> list[str]:

@@ -9,8 +9,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from autopar.errors import BatchError, WorldError
-from autopar.kernels.collectives import exchange_objects
+from autopar.errors import BatchError, CheckpointError, WorldError
+from autopar.kernels.collectives import broadcast_object, exchange_objects
 
 _SAMPLES = 64  # values per parameter or batch tensor read into a fingerprint
 
@@ -123,3 +123,16 @@ def getattr_path(module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def process_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def agree_with_rank_zero(error: str | None, group=None) -> None:
+    """Rank 0's outcome on every rank (a barrier that also carries rank 0's error)."""
+    error = broadcast_object(error, src=0, group=group)
+    if error is not None:
+        raise CheckpointError(f"rank 0 could not prepare or publish the checkpoint ({error}); "
+                              "the last complete one, which `latest` names, is untouched.")

@@ -39,8 +39,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from autopar.errors import CheckpointError, PlanError
 from autopar.json_file import read_json
-from autopar.kernels.collectives import broadcast_object
+from autopar.modes import PP
 from autopar.passes.tensor_parallel import shard_steps
+from autopar.runtime.agree import agree_with_rank_zero, process_rank
 from autopar.runtime.safe_metadata import METADATA, SafeReader, read_metadata
 
 FORMAT = "autopar-dcp"
@@ -78,7 +79,7 @@ class _Region:
         raise KeyError(f"{index.fqn} has no box at {tuple(index.offset)} on this rank")
 
 
-def _runs(layout, mesh, coords: dict[str, int], shape: tuple[int, ...]) -> list[list]:
+def slice_runs(layout, mesh, coords: dict[str, int], shape: tuple[int, ...]) -> list[list]:
     """Per dim of the whole tensor of `shape`, the (global start, length) runs this rank's
     slice holds, in the slice's order: the cuts of `local_slice`, followed on positions."""
     runs = [[(0, n)] for n in shape]
@@ -268,11 +269,11 @@ def _geometry(engine, local: torch.Tensor):
     layout = params.layout_of(local)
     shape = _whole_shape(_local_shape(engine, local), layout, params.mesh)
     if not params.is_expert(local):
-        return _runs(layout, params.mesh, params.coords, shape), shape
+        return slice_runs(layout, params.mesh, params.coords, shape), shape
     # a stacked expert weight: this ep rank's block of experts of its tensor slice
     ep = params.ep
     shape = (shape[0] * ep.size,) + tuple(shape[1:])
-    return expert_runs(_runs(layout, params.mesh, params.coords, shape), ep.size, ep.rank), \
+    return expert_runs(slice_runs(layout, params.mesh, params.coords, shape), ep.size, ep.rank), \
         shape
 
 
@@ -510,18 +511,6 @@ def _dcp(call, state: dict, what: str, no_dist: bool = False, tail: str = "",
                                   f"{cause}){tail}.") from e
 
 
-def _rank() -> int:
-    return 0 if _single() else dist.get_rank()
-
-
-def _agree(error: str | None, group=None) -> None:
-    """Rank 0's outcome on every rank (a barrier that also carries rank 0's error)."""
-    error = broadcast_object(error, src=0, group=group)
-    if error is not None:
-        raise CheckpointError(f"rank 0 could not prepare or publish the checkpoint ({error}); "
-                              "the last complete one, which `latest` names, is untouched.")
-
-
 # ---------------------------------------------------------------------- save / load
 @dataclass
 class Checkpointing:
@@ -613,7 +602,7 @@ def save(engine, path, keep: int = 2, asynchronous: bool = False) -> str | Async
     step = int(engine.steps)
     tmp = os.path.join(root, f"{_TMP_PREFIX}step-{step:08d}")
     error = None
-    if _rank() == 0:  # leftovers of crashed saves go; nobody writes into them now
+    if process_rank() == 0:  # leftovers of crashed saves go; nobody writes into them now
         try:
             os.makedirs(root, exist_ok=True)
             for name in os.listdir(root):
@@ -622,7 +611,7 @@ def save(engine, path, keep: int = 2, asynchronous: bool = False) -> str | Async
             os.makedirs(tmp)
         except OSError as e:
             error = str(e)
-    _agree(error)
+    agree_with_rank_zero(error)
     state = _save_state(engine)
     if not asynchronous:
         return _write(state, tmp, root, step, _metadata(engine, state), keep)
@@ -644,12 +633,12 @@ def _write(state: dict, tmp: str, root: str, step: int, meta: dict, keep: int,
          storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=_SavePlanner(),
          process_group=group)
     published, error = None, None
-    if _rank() == 0:
+    if process_rank() == 0:
         try:
             published = _publish(root, tmp, step, meta, keep)
         except OSError as e:
             error = str(e)
-    _agree(error, group)
+    agree_with_rank_zero(error, group)
     return published or resolve(root)
 
 
@@ -731,7 +720,7 @@ def load(engine, path) -> str:
     stored = reader.read_metadata().state_dict_metadata
     engine.fetch_pipeline_weights()  # every slice held again, to be overwritten
     targets = _weight_targets(engine, stored)
-    hold = engine.plan.mesh["pp"] > 1 and engine.pipeline is None
+    hold = engine.plan.mesh[PP] > 1 and engine.pipeline is None
     pairs = [(p, p) for p in engine.params.parameters() if p.requires_grad] if hold else \
         _optimizer_params(engine)
     fill = _optimizer_targets(engine, stored, targets, pairs)

@@ -18,7 +18,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, FP16, FP32, PP, RING, TP, TP_1D
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
@@ -29,6 +29,7 @@ from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
 from autopar.plans.checks import check_divisible, check_graph
+from autopar.plans.views import views
 from autopar.runtime import accounting, batches
 from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
@@ -56,7 +57,7 @@ class Engine(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
-                 precision: str = "fp32", check_batches: bool = False, stage_planner=None,
+                 precision: str = FP32, check_batches: bool = False, stage_planner=None,
                  start=None):
         super().__init__()
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
@@ -65,7 +66,7 @@ class Engine(nn.Module):
         self.stage_planner = stage_planner  # layers -> stages when the plan names none
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
-        self.scaler = LossScaler() if precision == "fp16" else None
+        self.scaler = LossScaler() if precision == FP16 else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
@@ -394,9 +395,7 @@ class Engine(nn.Module):
     def step_prediction(self, world=None) -> dict:
         """The plan's step time, memory per device and model FLOPs per step as this engine
         runs it, and the peak rate its MFU divides by (after the first train_step)."""
-        from autopar.report.measured import step_prediction
-
-        return step_prediction(self, world)
+        return views().step_prediction(self, world)
 
     @staticmethod
     def global_rank() -> int:
@@ -406,14 +405,12 @@ class Engine(nn.Module):
         """The plan's prediction beside what this rank measured per layer and mesh axis over
         the steps run (the first is a warm-up); `format="json"` returns a dict. `world`: an
         autopar.World whose hardware profile prices the plan (default: this machine's)."""
-        from autopar.report.measured import measured_report, measured_text
-
-        data = measured_report(self, world)
+        data = views().measured_report(self, world)
         if format == "json":
             return data
         if format != "text":
             raise PlanError(f"explain format must be 'text' or 'json', not {format!r}.")
-        return measured_text(data)
+        return views().measured_text(data)
 
     def memory_snapshot(self, path) -> dict:
         """This rank's live memory by layer and kind, written at `path` (`.pickle`: the

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autopar.cost.memory import StateBytes
-from autopar.modes import EDP, PP, STEP
+from autopar.modes import DP, EDP, PP, STEP
 
 _COMPUTE = ("call_function", "call_module", "call_method")
 
@@ -197,7 +197,7 @@ class Recorder:
                 # belong to the step, even when a hook sends them while some layer's
                 # backward runs
                 # (and a pipeline's sends, tied gradients and loss)
-                layer = STEP if r.layer is None or r.axis in ("dp", EDP, "world", PP) \
+                layer = STEP if r.layer is None or r.axis in (DP, EDP, "world", PP) \
                     else r.layer
                 fig = self.layers.setdefault(layer, LayerFigures())
                 fig.comm_bytes += r.bytes

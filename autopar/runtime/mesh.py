@@ -81,14 +81,14 @@ def tensor_groups(dp: int, mesh: TensorMesh, log: CommLog | None = None,
     """AxisGroups for `dp` and every tensor axis of `mesh` that is a process group, and
     for `pp` (outermost) when the plan has a pipeline."""
     log = log if log is not None else CommLog()
-    dims = ((("pp", pp),) if pp > 1 else ()) + (("dp", dp),) + mesh.dims
+    dims = (((PP, pp),) if pp > 1 else ()) + ((DP, dp),) + mesh.dims
     names = tuple(name for name, _ in dims)
     sizes = tuple(size for _, size in dims)
     world = pp * dp * mesh.total
     if world == 1 or not dist.is_available() or not dist.is_initialized():
         if world > 1:  # raises the launcher sentence
-            axis_groups({"pp": pp, "dp": dp, "tp": mesh.total}, log)
-        return {a: AxisGroup(a, 1, 0, None, log) for a in ("dp",) + mesh.axes}
+            axis_groups({PP: pp, DP: dp, TP: mesh.total}, log)
+        return {a: AxisGroup(a, 1, 0, None, log) for a in (DP,) + mesh.axes}
     if dist.get_world_size() != world:
         raise WorldError(f"the plan needs {world} processes but this job has "
                          f"{dist.get_world_size()}; launch with --nproc-per-node {world} or "

@@ -18,6 +18,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.kernels.collectives import world_group
+from autopar.modes import DP
 
 PHASE = "metrics"  # the phase of the comm log's records these metrics add
 FIELDS = 5  # per rank: peak bytes, step seconds, bytes sent, bytes sent on dp, tokens
@@ -63,7 +64,7 @@ class StepMetrics:
     def gather(self, engine, step_s: float, sent: dict[str, int], tokens: int) -> list[list]:
         """Every rank's [peak bytes, step seconds, bytes sent, bytes on dp, tokens]."""
         mine = torch.tensor([peak_memory_bytes(engine.device), step_s, sum(sent.values()),
-                             sent.get("dp", 0), tokens], dtype=torch.float64)
+                             sent.get(DP, 0), tokens], dtype=torch.float64)
         world = world_group(engine.comm_log)  # (logged on axis "world", at one rank too)
         every = world.all_gather(mine, 0, 1, PHASE)
         return every.view(world.size, FIELDS).tolist()

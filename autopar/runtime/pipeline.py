@@ -16,14 +16,15 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
 from autopar.kernels.collectives import AxisGroup, CommLog, exchange_objects
+from autopar.modes import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 from autopar.passes.pipeline import Stages
 from autopar.runtime.buckets import GradientBuckets, average_gradients
 from autopar.runtime.mesh import shared_group
 
 __all__ = ["PipelineRunner", "stage_count", "stage_owner"]
 
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-              "interleaved": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleZBVZeroBubble"}
+_SCHEDULES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B",
+              INTERLEAVED: "ScheduleInterleaved1F1B", ZERO_BUBBLE: "ScheduleZBVZeroBubble"}
 
 
 class PipelineRunner:
@@ -115,7 +116,7 @@ class PipelineRunner:
         """Per stage of this member, its parameters' data-parallel buckets; None (reduce
         after the schedule) under zero-bubble, whose W pass fires no accumulation hooks,
         or when two of this member's stages share a parameter."""
-        if self.schedule_name == "zero_bubble":
+        if self.schedule_name == ZERO_BUBBLE:
             return None
         per_stage = []
         for k in self.mine:
@@ -158,7 +159,7 @@ class PipelineRunner:
             a, "requires_grad", False)))
                            for args, out in examples]
         n = len(self.stages.modules)
-        split = self.schedule_name == "zero_bubble"  # backward split into I and W
+        split = self.schedule_name == ZERO_BUBBLE  # backward split into I and W
         stages = [(_SplitBackwardStage if split else _Stage)(
             self.stages.modules[k], k, n, self._device, input_args=examples[k][0],
             output_args=examples[k][1], group=self.group.group) for k in self.mine]
@@ -180,7 +181,7 @@ class PipelineRunner:
         # scale_grads=False: the schedule would scale each stage's parameters, twice for a
         # parameter two stages on this member share (zero-bubble's V puts the tied
         # embedding's first and last stage on member 0); `step` scales each one once
-        chosen = stages[0] if self.schedule_name in ("gpipe", "1f1b") else stages
+        chosen = stages[0] if self.schedule_name in (GPIPE, ONE_F_ONE_B) else stages
         self._schedule = cls(chosen, n_microbatches=self.microbatches, loss_fn=loss_fn,
                              scale_grads=False)
         self._shapes = shapes

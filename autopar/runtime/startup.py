@@ -12,7 +12,8 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError, WeightsError
 from autopar.passes.tensor_parallel import local_slice
-from autopar.runtime.checkpoint import _agree, _rank, _runs, expert_runs
+from autopar.runtime.agree import agree_with_rank_zero, process_rank
+from autopar.runtime.checkpoint import expert_runs, slice_runs
 from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
 from autopar.runtime.gradients import zero_sharded
 from autopar.runtime.host_memory import give_back_large_frees, trim
@@ -71,7 +72,7 @@ class Startup:
             for key, (names, full, layout) in list(wanted.items()):
                 cut = experts.get(key)
                 if names[0] in self.source:
-                    runs = _runs(layout, mesh, coords, tuple(full.shape))
+                    runs = slice_runs(layout, mesh, coords, tuple(full.shape))
                     rows = None if cut is not None else self._piece_rows(full, runs)
                     if cut is not None:  # only this rank's experts are read
                         runs = expert_runs(runs, *cut)
@@ -255,7 +256,7 @@ def export(engine, directory, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
     and publishes the directory by rename; rank 0's outcome is raised on every rank."""
     engine.fetch_pipeline_weights()
     writer, error = None, None
-    if _rank() == 0:
+    if process_rank() == 0:
         try:
             writer = SafetensorsWriter(directory, max_shard_bytes, engine.model_card)
         except AutoparError as e:
@@ -277,7 +278,7 @@ def export(engine, directory, max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
         if writer is not None and error is not None:
             writer.abort()
     try:
-        _agree(error)
+        agree_with_rank_zero(error)
     except AutoparError as e:
         raise WeightsError(f"the export to {directory} failed on rank 0 ({error}); the "
                            "previous export there is untouched.") from e

@@ -26,6 +26,8 @@ from autopar.kernels.moe_layers import opaque_moe, priced_layers
 from autopar.modes import (
     BF16,
     CONTIGUOUS,
+    CP,
+    DP,
     FP8,
     FP16,
     FP32,
@@ -35,12 +37,15 @@ from autopar.modes import (
     NO_RECOMPUTE,
     NO_SP,
     ONE_F_ONE_B,
+    PP,
     RING,
     RUNTIME,
+    TP,
     TP_1D,
     TP_25D,
 )
 from autopar.plans import LayerPlan, PipelinePlan, Plan, ZeroPlan
+from autopar.plans.views import views
 from autopar.search import why
 from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
 from autopar.world import World, local_device
@@ -117,16 +122,16 @@ def pipeline_stages(traced, plan: Plan, global_batch: int, tokens_per_sample: in
     it names none); the closest candidate's when nothing fits memory."""
     world = plan.world if isinstance(plan.world, World) else \
         World(devices=math.prod(plan.mesh.values()), device=local_device())
-    chain = chain_of(traced, tokens_per_sample, (plan.mesh["tp"],))
+    chain = chain_of(traced, tokens_per_sample, (plan.mesh[TP],))
     pipe = plan.pipeline
-    constraints = Constraints(pp=plan.mesh["pp"], dp=plan.mesh["dp"], cp=plan.mesh["cp"],
-                              tp=plan.mesh["tp"], ep=plan.ep, schedule=pipe.schedule, zero=0,
+    constraints = Constraints(pp=plan.mesh[PP], dp=plan.mesh[DP], cp=plan.mesh[CP],
+                              tp=plan.mesh[TP], ep=plan.ep, schedule=pipe.schedule, zero=0,
                               recompute=NO_RECOMPUTE, offload=False,
-                              tp_mode=plan.grid_mode() if plan.mesh["tp"] > 1 else None,
+                              tp_mode=plan.grid_mode() if plan.mesh[TP] > 1 else None,
                               microbatches=microbatches,
                               chunks=pipe.chunks if pipe.schedule == INTERLEAVED else None,
-                              sp=plan.sequence_mode if plan.mesh["cp"] > 1 else None)
-    options = Options(global_batch=global_batch, dtype="fp32", top=1)
+                              sp=plan.sequence_mode if plan.mesh[CP] > 1 else None)
+    options = Options(global_batch=global_batch, dtype=FP32, top=1)
     result = Search(chain, world, options, constraints).run()
     best = result.best or min((c for c, _ in result.alternatives if c.stages),
                               key=lambda c: c.memory_per_device, default=None)
@@ -156,7 +161,7 @@ def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
 
 
 def search(chain: LayerChain, world: World, *, global_batch: int, constraints=None,
-           dtype: str = "bf16", attention_kernel: str = "flash", executable: bool = False,
+           dtype: str = BF16, attention_kernel: str = "flash", executable: bool = False,
            top: int = 5, progress=None) -> SearchResult:
     _check_top(top)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
@@ -201,7 +206,7 @@ def _sequence_parallel_length(chain: LayerChain, world: int) -> int | None:
     if not sizes:
         return None
     try:
-        solve(chain.traced, axis="tp", size=sizes[0], sequence_parallel=True)
+        solve(chain.traced, axis=TP, size=sizes[0], sequence_parallel=True)
     except PlanError:
         return None
     return seq
@@ -241,7 +246,7 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
 
 
 def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
-                          dtype: str = "fp32", attention_kernel: str = "flash",
+                          dtype: str = FP32, attention_kernel: str = "flash",
                           constraints=None) -> list[Candidate]:
     """Every plan `parallelize` can execute that the executable search prices, fastest first
     and none skipped by a bound (`Search.every`): over 1D alone and with each grid (and each
@@ -270,7 +275,7 @@ def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
 
 
 def candidate_plan(cand: Candidate, chain: LayerChain, world: World, global_batch: int,
-                   dtype: str = "fp32") -> Plan:
+                   dtype: str = FP32) -> Plan:
     """The Plan of one candidate, made as the planner makes its winner's (`to_plan`)."""
     result = SearchResult(cand, [], 1, 0.0,
                           precision=precision_of(chain.param_dtype, executable=True))
@@ -299,7 +304,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
         from autopar.models import hf
 
         try:
-            w = hf.workload(model, seq=seq, dtype=DTYPES[dtype or "bf16"])
+            w = hf.workload(model, seq=seq, dtype=DTYPES[dtype or BF16])
         except ValueError as e:
             raise PlanError(str(e)) from e
         model, example_inputs, loss_fn, example_target = w.model, w.inputs, w.loss_fn, w.target
@@ -310,7 +315,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
         global_batch = int(example_inputs[0].shape[0])
     if dtype is None:
         dtype = _DTYPE_NAMES.get(next((p.dtype for p in model.parameters()), torch.float32),
-                                 "fp32")
+                                 FP32)
     start = time.perf_counter()
     c = Constraints.of(constraints)
     sizes = [c.tp] if c.tp else [t for t in divisors(world.devices)]
@@ -339,10 +344,8 @@ def to_plan(chain: LayerChain, world: World, result: SearchResult, global_batch:
     best = result.best
     if best is None:
         raise PlanError(why.nothing_fits(result, world))
-    from autopar.report.predicted import plan_report
-
     made = _plan_of(best, chain, world, result, global_batch, dtype, total_s)
-    made.detail = plan_report(made, chain)
+    made.detail = views().plan_report(made, chain)
     return made
 
 
@@ -386,10 +389,10 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                    "winner": best.describe(), "dtype": dtype, "global_batch": global_batch,
                    "attention_kernel": result.attention_kernel,
                    "precision": result.precision.to_json() if result.precision else None}
-    sequence_mode = best.cp_mode if mesh["cp"] > 1 else None
+    sequence_mode = best.cp_mode if mesh[CP] > 1 else None
     # ring attention's zigzag layout needs 2 x cp chunks; else the contiguous one
     sequence_layout = CONTIGUOUS if sequence_mode == RING and \
-        chain.tokens_per_sample % (2 * mesh["cp"]) else None
+        chain.tokens_per_sample % (2 * mesh[CP]) else None
     plan = Plan(mesh=dict(mesh), tp_mode=main.mode.name, tp_depth=main.mode.d if
                 main.mode.name == TP_25D else 1,
                 sequence_parallel=all(s.sp == MEGATRON_SP for s in best.states
@@ -398,12 +401,12 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                 sequence_mode=sequence_mode,
                 sequence_layout=sequence_layout,
                 layers=layers,
-                pipeline=PipelinePlan(schedule=best.schedule if mesh["pp"] > 1 else ONE_F_ONE_B,
+                pipeline=PipelinePlan(schedule=best.schedule if mesh[PP] > 1 else ONE_F_ONE_B,
                                       microbatches=best.microbatches, chunks=best.chunks,
                                       micro_batch_size=best.micro_batch),
                 zero=ZeroPlan(stage=best.zero, offload=best.offload, shard=best.dp_shard),
                 recompute=main.recompute, world=world, predicted=predicted, search=search_info,
-                notes=_notes(chain, mesh["tp"]), ep=best.ep)
+                notes=_notes(chain, mesh[TP]), ep=best.ep)
     return plan
 
 

@@ -23,12 +23,13 @@ from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.hybrid import hybrid_split, replicas_wire_bytes, zero_ranks
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import RECOMPUTE, Context, state_cost
+from autopar.cost.model import Context, state_cost
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
     USABLE_MEMORY,
     ExpertSplit,
+    buffer_bytes,
     conversion_s,
     crossing_transfer,
     dp_wire_bytes,
@@ -48,10 +49,15 @@ from autopar.cost.step import (
 )
 from autopar.errors import PlanError
 from autopar.modes import (
+    CP,
+    DP,
     INTERLEAVED,
     NO_PIPELINE,
     NO_SP,
     ORDER,
+    PP,
+    RECOMPUTE,
+    TP,
     ZERO_BUBBLE,
 )
 from autopar.search import why
@@ -96,13 +102,13 @@ class Candidate:
         modes = sorted({str(s.mode) for s in self.states if s.mode.size > 1}) or ["-"]
         rc = sorted({s.recompute for s in self.states})
         sp = sorted({s.sp for s in self.states} - {NO_SP})
-        parts = [f"pp{m['pp']} dp{m['dp']} cp{m['cp']} tp{m['tp']}"
+        parts = [f"pp{m[PP]} dp{m[DP]} cp{m[CP]} tp{m[TP]}"
                  + (f" ep{self.ep}" if self.ep > 1 else ""), f"tp {'/'.join(modes)}"]
         if sp:
             parts.append("sp " + "/".join(sp))
         if self.cp_mode:
             parts.append(f"cp {self.cp_mode}")
-        if m["pp"] > 1:
+        if m[PP] > 1:
             parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.schedule == INTERLEAVED
                                                else ""))
         parts.append(f"mb {self.micro_batch}x{self.microbatches}")
@@ -257,19 +263,19 @@ class Search:
         """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
         all pp x dp); None where some layer has no state."""
         ep_pl = split.dispatch if split is not None else None
-        key = (mesh["tp"], pl["tp"], pl["cp"], cp_mode, b, ep_pl)
+        key = (mesh[TP], pl[TP], pl[CP], cp_mode, b, ep_pl)
         if key in self._cost_cache:
             return self._cost_cache[key]
-        ctx_key = (pl["tp"], pl["cp"], cp_mode, ep_pl)
+        ctx_key = (pl[TP], pl[CP], cp_mode, ep_pl)
         ctx = self._contexts.get(ctx_key)
         if ctx is None:
-            ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl["tp"], pl["cp"],
+            ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl[TP], pl[CP],
                                                     cp_mode, self.opt.attention_kernel,
                                                     ep=ep_pl, kept_high=self.kept_high)
         per_type = []
-        beside_cp = mesh["cp"] > 1
+        beside_cp = mesh[CP] > 1
         for lt in self.chain.types:
-            states = [s for s in self.space.states(lt, mesh["tp"]) if b % s.mode.batch_split == 0
+            states = [s for s in self.space.states(lt, mesh[TP]) if b % s.mode.batch_split == 0
                       and (not beside_cp or self.space.beside_cp(s))]
             if not states:
                 self._cost_cache[key] = None
@@ -294,7 +300,7 @@ class Search:
 
     def _leaves(self, mesh, heads):
         pl = placements(mesh, ORDER, self.world.per_node)
-        gb, dp, pp = self.opt.global_batch, mesh["dp"], mesh["pp"]
+        gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
         if gb % dp:
             return []
         per_replica = gb // dp
@@ -354,7 +360,7 @@ class Search:
 
     def _dp_cache(self, grad_pl) -> dict:
         """Collective seconds by parameter bytes, over one gradient placement."""
-        return self._cost_cache.setdefault(("dp", grad_pl), {})
+        return self._cost_cache.setdefault((DP, grad_pl), {})
 
     def _pipeline_time(self, layer_time, device_of, stage_of, pp, v, m, schedule, pl, b):
         """(step seconds of the pipeline, bubble seconds, per-device seconds per micro-batch)."""
@@ -365,7 +371,7 @@ class Search:
     def _transfer(self, leaf) -> float:
         """Seconds of one activation crossing a stage boundary of the leaf's pipeline
         (`cost.step.stage_transfer`), once per leaf."""
-        if leaf.mesh["pp"] == 1:
+        if leaf.mesh[PP] == 1:
             return 0.0
         if leaf.transfer is None:
             stages = np.asarray(leaf.stage_of)
@@ -384,13 +390,13 @@ class Search:
     def _evaluate(self, leaf):
         leaf.prep.build()
         if leaf.stage_of is None:
-            leaf.stage_of = leaf.prep.stages(leaf.mesh["pp"] * leaf.v)
-            leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh["pp"])
+            leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v)
+            leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
         for zero, offload, shard in leaf.zeros:
             cand, moved = self._priced(leaf, zero, offload, shard)
             yield cand
-            if leaf.mesh["pp"] > 1 and leaf.v == 1 and (not cand.fits or (
+            if leaf.mesh[PP] > 1 and leaf.v == 1 and (not cand.fits or (
                     moved and cand.states != leaf.prep.states_of(leaf.prep.fast))):
                 # the time-balanced split needs recomputation or does not fit: also try the
                 # fastest split whose stages hold their in-flight activations as they are
@@ -402,13 +408,12 @@ class Search:
 
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
-        prep, pp = leaf.prep, leaf.mesh["pp"]
+        prep, pp = leaf.prep, leaf.mesh[PP]
         replicas = zero_ranks(leaf.mesh, shard)
         per_param = sum(state_factors(self.precision, replicas, zero, offload))
         in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
         weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
-        buffers = (2 * prep.biggest if replicas > 1 else 0.0) + \
-            (2 * prep.biggest if zero == 3 else 0.0)
+        buffers = buffer_bytes(prep.biggest, replicas, zero)
         capacity = np.full(pp, self.capacity - buffers)
         return balance_within(prep.layer_time, weights, capacity, pp)
 
@@ -430,7 +435,7 @@ class Search:
         """The leaf's candidate under one ZeRO option, and whether fitting memory moved a
         layer off its fastest state."""
         prep, mesh = leaf.prep, leaf.mesh
-        pp = mesh["pp"]
+        pp = mesh[PP]
         in_flight = self._in_flight(leaf.schedule, pp, leaf.v, leaf.m)
         chosen = list(prep.fast)
         if leaf.fast is None:
@@ -521,7 +526,7 @@ class Search:
         if leaf.split is None:
             return None
         experts = leaf.prep.take(leaf.prep.expert_table, chosen)
-        return np.bincount(device_of, weights=experts, minlength=leaf.mesh["pp"])
+        return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
 
     def _bound_candidate(self, leaf) -> Candidate:
         prep = leaf.prep.build()
@@ -674,7 +679,7 @@ class _Prepared:
         return table[self.rows, chosen]
 
     def _conversion(self, search, a, b_type, pl, b):
-        key = ("conv", a, b_type, b, pl["tp"], pl["cp"])
+        key = ("conv", a, b_type, b, pl[TP], pl[CP])
         mat = search._cost_cache.get(key)
         if mat is None:
             prev_states, cur_states = self.per_type[a][0], self.per_type[b_type][0]
@@ -865,7 +870,7 @@ def _collector_paused():
 
 
 def _mesh_key(mesh) -> tuple:
-    return (mesh["pp"], mesh["dp"], mesh["cp"], mesh["tp"])
+    return (mesh[PP], mesh[DP], mesh[CP], mesh[TP])
 
 
 def _better(a: Candidate, b: Candidate) -> bool:

@@ -14,7 +14,11 @@ from autopar.cost.model import LayerState, TensorMode, tensor_modes
 from autopar.cost.schedule import check_microbatches
 from autopar.errors import PlanError
 from autopar.modes import (
+    BF16,
     CP,
+    DP,
+    DP_SHARD,
+    EP,
     GRID_MODES,
     INTERLEAVED,
     LAYER_SP,
@@ -26,6 +30,7 @@ from autopar.modes import (
     RECOMPUTE,
     SCHEDULES,
     SEQUENCE_MODES,
+    TP,
     TP_1D,
     TP_25D,
     TP_MODES,
@@ -75,8 +80,7 @@ class Constraints:
 
     def check(self) -> None:
         """Refuse a constraint of the wrong type or out of range, naming it and what works."""
-        for name in ("tp", "pp", "dp", "cp", "microbatches", "micro_batch_size", "chunks", "ep",
-                     "dp_shard"):
+        for name in (TP, PP, DP, CP, "microbatches", "micro_batch_size", "chunks", EP, DP_SHARD):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -115,7 +119,7 @@ class Options:
     global_batch: int
     # the compute dtype (its GEMM rate; activation bytes come from the trace), named as
     # parallelize's precision=; state bytes per parameter: autopar.cost.precision
-    dtype: str = "bf16"
+    dtype: str = BF16
     attention_kernel: str = "flash"
     executable: Capabilities | None = None  # restrict to what a runtime runs (modes.RUNTIME)
     top: int = 5
@@ -151,7 +155,7 @@ def factorisations(world: int, c: Constraints, n_blocks: int, seq_ok) -> list[di
                 dp = world // (tp * pp * cp)
                 if c.dp is not None and dp != c.dp:
                     continue
-                out.append({"pp": pp, "dp": dp, "cp": cp, "tp": tp})
+                out.append({PP: pp, DP: dp, CP: cp, TP: tp})
     return out
 
 
@@ -247,12 +251,12 @@ class Space:
         expert count ([1] for a dense model, or where the runtime has no ep axis)."""
         counts, caps = self.expert_counts(), self.caps
         if not counts or (caps is not None and (not caps.expert or (
-                mesh["cp"] > 1 and not caps.expert_with_cp) or (
-                mesh["cp"] > 1 and not caps.expert_cp_extras and (
-                    mesh["tp"] > 1 or mesh["pp"] > 1)) or (
-                mesh["pp"] > 1 and not caps.expert_with_pp))):
+                mesh[CP] > 1 and not caps.expert_with_cp) or (
+                mesh[CP] > 1 and not caps.expert_cp_extras and (
+                    mesh[TP] > 1 or mesh[PP] > 1)) or (
+                mesh[PP] > 1 and not caps.expert_with_pp))):
             return [1] if self.c.ep in (None, 1) else []
-        top = math.gcd(mesh["dp"] * mesh["cp"], *counts)
+        top = math.gcd(mesh[DP] * mesh[CP], *counts)
         return [e for e in divisors(top) if self.c.ep in (None, e)]
 
     def meshes(self, world: int) -> list[dict]:
@@ -272,16 +276,16 @@ class Space:
         meshes = factorisations(world, self.c, self.n_blocks or 1, seq_ok)
         if caps is not None:
             meshes = [m for m in meshes if all(m[a] == 1 for a in (PP, CP) if a not in caps.axes)
-                      and (caps.cp_with_tp or m["cp"] == 1 or m["tp"] == 1)]
+                      and (caps.cp_with_tp or m[CP] == 1 or m[TP] == 1)]
         return meshes
 
     def cp_modes(self, mesh: dict, heads: int) -> list:
         """Sequence modes over the mesh's cp axis (None without one); Ulysses needs the
         heads to split over cp x tp."""
-        if mesh["cp"] == 1:
+        if mesh[CP] == 1:
             return [None]
         modes = [self.c.sp] if self.c.sp in SEQUENCE_MODES else list(SEQUENCE_MODES)
-        return [m for m in modes if m != ULYSSES or heads % (mesh["cp"] * mesh["tp"]) == 0]
+        return [m for m in modes if m != ULYSSES or heads % (mesh[CP] * mesh[TP]) == 0]
 
     def micro_batches(self, per_replica: int, pp: int) -> list[int]:
         """Micro-batch sizes for a replica's `per_replica` samples."""
@@ -332,19 +336,19 @@ class Space:
         if caps is None:
             return zeros
         return [(z, o, shard) for z, o, shard in zeros if z in caps.expert_zero and (
-            mesh["pp"] == 1 or z in caps.expert_zero_with_pp) and (
-            mesh.get("cp", 1) == 1 or z == 0 or caps.expert_cp_extras)]
+            mesh[PP] == 1 or z in caps.expert_zero_with_pp) and (
+            mesh.get(CP, 1) == 1 or z == 0 or caps.expert_cp_extras)]
 
     def zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
         """(ZeRO stage, offload, hybrid shard size) options for this mesh: the shard None
         cuts over all of dp; a size (`cost.hybrid.shard_sizes`) is HSDP, tried without offload,
         for ZeRO-3 (any stage when the constraint dp_shard fixes it)."""
         out = []
-        replicas = mesh["dp"] * mesh["cp"]
+        replicas = mesh[DP] * mesh[CP]
         caps = self.caps
         fixed = self.c.dp_shard  # (the data-parallel size itself: ZeRO over all of dp)
-        shards = [] if fixed == mesh["dp"] or (caps is not None and not (
-            caps.hybrid_shard and (mesh["pp"] == 1 or caps.hybrid_with_pp))) \
+        shards = [] if fixed == mesh[DP] or (caps is not None and not (
+            caps.hybrid_shard and (mesh[PP] == 1 or caps.hybrid_with_pp))) \
             else shard_sizes(mesh, per_node, fixed)
         for zero in ZERO_STAGES:
             if self.c.zero is not None and zero != self.c.zero:
@@ -352,17 +356,17 @@ class Space:
             if zero and replicas == 1:
                 continue
             if caps is not None and (zero not in caps.zero or (
-                    mesh["pp"] > 1 and zero not in caps.zero_with_pp)):
+                    mesh[PP] > 1 and zero not in caps.zero_with_pp)):
                 continue
             for offload in (False, True):
                 if self.c.offload is not None and offload != self.c.offload:
                     continue
                 if offload and (zero == 0 or (caps is not None and not caps.offload)):
                     continue
-                if offload and zero == 3 and mesh["dp"] == 1 and caps is not None and \
+                if offload and zero == 3 and mesh[DP] == 1 and caps is not None and \
                         not caps.offload_zero3_single_rank:
                     continue  # the runtime cuts ZeRO-3 pieces over dp alone (Plan.unsupported)
-                if fixed is None or fixed == mesh["dp"]:
+                if fixed is None or fixed == mesh[DP]:
                     out.append((zero, offload, None))
                 if not offload and (zero == 3 or (zero and fixed is not None)):
                     # free, HSDP is tried for ZeRO-3, whose per-layer gathers it keeps near

@@ -9,10 +9,12 @@ from autopar.cost.hardware import GiB
 from autopar.cost.step import USABLE_MEMORY, host_capacity
 from autopar.modes import (
     CP,
+    DP,
     GRID_MODES,
     MEGATRON_SP,
     PP,
     RECOMPUTE,
+    TP,
     TP_1D,
     TP_MODES,
     ZERO_STAGES,
@@ -51,16 +53,16 @@ def lost(cand, winner, capacity: float, host: float) -> str:
 
 def no_mesh(c, chain, world: int, n_blocks: int) -> str:
     """Why no mesh of `world` devices meets the constraints `c`."""
-    fixed = {k: v for k, v in vars(c).items() if k in ("tp", "pp", "dp", "cp") and v is not None}
+    fixed = {k: v for k, v in vars(c).items() if k in (TP, PP, DP, CP) and v is not None}
     blocks = n_blocks or 1
     tiles = world % math.prod(fixed.values()) == 0
-    if tiles and fixed.get("pp", 1) > blocks:
-        return (f"pp {fixed['pp']} needs at least {fixed['pp']} blocks to put one on each "
+    if tiles and fixed.get(PP, 1) > blocks:
+        return (f"pp {fixed[PP]} needs at least {fixed[PP]} blocks to put one on each "
                 f"stage, but the model has {blocks}; use pp "
                 f"{max(d for d in divisors(world) if d <= blocks)} or less.")
-    if tiles and fixed.get("cp", 1) > 1:
+    if tiles and fixed.get(CP, 1) > 1:
         seq = chain.tokens_per_sample
-        return (f"cp {fixed['cp']} splits the sequence over {fixed['cp']} ranks, but this "
+        return (f"cp {fixed[CP]} splits the sequence over {fixed[CP]} ranks, but this "
                 f"model has " + (f"a sequence of {seq} tokens, which it does not divide"
                                  if any(lt.attention for lt in chain.types) else
                                  "no attention to split") + "; choose another cp size.")
@@ -83,7 +85,7 @@ def too_many_devices(space, meshes, world: int, global_batch: int) -> str | None
     world with a tensor mode that splits a micro-batch of b (1D where the layers split;
     2D/2.5D/3D grids also cut the micro-batch)."""
     blocks = max(1, space.n_blocks)
-    cp_max = max(m["cp"] for m in meshes)
+    cp_max = max(m[CP] for m in meshes)
     refused = space.refused_tensor_sizes_1d()
     sizes = divisors(world)
 
@@ -107,36 +109,36 @@ def too_many_devices(space, meshes, world: int, global_batch: int) -> str | None
 def no_leaf(space, meshes, global_batch: int) -> str:
     """Why no micro-batch and schedule of any mesh left meets the constraints."""
     gb, c = global_batch, space.c
-    dps = sorted({m["dp"] for m in meshes})
-    split = [m for m in meshes if gb % m["dp"] == 0]
+    dps = sorted({m[DP] for m in meshes})
+    split = [m for m in meshes if gb % m[DP] == 0]
     refused_1d = space.refused_tensor_sizes_1d()
-    refused = {m["tp"]: refused_1d[m["tp"]] for m in split if m["tp"] in refused_1d}
-    if split and all(m["tp"] in refused and all(mode.name == TP_1D for mode in
-                                                space.tp_modes(m["tp"])) for m in split):
-        tp = split[0]["tp"]
-        other = sorted({m["dp"] for m in meshes} - {m["dp"] for m in split})
+    refused = {m[TP]: refused_1d[m[TP]] for m in split if m[TP] in refused_1d}
+    if split and all(m[TP] in refused and all(mode.name == TP_1D for mode in
+                                                space.tp_modes(m[TP])) for m in split):
+        tp = split[0][TP]
+        other = sorted({m[DP] for m in meshes} - {m[DP] for m in split})
         return (f"tensor size {tp} cannot split this model: {refused[tp]}" +
                 (f"; or give a global batch that is a multiple of {other[0]} (data "
                  "parallelism)." if other else "."))
     m_fixed = c.microbatches
-    if split and m_fixed is not None and all((gb // m["dp"]) % m_fixed for m in split):
+    if split and m_fixed is not None and all((gb // m[DP]) % m_fixed for m in split):
         m = split[0]
-        per = gb // m["dp"]
+        per = gb // m[DP]
         return (f"microbatches {m_fixed} does not divide the {per} sample(s) per "
-                f"data-parallel replica (global batch {gb} over dp {m['dp']}); use a number "
+                f"data-parallel replica (global batch {gb} over dp {m[DP]}); use a number "
                 f"of micro-batches that divides {per}, or a global batch that is a multiple "
-                f"of {m_fixed * m['dp']}.")
-    if split and all(m["pp"] > 1 for m in split):
-        m = min(split, key=lambda m: m["pp"])
-        per_replica = gb // m["dp"]
+                f"of {m_fixed * m[DP]}.")
+    if split and all(m[PP] > 1 for m in split):
+        m = min(split, key=lambda m: m[PP])
+        per_replica = gb // m[DP]
         return (f"every mesh left has a pipeline, and none gets as many micro-batches as "
-                f"stages: with pp {m['pp']} and dp {m['dp']} each replica has "
-                f"{per_replica} sample(s) for {m['pp']} stages; use a global batch of at "
-                f"least {m['pp'] * m['dp']}, or fewer stages (pp).")
+                f"stages: with pp {m[PP]} and dp {m[DP]} each replica has "
+                f"{per_replica} sample(s) for {m[PP]} stages; use a global batch of at "
+                f"least {m[PP] * m[DP]}, or fewer stages (pp).")
     if split:
-        tp = split[0]["tp"]
+        tp = split[0][TP]
         return (f"no micro-batch size fits the constraints: the global batch {gb} over dp "
-                f"{split[0]['dp']} gives {gb // split[0]['dp']} sample(s) per replica; "
+                f"{split[0][DP]} gives {gb // split[0][DP]} sample(s) per replica; "
                 "relax microbatches or the tensor mode (2D/2.5D/3D split the micro-batch "
                 "too)" + (f", as 1d cannot split tensor size {tp} ({refused[tp]})"
                           if tp in refused else "") + ".")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
+from autopar.modes import TP
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.layout import Layout, Shard
 from autopar.sharding.strategy import CommOp, Need
@@ -53,7 +54,7 @@ class Step:
         return out
 
 
-def steps_between(src: Layout, need: Need, axis: str = "tp", mesh: TensorMesh | None = None) \
+def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | None = None) \
         -> list[Step]:
     """The steps that turn `src` into `need.layout` (gradients summed where `need` asks).
 

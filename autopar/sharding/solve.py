@@ -20,7 +20,7 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind, node_label
 from autopar.graph.ir import LOSS_MODULE, TracedGraph
-from autopar.modes import CONTIGUOUS, CP, TP_1D
+from autopar.modes import CONTIGUOUS, CP, TP, TP_1D
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.catalog import decide
 from autopar.sharding.layout import Layout, divisible
@@ -113,7 +113,7 @@ def _modules_text(names: list[str]) -> str:
     return f"{names[0]}, {names[1]} ... {names[-1]} ({len(names)} modules)"
 
 
-def solve(traced: TracedGraph, *, axis: str = "tp", size: int = 1,
+def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
           modes: dict[str, str] | None = None, default_mode: str = TP_1D,
           fixed_params: dict[str, Layout] | None = None,
           mesh: TensorMesh | None = None,

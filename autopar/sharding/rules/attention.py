@@ -107,16 +107,7 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     if positions is None:
         return replicate(ctx, note=f"{node.target} has no sequence-parallel kernel; ran with "
                                    "the sequence gathered")
-    pm, pd, pc, ps, pg = positions
-    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
-        mask = node.kwargs.get("attn_mask")
-        scale = node.kwargs.get("scale")
-        gqa = False
-    else:
-        scale = _arg(node, ps, "scale", None)
-        gqa = bool(_arg(node, pg, "enable_gqa", False))
-    dropout_p = _arg(node, pd, "dropout_p", 0.0)
-    causal = bool(_arg(node, pc, "is_causal", False))
+    scale, gqa, dropout_p, causal, mask = _sdpa_options(node, positions, mask)
     if isinstance(mask, fx.Node) and not causal and len(ctx.shape(q)) == 4 and \
             ctx.shape(q)[2] == ctx.shape(k)[2] and is_causal_mask(mask):
         causal, mask = True, None  # a causal mask built from positions (transformers' models)
@@ -134,15 +125,7 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     full = ctx.all_layouts
     sizes = ctx.sizes
 
-    # the split the other axis's attention rule puts on batch or heads (all of q, k, v alike)
-    other = None
-    for n in (q, k, v):
-        lay = full.get(n)
-        for s in (lay.shards if isinstance(lay, Layout) else ()):
-            if s.axis != CP and s.dim in (0, 1) and s.groups == 1 and other is None:
-                other = s
-    if other is not None and not all(splits(sh[other.dim], sizes[other.axis]) for sh in shapes):
-        other = None
+    other = _other_split(full, sizes, (q, k, v), shapes)
 
     def per_rank(n: fx.Node) -> tuple[sympy.Expr, int]:
         """Bytes of this rank's block of n (every axis's split) and its heads per rank."""
@@ -156,18 +139,14 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     # k, v repeated to the query heads (transformers' repeat_kv) with the sequence split
     # alone: the kernel takes their sources with enable_gqa, so ring attention sends Hkv
     # heads, not H, and Ulysses repeats only as far as its head split needs
-    sources = [repeated_kv(n) for n in (k, v)]
-    if all(sources) and other is None and \
-            all(size == 1 for axis, size in sizes.items() if axis != CP) and \
-            all(_only_cp_split(full.get(n)) for n in (k, v, *sources)):
+    sources = _kv_sources(full, sizes, k, v) if other is None else None
+    if sources is not None:
         k, v = sources
         gqa = True
-    else:
-        sources = None
     (qb, h), (kb, hkv), (vb, _) = (per_rank(n) for n in (q, k, v))
     ob = qb * sympy.sympify(ctx.shape(v)[3]) / sympy.sympify(ctx.shape(q)[3])
     grads = [bool(ctx.requires_grad.get(n)) for n in (q, k, v)]
-    comm = []
+    backward = ctx.requires_grad.get(node, any(grads))
     if mode == ULYSSES:
         if h % c:
             per_rank_note = " per tensor rank" if h != int(shapes[0][1]) else ""
@@ -175,24 +154,11 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
                             f"of {ctx.info.module or ctx.info.layer} over sequence size {c}, and "
                             f"{h} does not divide by {c}; use mode='ring', or a sequence size "
                             f"that divides {h}.")
-        f = c // math.gcd(hkv, c)
-        for b in (qb, f * kb, f * vb, ob):
-            comm.append(CommOp("all_to_all", CP, "forward", b, node.name))
-        if ctx.requires_grad.get(node, any(grads)):
-            comm.append(CommOp("all_to_all", CP, "backward", ob, node.name))
-            for b, g in zip((qb, f * kb, f * vb), grads):
-                if g:
-                    comm.append(CommOp("all_to_all", CP, "backward", b, node.name))
+        comm = _ulysses_comm(node.name, c // math.gcd(hkv, c), (qb, kb, vb), ob, grads, backward)
     elif c > 1:
-        kv = kb + vb
-        comm += [CommOp("p2p", CP, "forward", kv, node.name) for _ in range(c - 1)]
-        if ctx.requires_grad.get(node, any(grads)):
-            comm += [CommOp("p2p", CP, "backward", kv, node.name) for _ in range(c - 1)]
-            if grads[1] or grads[2]:  # dk, dv accumulators: float32 for 16-bit inputs
-                item = itemsize(k.meta["autopar"].dtype)
-                acc = kv * sympy.Rational(max(4, item), item)
-                comm += [CommOp("p2p", CP, "backward", acc, node.name, accumulator=True)
-                         for _ in range(c)]
+        comm = _ring_comm(node.name, c, kb + vb, k, grads, backward)
+    else:
+        comm = []
     needs = {n: Need(rep(n).with_shard(2, CP)) for n in ctx.node.args[:3]}
     out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)).with_shard(2, CP)
                        if len(shape) == 4 else Layout.replicated(len(shape)))
@@ -200,3 +166,70 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
                     args={"sequence": {"mode": mode, "is_causal": causal, "scale": scale,
                                        "enable_gqa": gqa,
                                        "repeated_kv": sources is not None}})
+
+def _sdpa_options(node: fx.Node, positions: tuple, mask) -> tuple:
+    """An SDPA node's scale, enable_gqa, dropout_p, is_causal and mask (`mask` as the rule
+    found it, but for the CPU flash kernel, which takes it as a keyword)."""
+    _, pd, pc, ps, pg = positions
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        mask = node.kwargs.get("attn_mask")
+        scale = node.kwargs.get("scale")
+        gqa = False
+    else:
+        scale = _arg(node, ps, "scale", None)
+        gqa = bool(_arg(node, pg, "enable_gqa", False))
+    return scale, gqa, _arg(node, pd, "dropout_p", 0.0), bool(_arg(node, pc, "is_causal", False)), \
+        mask
+
+
+def _kv_sources(full: dict, sizes: dict, k: fx.Node, v: fx.Node) -> list | None:
+    """k and v's sources before transformers' repeat_kv, when cp alone splits them all."""
+    sources = [repeated_kv(n) for n in (k, v)]
+    if all(sources) and all(size == 1 for axis, size in sizes.items() if axis != CP) and \
+            all(_only_cp_split(full.get(n)) for n in (k, v, *sources)):
+        return sources
+    return None
+
+
+def _other_split(full: dict, sizes: dict, qkv: tuple, shapes: list) -> Shard | None:
+    """The split the other axis's attention rule puts on batch or heads (all of q, k, v
+    alike), or None when there is none or it does not divide every one of them."""
+    other = None
+    for n in qkv:
+        lay = full.get(n)
+        for s in (lay.shards if isinstance(lay, Layout) else ()):
+            if s.axis != CP and s.dim in (0, 1) and s.groups == 1 and other is None:
+                other = s
+    if other is not None and not all(splits(sh[other.dim], sizes[other.axis]) for sh in shapes):
+        other = None
+    return other
+
+
+def _ulysses_comm(name: str, f: int, qkv_bytes: tuple, ob, grads: list[bool],
+                  backward: bool) -> list[CommOp]:
+    """Ulysses' all-to-alls: q, k and v (k and v repeated `f` times to the head split) and
+    the output forward; the output's gradient and those of the inputs that need one
+    backward."""
+    qb, kb, vb = qkv_bytes
+    comm = [CommOp("all_to_all", CP, "forward", b, name) for b in (qb, f * kb, f * vb, ob)]
+    if backward:
+        comm.append(CommOp("all_to_all", CP, "backward", ob, name))
+        for b, g in zip((qb, f * kb, f * vb), grads):
+            if g:
+                comm.append(CommOp("all_to_all", CP, "backward", b, name))
+    return comm
+
+
+def _ring_comm(name: str, c: int, kv, k: fx.Node, grads: list[bool],
+               backward: bool) -> list[CommOp]:
+    """Ring attention's sends: the k, v block `c` - 1 times forward and backward, and the
+    dk, dv accumulators (float32 for 16-bit inputs) `c` times backward."""
+    comm = [CommOp("p2p", CP, "forward", kv, name) for _ in range(c - 1)]
+    if backward:
+        comm += [CommOp("p2p", CP, "backward", kv, name) for _ in range(c - 1)]
+        if grads[1] or grads[2]:
+            item = itemsize(k.meta["autopar"].dtype)
+            acc = kv * sympy.Rational(max(4, item), item)
+            comm += [CommOp("p2p", CP, "backward", acc, name, accumulator=True)
+                     for _ in range(c)]
+    return comm

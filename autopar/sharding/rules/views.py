@@ -59,29 +59,7 @@ def view(ctx: RuleContext) -> Strategy:
         return follow(ctx, x, layout)
     out_shape = ctx.info.shape
     if target in _RESHAPES:
-        new, groups_needed = reshape_shard(in_shape, out_shape, shard, ctx.size)
-        if new is not None:
-            return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
-                new.dim, ctx.axis, new.groups), rewrite=Rewrite.LOCAL_SIZES)
-        if groups_needed and ctx.ask_producer(x, ("groups", groups_needed)):
-            return replicate(ctx)
-        if ctx.sp and shard.dim == ctx.seq_dim(x) and ctx.hint() != ("gather",) and \
-                node.users and all(u.meta["autopar"].kind is OpKind.LINEAR for u in node.users):
-            # [B, S, H] split on S flattened to tokens for linears (Conv1D): gathered here with
-            # the gradient reduce-scattered, so the column linears after it sum nothing more
-            ctx.grad_summed.add(node)
-            return Strategy("gather", {x: Need(rep(x), sum_grads=True)},
-                            Layout.replicated(len(out_shape)))
-        if ctx.sp and shard.dim == ctx.seq_dim(x):
-            # [B, S, H] split on S flattened to [B*S, H] for ops other than linears (OPT's MLP
-            # block: a norm and a residual): each sample's run of S tokens split alike
-            flat, _ = reshape_shard(in_shape, out_shape, shard, ctx.size, flatten=(ctx.axis,))
-            if flat is not None:
-                return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
-                    flat.dim, ctx.axis, flat.groups), rewrite=Rewrite.LOCAL_SIZES)
-        if ctx.axis != CP:  # the sequence split is gathered here; the producer keeps it
-            ctx.ask_producer(x, ("replicate",))
-        return replicate(ctx)
+        return _reshape(ctx, x, shard)
     if target in (aten.transpose.int, aten.permute.default, aten.t.default):
         nd = len(in_shape)
         if target is aten.permute.default:
@@ -109,16 +87,7 @@ def view(ctx: RuleContext) -> Strategy:
         return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
             new_dim, ctx.axis, shard.groups), rewrite=Rewrite.LOCAL_SIZES)
     if target is aten.slice.Tensor:
-        dim = node.args[1] % len(in_shape) if len(node.args) > 1 else 0
-        start = node.args[2] if len(node.args) > 2 else 0
-        end = node.args[3] if len(node.args) > 3 else None
-        step = node.args[4] if len(node.args) > 4 else 1
-        whole = start in (0, None) and step == 1 and (
-            end is None or (isinstance(end, int) and sympy.sympify(in_shape[dim]).is_number
-                            and end >= int(in_shape[dim])) or end >= 2 ** 62)
-        if dim != shard.dim or whole:
-            return follow(ctx, x, layout)
-        return replicate(ctx)
+        return _slice(ctx, x, layout, shard)
     if target is aten.select.int:
         dim = node.args[1] % len(in_shape)
         if dim == shard.dim:
@@ -128,6 +97,52 @@ def view(ctx: RuleContext) -> Strategy:
                                                                             shard.groups))
     if target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
         return _split(ctx, x, layout, shard)
+    return replicate(ctx)
+
+
+def _reshape(ctx: RuleContext, x: fx.Node, shard: Shard) -> Strategy:
+    """A reshape of `x` split by `shard`: the split carried to the dim it lands in, else the
+    sequence split gathered or flattened per sample, else replicated."""
+    node = ctx.node
+    in_shape, out_shape = ctx.shape(x), ctx.info.shape
+    new, groups_needed = reshape_shard(in_shape, out_shape, shard, ctx.size)
+    if new is not None:
+        return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
+            new.dim, ctx.axis, new.groups), rewrite=Rewrite.LOCAL_SIZES)
+    if groups_needed and ctx.ask_producer(x, ("groups", groups_needed)):
+        return replicate(ctx)
+    if ctx.sp and shard.dim == ctx.seq_dim(x) and ctx.hint() != ("gather",) and \
+            node.users and all(u.meta["autopar"].kind is OpKind.LINEAR for u in node.users):
+        # [B, S, H] split on S flattened to tokens for linears (Conv1D): gathered here with
+        # the gradient reduce-scattered, so the column linears after it sum nothing more
+        ctx.grad_summed.add(node)
+        return Strategy("gather", {x: Need(rep(x), sum_grads=True)},
+                        Layout.replicated(len(out_shape)))
+    if ctx.sp and shard.dim == ctx.seq_dim(x):
+        # [B, S, H] split on S flattened to [B*S, H] for ops other than linears (OPT's MLP
+        # block: a norm and a residual): each sample's run of S tokens split alike
+        flat, _ = reshape_shard(in_shape, out_shape, shard, ctx.size, flatten=(ctx.axis,))
+        if flat is not None:
+            return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
+                flat.dim, ctx.axis, flat.groups), rewrite=Rewrite.LOCAL_SIZES)
+    if ctx.axis != CP:  # the sequence split is gathered here; the producer keeps it
+        ctx.ask_producer(x, ("replicate",))
+    return replicate(ctx)
+
+
+def _slice(ctx: RuleContext, x: fx.Node, layout: Layout, shard: Shard) -> Strategy:
+    """A slice keeps the layout unless it cuts the split dim."""
+    node = ctx.node
+    in_shape = ctx.shape(x)
+    dim = node.args[1] % len(in_shape) if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    whole = start in (0, None) and step == 1 and (
+        end is None or (isinstance(end, int) and sympy.sympify(in_shape[dim]).is_number
+                        and end >= int(in_shape[dim])) or end >= 2 ** 62)
+    if dim != shard.dim or whole:
+        return follow(ctx, x, layout)
     return replicate(ctx)
 
 
