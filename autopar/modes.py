@@ -19,6 +19,9 @@ EP, EDP = "ep", "edp"
 # No axis either: the group of the dp x cp ranks that split the tokens (the MoE balance
 # loss's statistics are summed over it; its collectives are logged on axis dp).
 TOKENS = "dp_cp"
+# A layout axis, no group: Megatron-SP beside cp splits a rank's cp block of the sequence
+# again over tp (cp major, tp minor); its collectives run over tp alone.
+CP_TP = "cp_tp"
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,7 @@ PLANNER = Capabilities()
 
 # What autopar's runtime executes today.
 RUNTIME = Capabilities(
-    cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism ...
-    cp_with_megatron_sp=False,  # ... without Megatron-SP
+    cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism (with or without Megatron-SP)
     recompute=("none",),
     offload_zero3_single_rank=False,
     expert_cp_extras=False,  # ep beside cp runs with dp and cp alone

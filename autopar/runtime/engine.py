@@ -81,7 +81,7 @@ class Engine(nn.Module):
         self._pp = groups[PP] if PP in groups else AxisGroup(PP, 1, 0, None, self.comm_log)
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
-            self.mesh = TensorMesh(TP_1D, ((CP, self._cp.size), (TP, self._tp.size)))
+            self.mesh = TensorMesh.with_cp(self._cp.size, self._tp.size)
         self.streams = RandomStreams(seed, self._dp.rank, self._tp.rank, self._cp.rank)
         self.params = ShardedParams(self.mesh, {a: groups[a].rank for a in self.mesh.physical},
                                     model, start)  # start: a meta model's or weights= values
