@@ -16,9 +16,10 @@ from equivalence import _lm_loss, assert_equal, build, compare
 
 import autopar
 from autopar.errors import PlanError
-from autopar.modes import CP, RUNTIME, TP
+from autopar.modes import CP, CP_TP, RUNTIME, TP
 from autopar.sharding.layout import Layout
 
+pool2 = dist_pool_fixture(2)
 pool4 = dist_pool_fixture(4)
 
 
@@ -99,3 +100,67 @@ def test_cp_beside_megatron_sp_refuses_tokens_that_do_not_divide():
                                         r"divides 12 / 2"):
         autopar.parallelize(model, 8, example_inputs=(x[:, :12],), loss_fn=loss_fn,
                             plan=cp_sp("ring", tp=4))
+
+
+def test_steps_inside_a_cp_block_run_over_tp_alone():
+    """The redistributions between a cp block and its tp parts: a partial sum
+    reduce-scattered over tp, the parts gathered over tp (the gradient reduce-scattered when
+    asked), a whole block split; batch-major flattened tokens (runs of 16 per sample) keep
+    runs of 16 / cp in a rank's block. Bytes are those of the cp block (1/cp of the tensor)."""
+    from autopar.sharding.axes import TensorMesh
+    from autopar.sharding.redistribute import steps_between
+    from autopar.sharding.strategy import Need
+
+    mesh = TensorMesh.with_cp(2, 4)
+    block = Layout.replicated(3).with_shard(1, CP)
+    parts = block.with_shard(1, CP_TP)
+    steps = lambda src, dst, grads=False: [(s.kind, s.axis, s.dim, s.groups, s.parts)  # noqa
+                                           for s in steps_between(src, Need(dst, grads), TP,
+                                                                  mesh)]
+    assert steps(block.with_partial(TP), parts) == [("reduce_scatter", TP, 1, 1, 2)]
+    assert steps(parts, block) == [("gather", TP, 1, 1, 2)]
+    assert steps(parts, block, (TP,)) == [("gather_sum_grads", TP, 1, 1, 2)]
+    assert steps(block, parts) == [("split", TP, 1, 1, 2)]
+    assert steps(parts, Layout.replicated(3)) == [("gather", TP, 1, 1, 2),
+                                                  ("gather", CP, 1, 1, 1)]
+    flat = Layout.replicated(2).with_shard(0, CP, -16)
+    assert steps(flat.with_partial(TP), flat.with_shard(0, CP_TP, -16)) == \
+        [("reduce_scatter", TP, 0, -8, 2)]
+
+
+# ZeRO-3 offload with one data-parallel rank: the pieces are whole parameters on the host,
+# each layer's copied up for its use; no collective runs over the one-rank dp axis
+
+def test_zero3_offload_on_one_data_rank_equals_one_device(pool2):
+    plan = {"tensor": 2, "zero": {"stage": 3, "offload": True}}
+    assert autopar.Plan.from_dict(plan, 2).unsupported() == []
+    results = pool2.run(compare, hf_llama, plan)
+    assert_equal(results)
+    assert {axis for _, axis in results[0]["measured"]} == {TP}
+
+
+# experts (ep inside dp x cp) beside cp together with tensor, pipeline or ZeRO: Mixtral
+# trained as in tests/test_moe_runtime.py
+
+def _check_experts(results):
+    for r in results:
+        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5, (r["loss"], r["weights"])
+        assert r["keys_equal"] and r["measured"] == r["predicted"]
+        assert r["measured"][("all_to_all", "ep")] > 0
+        assert r["measured"][("all_to_all" if "ulysses" in r["plan"] else "p2p", CP)] > 0
+
+
+def _train_experts(plan):
+    from test_moe_runtime import _train
+
+    return {**_train("hf-mixtral", plan, steps=3), "plan": repr(plan)}
+
+
+@pytest.mark.parametrize("more", [
+    dict(zero=dict(stage=1)), dict(zero=dict(stage=3)), dict(tensor=2),
+    dict(pipeline=dict(size=2, microbatches=2), sequence=dict(size=2, mode="ulysses"))])
+def test_mixtral_experts_beside_cp_with_more_equals_one_device(pool4, more):
+    """At world 4: cp 2 x dp 2 with ZeRO (the experts' pieces over edp, their sums divided
+    by dp = edp x ep / cp as beside cp without ZeRO), cp 2 x tp 2, pp 2 x cp 2."""
+    plan = {"expert": 2, "sequence": dict(size=2, mode="ring"), **more}
+    _check_experts(pool4.run(_train_experts, plan))

@@ -18,7 +18,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, EDP, EP, PP, RING, TP
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,

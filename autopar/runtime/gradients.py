@@ -27,7 +27,7 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     Gradients whose expert weights are cut over their expert-data group instead. `pieces`:
     ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are."""
     if experts is not None and experts.edp is not None:
-        return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
+        return expert_zero(plan_zero, params, dp, experts.edp, experts.expert_divisor,
                            experts.params.is_expert, factory, compute_dtype, stages, pieces)
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype,
