@@ -63,7 +63,8 @@ def steps_between(src: Layout, need: Need, axis: str = "tp", mesh: TensorMesh | 
     the gradient sums; so axes that share a physical mesh dim are released before they are
     reused. `axis` is what `need.sum_grads=True` stands for. Steps on a composite axis
     without a process group of its own run over its components (see
-    `autopar.sharding.axes`).
+    `autopar.sharding.axes`); between a split over cp and one over `CP_TP` on the same dim
+    (Megatron-SP's tp parts of each cp block) they run over tp alone, on a rank's block.
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, 1)
     dst = need.layout
