@@ -24,6 +24,9 @@ TOKENS = "dp_cp"
 # replicas of one another over dp_replicate (dp = dp_replicate x dp_shard). Neither is a
 # factor of the world beside dp: both lie inside it, and their collectives log on these axes.
 DP_SHARD, DP_REPLICATE = "dp_shard", "dp_replicate"
+# A layout axis, no group: Megatron-SP beside cp splits a rank's cp block of the sequence
+# again over tp (cp major, tp minor); its collectives run over tp alone.
+CP_TP = "cp_tp"
 
 
 @dataclass(frozen=True)
@@ -124,11 +127,8 @@ PLANNER = Capabilities()
 
 # What autopar's runtime executes today.
 RUNTIME = Capabilities(
-    cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism ...
-    cp_with_megatron_sp=False,  # ... without Megatron-SP
+    cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism (with or without Megatron-SP)
     recompute=(NO_RECOMPUTE,),
-    offload_zero3_single_rank=False,
-    expert_cp_extras=False,  # ep beside cp runs with dp and cp alone
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
     expert_zero_with_pp=(0, 1, 2, 3),

@@ -97,8 +97,7 @@ def test_min_devices_finds_the_fewest(capsys):
 
 def test_executable_search_keeps_to_what_parallelize_runs(tmp_path, capsys):
     """--executable searches only what parallelize runs and says what it left out; without
-    it nothing is left out (with cp and tp fixed the winner was, when written, Megatron-SP
-    beside the cp axis, which the runtime refuses)."""
+    it nothing is left out (with cp and tp fixed, the recomputation the runtime refuses)."""
     fixed = [SMALL, "--world", "8", "--batch", "16", "--cp", "2", "--tp", "2"]
     free, runnable = tmp_path / "free.json", tmp_path / "runnable.json"
     assert main(["search", *fixed, "-o", str(free)]) == 0

@@ -172,16 +172,12 @@ def test_cp_ulysses_refuses_heads_that_do_not_divide():
 
 
 def test_cp_with_grid_tensor_parallelism_is_refused():
-    """cp runs beside 1d tensor layers only: 2d (and Megatron sequence parallelism) with a
-    cp axis are refused before any process work."""
+    """cp runs beside 1d tensor layers only (with or without Megatron-SP,
+    tests/test_cp_combos.py): 2d with a cp axis is refused before any process work."""
     model, (x,), _, loss_fn = build("gpt-tiny", 8)
     with pytest.raises(PlanError, match="together with 2d tensor parallelism"):
         autopar.parallelize(model, 8, example_inputs=(x[:2],), loss_fn=loss_fn,
                             plan=CP("ring", tensor=dict(size=4, mode="2d")))
-    with pytest.raises(PlanError, match="together with Megatron sequence parallelism"):
-        autopar.parallelize(model, 4, example_inputs=(x[:2],), loss_fn=loss_fn,
-                            plan=CP("ring", tensor=dict(size=2, mode="1d",
-                                                        sequence_parallel=True)))
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])

@@ -762,10 +762,11 @@ def test_zero_beside_experts_and_a_pipeline_runs():
     zeros = [(z, False) for z in (0, 1, 2, 3)]
     assert Space.expert_zero_options(SimpleNamespace(caps=RUNTIME), {"pp": 2}, zeros) == zeros
     assert Space.expert_zero_options(SimpleNamespace(caps=RUNTIME), {"pp": 1, "cp": 2},
-                                     zeros) == zeros[:1]
+                                     zeros) == zeros
 
 
-def test_experts_beside_cp_run_with_data_and_sequence_ranks_alone():
+def test_experts_beside_cp_run_with_tensor_pipeline_and_zero():
+    """(Trained equal to one device in tests/test_cp_combos.py.)"""
     from types import SimpleNamespace
 
     from autopar.modes import RUNTIME, Capabilities
@@ -777,15 +778,17 @@ def test_experts_beside_cp_run_with_data_and_sequence_ranks_alone():
               "beside cp runs with data and sequence ranks alone)")
     for more in (dict(tensor=2), dict(pipeline=2), dict(zero=dict(stage=1))):
         plan = Plan.from_dict(dict(expert=2, sequence=2, **more), 8)
-        assert plan.unsupported() == [extras], more
+        assert plan.unsupported() == [], more
+        # a runtime without it says so
+        assert plan.unsupported(Capabilities(expert_cp_extras=False)) == [extras], more
     assert Plan.from_dict(dict(expert=2, sequence=2), 4).unsupported(
         Capabilities(expert_with_cp=False)) == [
         "expert parallelism beside a cp axis (the expert groups lie inside dp; use sequence "
         "size 1)"]
-    # the search proposes ep dividing dp x cp beside cp, not beside a tensor axis there
+    # the search proposes ep dividing dp x cp beside cp, beside a tensor axis there too
     space = SimpleNamespace(caps=RUNTIME, expert_counts=lambda: {8}, c=SimpleNamespace(ep=None))
     assert Space.ep_sizes(space, {"dp": 2, "cp": 2, "tp": 1, "pp": 1}) == [1, 2, 4]
-    assert Space.ep_sizes(space, {"dp": 2, "cp": 2, "tp": 2, "pp": 1}) == [1]
+    assert Space.ep_sizes(space, {"dp": 2, "cp": 2, "tp": 2, "pp": 1}) == [1, 2, 4]
 
 
 def test_per_rank_router_logits_are_refused():

@@ -78,15 +78,18 @@ def _check_tokens_divide(traced, parts: int, no_sequence: str, splits: str,
 
 
 def check_sequence_dims(traced, plan: Plan) -> None:
-    """Megatron sequence parallelism splits each sample's tokens over tp: they must divide."""
-    tp = plan.mesh[TP]
+    """Megatron sequence parallelism splits each sample's tokens over tp (beside cp: each
+    rank's cp block of them): they must divide."""
+    tp, cp = plan.mesh[TP], plan.mesh[CP]
     if not plan.sequence_parallel_layers() or tp == 1:
         return
+    over = f"tensor size {tp}" + (f" within each of the sequence size {cp}'s blocks"
+                                  if cp > 1 else "")
     _check_tokens_divide(
-        traced, tp, "sequence_parallel needs token sequences, but the model's first input "
+        traced, tp * cp, "sequence_parallel needs token sequences, but the model's first input "
         "is not [batch, tokens, ...]; drop sequence_parallel for this model.",
-        f"sequence_parallel splits each sample's {{seq}} tokens over tensor size {tp}",
-        "a tensor size that divides {seq}")
+        f"sequence_parallel splits each sample's {{seq}} tokens over {over}",
+        "a tensor size that divides {seq}" + (f" / {cp}" if cp > 1 else ""))
 
 
 def check_context_dims(traced, plan: Plan) -> None:

@@ -18,7 +18,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, FP16, FP32, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, FP16, FP32, PP, RING, TP
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
@@ -86,7 +86,7 @@ class Engine(nn.Module):
         self._pp = groups[PP] if PP in groups else AxisGroup(PP, 1, 0, None, self.comm_log)
         self.mesh = plan.tensor_mesh()
         if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
-            self.mesh = TensorMesh(TP_1D, ((CP, self._cp.size), (TP, self._tp.size)))
+            self.mesh = TensorMesh.with_cp(self._cp.size, self._tp.size)
         # ZeRO's group: dp, or under HSDP the shard group with its replicas
         self._zero_dp = ShardGroup(groups[DP_SHARD], groups[DP_REPLICATE]) \
             if DP_SHARD in groups else self._dp

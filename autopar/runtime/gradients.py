@@ -28,7 +28,7 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     Gradients whose expert weights are cut over their expert-data group instead. `pieces`:
     ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are."""
     if experts is not None and experts.edp is not None:
-        return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
+        return expert_zero(plan_zero, params, dp, experts.edp, experts.expert_divisor,
                            experts.params.is_expert, factory, compute_dtype, stages, pieces)
     # under HSDP `dp` is a runtime.hsdp.ShardGroup: the sum it reduces spans its replicas
     divisor = dp.divisor if isinstance(dp, ShardGroup) else 1

@@ -16,7 +16,7 @@ BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded b
 class ShardedOptimizerState:
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory, stage: int = 1,
                  bucket_bytes: int | None = None, offload: bool = False,
-                 stages: list[list[nn.Parameter]] | None = None, divisor: int = 1):
+                 stages: list[list[nn.Parameter]] | None = None, divisor: float = 1):
         self.params = [p for p in params if p.requires_grad]
         self.dp, self.stage = dp, stage
         self.divisor = divisor  # the mean is the sum over dp / (dp.size * divisor)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.kernels.collectives import AxisGroup
+from autopar.kernels.collectives import AxisGroup, Pending
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
@@ -40,7 +40,7 @@ class ZeroThree:
 
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
                  offload: bool = False, compute_dtype: torch.dtype | None = None,
-                 divisor: int = 1, prefix: str = "zero3_gather",
+                 divisor: float = 1, prefix: str = "zero3_gather",
                  pieces: dict[int, torch.Tensor] | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
@@ -170,7 +170,10 @@ class ZeroThree:
         for i in unit.members:
             send[off:off + self.lengths[i]] = self.shards[i].detach()
             off += self.chunks[i]
-        self._pending[u] = self.dp.all_gather_async(send, phase)
+        # (one data-parallel rank: the piece is the whole unit, up from the host under
+        # offload; no collective)
+        self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
+            else Pending(send, [])
 
     def _finish(self, u: int, phase: str) -> torch.Tensor:
         """Unit u's whole parameters, one after the other in one flat buffer."""
@@ -236,7 +239,8 @@ class ZeroThree:
             while len(self._reducing) > REDUCES_IN_FLIGHT:
                 self._land(*self._reducing.pop(0))
             return [None] * len(grads)
-        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward")
+        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward") \
+            if self.dp.size > 1 else buf.reshape(-1)
         return self._pieces(u, which, mine)
 
     def _pieces(self, u: int, which: list[bool], mine: torch.Tensor) -> list:
@@ -347,7 +351,8 @@ class ZeroThree:
         i = self._index[id(param)]
         piece = torch.zeros(self.chunks[i], dtype=self.dtype, device=self.device)
         piece[:self.lengths[i]] = self.shards[i].detach()
-        full = self.dp.all_gather(piece, 0, 1, "state")  # (piece up from the host: offload)
+        # (piece up from the host: offload)
+        full = self.dp.all_gather(piece, 0, 1, "state") if self.dp.size > 1 else piece
         return full[:self.numels[i]].view(self.shapes[i]).clone()
 
 

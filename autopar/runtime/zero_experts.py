@@ -1,7 +1,8 @@
 """ZeRO beside an expert axis: the experts' pieces are cut over their expert-data group (the
 data ranks holding the same experts), every other parameter's over dp, and one optimizer
 steps both sets of pieces. An expert gradient already sums the tokens of its ep group (the
-all-to-all's backward), so the sum over edp, divided by dp = edp x ep, is the mean. Under a
+all-to-all's backward), so the sum over edp, divided by dp = edp x ep / cp, is the mean (as
+dp's mean of the rest, whose gradients the graph summed over cp, is). Under a
 pipeline each part takes this rank's stages' parameters: stage 2 reduce-scatters each
 stage's buckets of both parts per micro-batch, stage 3 gathers and reduces inside the
 stages' graphs, and the pieces' sums over the micro-batches become their mean after the
@@ -15,24 +16,25 @@ from autopar.runtime.zero import ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
 
 
-def expert_zero(plan_zero, params, dp, edp, ep: int, is_expert, factory, compute_dtype,
-                stages=None, pieces=None):
-    """The ZeRO state of a plan's stage with the experts (`is_expert`) cut over `edp`
-    (`stages`: under a pipeline, each of this rank's stages' parameters, for stage 2;
-    `pieces`: ZeRO-3's pieces a start made, each part adopting its own)."""
+def expert_zero(plan_zero, params, dp, edp, divisor: float, is_expert, factory,
+                compute_dtype, stages=None, pieces=None):
+    """The ZeRO state of a plan's stage with the experts (`is_expert`) cut over `edp`, their
+    sums divided by edp x `divisor` (= dp; `Gradients.expert_divisor`) (`stages`: under a
+    pipeline, each of this rank's stages' parameters, for stage 2; `pieces`: ZeRO-3's
+    pieces a start made, each part adopting its own)."""
     params = list(params)
     rest = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]
     if plan_zero.stage == 3:
         return ExpertDataZeroThree(
             ZeroThree(rest, dp, None, plan_zero.offload, compute_dtype, pieces=pieces),
-            ZeroThree(experts, edp, None, plan_zero.offload, compute_dtype, divisor=ep,
+            ZeroThree(experts, edp, None, plan_zero.offload, compute_dtype, divisor=divisor,
                       prefix="zero3_experts_gather", pieces=pieces), factory)
     return ExpertDataZero(
         ShardedOptimizerState(rest, dp, None, plan_zero.stage, offload=plan_zero.offload,
                               stages=stages),
         ShardedOptimizerState(experts, edp, None, plan_zero.stage, offload=plan_zero.offload,
-                              stages=stages, divisor=ep), factory)
+                              stages=stages, divisor=divisor), factory)
 
 
 class ExpertDataZero:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.modes import GRID_MODES, TP, TP_1D, TP_2D, TP_3D, TP_25D
+from autopar.modes import CP, CP_TP, GRID_MODES, TP, TP_1D, TP_2D, TP_3D, TP_25D
 
 MULTI_D = GRID_MODES
 _PHYSICAL = {TP_2D: ("tp_i", "tp_j"), TP_25D: ("tp_k", "tp_i", "tp_j"),
@@ -65,6 +65,12 @@ class TensorMesh:
     @staticmethod
     def one_d(axis: str = TP, size: int = 1) -> TensorMesh:
         return TensorMesh(TP_1D, ((axis, size),))
+
+    @staticmethod
+    def with_cp(cp: int, tp: int) -> TensorMesh:
+        """cp beside the 1D tensor axis; `CP_TP` names the tokens of a rank's cp block split
+        again over tp (Megatron-SP beside cp)."""
+        return TensorMesh(TP_1D, ((CP, cp), (TP, tp)), {CP_TP: (CP, TP)})
 
     @staticmethod
     def for_mode(mode: str, size: int, depth: int = 1) -> TensorMesh:
@@ -120,7 +126,10 @@ class TensorMesh:
         return bool(set(self.components(a)) & set(self.components(b)))
 
     def has_group(self, axis: str) -> bool:
-        """True when the axis is one process group (its components come in mesh order)."""
+        """True when the axis is one process group (its components come in mesh order; the
+        runtime makes none of cp x tp)."""
+        if axis == CP_TP:
+            return False
         comps = self.components(axis)
         order = [self.physical.index(c) for c in comps]
         return order == sorted(order)

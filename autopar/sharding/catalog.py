@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.analysis import OpKind
-from autopar.modes import CP
+from autopar.modes import CP, CP_TP, TP
 from autopar.sharding import rules  # noqa: F401  (importing it registers every family's rules)
 from autopar.sharding.axes import MULTI_D, TensorMesh
-from autopar.sharding.layout import Layout
+from autopar.sharding.layout import Layout, joined_tokens
 from autopar.sharding.rules.context import RuleContext, replicate, tensor_inputs
 from autopar.sharding.rules.registry import MODE_RULES, RULES, TARGET_RULES, Rule
 from autopar.sharding.rules.tokens import with_tokens
@@ -134,7 +134,9 @@ def per_axis(ctx: RuleContext, rule: Rule) -> Strategy:
     axes: list[str] = []
     for n in tensor_inputs(ctx.node):
         for lay in _flat_layouts(ctx.layouts.get(n)):
-            axes.extend(a for a in lay.axes if a not in axes)
+            # the tokens of a cp block split over tp: each axis's rule sees its own split
+            seen = [c for a in lay.axes for c in ((CP, TP) if a == CP_TP else (a,))]
+            axes.extend(a for a in seen if a not in axes)
     if len(axes) <= 1:
         axis = axes[0] if axes else ctx.axis
         return _normalized(rule(ctx.on_axis(axis)), axis)
@@ -203,8 +205,13 @@ def _union(a, b, mesh: TensorMesh):
     for s in b.shards:
         if s in shards:
             continue
+        same = next((t for t in shards if t.dim == s.dim), None)
+        joined = joined_tokens(same, s) if same is not None and CP_TP in mesh.axes else None
+        if joined is not None:  # Megatron-SP's tp split of a rank's cp block of the tokens
+            shards[shards.index(same)] = joined
+            continue
         used = [t.axis for t in shards] + partial
-        if any(t.dim == s.dim for t in shards) or any(_overlap(mesh, s.axis, u) for u in used):
+        if same is not None or any(_overlap(mesh, s.axis, u) for u in used):
             return None
         shards.append(s)
     for p in b.partial:

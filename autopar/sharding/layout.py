@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 import sympy
 
+from autopar.modes import CP, CP_TP, TP
+
 
 @dataclass(frozen=True, order=True)
 class Shard:
@@ -116,6 +118,25 @@ class Layout:
 
     def to_json(self) -> str:
         return repr(self)
+
+
+def tokens_seen_on(layout: Layout, axis: str) -> Layout:
+    """`layout` as a rule working on `axis` alone sees it: a split over `CP_TP` (a rank's cp
+    block of the tokens, split again over tp) reads as a split over cp, or over tp."""
+    if axis not in (CP, TP) or all(s.axis != CP_TP for s in layout.shards):
+        return layout
+    return replace(layout, shards=tuple(Shard(s.dim, axis, s.groups) if s.axis == CP_TP else s
+                                        for s in layout.shards))
+
+
+def joined_tokens(a: Shard, b: Shard) -> Shard | None:
+    """One dim split over cp and over tp (each axis's rule split the tokens, whole or
+    flattened batch-major alike): the split over `CP_TP`; None for any other pair."""
+    if a.dim == b.dim and a.groups == b.groups and a.groups in (1,) + ((a.groups,) if
+                                                                       a.groups < 0 else ()) \
+            and {a.axis, b.axis} == {CP, TP}:
+        return Shard(a.dim, CP_TP, a.groups)
+    return None
 
 
 def block_count(groups: int, length: int, parts: int, whole: bool) -> int:

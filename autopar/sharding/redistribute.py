@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from autopar.modes import TP
+from autopar.modes import CP, CP_TP, TP
 from autopar.sharding.axes import TensorMesh
 from autopar.sharding.layout import Layout, Shard
 from autopar.sharding.strategy import CommOp, Need
@@ -63,7 +63,8 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
     the gradient sums; so axes that share a physical mesh dim are released before they are
     reused. `axis` is what `need.sum_grads=True` stands for. Steps on a composite axis
     without a process group of its own run over its components (see
-    `autopar.sharding.axes`).
+    `autopar.sharding.axes`); between a split over cp and one over `CP_TP` on the same dim
+    (Megatron-SP's tp parts of each cp block) they run over tp alone, on a rank's block.
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, 1)
     dst = need.layout
@@ -79,9 +80,15 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
 
     summed = set()
     for shard in sorted(src.shards, key=lambda s: s.dim):
-        if dst.shard_on(shard.axis) == shard:
+        if dst.shard_on(shard.axis) == shard or _within(shard, dst.shard_on(CP_TP)):
             continue
         del current[shard.axis]
+        if shard.axis == CP_TP and _within(dst.shard_on(CP), shard):  # tp's part gathered
+            current[CP] = dst.shard_on(CP)
+            kind = "gather_sum_grads" if TP in grad_axes else "gather"
+            summed.update((TP,) if TP in grad_axes else ())
+            steps.append(Step(kind, TP, shard.dim, _in_block(shard, mesh), parts()))
+            continue
         kind = "gather"
         if shard.axis in grad_axes and dst.shard_on(shard.axis) is None:
             kind = "gather_sum_grads"
@@ -92,7 +99,13 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
             continue
         target = dst.shard_on(a)
         free = target is not None and all(s.dim != target.dim for s in current.values())
-        if free and a not in grad_axes and _one_step(a, target.groups, mesh):
+        nested = dst.shard_on(CP_TP)
+        if a == TP and a not in grad_axes and _within(current.get(CP), nested):
+            steps.append(Step("reduce_scatter", TP, nested.dim, _in_block(nested, mesh),
+                              parts()))
+            del current[CP]
+            current[CP_TP] = nested
+        elif free and a not in grad_axes and _one_step(a, target.groups, mesh):
             steps.append(Step("reduce_scatter", a, target.dim, target.groups, parts()))
             current[a] = target
         else:
@@ -100,12 +113,29 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
     for shard in dst.shards:
         if current.get(shard.axis) == shard:
             continue
+        if _within(current.get(CP), shard):  # a rank's cp block split again over tp
+            steps.append(Step("split", TP, shard.dim, _in_block(shard, mesh), parts()))
+            del current[CP]
+            current[CP_TP] = shard
+            continue
         steps += _expand("split", shard, parts(), mesh)
         current[shard.axis] = shard
     for a in grad_axes:
         if a not in summed and dst.shard_on(a) is None:
             steps += _expand("sum_grads", Shard(0, a), parts(), mesh)
     return steps
+
+
+def _within(outer: Shard | None, inner: Shard | None) -> bool:
+    """`inner` (over `CP_TP`) splits each block of `outer` (over cp, the same dim) over tp."""
+    return outer is not None and inner is not None and outer.axis == CP and \
+        inner.axis == CP_TP and (outer.dim, outer.groups) == (inner.dim, inner.groups)
+
+
+def _in_block(shard: Shard, mesh: TensorMesh) -> int:
+    """The blocks of a `CP_TP` split as tp's step sees a rank's cp block: a batch-major
+    flattening's runs of r tokens per sample are r / cp long there."""
+    return shard.groups // mesh.size(CP) if shard.groups < 0 else shard.groups
 
 
 def _one_step(axis: str, groups: int, mesh: TensorMesh) -> bool:

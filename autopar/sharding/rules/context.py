@@ -14,7 +14,7 @@ import torch.fx as fx
 from autopar.graph.analysis import NodeInfo, OpKind
 from autopar.graph.ir import BATCH
 from autopar.sharding.axes import TensorMesh
-from autopar.sharding.layout import Layout, Shard, divisible
+from autopar.sharding.layout import Layout, Shard, divisible, tokens_seen_on
 from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
 
@@ -182,7 +182,7 @@ class _Restricted(Mapping):
 
 def _restrict(layout, axis: str):
     if isinstance(layout, Layout):
-        return layout.restricted((axis,))
+        return tokens_seen_on(layout, axis).restricted((axis,))
     if isinstance(layout, list):
         return [_restrict(v, axis) for v in layout]
     return layout

@@ -8,8 +8,8 @@ from dataclasses import replace
 import torch
 
 from autopar.graph.analysis import OpKind
-from autopar.modes import CP
-from autopar.sharding.layout import Layout
+from autopar.modes import CP, CP_TP
+from autopar.sharding.layout import Layout, Shard, joined_tokens
 from autopar.sharding.rules.context import RuleContext, itemsize, rep
 from autopar.sharding.rules.vocab import cross_entropy_args
 from autopar.sharding.strategy import Need, Rewrite, Strategy
@@ -37,20 +37,19 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
     else:
         return strategy
     layout = ctx.layouts.get(x)
-    shard = layout.shard_on(CP) if isinstance(layout, Layout) else None
+    shard = cp_shard(layout)
     if shard is None or shard.dim >= token_dims or shard.groups > 1 or x not in strategy.needs:
         return strategy
     d, groups = shard.dim, shard.groups  # groups < 0: tokens flattened batch-major
     need_x = strategy.needs[x].layout
-    if need_x.shard_of_dim(d) is not None or need_x.partial:
+    if _tokens_on(need_x, d, groups) is None or need_x.partial:
         return strategy
     x_len = ctx.shape(x)[d]
 
     def add(lay, shape):
-        if not isinstance(lay, Layout) or len(shape) <= d or shape[d] != x_len or \
-                lay.shard_of_dim(d) is not None:
+        if not isinstance(lay, Layout) or len(shape) <= d or shape[d] != x_len:
             return lay
-        return lay.with_shard(d, CP, groups)
+        return _tokens_on(lay, d, groups) or lay
 
     val = node.meta.get("val")
     if isinstance(strategy.out, list):
@@ -66,12 +65,30 @@ def with_tokens(ctx: RuleContext, strategy: Strategy) -> Strategy:
     needs = {}
     for n, need in strategy.needs.items():
         if n is x:
-            needs[n] = Need(need.layout.with_shard(d, CP, groups), need.sum_grads)
+            needs[n] = Need(_tokens_on(need.layout, d, groups), need.sum_grads)
         elif ctx.requires_grad.get(n):
             needs[n] = Need(need.layout, tuple(dict.fromkeys(need.grad_axes(ctx.axis) + (CP,))))
         else:
             needs[n] = need
     return replace(strategy, needs=needs, out=out, comm=comm)
+
+
+def cp_shard(layout) -> Shard | None:
+    """The split of a value's tokens over cp: on cp alone, or on `CP_TP` (Megatron-SP's tp
+    split of each cp block)."""
+    if not isinstance(layout, Layout):
+        return None
+    return layout.shard_on(CP) or layout.shard_on(CP_TP)
+
+
+def _tokens_on(lay: Layout, d: int, groups: int) -> Layout | None:
+    """`lay` with dim d split over cp as well: whole there, over cp; split over tp (a
+    sequence-parallel rule's tokens), over `CP_TP`; None when d is split otherwise."""
+    held = lay.shard_of_dim(d)
+    if held is None:
+        return lay.with_shard(d, CP, groups)
+    joined = joined_tokens(held, Shard(d, CP, groups))
+    return lay.with_shard(d, joined.axis) if joined is not None else None
 
 
 def _token_loss(ctx: RuleContext, strategy: Strategy) -> Strategy:
