@@ -111,7 +111,6 @@ PLANNER = Capabilities()
 RUNTIME = Capabilities(
     cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism ...
     cp_with_megatron_sp=False,  # ... without Megatron-SP
-    recompute=("none",),
     offload_zero3_single_rank=False,
     expert_cp_extras=False,  # ep beside cp runs with dp and cp alone
     expert_zero=(0, 1, 2, 3),

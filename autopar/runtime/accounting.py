@@ -42,7 +42,10 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
         if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
             continue
         key = (c.op, c.axis, layer_of.get(c.where) or STEP)
-        nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
+        # a recomputed region's forward runs again in the backward, its collectives too
+        again = c.phase == "forward" and c.where in engine.recompute.replayed
+        nbytes = runs * (1 + again) * \
+            int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
         by_layer[key] = by_layer.get(key, 0) + nbytes
     for (op, axis), nbytes in {**_data_parallel(engine, runs), **_world(engine),
                                **_expert_data(engine, runs), **_pipeline(engine)}.items():
