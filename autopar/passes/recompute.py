@@ -57,10 +57,16 @@ def recompute_regions(gm: fx.GraphModule, modes: dict[str, str],
         return node.op in _COMPUTE and not outside(node) and (
             mode == FULL or (mode == SELECTIVE and node in core))
 
+    def check(node: fx.Node, run: list) -> bool:  # a shape check on the run's values
+        info = node.meta.get("autopar")
+        return bool(run) and info is not None and info.kind is OpKind.SYMBOLIC and \
+            info.layer == _layer(run[0]) and not set(node.all_input_nodes).isdisjoint(run)
+
     regions: list[tuple[str, list]] = []
     run: list[fx.Node] = []
     for node in gm.graph.nodes:
-        joins = member(node) and (not run or _layer(node) == _layer(run[0]))
+        joins = (member(node) and (not run or _layer(node) == _layer(run[0]))) or \
+            (node.op in _COMPUTE and check(node, run))
         if joins:
             run.append(node)
             continue
