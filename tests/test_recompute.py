@@ -22,9 +22,8 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 def hf_llama(batch: int, layers: int = 2):
     """transformers' Llama from a config, eager attention: its s x s scores and
     probabilities are graph nodes, so selective recomputation has them to drop."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from equivalence import _lm_loss
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=layers,
@@ -78,8 +77,9 @@ def test_recomputation_trains_equal_to_one_device(pool2, case):
 def gpt_with_dropout(batch: int):
     """The zoo's GPT with dropout: the CPU's attention takes the math path, which saves the
     s x s probabilities and dropout mask, what selective recomputation drops."""
-    from autopar.models.gpt import GPT, GPTConfig
     from equivalence import _lm_loss
+
+    from autopar.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, block_size=16,
                           dropout=0.1))

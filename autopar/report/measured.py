@@ -22,7 +22,6 @@ from autopar.modes import (
     EP,
     MEGATRON_SP,
     NO_PIPELINE,
-    NO_RECOMPUTE,
     NO_SP,
     ORDER,
     PP,
