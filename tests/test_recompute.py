@@ -152,3 +152,19 @@ def test_the_runtime_runs_every_recompute_mode():
 
     for mode in RECOMPUTE:
         assert Plan.from_dict({"recompute": mode}, 2).unsupported() == []
+
+
+def test_experts_recomputed_equal_one_device(pool2):
+    """Mixtral's experts over ep 2, each block recomputed: the dispatch runs again in the
+    backward (counted twice by the prediction), the routing is counted once."""
+    from test_accumulation import _experts
+
+    for r in pool2.run(_experts, "hf-mixtral", {"expert": 2, "recompute": FULL}):
+        assert r["experts"]
+        _assert_equal([r])
+
+
+def test_2d_tensor_recomputed_equals_one_device(pool4):
+    """A 2D grid's broadcasts run again in the recomputed forward."""
+    _assert_equal(pool4.run(_equal_after, GPT, {"tensor": {"size": 4, "mode": "2d"},
+                                                "recompute": FULL}))

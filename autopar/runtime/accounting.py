@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
-from autopar.modes import DP, EDP, EP, PP
+from autopar.modes import DP, EDP, EP, FULL, PP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
 from autopar.runtime.metrics import FIELDS as METRIC_FIELDS
@@ -71,10 +71,12 @@ def _dispatch(engine) -> dict[tuple[str, str, str], int]:
             continue
         layer, experts = m.layer or STEP, m.spec.experts
         rows = int(m.routed.sum() + m.computed.sum()) * m.spec.hidden * itemsize
+        # a recomputed layer's forward dispatches again in the backward (same routing)
+        again = FULL == engine.recompute.modes.get(m.layer)
         if m.group.size > 1:  # (experts split over tp alone: no dispatch)
-            add("all_to_all", EP, layer, m.runs * experts * 8 + 2 * rows)
+            add("all_to_all", EP, layer, (1 + again) * (m.runs * experts * 8 + rows) + rows)
         if m.with_aux:
-            add("all_reduce", DP, layer, 2 * m.runs * (2 * experts + 1) * 4)
+            add("all_reduce", DP, layer, (2 + again) * m.runs * (2 * experts + 1) * 4)
     return out
 
 
