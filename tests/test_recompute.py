@@ -146,6 +146,20 @@ def test_a_recomputed_dropout_draws_the_forwards_mask():
         assert all(torch.equal(a, b) for a, b in zip(_dropout_grads(mode), base)), mode
 
 
+def test_the_executable_search_offers_recomputation(tmp_path, capsys):
+    from autopar.cli import main
+    from autopar.plans import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["search", "gpt-tiny", "--world", "2", "--dp", "2", "--recompute", FULL,
+                 "--batch", "8", "--executable", "-o", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.load(out)
+    assert plan.unsupported() == []
+    assert {lp.recompute for lp in plan.layers if lp.name.startswith("blocks.")} == {FULL}
+    assert not any("recomputation" in note for note in plan.search["left_out"])
+
+
 def test_the_runtime_runs_every_recompute_mode():
     assert RUNTIME.recompute == RECOMPUTE
     from autopar.plans import Plan
