@@ -308,13 +308,12 @@ def test_executable_search_keeps_to_what_the_runtime_runs(small):
             assert all(s.mode.name == "1d" for s in cand.states)
         assert cand.zero in (0, 1, 2, 3)  # every ZeRO stage runs, with pipelines too
         assert not cand.offload or cand.zero >= 1
-        assert all(s.recompute == "none" for s in cand.states)
         # the runtime runs one grid per plan, which 1D layers may join
         grids = {(s.mode.name, s.mode.q, s.mode.d) for s in cand.states if s.mode.name != "1d"}
         assert len(grids) <= 1, grids
     said = " | ".join(res.left_out)
-    for words in ("cp axis combined with 2D", "selective/full recomputation"):
-        assert words in said, (words, said)
+    assert "cp axis combined with 2D" in said, said
+    assert "recomputation" not in said, said  # every recompute mode runs
     # the search chooses pipelines for parallelize, with every ZeRO stage
     assert [n for n in res.left_out if "pipeline" in n] == []
     # 2D/2.5D/3D and Megatron-SP run: they are named only as what cp cannot join yet

@@ -255,7 +255,7 @@ def _analysis(traced: TracedGraph) -> _Analysis:
         raise PlanError(f"the graph saves different tensors at batch {_BATCHES[0]} and "
                         f"{_BATCHES[1]}; memory analysis needs saved tensors that only grow "
                         "with the batch.")
-    inside = _attention_nodes(traced.gm)
+    inside = attention_nodes(traced.gm)
     merged: dict[int, dict] = {}
     for a, b in zip(first.records, second.records):
         entry = merged.get(a.key)
@@ -285,7 +285,7 @@ def _linear(at_first: int, at_second: int) -> sympy.Expr:
     return sympy.expand(at_first + sympy.Rational(at_second - at_first, b2 - b1) * (BATCH - b1))
 
 
-def _attention_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+def attention_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes between an activation matmul and the next one, through a softmax: the s x s core.
 
     From each activation x activation matmul, walk forward through elementwise, softmax,
@@ -324,7 +324,7 @@ def _attention_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 def _inside(producer: fx.Node, internal: bool, shape: tuple, inside: set[fx.Node]) -> bool:
     """Is a saved storage one of attention's s x s tensors?
 
-    A node's own output is when the node is inside (see `_attention_nodes`). A storage made
+    A node's own output is when the node is inside (see `attention_nodes`). A storage made
     inside an op is when the op is inside or is fused attention and the storage ends in the
     score's sizes [..., query length, key length] (a matmul's folded copy of q is not).
     """

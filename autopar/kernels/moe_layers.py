@@ -34,6 +34,7 @@ from autopar.errors import PlanError
 from autopar.graph.opaque import MOE_OP_NAME, described, register
 from autopar.kernels.collectives import AxisGroup, Bound
 from autopar.kernels.moe import MoE
+from autopar.kernels.recompute import replaying
 from autopar.kernels.routing import GROUP_MAX, GROUP_SCORES, SCORES, SIGMOID, SOFTMAX, Router
 from autopar.kernels.sparse_moe import SparseMoE
 from autopar.modes import CP, DP, EP, TOKENS
@@ -647,6 +648,8 @@ class ExpertLayer(Bound):
         out = run(self.kernel, self.spec, x, gate, list(weights[:n]), list(weights[n:]),
                   self.with_aux)
         k = self.kernel
+        if replaying():  # its forward again in the backward (kernels.recompute): the same
+            return out   # routing, counted once
         if k.last_routed is not None and self._g().log.enabled:  # (not a shape probe)
             self.runs += 1
             self.routed = k.last_routed if self.routed is None else self.routed + k.last_routed

@@ -207,6 +207,13 @@ class Plan:
     def layer_modes(self) -> dict[str, str]:
         return {lp.name: lp.tp_mode for lp in self.layers}
 
+    def recompute_modes(self, names) -> dict[str, str]:
+        """Each named layer's recompute mode: the plan's own for a layer it lists, else
+        `recompute` for a transformer block (a name ending in an index: Megatron recomputes
+        whole blocks) and none for any other layer, as the planner prices them."""
+        listed = {lp.name: lp.recompute for lp in self.layers}
+        return {n: listed.get(n, _block_mode(n, self.recompute)) for n in names}
+
     def set_layer_modes(self, modes: dict[str, str]) -> None:
         """Name each layer and its tensor mode (the rest of each layer's plan at defaults)."""
         self.layers = [LayerPlan(name, tp_mode=mode) for name, mode in modes.items()]
@@ -436,7 +443,8 @@ class Plan:
         for name, mode in layers.items():
             _choice(f"tensor mode of layer {name}", mode, TP_MODES + (REPLICATE,))
         return cls(mesh={PP: pp, DP: dp, CP: cp, TP: tp},
-                   layers=[LayerPlan(name, tp_mode=mode) for name, mode in layers.items()],
+                   layers=[LayerPlan(name, tp_mode=mode, recompute=_block_mode(name, recompute))
+                           for name, mode in layers.items()],
                    tp_mode=str(tensor.get("mode", TP_1D)),
                    tp_depth=_int(tensor.get("depth", 1), "tensor depth"),
                    sequence_parallel=bool(tensor.get("sequence_parallel", False)),
@@ -449,6 +457,11 @@ class Plan:
                                  offload=bool(zero.get("offload", False)),
                                  shard=data.get("shard")),
                    recompute=recompute, ep=_int(expert.get("size", 1), "expert size"))
+
+
+def _block_mode(name: str, recompute: str) -> str:
+    """A plan-wide recompute mode as one layer takes it: blocks only."""
+    return recompute if name.rsplit(".", 1)[-1].isdigit() else NO_RECOMPUTE
 
 
 def _file_keys() -> dict:

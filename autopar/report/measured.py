@@ -24,7 +24,6 @@ from autopar.modes import (
     FP32,
     MEGATRON_SP,
     NO_PIPELINE,
-    NO_RECOMPUTE,
     NO_SP,
     ORDER,
     PP,
@@ -219,9 +218,10 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
     stage_of_layer = engine.stage_of_layer
     b = max(1, global_batch // mesh[DP] // m)
     names = chain.names
+    recompute = plan.recompute_modes(names)
     states = [LayerState(tensor_mode(modes.get(name, plan.tp_mode), tp, plan.tp_depth),
                          MEGATRON_SP if (sp is True or (sp and name in sp)) else NO_SP,
-                         NO_RECOMPUTE) for name in names]
+                         recompute[name]) for name in names]
     stage_of = [stage_of_layer.get(name, 0) for name in names]
     ctx = pricing_context(plan, world, engine.precision, chain)  # its dtype: the planner's
     costs = layer_costs(chain, states, ctx, b)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
-from autopar.modes import DP, DP_REPLICATE, DP_SHARD, EDP, EP, PP
+from autopar.modes import DP, DP_REPLICATE, DP_SHARD, EDP, EP, FULL, PP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
 from autopar.runtime.metrics import FIELDS as METRIC_FIELDS
@@ -42,7 +42,10 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
         if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
             continue
         key = (c.op, c.axis, layer_of.get(c.where) or STEP)
-        nbytes = runs * int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
+        # a recomputed region's forward runs again in the backward, its collectives too
+        again = c.phase == "forward" and c.where in engine.recompute.replayed
+        nbytes = runs * (1 + again) * \
+            int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
         by_layer[key] = by_layer.get(key, 0) + nbytes
     for (op, axis), nbytes in {**_data_parallel(engine, runs), **_world(engine),
                                **_expert_data(engine, runs), **_pipeline(engine)}.items():
@@ -68,10 +71,12 @@ def _dispatch(engine) -> dict[tuple[str, str, str], int]:
             continue
         layer, experts = m.layer or STEP, m.spec.experts
         rows = int(m.routed.sum() + m.computed.sum()) * m.spec.hidden * itemsize
+        # a recomputed layer's forward dispatches again in the backward (same routing)
+        again = FULL == engine.recompute.modes.get(m.layer)
         if m.group.size > 1:  # (experts split over tp alone: no dispatch)
-            add("all_to_all", EP, layer, m.runs * experts * 8 + 2 * rows)
+            add("all_to_all", EP, layer, (1 + again) * (m.runs * experts * 8 + rows) + rows)
         if m.with_aux:
-            add("all_reduce", DP, layer, 2 * m.runs * (2 * experts + 1) * 4)
+            add("all_reduce", DP, layer, (2 + again) * m.runs * (2 * experts + 1) * 4)
     return out
 
 

@@ -39,6 +39,7 @@ from autopar.runtime.hsdp import ShardGroup
 from autopar.runtime.measure import Recorder, instrument
 from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
+from autopar.runtime.recompute import Recompute
 from autopar.runtime.scaler import LossScaler
 from autopar.runtime.snapshot import memory_snapshot
 from autopar.runtime.stages import PipelineWeights, build_pipeline, layers_here, pipeline_step
@@ -133,6 +134,7 @@ class Engine(nn.Module):
         self.stage_of_layer: dict[str, int] = {}
         self._weights: PipelineWeights | None = None
         self.train_units: list[int] = []  # ZeRO-3: the layers the training graph gathers
+        self.recompute: Recompute | None = None  # the plan's, over the training graph
         self.held_optimizer = None  # optimizer state a load read before the stages existed
         self.optimizer = None
         if not zero_sharded(plan.zero, self._dp.size):
@@ -204,6 +206,7 @@ class Engine(nn.Module):
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
         self._note_replicated(self.train_solution)
         self.train_gm = self._build(self.train_graph, self.train_solution)
+        self.recompute = Recompute(self.plan, self.train_graph)
         self.batches.traced(inputs, target)
         self.global_batch = int(target.shape[0]) * self._dp.size
         self._model = None
@@ -215,6 +218,7 @@ class Engine(nn.Module):
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
         if self.zero is not None and self.zero.stage == 3:
             self.train_units = self.zero.rewrite(self.train_gm)
+        self.recompute.apply(self.train_gm)  # (after the marks and gathers: they stay out)
         if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
             self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
 
@@ -250,6 +254,8 @@ class Engine(nn.Module):
                     self.train_units += self.zero.rewrite(module)
                 runner.saving = self.zero.saving
                 self.zero.overlap = False
+        for _, module in runner.held_modules():
+            self.recompute.apply(module)
         runner.saving = _stacked(self.recorder.saving, runner.saving)
         if self.held_optimizer is not None:  # load() before the stages existed
             from autopar.runtime.checkpoint import adopt_held_optimizer

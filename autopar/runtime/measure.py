@@ -258,6 +258,11 @@ class _Mark(nn.Module):
         return x
 
 
+def is_mark(module: nn.Module) -> bool:
+    """Whether a graph's submodule is one of `instrument`'s marks."""
+    return isinstance(module, _Mark)
+
+
 def _layer(node: fx.Node) -> str | None:
     info = node.meta.get("autopar")
     return getattr(info, "layer", None)

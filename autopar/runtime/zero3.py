@@ -408,6 +408,11 @@ class _GatherLayer(nn.Module):
         return views
 
 
+def is_gather(module: nn.Module) -> bool:
+    """Whether a graph's submodule is a layer's ZeRO-3 gather."""
+    return isinstance(module, _GatherLayer)
+
+
 def _casts_to(node: fx.Node, dtype: torch.dtype) -> bool:
     """Whether `node` is mixed precision's cast of a parameter to `dtype`
     (autopar.passes.precision), which a gather in that dtype makes redundant."""
