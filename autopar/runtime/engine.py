@@ -32,6 +32,7 @@ from autopar.plans.checks import check_divisible, check_graph
 from autopar.runtime import accounting, batches
 from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
+from autopar.runtime.compile import CompiledRegions
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.measure import Recorder, instrument
@@ -54,7 +55,7 @@ class Engine(nn.Module):
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
                  precision: str = "fp32", check_batches: bool = False, stage_planner=None,
-                 start=None):
+                 start=None, compile: bool = False):
         super().__init__()
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
         self.max_grad_norm = max_grad_norm
@@ -63,6 +64,8 @@ class Engine(nn.Module):
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
         self.scaler = LossScaler() if precision == "fp16" else None
+        # compile=True: the training graph's compute between collectives, by inductor
+        self.regions = CompiledRegions() if compile else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
@@ -206,6 +209,8 @@ class Engine(nn.Module):
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
         if self.zero is not None and self.zero.stage == 3:
             self.train_units = self.zero.rewrite(self.train_gm)
+        if self.regions is not None:  # after every pass that adds modules of its own
+            self.regions.compile_graph(self.train_gm)
         if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
             self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
 
@@ -242,6 +247,9 @@ class Engine(nn.Module):
                 runner.saving = self.zero.saving
                 self.zero.overlap = False
         runner.saving = _stacked(self.recorder.saving, runner.saving)
+        if self.regions is not None:  # each stage this rank runs, and the loss
+            for _, module in runner.held_modules():
+                self.regions.compile_graph(module)
         if self.held_optimizer is not None:  # load() before the stages existed
             from autopar.runtime.checkpoint import adopt_held_optimizer
 
