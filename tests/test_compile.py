@@ -89,12 +89,15 @@ PLANS = {
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_compiled_plans_equal_one_device(pool2, plan):
-    for r in pool2.run(compiled_against_one_device, "gpt-tiny", PLANS[plan]):
+    # (a pipeline rank runs half the blocks: four, so that each rank repeats one)
+    model = _deep_gpt if plan == "pipeline" else "gpt-tiny"
+    for r in pool2.run(compiled_against_one_device, model, PLANS[plan]):
         assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, r
         assert r["measured"] == r["predicted"]
         assert r["breaks"] == 0
-        assert r["graphs"] == r["compiled"] >= 1
-        assert r["regions"] > r["compiled"]  # the second block reuses the first's
+        # the second block reuses the first's function (a function may compile once more
+        # for inputs of other shapes: dynamo's guards)
+        assert 1 <= r["compiled"] <= r["graphs"] < r["regions"]
         assert "linear" in str(r["in_regions"])
 
 
@@ -102,7 +105,8 @@ def test_compile_time_does_not_grow_with_depth():
     """Two and four blocks: the same compiled functions, one per distinct region."""
     shallow = compiled_against_one_device("gpt-tiny", {}, steps=1, batch=4)
     deep = compiled_against_one_device(_deep_gpt, {}, steps=1, batch=4)
-    assert deep["compiled"] == shallow["compiled"] == deep["graphs"]
+    assert deep["compiled"] == shallow["compiled"]
+    assert deep["graphs"] == shallow["graphs"]
     assert deep["regions"] == shallow["regions"] + 2  # one region per block
     assert deep["breaks"] == 0 and deep["loss"] <= 1e-4 and deep["weights"] <= 1e-4
 
