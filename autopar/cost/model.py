@@ -30,6 +30,8 @@ from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
 from autopar.cost.memory import StepTemps
 
+FUSION = "inductor fusion (compile)"  # the effect compile=True prices (EFFECTS)
+
 # The physical effects a step's time carries beyond an ideal device, as explain names them
 # (StateCost.effects), each with where its price comes from.
 EFFECTS = {
@@ -40,6 +42,10 @@ EFFECTS = {
     "memory-bound ops": "norms, activations, RoPE, dropout, casts, residual adds: their bytes "
                         "at memory_bandwidth x memory_efficiency",
     "kernel launch floor": "every kernel takes at least kernel_floor_s, however small",
+    FUSION: "compile=True: each connected group of memory-bound ops is "
+                                 "one inductor kernel that moves its inputs and outputs once "
+                                 "(torch._inductor.scheduler's fusion; Ansel et al. 2024, "
+                                 "PyTorch 2): the seconds it saves on the two above",
     "attention on short sequences": "fused attention's rate at S keys per query, "
                                     "S / (S + attention_half_tokens) of its best "
                                     "(FlashAttention-2, Dao 2023, Fig. 4 and 6)",
@@ -132,6 +138,7 @@ class Context:
     attention_kernel: str = "flash"
     tp_groups: dict | None = None  # TensorMode -> {role: Placement} for q-sized groups
     ep: Placement | None = None  # the expert-parallel groups (None: experts on every rank)
+    compile: bool = False  # inductor fuses each layer's memory-bound ops (parallelize's)
     # collective and layer-layout prices already worked out under this context: the states
     # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -292,6 +299,7 @@ class _LayoutCost:
     attn_even: float
     mem_roof: float
     mem_fwd: float
+    fused_fwd: float  # mem_fwd as inductor runs it (ctx.compile; else mem_fwd)
     forward: float
     tp_comm: tuple  # 1D: (forward phase, seconds, wire bytes) per collective, in order
     ep: int  # expert-parallel size of this layer's experts (1: none, or no experts)
@@ -368,8 +376,10 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
         traffic = lt.traffic(batch) / t
     mem_roof = memory_time(traffic / c, hw)
     mem_kernels = max(0, lt.kernels - len(lt.gemms) - len(lt.attention))
-    mem_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
-    forward = gemm_fwd + attn_fwd + mem_fwd
+    mem_fwd = fused_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
+    if ctx.compile:  # the same share of bytes under every layout, one kernel per group
+        fused_fwd = max(mem_roof * lt.fused_share(batch), lt.fused_kernels * hw.kernel_floor_s)
+    forward = gemm_fwd + attn_fwd + fused_fwd
     tp_comm = []
     if one_d and t > 1:
         for op, phase, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
@@ -382,7 +392,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                 sec = ctx.coll(op, n, ctx.tp)
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
     return _LayoutCost(gemm_fwd, gemm_traffic, tuple(attn_each), attn_fwd, attn_ideal,
-                       attn_even, mem_roof, mem_fwd, forward, tuple(tp_comm), ep, imbalance,
+                       attn_even, mem_roof, mem_fwd, fused_fwd, forward, tuple(tp_comm), ep,
+                       imbalance,
                        expert_fwd, expert_even)
 
 
@@ -432,6 +443,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["GEMM operand traffic"] = runs * lay.gemm_traffic
     effects["memory-bound ops"] = runs * lay.mem_roof
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
+    effects[FUSION] = runs * (lay.fused_fwd - lay.mem_fwd)  # <= 0
     ep_comm = ep_bytes = expert_params = 0.0
     ep, imbalance = lay.ep, lay.imbalance
     # the tp ranks each expert is split over (the engine keeps them whole beside cp)

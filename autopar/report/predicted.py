@@ -84,7 +84,8 @@ def pricing_context(plan: Plan, world=None, dtype: str | None = None) -> Context
     ep = expert_split(plan.mesh, plan.ep, world.per_node).dispatch if plan.ep > 1 \
         else None
     return Context(world.profile, dtype or plan.search.get("dtype", "bf16"), pl[TP], pl[CP],
-                   plan.sequence_mode, plan.search.get("attention_kernel", "flash"), ep=ep)
+                   plan.sequence_mode, plan.search.get("attention_kernel", "flash"), ep=ep,
+                   compile=plan.search.get("compile", False))
 
 
 def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,
@@ -199,7 +200,7 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
                 "priced_as": how} for name, how in EFFECTS.items()]
     return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
-            "effects": [e for e in effects if e["seconds"] > 0],
+            "effects": [e for e in effects if e["seconds"] != 0],  # fusion's: < 0
             "experts": expert_layout(plan, chain, costs, slow, m, b)}
 
 
@@ -323,7 +324,7 @@ def _effect_lines(effects: list[dict]) -> list[str]:
     if not effects:
         return []
     return ["  physical effects in the slowest rank's step (seconds included above):"] + [
-        f"    {e['effect']:<34} {seconds_text(e['seconds']):>9}  {e['priced_as']}"
+        f"    {e['effect']:<34} {signed_seconds(e['seconds']):>9}  {e['priced_as']}"
         for e in effects]
 
 
@@ -478,6 +479,11 @@ def _axes_text(comm: dict | None) -> str:
     if not parts:
         return ""
     return "; by axis (seconds, bytes on the slowest rank): " + ", ".join(parts)
+
+
+def signed_seconds(s: float) -> str:
+    """`seconds_text` with a minus sign for seconds an effect saves."""
+    return "-" + seconds_text(-s) if s < 0 else seconds_text(s)
 
 
 def seconds_text(s: float) -> str:
