@@ -157,6 +157,13 @@ def _timed(engines: dict, steps: int) -> tuple[dict, dict, dict]:
     return first, times, losses
 
 
+def _paired(times: dict, row: str, other) -> float | None:
+    """The median over rounds of `row`'s step time over `other`'s in the same round."""
+    if other is None or other == row:
+        return None
+    return statistics.median(a / b for a, b in zip(times[row], times[other]))
+
+
 def worker(rank, world, specs, batch, steps, groups, out_path):
     warnings.filterwarnings("ignore")
     rows = []
@@ -166,12 +173,11 @@ def worker(rank, world, specs, batch, steps, groups, out_path):
         memory = {row: _step_memory(run) for row, run in engines.items()}
         eager, peer = f"autopar {group} eager", PEER[group]
         for row in engines:
-            ratio = (lambda other: statistics.median(a / b for a, b in zip(
-                times[row], times[other])) if other and other != row else None)
             rows.append({"group": group, "engine": row, "first_step_s": first[row],
                          "median_s": statistics.median(times[row]), "times_s": times[row],
-                         "vs_eager": ratio(eager), "vs_peer": ratio(peer) if "autopar" in row
-                         else None, "step_memory_bytes": memory[row], "loss": losses[row]})
+                         "vs_eager": _paired(times, row, eager),
+                         "vs_peer": _paired(times, row, peer) if "autopar" in row else None,
+                         "step_memory_bytes": memory[row], "loss": losses[row]})
         del engines
     if rank == 0:
         with open(out_path, "w") as f:

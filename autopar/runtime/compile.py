@@ -88,6 +88,13 @@ class Region(nn.Module):
         return self.function(*args)
 
 
+def compile_graphs(regions: CompiledRegions | None, graphs) -> None:
+    """Compile the regions of each graph (a pipeline rank: its stages and the loss) with
+    `regions`; nothing when the engine runs eagerly (None)."""
+    for gm in graphs if regions is not None else ():
+        regions.compile_graph(gm)
+
+
 def compilable(node: fx.Node) -> bool:
     """An op inductor may take into a region: a functional, unseeded aten op (autopar's
     modules, collectives and random draws stay outside, in eager mode)."""

@@ -32,7 +32,7 @@ from autopar.plans.checks import check_divisible, check_graph
 from autopar.runtime import accounting, batches
 from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
-from autopar.runtime.compile import CompiledRegions
+from autopar.runtime.compile import CompiledRegions, compile_graphs
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.measure import Recorder, instrument
@@ -64,8 +64,7 @@ class Engine(nn.Module):
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
         self.scaler = LossScaler() if precision == "fp16" else None
-        # compile=True: the training graph's compute between collectives, by inductor
-        self.regions = CompiledRegions() if compile else None
+        self.regions = CompiledRegions() if compile else None  # runtime.compile: inductor
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
@@ -209,8 +208,7 @@ class Engine(nn.Module):
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
         if self.zero is not None and self.zero.stage == 3:
             self.train_units = self.zero.rewrite(self.train_gm)
-        if self.regions is not None:  # after every pass that adds modules of its own
-            self.regions.compile_graph(self.train_gm)
+        compile_graphs(self.regions, [self.train_gm])  # after every pass that adds modules
         if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
             self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
 
@@ -247,9 +245,7 @@ class Engine(nn.Module):
                 runner.saving = self.zero.saving
                 self.zero.overlap = False
         runner.saving = _stacked(self.recorder.saving, runner.saving)
-        if self.regions is not None:  # each stage this rank runs, and the loss
-            for _, module in runner.held_modules():
-                self.regions.compile_graph(module)
+        compile_graphs(self.regions, [module for _, module in runner.held_modules()])
         if self.held_optimizer is not None:  # load() before the stages existed
             from autopar.runtime.checkpoint import adopt_held_optimizer
 
