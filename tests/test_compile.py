@@ -1,7 +1,7 @@
 """parallelize(..., compile=True): inductor over each rank's graph, regionally.
 
 Compiled runs equal one device (losses and weights within 1e-4 over 3 AdamW steps) under
-tensor 1D + Megatron-SP, ZeRO-3, a pipeline and ring attention at world 2; the collectives
+tensor 1D + Megatron-SP, ZeRO-3, a pipeline, ring attention and experts at world 2; the collectives
 stay autopar's own (comm_log equals the plan's bytes); dynamo breaks no graph and compiles
 each distinct region once, however many blocks repeat it. Inductor's graph cache shares
 the compiled blocks between the tests (the block of a data plan is ZeRO-3's block).
@@ -48,12 +48,13 @@ def compiled_against_one_device(name, plan, steps: int = 3, batch: int = 8) -> d
     engine = autopar.parallelize(model, world, example_inputs=tuple(t[:2] for t in inputs),
                                  loss_fn=loss_fn, optimizer=opt, plan=plan, compile=True)
     ref_opt = opt(reference.parameters())
-    losses, measured = [], None
+    losses, measured, predicted = [], None, None
     for step in range(steps):
         engine.comm_log.clear()
         loss = engine.train_step(inputs, target)
         if step == 0:
             measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+            predicted = engine.predicted_comm(batch)  # (experts: this step's routing)
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(*inputs), target)
         ref_loss.backward()
@@ -65,10 +66,11 @@ def compiled_against_one_device(name, plan, steps: int = 3, batch: int = 8) -> d
     graphs = [m for m in (engine.train_gm, *(
         [] if engine.pipeline is None else [m for _, m in engine.pipeline.held_modules()]))]
     return {"loss": max(losses), "weights": weights, "measured": measured,
-            "predicted": engine.predicted_comm(batch),
+            "predicted": predicted,
             "breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"],
             "compiled": engine.regions.compiled, "regions": engine.regions.regions,
+            "explained": engine.explain(format="json")["compile"] if steps > 1 else None,
             "in_regions": sorted({str(n.target) for g in graphs for n in _region_nodes(g)
                                   if n.op == "call_function"})}
 
@@ -84,14 +86,16 @@ PLANS = {
     "zero3": {"data": 2, "zero": {"stage": 3}},
     "pipeline": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}},
     "ring": {"sequence": {"size": 2, "mode": "ring"}},
+    "experts": {"expert": 2},
 }
+# a pipeline rank runs half the blocks: four, so that each rank repeats one
+MODEL_OF = {"pipeline": _deep_gpt, "experts": "moe-tiny"}
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_compiled_plans_equal_one_device(pool2, plan):
-    # (a pipeline rank runs half the blocks: four, so that each rank repeats one)
-    model = _deep_gpt if plan == "pipeline" else "gpt-tiny"
-    for r in pool2.run(compiled_against_one_device, model, PLANS[plan]):
+    for r in pool2.run(compiled_against_one_device, MODEL_OF.get(plan, "gpt-tiny"),
+                       PLANS[plan]):
         assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, r
         assert r["measured"] == r["predicted"]
         assert r["breaks"] == 0
@@ -99,6 +103,9 @@ def test_compiled_plans_equal_one_device(pool2, plan):
         # for inputs of other shapes: dynamo's guards)
         assert 1 <= r["compiled"] <= r["graphs"] < r["regions"]
         assert "linear" in str(r["in_regions"])
+        # engine.explain: the compiled regions beside the fusion the plan prices
+        assert r["explained"]["compiled_functions"] == r["compiled"]
+        assert r["explained"]["predicted_fusion_s"] < 0
 
 
 def test_compile_time_does_not_grow_with_depth():
