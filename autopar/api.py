@@ -33,7 +33,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                 precision: str = FP32, check_batches: bool = False, weights=None,
                 metrics=None, metrics_every: int = 10, checkpoint_dir=None,
                 checkpoint_every: int = 100, checkpoint_async: bool = True,
-                checkpoint_keep: int = 2, timeout=DEFAULT_TIMEOUT) -> Engine:
+                checkpoint_keep: int = 2, timeout=DEFAULT_TIMEOUT,
+                compile: bool = False) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
@@ -53,8 +54,12 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     `checkpoint_keep` are kept). `timeout`: seconds (or a timedelta) any collective may
     wait for another rank; past it, or at once when a rank dies, every other rank raises
     RankStoppedError naming the rank that stopped and the step and phase where (None keeps
-    torch's default of 30 minutes)."""
+    torch's default of 30 minutes). `compile`: the training graph's compute between
+    collectives compiled by inductor, one compiled region per repeated block
+    (docs/compile.md)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
+    if not isinstance(compile, bool):
+        raise PlanError(f"compile must be True or False, not {compile!r}.")
     _check_checkpointing(checkpoint_dir, checkpoint_every, checkpoint_async, checkpoint_keep)
     seconds = check_timeout(timeout)
     sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
@@ -97,7 +102,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                         optimizer, seed=0 if seed is None else seed,
                         max_grad_norm=max_grad_norm, precision=precision,
                         forward_graph=traced, check_batches=check_batches,
-                        stage_planner=pipeline_stages, start=start)
+                        stage_planner=pipeline_stages, start=start, compile=compile)
     engine.watch = watch
     engine.metrics = sink
     if checkpoint_dir is not None:

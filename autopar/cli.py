@@ -241,7 +241,7 @@ def _plan(args, world_size: int | None = None):
         result = planner.search(chain, world, global_batch=args.batch, constraints=constraints,
                                 dtype=args.dtype, attention_kernel=args.attention,
                                 executable=args.executable, top=args.top_alternatives,
-                                progress=progress)
+                                progress=progress, compile=args.compile)
     finally:
         progress.close()
     plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
@@ -310,7 +310,7 @@ def min_devices(args) -> int:
         try:
             result = planner.search(chain, world, global_batch=args.batch,
                                     constraints=constraints, dtype=args.dtype,
-                                    attention_kernel=args.attention,
+                                    attention_kernel=args.attention, compile=args.compile,
                                     executable=args.executable, top=args.top_alternatives)
             plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
                                    time.perf_counter() - start)
@@ -388,6 +388,9 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--attention", choices=("flash", "flash1", "unfused"), default="flash",
                    help="attention kernel to price: FlashAttention-2, FlashAttention v1, or "
                         "scores in memory")
+    p.add_argument("--compile", action="store_true",
+                   help="price the plan as parallelize(compile=True) runs it: inductor fuses "
+                        "each layer's memory-bound ops into one kernel per connected group")
     p.add_argument("--min-devices", action="store_true",
                    help="find the fewest devices (up to --world) that fit the model")
     p.add_argument("--min-throughput", type=float, default=None,

@@ -149,6 +149,15 @@ class LayerType:
     sharded: dict[int, Sharded] = field(default_factory=dict)
     kernels: int = 0  # device kernels of its forward (one per op that is not a view)
     experts: Experts | None = None  # its MoE feed-forward, if it has one
+    # compiled (inductor): each connected group of memory-bound ops is one kernel that
+    # reads the group's inputs and writes its outputs once (`_fused`)
+    fused_traffic: Lin = ZERO
+    fused_kernels: int = 0
+
+    def fused_share(self, batch: float) -> float:
+        """The share of the memory-bound bytes a compiled layer still moves."""
+        eager = self.traffic(batch)
+        return self.fused_traffic(batch) / eager if eager > 0 else 1.0
 
     @property
     def is_block(self) -> bool:
@@ -372,6 +381,52 @@ def _split(layout) -> bool:
     return layout is not None and not layout.is_replicated
 
 
+_MEMORY_BOUND_NOT = _FREE | {OpKind.LINEAR, OpKind.MATMUL, OpKind.GROUPED_MM, OpKind.MOE,
+                              OpKind.ATTENTION}
+
+
+def _fused(nodes) -> tuple[sympy.Expr, int]:
+    """Bytes and kernels of a layer's memory-bound ops as inductor runs them: producer and
+    consumer ops (views between them are indexing) fuse into one kernel per connected
+    group, which reads what enters the group and writes what leaves it once (inductor's
+    scheduler fuses pointwise and reduction nodes that share loops: torch._inductor.scheduler,
+    Ansel et al. 2024, "PyTorch 2", ASPLOS). GEMMs and attention stay library kernels."""
+    members = [n for n in nodes if "autopar" in n.meta and n.op != "get_attr"
+               and n.meta["autopar"].kind not in _MEMORY_BOUND_NOT]
+    group = {n: i for i, n in enumerate(members)}
+
+    def source(a):  # what holds a view's values
+        while a.meta["autopar"].kind is OpKind.VIEW and _tensor_args(a):
+            a = _tensor_args(a)[0]
+        return a
+
+    for n in members:  # union by relabelling: the groups are small
+        for a in _tensor_args(n):
+            s = source(a)
+            if s in group and group[s] != group[n]:
+                old, new = group[s], group[n]
+                for m in members:
+                    if group[m] == old:
+                        group[m] = new
+
+    def escapes(n, inside) -> bool:
+        return any(u not in inside and ("autopar" not in u.meta or u.meta["autopar"].kind
+                                        is not OpKind.VIEW or escapes(u, inside))
+                   for u in n.users)
+
+    traffic = sympy.Integer(0)
+    for label in set(group.values()):
+        inside = {n for n in members if group[n] == label}
+        ins = {source(a) for n in inside for a in _tensor_args(n)} - inside
+        outs = [n for n in inside if escapes(n, inside)]
+        traffic = traffic + sum((_nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
+                                 for a in ins if a.meta["autopar"].kind is not OpKind.PARAM),
+                                sympy.Integer(0))
+        traffic = traffic + sum((_nbytes(n.meta["autopar"].shape, n.meta["autopar"].dtype)
+                                 for n in outs), sympy.Integer(0))
+    return traffic, len(set(group.values()))
+
+
 def _traffic(node) -> sympy.Expr:
     info = node.meta["autopar"]
     out = _nbytes(info.shape, info.dtype)
@@ -459,9 +514,11 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
                     a.meta["autopar"].kind not in (OpKind.PARAM,) and a.op != "get_attr":
                 seen_inputs.add(a)
                 inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
+    fused, groups = _fused(layer.nodes)
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
                      params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels,
-                     experts=moe or _experts(traced, grouped))
+                     experts=moe or _experts(traced, grouped), fused_traffic=Lin.of(fused),
+                     fused_kernels=groups)
 
 
 def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:

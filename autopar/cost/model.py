@@ -52,6 +52,8 @@ from autopar.modes import (
     ZIGZAG,
 )
 
+FUSION = "inductor fusion (compile)"  # the effect compile=True prices (EFFECTS)
+
 # The physical effects a step's time carries beyond an ideal device, as explain names them
 # (StateCost.effects), each with where its price comes from.
 EFFECTS = {
@@ -62,6 +64,10 @@ EFFECTS = {
     "memory-bound ops": "norms, activations, RoPE, dropout, casts, residual adds: their bytes "
                         "at memory_bandwidth x memory_efficiency",
     "kernel launch floor": "every kernel takes at least kernel_floor_s, however small",
+    FUSION: "compile=True: each connected group of memory-bound ops is "
+                                 "one inductor kernel that moves its inputs and outputs once "
+                                 "(torch._inductor.scheduler's fusion; Ansel et al. 2024, "
+                                 "PyTorch 2): the seconds it saves on the two above",
     "attention on short sequences": "fused attention's rate at S keys per query, "
                                     "S / (S + attention_half_tokens) of its best "
                                     "(FlashAttention-2, Dao 2023, Fig. 4 and 6)",
@@ -153,6 +159,7 @@ class Context:
     ep: Placement | None = None  # the expert-parallel groups (None: experts on every rank)
     # under fp8, the layer kinds whose GEMMs stay in bf16 (autopar.cost.fp8.kept_high)
     kept_high: frozenset = frozenset()
+    compile: bool = False  # inductor fuses each layer's memory-bound ops (parallelize's)
     # collective and layer-layout prices already worked out under this context: the states
     # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -313,6 +320,7 @@ class _LayoutCost:
     attn_even: float
     mem_roof: float
     mem_fwd: float
+    fused_fwd: float  # mem_fwd as inductor runs it (ctx.compile; else mem_fwd)
     forward: float
     tp_comm: tuple  # 1D: (forward phase, seconds, wire bytes) per collective, in order
     ep: int  # expert-parallel size of this layer's experts (1: none, or no experts)
@@ -400,8 +408,10 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
         traffic = lt.traffic(batch) / t
     mem_roof = memory_time(traffic / c, hw)
     mem_kernels = max(0, lt.kernels - len(lt.gemms) - len(lt.attention))
-    mem_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
-    forward = gemm_fwd + attn_fwd + mem_fwd + casts[0]
+    mem_fwd = fused_fwd = max(mem_roof, mem_kernels * hw.kernel_floor_s)
+    if ctx.compile:  # the same share of bytes under every layout, one kernel per group
+        fused_fwd = max(mem_roof * lt.fused_share(batch), lt.fused_kernels * hw.kernel_floor_s)
+    forward = gemm_fwd + attn_fwd + fused_fwd + casts[0]
     tp_comm = []
     if one_d and t > 1:
         for op, phase, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
@@ -414,8 +424,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                 sec = ctx.coll(op, n, ctx.tp)
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
     return _LayoutCost(gemm_fwd, gemm_traffic, tuple(attn_each), attn_fwd, attn_ideal,
-                       attn_even, mem_roof, mem_fwd, forward, tuple(tp_comm), ep, imbalance,
-                       expert_fwd, expert_even, tuple(casts), fp8_gemms)
+                       attn_even, mem_roof, mem_fwd, fused_fwd, forward, tuple(tp_comm), ep,
+                       imbalance, expert_fwd, expert_even, tuple(casts), fp8_gemms)
 
 
 def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
@@ -472,6 +482,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["GEMM operand traffic"] = runs * lay.gemm_traffic
     effects["memory-bound ops"] = runs * lay.mem_roof
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
+    effects[FUSION] = runs * (lay.fused_fwd - lay.mem_fwd)  # <= 0
     ep_comm = ep_bytes = expert_params = 0.0
     ep, imbalance = lay.ep, lay.imbalance
     # the tp ranks each expert is split over (the engine keeps them whole beside cp)

@@ -13,7 +13,7 @@ import numpy as np
 from autopar.cost.comm import placements
 from autopar.cost.experts import imbalance_of, tokens_per_expert
 from autopar.cost.hybrid import hybrid_split
-from autopar.cost.model import LayerState
+from autopar.cost.model import FUSION, LayerState
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_parts
 from autopar.errors import PlanError
@@ -115,6 +115,9 @@ def measured_report(engine, world: World | None = None) -> dict:
         "layers": layers,
         "axes": axes,
         "experts": _experts(engine, pred, exact, steps),
+        "compile": None if engine.regions is None else {
+            "regions": engine.regions.regions, "compiled_functions": engine.regions.compiled,
+            "predicted_fusion_s": pred.get("fusion_s") if pred else None},
     }
 
 
@@ -224,8 +227,10 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
                          recompute[name]) for name in names]
     stage_of = [stage_of_layer.get(name, 0) for name in names]
     ctx = pricing_context(plan, world, engine.precision, chain)  # its dtype: the planner's
+    ctx.compile = engine.regions is not None  # priced as it runs, whatever the plan says
     costs = layer_costs(chain, states, ctx, b)
-    out = {"device": world.device, "layers": {}, "axes": {}}
+    out = {"device": world.device, "layers": {}, "axes": {},
+           "fusion_s": m * sum(c.effects.get(FUSION, 0.0) for c in costs)}
     for name, c in zip(names, costs):
         out["layers"][name] = {
             "forward_s": m * (c.forward + c.comm / 2),
@@ -342,6 +347,12 @@ def measured_text(data: dict) -> str:
         lines.append(f"  {a['axis']:<8}{_b(a['predicted']['bytes']):>12}"
                      f"{_b(a['measured']['bytes']):>12}{_t(a['predicted']['seconds']):>11}"
                      f"{_t(a['measured']['seconds']):>11}")
+    if data.get("compile"):
+        c = data["compile"]
+        lines += ["", f"compiled (inductor): {c['regions']} regions between collectives, "
+                  f"{c['compiled_functions']} compiled functions (repeated blocks share one); "
+                  f"fused memory-bound ops save {_t(-(c['predicted_fusion_s'] or 0.0))} ms "
+                  "of the predicted step (the layers' times above are measured compiled)"]
     if data.get("experts"):
         lines += ["", "per MoE layer, one step on this rank (rows each expert computed: predicted"
                   " for balanced routing, and for the busiest ep rank at the planner's "

@@ -144,7 +144,8 @@ def pricing_context(plan: Plan, world=None, dtype: str | None = None,
     dtype = dtype or plan.search.get("dtype", BF16)
     kept = fp8.kept_high(chain.layers()) if dtype == FP8 and chain is not None else frozenset()
     return Context(world.profile, dtype, pl[TP], pl[CP], plan.sequence_mode,
-                   plan.search.get("attention_kernel", "flash"), ep=ep, kept_high=kept)
+                   plan.search.get("attention_kernel", "flash"), ep=ep, kept_high=kept,
+                   compile=plan.search.get("compile", False))
 
 
 def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,
@@ -218,7 +219,7 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
                 "priced_as": how} for name, how in EFFECTS.items()]
     return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
-            "effects": [e for e in effects if e["seconds"] > 0],
+            "effects": [e for e in effects if e["seconds"] != 0],  # fusion's: < 0
             "experts": expert_layout(plan, chain, costs, slow, m, b)}
 
 
@@ -418,7 +419,7 @@ def _effect_lines(effects: list[dict]) -> list[str]:
     if not effects:
         return []
     return ["  physical effects in the slowest rank's step (seconds included above):"] + [
-        f"    {e['effect']:<34} {seconds_text(e['seconds']):>9}  {e['priced_as']}"
+        f"    {e['effect']:<34} {signed_seconds(e['seconds']):>9}  {e['priced_as']}"
         for e in effects]
 
 
@@ -595,6 +596,11 @@ def _axes_text(comm: dict | None) -> str:
     if not parts:
         return ""
     return "; by axis (seconds, bytes on the slowest rank): " + ", ".join(parts)
+
+
+def signed_seconds(s: float) -> str:
+    """`seconds_text` with a minus sign for seconds an effect saves."""
+    return "-" + seconds_text(-s) if s < 0 else seconds_text(s)
 
 
 def seconds_text(s: float) -> str:

@@ -33,6 +33,7 @@ from autopar.plans.views import views
 from autopar.runtime import accounting, batches
 from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
+from autopar.runtime.compile import CompiledRegions, compile_graphs
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.hsdp import ShardGroup
@@ -59,7 +60,7 @@ class Engine(nn.Module):
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
                  precision: str = FP32, check_batches: bool = False, stage_planner=None,
-                 start=None):
+                 start=None, compile: bool = False):
         super().__init__()
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
         self.max_grad_norm = max_grad_norm
@@ -68,6 +69,7 @@ class Engine(nn.Module):
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
         self.scaler = LossScaler() if precision == FP16 else None
+        self.regions = CompiledRegions() if compile else None  # runtime.compile: inductor
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
@@ -219,6 +221,7 @@ class Engine(nn.Module):
         if self.zero is not None and self.zero.stage == 3:
             self.train_units = self.zero.rewrite(self.train_gm)
         self.recompute.apply(self.train_gm)  # (after the marks and gathers: they stay out)
+        compile_graphs(self.regions, [self.train_gm])  # after every pass that adds modules
         if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
             self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
 
@@ -257,6 +260,7 @@ class Engine(nn.Module):
         for _, module in runner.held_modules():
             self.recompute.apply(module)
         runner.saving = _stacked(self.recorder.saving, runner.saving)
+        compile_graphs(self.regions, [module for _, module in runner.held_modules()])
         if self.held_optimizer is not None:  # load() before the stages existed
             from autopar.runtime.checkpoint import adopt_held_optimizer
 

@@ -162,10 +162,10 @@ def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
 
 def search(chain: LayerChain, world: World, *, global_batch: int, constraints=None,
            dtype: str = BF16, attention_kernel: str = "flash", executable: bool = False,
-           top: int = 5, progress=None) -> SearchResult:
+           top: int = 5, progress=None, compile: bool = False) -> SearchResult:
     _check_top(top)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
-                      executable=RUNTIME if executable else None, top=top)
+                      executable=RUNTIME if executable else None, top=top, compile=compile)
     if not executable:
         return Search(chain, world, options, constraints).run(progress)
     return _executable_search(chain, world, options, constraints, progress)
@@ -242,7 +242,7 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
             alternatives.append((cand, first._reason(cand, best)))
     return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
                         time.perf_counter() - start, why.not_executable(options.executable),
-                        options.attention_kernel, results[0].precision)
+                        options.attention_kernel, results[0].precision, options.compile)
 
 
 def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
@@ -286,12 +286,13 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
          loss_fn=None, example_target=None, dtype: str | None = None,
          attention_kernel: str = "flash", executable: bool = False, top: int = 5,
          repeat: dict[str, int] | None = None, progress=None, seq: int | None = None,
-         precision: str | None = None) -> Plan:
+         precision: str | None = None, compile: bool = False) -> Plan:
     """The fastest plan for `model` (a module, or a transformers config path with
     example_inputs None and `seq` tokens) on `world` (devices, or a World) that fits memory;
     `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today;
     `repeat` {layer: copies} counts a traced layer as that many; `top` best plans are kept;
-    `precision` (parallelize's name for it) or `dtype`: fp32, bf16, fp16 or fp8."""
+    `precision` (parallelize's name for it) or `dtype`: fp32, bf16, fp16 or fp8. `compile`
+    prices the plan as parallelize(compile=True) runs it (inductor's fusion)."""
     _check_top(top)
     dtype = _precision_of(dtype, precision)
     _check_repeat(repeat)
@@ -323,7 +324,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
                     repeat=repeat, tp_sizes=sizes, layers=layers)
     result = search(chain, world, global_batch=global_batch, constraints=c, dtype=dtype,
                     attention_kernel=attention_kernel, executable=executable, top=top,
-                    progress=progress)
+                    progress=progress, compile=compile)
     return to_plan(chain, world, result, global_batch, dtype, time.perf_counter() - start)
 
 
@@ -387,7 +388,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
     search_info = {"time_s": result.time_s, "total_s": total_s, "candidates": result.candidates,
                    "alternatives": alternatives, "left_out": result.left_out,
                    "winner": best.describe(), "dtype": dtype, "global_batch": global_batch,
-                   "attention_kernel": result.attention_kernel,
+                   "attention_kernel": result.attention_kernel, "compile": result.compile,
                    "precision": result.precision.to_json() if result.precision else None}
     sequence_mode = best.cp_mode if mesh[CP] > 1 else None
     # ring attention's zigzag layout needs 2 x cp chunks; else the contiguous one

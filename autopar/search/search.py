@@ -127,6 +127,7 @@ class SearchResult:
     left_out: list[str] = field(default_factory=list)
     attention_kernel: str = "flash"
     precision: Precision | None = None  # the state bytes per parameter it priced
+    compile: bool = False  # priced as parallelize(compile=True) runs it
 
 
 class Search:
@@ -200,7 +201,8 @@ class Search:
                                      "slower (lower bound: never fully priced)"))
         alternatives = alternatives[: self.opt.top]
         return SearchResult(winner, alternatives, self.candidates, time.perf_counter() - start,
-                            self.left_out, self.opt.attention_kernel, self.precision)
+                            self.left_out, self.opt.attention_kernel, self.precision,
+                            self.opt.compile)
 
     def every(self, progress=None) -> list[Candidate]:
         """Every candidate of the space, in leaf order, none skipped by a bound (for
@@ -271,7 +273,8 @@ class Search:
         if ctx is None:
             ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl[TP], pl[CP],
                                                     cp_mode, self.opt.attention_kernel,
-                                                    ep=ep_pl, kept_high=self.kept_high)
+                                                    ep=ep_pl, kept_high=self.kept_high,
+                                                    compile=self.opt.compile)
         per_type = []
         beside_cp = mesh[CP] > 1
         for lt in self.chain.types:

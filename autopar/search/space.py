@@ -121,6 +121,7 @@ class Options:
     # parallelize's precision=; state bytes per parameter: autopar.cost.precision
     dtype: str = BF16
     attention_kernel: str = "flash"
+    compile: bool = False  # price parallelize(compile=True): inductor's fused regions
     executable: Capabilities | None = None  # restrict to what a runtime runs (modes.RUNTIME)
     top: int = 5
     max_micro_batch: int = 16
