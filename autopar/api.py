@@ -103,14 +103,18 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                         max_grad_norm=max_grad_norm, precision=precision,
                         forward_graph=traced, check_batches=check_batches,
                         stage_planner=pipeline_stages, start=start, compile=compile)
-    engine.watch = watch
-    engine.metrics = sink
+    engine.watch, engine.metrics = watch, sink
     if checkpoint_dir is not None:
-        engine.checkpointing = Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,
-                                             checkpoint_async, checkpoint_keep)
-        if latest_checkpoint(checkpoint_dir) is not None:
-            engine.load(checkpoint_dir)
+        _resume(engine, Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,
+                                      checkpoint_async, checkpoint_keep))
     return engine
+
+
+def _resume(engine: Engine, checkpointing: Checkpointing) -> None:
+    """Save by itself from now on, and start from the directory's latest checkpoint."""
+    engine.checkpointing = checkpointing
+    if latest_checkpoint(checkpointing.directory) is not None:
+        engine.load(checkpointing.directory)
 
 
 def _check_checkpointing(directory, every, asynchronous, keep) -> None:

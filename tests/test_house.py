@@ -69,8 +69,7 @@ def test_no_import_cycles():
 
 # Today's files over 800 lines and functions over 80 (path: lines): each may only shrink, and
 # leaves this list once it is under the limit.
-LONG_FILES = {"autopar/cost/memory.py": 903, "autopar/runtime/checkpoint.py": 923,
-              "autopar/search/search.py": 867}
+LONG_FILES = {"autopar/cost/memory.py": 903, "autopar/runtime/checkpoint.py": 923}
 LONG_FUNCTIONS = {
     "autopar/runtime/engine.py:Engine.__init__": 85,
     "autopar/runtime/pipeline.py:PipelineRunner.__init__": 83,

@@ -23,7 +23,7 @@ from autopar.models import workload
 from autopar.plans import Plan
 from autopar.search import planner
 from autopar.search.partition import balance, balance_dp, balance_within, choose_states
-from autopar.search.search import _counts
+from autopar.search.prepared import _counts
 from autopar.world import World
 
 SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"

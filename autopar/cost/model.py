@@ -338,6 +338,38 @@ def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                         lambda: _price_layout(lt, mode, sp, batch, ctx))
 
 
+def _attention_cost(lt: LayerType, sharded, mode: TensorMode, batch: float, ctx: Context,
+                    dtype: str) -> tuple[tuple, float, float, float]:
+    """The layer's attention cores on the busiest cp rank: (seconds of each, their sum, the
+    sum were every sequence long enough to reach the kernel's peak, the sum were the causal
+    work even over cp)."""
+    hw, t, c, one_d = ctx.hw, mode.size, ctx.cp.size, mode.name == TP_1D
+    attn_fwd = attn_ideal = attn_even = 0.0
+    attn_each = []
+    for a, split in zip(lt.attention, sharded.attention_split if one_d else
+                        [True] * len(lt.attention)):
+        parts = (t if split or not one_d else 1) * c
+        if ctx.attention_kernel == "unfused":
+            # scores written by the first GEMM, softmax read+write, dropout read+write+mask,
+            # read by the second GEMM: about six passes over B·H·S·S_k values
+            sec = gemm_time(a.flops(batch) / parts, hw, dtype) + memory_time(
+                6 * a.score_elements(batch) * lt.dtype_bytes / parts, hw)
+            even = ideal = sec
+        else:
+            keys = attention_keys(a, c, ctx.cp_mode)
+            kernel = ctx.attention_kernel
+            even = attention_time(a.flops(batch) / parts, keys, a.causal, hw, dtype, kernel)
+            ideal = attention_time(a.flops(batch) / parts, math.inf, a.causal, hw, dtype, kernel)
+            layout = CONTIGUOUS if a.keys % (2 * c) else ZIGZAG
+            sec = even * (causal_imbalance(c, layout) if a.causal and ctx.cp_mode == RING
+                          else 1.0)
+        attn_each.append(sec)
+        attn_fwd += sec
+        attn_ideal += ideal
+        attn_even += even
+    return tuple(attn_each), attn_fwd, attn_ideal, attn_even
+
+
 def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                   ctx: Context) -> _LayoutCost:
     hw, dtype = ctx.hw, fp8.compute_dtype(ctx.dtype)
@@ -379,29 +411,8 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
             sec = _gemm_s(local, hw, dtype, moved)
         gemm_fwd += sec
         gemm_traffic += min(sec, moved)
-    attn_fwd = attn_ideal = attn_even = 0.0
-    attn_each = []
-    for a, split in zip(lt.attention, sharded.attention_split if one_d else
-                        [True] * len(lt.attention)):
-        parts = (t if split or not one_d else 1) * c
-        if ctx.attention_kernel == "unfused":
-            # scores written by the first GEMM, softmax read+write, dropout read+write+mask,
-            # read by the second GEMM: about six passes over B·H·S·S_k values
-            sec = gemm_time(a.flops(batch) / parts, hw, dtype) + memory_time(
-                6 * a.score_elements(batch) * lt.dtype_bytes / parts, hw)
-            even = ideal = sec
-        else:
-            keys = attention_keys(a, c, ctx.cp_mode)
-            kernel = ctx.attention_kernel
-            even = attention_time(a.flops(batch) / parts, keys, a.causal, hw, dtype, kernel)
-            ideal = attention_time(a.flops(batch) / parts, math.inf, a.causal, hw, dtype, kernel)
-            layout = CONTIGUOUS if a.keys % (2 * c) else ZIGZAG
-            sec = even * (causal_imbalance(c, layout) if a.causal and ctx.cp_mode == RING
-                          else 1.0)
-        attn_each.append(sec)
-        attn_fwd += sec
-        attn_ideal += ideal
-        attn_even += even
+    attn_each, attn_fwd, attn_ideal, attn_even = _attention_cost(lt, sharded, mode, batch, ctx,
+                                                                 dtype)
     if one_d:
         traffic = sharded.traffic_split(batch) + sharded.traffic_replicated(batch) / (t if sp else 1)
     else:
@@ -423,7 +434,7 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
             else:
                 sec = ctx.coll(op, n, ctx.tp)
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
-    return _LayoutCost(gemm_fwd, gemm_traffic, tuple(attn_each), attn_fwd, attn_ideal,
+    return _LayoutCost(gemm_fwd, gemm_traffic, attn_each, attn_fwd, attn_ideal,
                        attn_even, mem_roof, mem_fwd, fused_fwd, forward, tuple(tp_comm), ep,
                        imbalance, expert_fwd, expert_even, tuple(casts), fp8_gemms)
 
@@ -501,7 +512,19 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
             # the rows received and the expert outputs sent back, held while the layer runs
             workspace = max(workspace, 2 * imbalance *
                             moe_cost.dispatch_bytes(lt.experts, batch, c))
-    # Memory: activations kept for backward, parameters held.
+    acts, params = _held_bytes(lt, state, sharded, batch, c, expert_params)
+    return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
+                     cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
+                     _step_temps(lt, mode, sharded, ep, cut))
+
+
+def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,
+                expert_params: float) -> tuple[float, float]:
+    """(activations kept for the backward, parameters held) per device of one layer kind
+    under `state`, beside a cp axis of `c` ranks (`expert_params`: its experts' share)."""
+    mode = state.mode
+    t, one_d = mode.size, mode.name == TP_1D
+    sp = state.sp == MEGATRON_SP and one_d and t > 1
     if state.recompute == FULL:
         acts = lt.input_bytes(batch) / (t if (sp or not one_d) else 1)
     elif one_d:
@@ -526,9 +549,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
         params = (lt.param_bytes - expert_whole - vectors) / _grid_parts(mode) + \
             vectors / mode.q
     params += expert_params
-    return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
-                     cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
-                     _step_temps(lt, mode, sharded, ep, cut))
+    return acts, params
 
 
 def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) -> float:

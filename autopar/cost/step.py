@@ -13,7 +13,7 @@ import numpy as np
 
 from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
-from autopar.cost.hybrid import HybridSplit, replicas_time
+from autopar.cost.hybrid import HybridSplit, replicas_time, replicas_wire_bytes
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
 from autopar.cost.memory import FOR_LOOP, FUSED
 from autopar.cost.precision import ADAM_MOMENTS, Precision
@@ -231,6 +231,25 @@ def sync_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, unit
         return dp_time(param_bytes, zero, m, grad_pl, hw, units, cache, gather)
     return dp_time(param_bytes, zero, m, hybrid.shard, hw, units, cache, gather) + \
         replicas_time(param_bytes, zero, m, hybrid, hw, units)
+
+
+def sync_bytes(worst: float, replicas: int, zero: int, offload: bool, precision,
+               hybrid: HybridSplit | None = None, split: ExpertSplit | None = None,
+               experts: float = 0.0) -> tuple[float, float]:
+    """(bytes offloaded to the host, bytes the gradient sync sends) per step for the rank
+    holding `worst` parameter bytes, ZeRO over `replicas` ranks (HSDP: its shard group, the
+    replicas' all-reduce added); `experts` of its bytes are MoE experts, which sync over
+    their own expert-data group (`split`)."""
+    host = host_bytes(worst, replicas, zero, offload, precision)
+    gather = precision.gather_ratio
+    wire = dp_wire_bytes(worst, replicas, zero, gather) + \
+        (replicas_wire_bytes(worst, hybrid) if hybrid is not None else 0.0)
+    if split is not None:
+        host += host_bytes(experts, split.replicas, zero, offload, precision) - \
+            host_bytes(experts, replicas, zero, offload, precision)
+        wire += dp_wire_bytes(experts, split.replicas, zero, gather) - \
+            dp_wire_bytes(experts, replicas, zero, gather)
+    return host, wire
 
 
 def stage_transfer(layers, stage_of, b: int, pl: dict, hw: Hardware) -> tuple[float, float]:

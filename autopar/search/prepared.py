@@ -1,0 +1,333 @@
+"""What a search prices per leaf before its states are chosen: the leaf itself (`Leaf`), the
+layer states of one (mesh, placement, micro-batch) with their time and memory tables
+(`Prepared`), and the dynamic programs that choose per-layer states under a memory budget.
+`search.Search` walks the leaves and prices them with these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.cost.step import ExpertSplit, conversion_s
+from autopar.modes import CP, RECOMPUTE, TP
+from autopar.search.partition import balance, choose_states
+
+
+@dataclass(kw_only=True)
+class Leaf:
+    bound: float
+    order: int
+    mesh: dict
+    pl: dict
+    grad_pl: object
+    cp_mode: str | None
+    b: int
+    m: int
+    schedule: str
+    v: int
+    prep: Prepared
+    zeros: list
+    dp_cache: dict  # collective seconds by parameter bytes over grad_pl
+    split: ExpertSplit | None = None  # expert parallelism (None: experts on every rank)
+    stage_of: list | None = None
+    device_of: list | None = None
+    transfer: float | None = None  # seconds of one stage-boundary crossing
+    fast: Fast | None = None  # its numbers with every layer in its fastest state
+
+
+@dataclass
+class Fast:
+    """What a leaf's ZeRO options share while every layer keeps its fastest state."""
+
+    device_of: np.ndarray
+    params_dev: np.ndarray  # parameter bytes per pipeline rank
+    acts_dev: np.ndarray  # activation bytes per micro-batch per pipeline rank
+    temps_dev: np.ndarray  # the for-loop optimizer step's temporaries per pipeline rank
+    pipeline: tuple | None = None  # `pipeline_time` of the fastest path
+    _layers: dict = field(default_factory=dict)
+
+    def layers_of(self, rank: int) -> list[int]:
+        """The layers pipeline rank ``rank`` holds, in order."""
+        hit = self._layers.get(rank)
+        if hit is None:
+            hit = self._layers[rank] = np.flatnonzero(self.device_of == rank).tolist()
+        return hit
+
+
+class Prepared:
+    """One tp/cp placement and micro-batch: per-layer state costs along the chain."""
+
+    def __init__(self, search, kinds, pl, b, context):  # search: the search.Search
+        """``kinds``: (layer kind, its states) in chain-type order; ``context``: the cost
+        Context and its key. The lower bound prices only each layout's state with the least
+        recomputation, its fastest (recomputing adds compute and reruns collectives, never
+        takes any away) and with the same parameters and workspace; `build` the rest."""
+        order = search.chain.order
+        self.search = search
+        self.kinds, self.context = kinds, context
+        self.per_type = [(states, [None] * len(states)) for _, states in kinds]
+        self.order = order
+        self.pl, self.b = pl, b
+        least = [self._price(_least_recompute(states), t) for t, (_, states) in
+                 enumerate(kinds)]
+        counts = np.bincount(order, minlength=len(kinds))
+        fastest = [min(c.time for c in costs) for costs in least]
+        self.min_total = float(np.dot(counts, fastest))
+        self.min_single = max(fastest[t] for t in set(order))
+        self.min_params = float(np.dot(counts, [min(c.params for c in costs)
+                                                for costs in least]))
+        self.min_experts = float(np.dot(counts, [min(c.expert_params for c in costs)
+                                                 for costs in least]))
+        self.workspace = max((c.workspace for costs in least for c in costs), default=0.0)
+        self.built = False
+        self._stages: dict = {}
+        self._layouts: dict = {}
+        self.state_rows = [states for _, states in kinds]
+        self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
+
+    def _price(self, which, t: int) -> list:
+        """The costs of kind ``t``'s states at the indices ``which``, each priced once."""
+        lt, states = self.kinds[t]
+        costs = self.per_type[t][1]
+        todo = [k for k in which if costs[k] is None]
+        ctx, ctx_key = self.context
+        for k, c in zip(todo, self.search._state_costs_of(lt, [states[k] for k in todo],
+                                                          self.b, ctx, ctx_key)):
+            costs[k] = c
+        return [costs[k] for k in which]
+
+    def build(self) -> Prepared:
+        """The chain arrays, the fastest path and its numbers: only for leaves that are
+        priced (the lower bounds need none of it)."""
+        if self.built:
+            return self
+        self.built = True
+        for t, (_, states) in enumerate(self.kinds):
+            self._price(range(len(states)), t)
+        search, per_type, order, pl, b = self.search, self.per_type, self.order, self.pl, self.b
+        self.t_layers = [np.array([c.time for c in per_type[t][1]]) for t in order]
+        self.mem_layers = [np.array([c.activations for c in per_type[t][1]]) for t in order]
+        self.conv = [None]
+        for i in range(1, len(order)):
+            self.conv.append(self._conversion(search, order[i - 1], order[i], pl, b))
+        self._tables(search)
+        self.fast, _ = choose_states([len(t) for t in self.t_layers], self.t_layers,
+                                     self.mem_layers, self.conv, 0.0)
+        self.layer_time = self.path_time(self.fast)
+        self.params = self.take(self.param_table, self.fast)
+        self.acts = self.take(self.act_table, self.fast)
+        self.temps = tuple(self.take(t, self.fast) for t in self.temp_tables)
+        self.biggest = float(self.params.max()) if len(self.params) else 0.0
+        return self
+
+    def _tables(self, search) -> None:
+        """(layer, state) tables of the costs the pricing reads, padded to the most states,
+        and per layer its layout ids and the seconds of a conversion before it."""
+        per_type, order = self.per_type, self.order
+        n, width = len(order), max(len(states) for states, _ in per_type)
+        self.rows = np.arange(n)
+        layout_ids: dict = {}
+        kinds = []
+        for states, costs in per_type:
+            table = np.zeros((11, width))
+            for k, c in enumerate(costs):
+                table[:, k] = (c.time, c.activations, c.params, c.forward + c.backward +
+                               c.recompute, c.comm, c.comm_bytes, c.expert_params, c.ep_comm,
+                               c.step_temps.peak, c.step_temps.first, c.step_temps.last)
+            layouts = np.full(width, -1)
+            layouts[:len(states)] = [layout_ids.setdefault(st.layout, len(layout_ids))
+                                     for st in states]
+            kinds.append((table, layouts))
+        tables = np.stack([kinds[t][0] for t in order])  # (layer, quantity, state)
+        self.time_table, self.act_table, self.param_table, self.compute_table, \
+            self.comm_table, self.comm_bytes_table, self.expert_table, self.ep_comm_table = (
+                tables[:, q, :] for q in range(8))
+        self.temp_tables = tuple(tables[:, q, :] for q in range(8, 11))  # StepTemps' fields
+        self.layout_table = np.stack([kinds[t][1] for t in order])
+        self.gather = np.array([0.0] + [float(c.max()) if c.size else 0.0
+                                        for c in self.conv[1:]])
+        self.mem_lists = [m.tolist() for m in self.mem_layers]
+        layers = search.layers
+        self.boundaries = np.array([layers[i].boundary(self.b) for i in range(n - 1)])
+        self.time_lists = [t.tolist() for t in self.t_layers]
+
+    def take(self, table, chosen) -> np.ndarray:
+        """One value per layer: `table` at each layer's chosen state."""
+        return table[self.rows, chosen]
+
+    def _conversion(self, search, a, b_type, pl, b):
+        key = ("conv", a, b_type, b, pl[TP], pl[CP])
+        mat = search._cost_cache.get(key)
+        if mat is None:
+            prev_states, cur_states = self.per_type[a][0], self.per_type[b_type][0]
+            gather = conversion_s(search.chain.types[a].boundary(b), pl, search.hw)
+            mat = np.array([[0.0 if sa.layout == sb.layout else gather for sb in cur_states]
+                            for sa in prev_states])
+            search._cost_cache[key] = mat
+        return mat
+
+    def _by_layout(self, t: int, times, mems) -> list:
+        """(layout, `_count_order` of its states) of one kind of layer, in the order `fit`
+        tries them; `times`, `mems`: that kind's, per state."""
+        hit = self._layouts.get(t)
+        if hit is None:
+            states = self.per_type[t][0]
+            hit = self._layouts[t] = [
+                (lay, _count_order([k for k, s in enumerate(states) if s.layout == lay],
+                                   times, mems)) for lay in {s.layout for s in states}]
+        return hit
+
+    def states_of(self, chosen):
+        """The LayerState of each layer at its chosen state index."""
+        return [states[c] for states, c in zip(self.state_rows, chosen)]
+
+    def path_time(self, chosen) -> np.ndarray:
+        """Each layer's seconds in its chosen state, plus a conversion where its layout is not
+        its predecessor's."""
+        chosen = np.asarray(chosen)
+        out = self.time_table[self.rows, chosen]
+        layouts = self.layout_table[self.rows, chosen]
+        out[1:] += np.where(layouts[1:] != layouts[:-1], self.gather[1:], 0.0)
+        return out
+
+    def stages(self, k: int) -> list[int]:
+        hit = self._stages.get(k)
+        if hit is None:
+            hit = self._stages[k] = balance(self.layer_time, k)
+        return hit
+
+    def fit(self, chosen, idx, budget) -> None:
+        """Fit one device's layers in ``budget`` activation bytes at the least extra time:
+        layers of one kind keep one layout and choose their recompute (`_counts`)."""
+        mems = self.mem_lists
+        spare = budget - sum(mems[i][chosen[i]] for i in idx)
+        if spare >= 0:
+            return
+        groups: dict = {}
+        for i in idx:
+            groups.setdefault(self.order[i], []).append(i)
+        # shrink the biggest groups first: each gets the share of the deficit it can cover
+        for t, members in sorted(groups.items(), key=lambda g: -len(g[1])):
+            if spare >= 0:
+                break
+            states = self.per_type[t][0]
+            if len(states) <= 1:
+                continue
+            layout = states[chosen[members[0]]].layout
+            used = sum(mems[i][chosen[i]] for i in members)
+            best = None
+            times = self.time_lists[members[0]]
+            for lay, order in self._by_layout(t, times, mems[members[0]]):
+                counts = _count_with(order, times, mems[members[0]], len(members), used + spare)
+                if counts is None:
+                    continue
+                # leaving the neighbours' layout costs a conversion in and one out
+                penalty = 0.0 if lay == layout else 2 * float(self.gather[members[0]])
+                time_, mem, assignment = counts
+                if best is None or time_ + penalty < best[0]:
+                    best = (time_ + penalty, mem, assignment)
+            if best is None:  # nothing fits: take the least memory there is
+                k = int(np.argmin(self.mem_layers[members[0]]))
+                best = (0.0, len(members) * self.mem_layers[members[0]][k], [k] * len(members))
+            for i, k in zip(members, best[2]):
+                chosen[i] = k
+            spare = used + spare - best[1]
+
+
+def _least_recompute(states) -> list[int]:
+    """Per layout, the index of its state with the least recomputation, in state order."""
+    best: dict = {}
+    for k, s in enumerate(states):
+        rank = RECOMPUTE.index(s.recompute)
+        if s.layout not in best or rank < best[s.layout][0]:
+            best[s.layout] = (rank, k)
+    return sorted(k for _, k in best.values())
+
+
+def _counts(options, times, mems, n, budget):
+    """Exact cheapest assignment of ``options`` (state indices) to ``n`` identical layers
+    within ``budget`` bytes: enumerate the counts of all options but the two cheapest in
+    time, which split the rest (as many as fit on the faster one)."""
+    return _count_with(_count_order(options, times, mems), times, mems, n, budget)
+
+
+def _count_order(options, times, mems):
+    """(fastest, the least memory of the rest, the others) of ``options``; None if empty."""
+    opts = sorted(options, key=lambda k: (times[k], mems[k]))
+    if not opts:
+        return None
+    fast, rest = opts[0], opts[1:]
+    if not rest:
+        return fast, None, []
+    second = min(rest, key=lambda k: mems[k])
+    return fast, second, [k for k in rest if k != second]
+
+
+def _count_with(order, times, mems, n, budget):
+    """`_counts` from the `_count_order` of its options."""
+    if order is None:
+        return None
+    fast, second, others = order
+    if second is None:
+        mem = n * mems[fast]
+        return (n * times[fast], mem, [fast] * n) if mem <= budget else None
+    if len(others) == 1:  # three recompute levels: one loop, as below
+        return _counts_one(fast, second, others[0], times, mems, n, budget)
+    best = None
+    # each "other" option gets a count; with three recompute levels that is one loop
+    for combo in _compositions(n, len(others)):
+        used_n = sum(combo)
+        mem_o = sum(c * mems[k] for c, k in zip(combo, others))
+        time_o = sum(c * times[k] for c, k in zip(combo, others))
+        left = n - used_n
+        room = budget - mem_o - left * min(mems[fast], mems[second])
+        if room < -1e-9:
+            continue
+        gap = mems[fast] - mems[second]
+        n_fast = left if gap <= 0 else min(left, int((room + 1e-9) // gap))
+        t = time_o + n_fast * times[fast] + (left - n_fast) * times[second]
+        mem = mem_o + n_fast * mems[fast] + (left - n_fast) * mems[second]
+        if best is None or t < best[0] - 1e-15:
+            assignment = [fast] * n_fast + [second] * (left - n_fast)
+            for c, k in zip(combo, others):
+                assignment += [k] * c
+            best = (t, mem, assignment)
+    return best
+
+
+def _counts_one(fast, second, other, times, mems, n, budget):
+    """`_counts` with one option besides the two cheapest, its count enumerated in a plain
+    loop (the same arithmetic in the same order)."""
+    best = None
+    t_fast, t_second, t_other = times[fast], times[second], times[other]
+    m_fast, m_second, m_other = mems[fast], mems[second], mems[other]
+    least = min(m_fast, m_second)
+    gap = m_fast - m_second
+    for c in range(n + 1):
+        mem_o = 0 + c * m_other
+        time_o = 0 + c * t_other
+        left = n - c
+        room = budget - mem_o - left * least
+        if room < -1e-9:
+            continue
+        n_fast = left if gap <= 0 else min(left, int((room + 1e-9) // gap))
+        t = time_o + n_fast * t_fast + (left - n_fast) * t_second
+        if best is None or t < best[0] - 1e-15:
+            best = (t, mem_o + n_fast * m_fast + (left - n_fast) * m_second, c, n_fast)
+    if best is None:
+        return None
+    t, mem, c, n_fast = best
+    return t, mem, [fast] * n_fast + [second] * (n - c - n_fast) + [other] * c
+
+
+def _compositions(n, k):
+    """Every tuple of k non-negative counts with sum <= n (k is 0, 1 or 2 here)."""
+    if k == 0:
+        yield ()
+        return
+    for first in range(n + 1):
+        for tail in _compositions(n - first, k - 1):
+            yield (first, *tail)
+
+
