@@ -68,6 +68,8 @@ ZERO_STAGES = (0, 1, 2, 3)  # Rajbhandari et al. 2020
 NO_RECOMPUTE, SELECTIVE, FULL = "none", "selective", "full"
 RECOMPUTE = (NO_RECOMPUTE, SELECTIVE, FULL)  # Korthikanti et al. 2022 (selective), Chen 2016
 
+FP8 = "fp8"  # the precision whose linears' GEMMs run in float8 (autopar.passes.float8)
+
 STEP = "(step)"  # the layer of what a step sends outside the graph (gradient sync, ZeRO)
 
 

@@ -20,6 +20,7 @@ from autopar.modes import (
     AXES,
     DP,
     EP,
+    FP8,
     MEGATRON_SP,
     NO_PIPELINE,
     NO_RECOMPUTE,
@@ -114,6 +115,7 @@ def measured_report(engine, world: World | None = None) -> dict:
         "layers": layers,
         "axes": axes,
         "experts": _experts(engine, pred, exact, steps),
+        "float8": engine.float8.to_json() if engine.float8 is not None else None,
     }
 
 
@@ -221,7 +223,10 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
                          MEGATRON_SP if (sp is True or (sp and name in sp)) else NO_SP,
                          NO_RECOMPUTE) for name in names]
     stage_of = [stage_of_layer.get(name, 0) for name in names]
-    ctx = pricing_context(plan, world, engine.precision)  # its dtype names are the planner's
+    # its dtype names are the planner's; fp8 at bf16's rate where the profile has no fp8 peak
+    precision = engine.precision if engine.precision != FP8 or \
+        FP8 in world.profile.peak_flops else "bf16"
+    ctx = pricing_context(plan, world, precision)
     costs = layer_costs(chain, states, ctx, b)
     out = {"device": world.device, "layers": {}, "axes": {}}
     for name, c in zip(names, costs):
@@ -356,7 +361,17 @@ def measured_text(data: dict) -> str:
                 f"{_b(p['alltoall_bytes']):>16}{_b(mm['alltoall_bytes']):>10}")
             lines.append(f"  {'':<14}routed here per expert {mm['routed']}; computed by experts "
                          f"{mm['first_expert']}.. {mm['computed']}")
-    return "\n".join(lines)
+    return "\n".join(lines + _float8_lines(data.get("float8")))
+
+
+def _float8_lines(fp8: dict | None) -> list[str]:
+    """precision="fp8": which linears ran their GEMMs in float8, which stayed bf16 and why."""
+    if fp8 is None:
+        return []
+    lines = ["", f"float8 (e4m3 activations and weights, e5m2 gradients, tensorwise power-of-two"
+                 f" scales): {len(fp8['converted'])} linear modules in float8"]
+    lines += [f"  stayed bf16: {module}: {why}" for module, why in fp8["kept"].items()]
+    return lines
 
 
 def _n(value) -> str:

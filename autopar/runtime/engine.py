@@ -18,13 +18,14 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, EDP, EP, FP8, PP, RING, TP, TP_1D
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
     place_expert_layers,
     with_balance_loss,
 )
+from autopar.passes.float8 import Float8Report, float8_linears
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -63,6 +64,8 @@ class Engine(nn.Module):
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
         self.scaler = LossScaler() if precision == "fp16" else None
+        # fp8: which linears run in float8 and which stayed bf16, and why
+        self.float8 = Float8Report() if precision == FP8 else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
@@ -165,6 +168,9 @@ class Engine(nn.Module):
         gm = apply_solution(traced.gm, solution)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
+        if self.float8 is not None:  # linears' GEMMs in float8 (autopar.passes.float8)
+            gm, report = float8_linears(gm, solution.params, TP, solution.sizes)
+            self.float8.merge(report)
         if self.moe_layers:
             gm = place_expert_layers(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
