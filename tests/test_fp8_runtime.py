@@ -230,3 +230,37 @@ def _tp_bytes_without_fp8() -> int:
                          ids=["tp2-zero3", "pp2-tp2"])
 def test_fp8_llama_equals_fp8_on_one_device_at_world_4(pool4, plan):
     _check(pool4.run(compare_fp8, hf_llama, plan))
+
+
+def _zero3_gathers(precision: str) -> dict:
+    """One step of GPT-2 under ZeRO-3 over dp 2: bytes gathered and amaxes all-reduced."""
+    import torch.distributed as dist
+
+    model, inputs, target, loss_fn = hf_gpt2(8)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                                 plan=PLANS2["zero3"], precision=precision)
+    engine.train_step(inputs, target)
+    engine.comm_log.clear()
+    engine.train_step(inputs, target)
+    measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+    zero = engine.zero
+    return {"gathered": measured[("all_gather", "dp")],
+            "all_reduce": measured[("all_reduce", "dp")],
+            "float8_members": sum(sum(u.float8 or ()) for u in zero.units),
+            "equal": measured == engine.predicted_comm(8)}
+
+
+def test_zero3_gathers_float8_weights_in_one_byte(pool2):
+    """Under fp8 ZeRO-3 gathers each float8 linear's weight in e4m3 with its scale (about
+    half of bf16's bytes: the tied embedding, biases and norms stay bf16), after one
+    all-reduce of the weights' amaxes per gather; the prediction counts both."""
+    fp8, bf16 = pool2.run(_zero3_gathers, "fp8"), pool2.run(_zero3_gathers, "bf16")
+    for a, b in zip(fp8, bf16):
+        assert a["equal"] and b["equal"], (a, b)
+        # 4 linears x 2 blocks, and the lm_head's gather of the tied embedding (the
+        # embedding's own gather of it stays bf16)
+        assert a["float8_members"] == 9 and b["float8_members"] == 0, (a, b)
+        assert 0.5 < a["gathered"] / b["gathered"] < 0.6, (a, b)
+        assert a["all_reduce"] > b["all_reduce"]

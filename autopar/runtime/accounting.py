@@ -132,7 +132,10 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
         once = sum(zero.unit_bytes(u) for u in engine.train_units)
         gathers = runs * sum(zero.gather_bytes(u) for u in engine.train_units) + \
             sum(zero.gather_bytes(u) for u in zero.backward_gathers or ())
-        return {("all_reduce", DP): 4, ("reduce_scatter", DP): runs * once,
+        # fp8: the float8 weights' amaxes all-reduced before each of their gathers
+        amax = runs * sum(zero.amax_bytes(u) for u in engine.train_units) + \
+            sum(zero.amax_bytes(u) for u in zero.backward_gathers or ())
+        return {("all_reduce", DP): 4 + amax, ("reduce_scatter", DP): runs * once,
                 ("all_gather", DP): gathers}
     if zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
         # (stage 2 under a pipeline reduce-scatters each micro-batch's gradients)

@@ -259,7 +259,8 @@ class Engine(nn.Module):
         ZeRO-3's pieces a start made, adopted as they are)."""
         self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._dp,
                                                 self._optimizer_factory, self.compute_dtype,
-                                                stages, experts=self.grads, pieces=pieces)
+                                                stages, experts=self.grads, pieces=pieces,
+                                                float8=self.float8 is not None)
         if self.zero.stage == 3:  # the graphs gather each layer's parameters
             self.zero.rewrite(self.forward_gm)
         self.optimizer = self.grads.with_norms(self.zero.optimizer)

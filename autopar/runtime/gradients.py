@@ -21,17 +21,18 @@ def zero_sharded(plan_zero, dp_size: int) -> bool:
 
 
 def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None,
-              experts=None, pieces=None):
+              experts=None, pieces=None, float8: bool = False):
     """The ZeRO state a plan's `zero` asks for over dp: the optimizer runs on this rank's
     pieces (stage 2 under a pipeline: `stages`, each stage's parameters). `experts`: a
     Gradients whose expert weights are cut over their expert-data group instead. `pieces`:
-    ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are."""
+    ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are.
+    `float8`: ZeRO-3 gathers float8 linears' weights in e4m3 (precision="fp8")."""
     if experts is not None and experts.edp is not None:
         return expert_zero(plan_zero, params, dp, experts.edp, experts.ep_size,
                            experts.params.is_expert, factory, compute_dtype, stages, pieces)
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype,
-                         pieces=pieces)
+                         pieces=pieces, float8=float8)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
                                  offload=plan_zero.offload, stages=stages)
 
