@@ -1,7 +1,9 @@
 """Float8 training as a graph pass: each linear of the model part whose weight is a parameter
 becomes an `autopar.kernels.float8.Float8Linear` (its three GEMMs in float8), unless its
-local weight has a dim the fp8 kernels cannot take; those stay in the compute dtype and the
-pass says which and why.
+local weight has a dim the fp8 kernels cannot take, or it is the output projection (its
+result is what the model returns or the loss reads: the logits, whose rounding the loss
+feels directly; torchtitan's float8 recipe keeps its output layer too); those stay in the
+compute dtype and the pass says which and why.
 
 Run it after `cast_precision(gm, torch.bfloat16)` (so the rest of the model computes in
 bf16 and the masters stay fp32), before the collectives are bound. The forms matched are
@@ -25,6 +27,13 @@ from autopar.passes.tensor_parallel import clone_graph_module
 from autopar.sharding.layout import Layout
 
 aten = torch.ops.aten
+
+# ops that pass a linear's result on unchanged in value (shape, dtype, a bias, a slice)
+_PASS_ON = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+            aten._to_copy.default, aten.t.default, aten.transpose.int, aten.clone.default,
+            aten.contiguous.default, aten.add.Tensor, aten.slice.Tensor, operator.getitem}
+OUTPUT_PROJECTION = "it is the output projection (its result is the model's output or " \
+    "what the loss reads); the recipe keeps it in bf16"
 
 FLOAT8_PREFIX = "float8_linear"  # the submodules this pass adds: float8_linear_<node>
 
@@ -58,7 +67,8 @@ def float8_linears(gm: fx.GraphModule, params: dict[str, Layout], axis: str,
             continue
         x, weight, bias, target, transposed = form
         module = _module_of(node)
-        why = _unfit(out, weight, target, params[target], axis, sizes, transposed)
+        why = _unfit(out, weight, target, params[target], axis, sizes, transposed) or \
+            (OUTPUT_PROJECTION if _feeds_output(node) else "")
         if why:
             report.kept.setdefault(module, why)
             continue
@@ -98,6 +108,19 @@ def _linear_form(node: fx.Node, params: dict) -> tuple | None:
     if target is None or target not in params or params[target].ndim != 2:
         return None
     return x, weight, bias, target, transposed
+
+
+def _feeds_output(node: fx.Node, depth: int = 8) -> bool:
+    """Whether `node`'s value reaches the loss part or the graph's output through ops that
+    pass it on unchanged in value (collectives included)."""
+    for user in node.users:
+        if user.op == "output" or _layer(user) == LOSS_LAYER:
+            return True
+        passes = user.target in _PASS_ON if user.op == "call_function" else \
+            user.op == "call_module"
+        if passes and depth > 0 and _feeds_output(user, depth - 1):
+            return True
+    return False
 
 
 def _parameter(node) -> str | None:
