@@ -32,6 +32,7 @@ aten = torch.ops.aten
 _PASS_ON = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
             aten._to_copy.default, aten.t.default, aten.transpose.int, aten.clone.default,
             aten.contiguous.default, aten.add.Tensor, aten.slice.Tensor, operator.getitem}
+EXPERTS_KEPT = "its experts' GEMMs run in bf16 (the MoE kernel has no float8 form)"
 OUTPUT_PROJECTION = "it is the output projection (its result is the model's output or " \
     "what the loss reads); the recipe keeps it in bf16"
 

@@ -25,7 +25,7 @@ from autopar.passes.experts import (
     place_expert_layers,
     with_balance_loss,
 )
-from autopar.passes.float8 import Float8Report, float8_linears
+from autopar.passes.float8 import EXPERTS_KEPT, Float8Report, float8_linears
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -51,6 +51,8 @@ class Engine(nn.Module):
     `after_backward` holds callables run after each step's backward, before the gradients
     are averaged over dp (autopar.runtime.measure samples memory there)."""
 
+    float8: Float8Report | None = None  # precision="fp8": what runs in float8, and why not
+
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
@@ -64,8 +66,6 @@ class Engine(nn.Module):
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
         self.scaler = LossScaler() if precision == "fp16" else None
-        # fp8: which linears run in float8 and which stayed bf16, and why
-        self.float8 = Float8Report() if precision == FP8 else None
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
         self.comm_log: CommLog = groups[TP].log
         self.recorder = Recorder()  # per-layer time, saved bytes, collectives' layers
@@ -168,9 +168,7 @@ class Engine(nn.Module):
         gm = apply_solution(traced.gm, solution)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
-        if self.float8 is not None:  # linears' GEMMs in float8 (autopar.passes.float8)
-            gm, report = float8_linears(gm, solution.params, TP, solution.sizes)
-            self.float8.merge(report)
+        gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers)
         if self.moe_layers:
             gm = place_expert_layers(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
@@ -513,6 +511,21 @@ def _stacked(outer, inner):
             yield
 
     return both
+
+
+def _float8(gm: fx.GraphModule, solution: Solution, precision: str,
+            report: Float8Report | None, moe_layers) -> tuple[fx.GraphModule, Float8Report | None]:
+    """Under precision="fp8": gm with its eligible linears' GEMMs in float8
+    (autopar.passes.float8), and `report` (a new one for None) told which, and that the MoE
+    layers (autopar.kernels.moe_layers) keep their experts' GEMMs in bf16; else gm, None."""
+    if precision != FP8:
+        return gm, None
+    report = report if report is not None else Float8Report()
+    gm, made = float8_linears(gm, solution.params, TP, solution.sizes)
+    report.merge(made)
+    for name in moe_layers:
+        report.kept.setdefault(name, EXPERTS_KEPT)
+    return gm, report
 
 
 def _blank(tensors: tuple, device: torch.device) -> tuple:
