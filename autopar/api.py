@@ -12,7 +12,7 @@ from torch import nn
 
 from autopar.errors import PlanError, WorldError
 from autopar.kernels.moe_layers import expert_layers
-from autopar.modes import CP, FP32, TP_1D
+from autopar.modes import BF16, CP, FP8, FP32, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
@@ -40,7 +40,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
     dict(tensor=dict(size=4, mode="2d")). `optimizer`: a factory taking the parameters.
     `max_grad_norm`: clip by the global norm over every shard. `precision`: "fp32", "bf16"
-    or "fp16" (16-bit compute on fp32 masters). `check_batches`: compare every step's
+    or "fp16" (16-bit compute on fp32 masters), or "fp8" (bf16, with the linears' GEMMs in
+    float8: docs/fp8-training.md). `check_batches`: compare every step's
     global batch across ranks (the first step always does). A model on the meta device
     gets only this rank's slices, of its own initialization under `seed` (None: the random
     state now, as one device would draw it), or of `weights`: a safetensors file or
@@ -296,9 +297,14 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
     if loss_fn is not None:
         with torch.no_grad():
             target = _example_target(model(*inputs), loss_fn)
+    dtype = None if precision == FP32 else precision
+    if precision == FP8 and FP8 not in world.profile.peak_flops:  # (a CPU's profile)
+        dtype = BF16
     chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
-                       example_target=target, executable=True, top=3,
-                       dtype=None if precision == FP32 else precision)
+                       example_target=target, executable=True, top=3, dtype=dtype)
+    if dtype != precision and precision == FP8:
+        chosen.notes.append(f"fp8: the '{world.device}' profile has no fp8 peak, so the "
+                            "search priced the GEMMs at bf16's rate")
     chosen.notes.extend(f"left out: {n}" for n in chosen.search.get("left_out", []))
     return chosen
 

@@ -186,8 +186,8 @@ def test_inference_returns_the_traced_dtype_and_a_bad_precision_is_refused():
         ref = model(x)
     assert float((out.detach() - ref).norm() / ref.norm()) < 2e-2
     with pytest.raises(PlanError, match=r"^precision must be one of 'fp32', 'bf16', 'fp16', "
-                                        r"not 'fp8'\.$"):
-        autopar.parallelize(model, 1, example_inputs=(x,), precision="fp8")
+                                        r"'fp8', not 'fp4'\.$"):
+        autopar.parallelize(model, 1, example_inputs=(x,), precision="fp4")
 
 
 # ------------------------------------------------------------------ against one device

@@ -22,13 +22,14 @@ from torch import nn
 
 from autopar.errors import PlanError
 from autopar.graph.analysis import OpKind
-from autopar.modes import BF16, FP16, FP32
+from autopar.modes import BF16, FP8, FP16, FP32
 from autopar.passes.tensor_parallel import clone_graph_module
 from autopar.sharding.strategy import Rewrite
 
 aten = torch.ops.aten
 
-PRECISIONS = {FP32: None, BF16: torch.bfloat16, FP16: torch.float16}
+# FP8 (autopar.modes): linears' GEMMs in float8 (autopar.passes.float8), the rest as bf16
+PRECISIONS = {FP32: None, BF16: torch.bfloat16, FP16: torch.float16, FP8: torch.bfloat16}
 """`parallelize(precision=...)` names -> compute dtype (None: no cast, today's fp32)."""
 
 LOSS_LAYER = "loss"  # the layer analyse gives the nodes the loss function added

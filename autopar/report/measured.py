@@ -19,8 +19,10 @@ from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_par
 from autopar.errors import PlanError
 from autopar.modes import (
     AXES,
+    BF16,
     DP,
     EP,
+    FP8,
     FP32,
     MEGATRON_SP,
     NO_PIPELINE,
@@ -118,6 +120,7 @@ def measured_report(engine, world: World | None = None) -> dict:
         "compile": None if engine.regions is None else {
             "regions": engine.regions.regions, "compiled_functions": engine.regions.compiled,
             "predicted_fusion_s": pred.get("fusion_s") if pred else None},
+        "float8": engine.float8.to_json() if engine.float8 is not None else None,
     }
 
 
@@ -226,7 +229,10 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
                          MEGATRON_SP if (sp is True or (sp and name in sp)) else NO_SP,
                          recompute[name]) for name in names]
     stage_of = [stage_of_layer.get(name, 0) for name in names]
-    ctx = pricing_context(plan, world, engine.precision, chain)  # its dtype: the planner's
+    # its dtype names are the planner's; fp8 at bf16's rate where the profile has no fp8 peak
+    precision = engine.precision if engine.precision != FP8 or \
+        FP8 in world.profile.peak_flops else BF16
+    ctx = pricing_context(plan, world, precision, chain)
     ctx.compile = engine.regions is not None  # priced as it runs, whatever the plan says
     costs = layer_costs(chain, states, ctx, b)
     out = {"device": world.device, "layers": {}, "axes": {},
@@ -371,7 +377,17 @@ def measured_text(data: dict) -> str:
                 f"{_b(p['alltoall_bytes']):>16}{_b(mm['alltoall_bytes']):>10}")
             lines.append(f"  {'':<14}routed here per expert {mm['routed']}; computed by experts "
                          f"{mm['first_expert']}.. {mm['computed']}")
-    return "\n".join(lines)
+    return "\n".join(lines + _float8_lines(data.get("float8")))
+
+
+def _float8_lines(fp8: dict | None) -> list[str]:
+    """precision="fp8": which linears ran their GEMMs in float8, which stayed bf16 and why."""
+    if fp8 is None:
+        return []
+    lines = ["", f"float8 (e4m3 activations and weights, e5m2 gradients, tensorwise power-of-two"
+                 f" scales): {len(fp8['converted'])} linear modules in float8"]
+    lines += [f"  stayed bf16: {module}: {why}" for module, why in fp8["kept"].items()]
+    return lines
 
 
 def _n(value) -> str:

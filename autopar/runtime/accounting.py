@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.graph.trace import BATCH
+from autopar.kernels.float8 import Float8Linear
 from autopar.modes import DP, DP_REPLICATE, DP_SHARD, EDP, EP, FULL, PP
 from autopar.passes.precision import comm_factors
 from autopar.runtime.measure import STEP
@@ -51,9 +52,29 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
                                **_expert_data(engine, runs), **_pipeline(engine)}.items():
         key = (op, axis, STEP)
         by_layer[key] = by_layer.get(key, 0) + nbytes
-    for key, nbytes in _dispatch(engine).items():
+    for key, nbytes in {**_dispatch(engine), **_float8(engine, runs, mine)}.items():
         by_layer[key] = by_layer.get(key, 0) + nbytes
     return by_layer
+
+
+def _float8(engine, runs: int, mine) -> dict[tuple[str, str, str], int]:
+    """fp8's amax all-reduces over tp (4 bytes per split operand of a float8 linear, per
+    micro-batch: the input's and weight's in the forward, the output gradient's in the
+    backward), in the linear's layer; this pipeline rank's stages only."""
+    out: dict[tuple[str, str, str], int] = {}
+    if engine.float8 is None:
+        return out
+    for node in engine.train_gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = engine.train_gm.get_submodule(node.target)
+        layer = node.meta["autopar"].layer
+        if not isinstance(module, Float8Linear) or not module.split or \
+                (mine is not None and layer not in mine):
+            continue
+        key = ("all_reduce", module.axis, layer)
+        out[key] = out.get(key, 0) + runs * sum(module.amax_bytes().values())
+    return out
 
 
 def _dispatch(engine) -> dict[tuple[str, str, str], int]:
@@ -120,8 +141,14 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
         once = sum(zero.unit_bytes(u) for u in engine.train_units)
         gathers = runs * sum(zero.gather_bytes(u) for u in engine.train_units) + \
             sum(zero.gather_bytes(u) for u in zero.backward_gathers or ())
+        # fp8: the float8 weights' amaxes all-reduced before each of their gathers (under
+        # HSDP over the shard group, whose pieces make each weight)
+        amax = runs * sum(zero.amax_bytes(u) for u in engine.train_units) + \
+            sum(zero.amax_bytes(u) for u in zero.backward_gathers or ())
         out = {("all_reduce", DP): 4, ("reduce_scatter", axis): runs * once,
                ("all_gather", axis): gathers}
+        if amax:
+            out[("all_reduce", axis)] = out.get(("all_reduce", axis), 0) + amax
     elif zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
         # (stage 2 under a pipeline reduce-scatters each micro-batch's gradients)
         sends = runs if zero.stage == 2 else 1

@@ -18,13 +18,27 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, DP_REPLICATE, DP_SHARD, EDP, EP, FP16, FP32, PP, RING, TP
+from autopar.modes import (
+    CP,
+    DP,
+    DP_REPLICATE,
+    DP_SHARD,
+    EDP,
+    EP,
+    FP8,
+    FP16,
+    FP32,
+    PP,
+    RING,
+    TP,
+)
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
     place_expert_layers,
     with_balance_loss,
 )
+from autopar.passes.float8 import EXPERTS_KEPT, Float8Report, float8_linears
 from autopar.passes.precision import cast_precision, compute_dtype
 from autopar.passes.tensor_parallel import apply_solution, shard_parameters
 from autopar.plans import Plan
@@ -55,6 +69,8 @@ class Engine(nn.Module):
 
     `after_backward` holds callables run after each step's backward, before the gradients
     are averaged over dp (autopar.runtime.measure samples memory there)."""
+
+    float8: Float8Report | None = None  # precision="fp8": what runs in float8, and why not
 
     def __init__(self, model: nn.Module, plan: Plan, groups: dict[str, AxisGroup],
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
@@ -178,6 +194,7 @@ class Engine(nn.Module):
         gm = apply_solution(traced.gm, solution)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
+        gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers)
         if self.moe_layers:
             gm = place_expert_layers(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
@@ -272,7 +289,8 @@ class Engine(nn.Module):
         ZeRO-3's pieces a start made, adopted as they are)."""
         self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._zero_dp,
                                                 self._optimizer_factory, self.compute_dtype,
-                                                stages, experts=self.grads, pieces=pieces)
+                                                stages, experts=self.grads, pieces=pieces,
+                                                float8=self.float8 is not None)
         if self.zero.stage == 3:  # the graphs gather each layer's parameters
             self.zero.rewrite(self.forward_gm)
         self.optimizer = self.grads.with_norms(self.zero.optimizer)
@@ -536,6 +554,21 @@ def _stacked(outer, inner):
             yield
 
     return both
+
+
+def _float8(gm: fx.GraphModule, solution: Solution, precision: str,
+            report: Float8Report | None, moe_layers) -> tuple[fx.GraphModule, Float8Report | None]:
+    """Under precision="fp8": gm with its eligible linears' GEMMs in float8
+    (autopar.passes.float8), and `report` (a new one for None) told which, and that the MoE
+    layers (autopar.kernels.moe_layers) keep their experts' GEMMs in bf16; else gm, None."""
+    if precision != FP8:
+        return gm, None
+    report = report if report is not None else Float8Report()
+    gm, made = float8_linears(gm, solution.params, TP, solution.sizes)
+    report.merge(made)
+    for name in moe_layers:
+        report.kept.setdefault(name, EXPERTS_KEPT)
+    return gm, report
 
 
 def _blank(tensors: tuple, device: torch.device) -> tuple:

@@ -22,11 +22,12 @@ def zero_sharded(plan_zero, dp_size: int) -> bool:
 
 
 def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None,
-              experts=None, pieces=None):
+              experts=None, pieces=None, float8: bool = False):
     """The ZeRO state a plan's `zero` asks for over dp: the optimizer runs on this rank's
     pieces (stage 2 under a pipeline: `stages`, each stage's parameters). `experts`: a
     Gradients whose expert weights are cut over their expert-data group instead. `pieces`:
-    ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are."""
+    ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are.
+    `float8`: ZeRO-3 gathers float8 linears' weights in e4m3 (precision="fp8")."""
     if experts is not None and experts.edp is not None:
         return expert_zero(plan_zero, params, dp, experts.edp, experts.expert_divisor,
                            experts.params.is_expert, factory, compute_dtype, stages, pieces)
@@ -34,7 +35,7 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     divisor = dp.divisor if isinstance(dp, ShardGroup) else 1
     if plan_zero.stage == 3:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype,
-                         pieces=pieces, divisor=divisor)
+                         pieces=pieces, divisor=divisor, float8=float8)
     return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
                                  offload=plan_zero.offload, stages=stages, divisor=divisor)
 

@@ -6,6 +6,7 @@ inside the shard group, each reduce-scattered piece then summed over the replica
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from autopar.kernels.collectives import AxisGroup, Pending
 
@@ -22,6 +23,10 @@ class ShardGroup:
 
     def all_gather(self, x: torch.Tensor, dim: int, groups: int, phase: str) -> torch.Tensor:
         return self.shard.all_gather(x, dim, groups, phase)
+
+    def all_reduce(self, x: torch.Tensor, phase: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Over the shard group alone (fp8's amaxes: its pieces make the whole weight)."""
+        return self.shard.all_reduce(x, phase, op=op)
 
     def all_gather_async(self, flat: torch.Tensor, phase: str) -> Pending:
         return self.shard.all_gather_async(flat, phase)

@@ -10,10 +10,12 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from autopar.kernels.collectives import AxisGroup, Pending
+from autopar.kernels.float8 import E4M3, Float8Linear, quantize, scale_for
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
@@ -23,7 +25,8 @@ REDUCES_IN_FLIGHT = 1
 class _Unit:
     """One layer's parameters: which of the engine's parameters, where in its buffer."""
 
-    def __init__(self, layer: str, members: list[int], numels: list[int], chunks: list[int]):
+    def __init__(self, layer: str, members: list[int], numels: list[int], chunks: list[int],
+                 float8: list[bool] | None = None):
         self.layer, self.members = layer, members
         self.offsets, off = [], 0  # where each member lies in the whole (gathered) buffer
         for i in members:
@@ -31,6 +34,8 @@ class _Unit:
             off += numels[i]
         self.numel = off
         self.chunk = sum(chunks[i] for i in members)  # one rank's piece of the unit
+        # fp8: the members gathered as e4m3 (1 byte each, the weights of float8 linears)
+        self.float8 = float8 if float8 is not None and any(float8) else None
 
 
 class ZeroThree:
@@ -41,7 +46,7 @@ class ZeroThree:
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
                  offload: bool = False, compute_dtype: torch.dtype | None = None,
                  divisor: float = 1, prefix: str = "zero3_gather",
-                 pieces: dict[int, torch.Tensor] | None = None):
+                 pieces: dict[int, torch.Tensor] | None = None, float8: bool = False):
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
         self.prefix = prefix  # of its gather modules' names in a graph
@@ -74,6 +79,9 @@ class ZeroThree:
         # graph's cast of a gathered parameter is then the same tensor, which the saved-
         # tensor hook recognises), gradients reduce-scattered in the masters' dtype
         self.gather_dtype = compute_dtype or self.dtype
+        # precision="fp8": a float8 linear's weight is gathered in e4m3 with one scale from
+        # the whole weight (its pieces' amax all-reduced over dp), about half bf16's bytes
+        self.float8 = float8
         for p in self.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -96,11 +104,11 @@ class ZeroThree:
     def index_of(self, param) -> int | None:
         return self._index.get(id(param))
 
-    def _unit(self, layer: str, members: list[int]) -> int:
+    def _unit(self, layer: str, members: list[int], float8: list[bool] | None = None) -> int:
         key = f"{layer}|{','.join(map(str, members))}"
         if key not in self._unit_of_layer:
             self._unit_of_layer[key] = len(self.units)
-            self.units.append(_Unit(layer, members, self.numels, self.chunks))
+            self.units.append(_Unit(layer, members, self.numels, self.chunks, float8))
         return self._unit_of_layer[key]
 
     def rewrite(self, gm: fx.GraphModule) -> list[int]:
@@ -125,7 +133,9 @@ class ZeroThree:
                     layer = _layer(node)
                     uses.setdefault(layer, {}).setdefault(reads[arg], []).append(node)
                     first.setdefault(layer, node)
-        order = [self._unit(layer, sorted(per_param)) for layer, per_param in uses.items()]
+        order = [self._unit(layer, sorted(per_param), [
+            self.float8 and all(_float8_weight(gm, user) for user in per_param[i])
+            for i in sorted(per_param)]) for layer, per_param in uses.items()]
         for k, (layer, per_param) in enumerate(uses.items()):
             members, u = sorted(per_param), order[k]
             name = f"{self.prefix}_{u}"
@@ -165,6 +175,9 @@ class ZeroThree:
         if u in self._pending:
             return
         unit = self.units[u]
+        if unit.float8 is not None:
+            self._start_float8(u, phase)
+            return
         send = torch.zeros(unit.chunk, dtype=self.gather_dtype, device=self.device)
         off = 0
         for i in unit.members:
@@ -175,11 +188,32 @@ class ZeroThree:
         self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
             else Pending(send, [])
 
+    def _start_float8(self, u: int, phase: str) -> None:
+        """Unit u's gather as bytes: its float8 members in e4m3 at the scale of the whole
+        weight (one all-reduce of their amaxes over dp), the rest in the gather dtype."""
+        unit = self.units[u]
+        pieces = [self.shards[i].detach().to(self.gather_dtype) for i in unit.members]
+        amax = torch.stack([p.abs().max() if p.numel() else p.new_zeros(()) for p, f in
+                            zip(pieces, unit.float8) if f]).float()
+        scales = scale_for(self.dp.all_reduce(amax, phase, op=dist.ReduceOp.MAX), E4M3)
+        send = torch.zeros(self._unit_piece_bytes(u), dtype=torch.uint8, device=self.device)
+        off, k = 0, 0
+        for i, piece, f in zip(unit.members, pieces, unit.float8):
+            if f:
+                piece, k = quantize(piece, scales[k], E4M3), k + 1
+            raw = piece.reshape(-1).view(torch.uint8)
+            send[off:off + raw.numel()] = raw
+            off += self.chunks[i] * piece.element_size()
+        self._pending[u] = _Scaled(self.dp.all_gather_async(send, phase), scales)
+
     def _finish(self, u: int, phase: str) -> torch.Tensor:
         """Unit u's whole parameters, one after the other in one flat buffer."""
         self._start(u, phase)
-        out = self._pending.pop(u).wait()
+        pending = self._pending.pop(u)
+        out = pending.wait()
         unit = self.units[u]
+        if unit.float8 is not None:
+            return self._whole_float8(u, out, pending.scales)
         pieces = out.view(self.dp.size, unit.chunk)
         whole = torch.empty(unit.numel, dtype=self.gather_dtype, device=self.device)
         col = 0
@@ -188,6 +222,36 @@ class ZeroThree:
             whole[off:off + n] = pieces[:, col:col + k].reshape(-1)[:n]
             col += k
         return whole
+
+    def _whole_float8(self, u: int, out: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Unit u's whole parameters in the gather dtype from its gathered bytes (the e4m3
+        members unscaled: the values the float8 linear quantizes again exactly)."""
+        unit = self.units[u]
+        pieces = out.view(self.dp.size, -1)
+        whole = torch.empty(unit.numel, dtype=self.gather_dtype, device=self.device)
+        col, k = 0, 0
+        for i, off, f in zip(unit.members, unit.offsets, unit.float8):
+            dtype = E4M3 if f else self.gather_dtype
+            width = self.chunks[i] * _itemsize(dtype)
+            values = pieces[:, col:col + width].contiguous().view(dtype).reshape(-1)
+            values = values[:self.numels[i]]
+            if f:
+                values, k = (values.float() / scales[k]).to(self.gather_dtype), k + 1
+            whole[off:off + self.numels[i]] = values
+            col += width
+        return whole
+
+    def _unit_piece_bytes(self, u: int) -> int:
+        """Bytes of one rank's piece of unit u as gathered."""
+        unit = self.units[u]
+        flags = unit.float8 or [False] * len(unit.members)
+        return sum(self.chunks[i] * _itemsize(E4M3 if f else self.gather_dtype)
+                   for i, f in zip(unit.members, flags))
+
+    def amax_bytes(self, u: int) -> int:
+        """Bytes of the amax all-reduce over dp before each gather of unit u (fp8)."""
+        unit = self.units[u]
+        return 4 * sum(unit.float8) if unit.float8 is not None else 0
 
     def _views(self, u: int, whole: torch.Tensor) -> tuple:
         unit = self.units[u]
@@ -330,9 +394,8 @@ class ZeroThree:
         return self.dp.size * self.units[u].chunk * self.params[0].element_size()
 
     def gather_bytes(self, u: int) -> int:
-        """Bytes of one all-gather of unit u (the compute dtype)."""
-        return self.dp.size * self.units[u].chunk * \
-            torch.empty((), dtype=self.gather_dtype).element_size()
+        """Bytes of one all-gather of unit u (the compute dtype; fp8 weights: 1 a value)."""
+        return self.dp.size * self._unit_piece_bytes(u)
 
     def reduce_gradients(self) -> None:
         """Stage 3 reduce-scatters each layer's gradients in its backward."""
@@ -411,6 +474,34 @@ class _GatherLayer(nn.Module):
 def is_gather(module: nn.Module) -> bool:
     """Whether a graph's submodule is a layer's ZeRO-3 gather."""
     return isinstance(module, _GatherLayer)
+class _Scaled:
+    """A float8 gather in flight and the scales its members were sent at."""
+
+    def __init__(self, pending, scales: torch.Tensor):
+        self.pending, self.scales = pending, scales
+
+    def wait(self) -> torch.Tensor:
+        return self.pending.wait()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _float8_weight(gm: fx.GraphModule, user: fx.Node) -> bool:
+    """Whether a parameter that `user` reads (directly, or through mixed precision's cast
+    when `user` is that cast) feeds only float8 linears, as their weight."""
+    if user.meta.get("autopar_precision") == "compute":
+        return bool(user.users) and all(_weight_of_float8(gm, r, user) for r in user.users)
+    weight = user.args[1] if len(user.args) > 1 else None
+    return isinstance(weight, fx.Node) and weight.op == "get_attr" and \
+        _weight_of_float8(gm, user, weight)
+
+
+def _weight_of_float8(gm: fx.GraphModule, reader: fx.Node, weight: fx.Node) -> bool:
+    return reader.op == "call_module" and \
+        isinstance(gm.get_submodule(reader.target), Float8Linear) and \
+        len(reader.args) > 1 and reader.args[1] is weight and reader.args[0] is not weight
 
 
 def _casts_to(node: fx.Node, dtype: torch.dtype) -> bool:

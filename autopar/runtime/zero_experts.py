@@ -116,6 +116,9 @@ class ExpertDataZeroThree(ExpertDataZero):
     def gather_bytes(self, u: int) -> int:
         return self.parts[0].gather_bytes(u)
 
+    def amax_bytes(self, u: int) -> int:
+        return self.parts[0].amax_bytes(u)
+
     @property
     def backward_gathers(self):
         return self.parts[0].backward_gathers

@@ -1,0 +1,153 @@
+"""Float8 training on this CPU: fp8 beside bf16, bytes per step at world 2 and loss curves.
+
+    python benchmarks/bench_fp8.py [--steps 120] [--world-steps 4]
+
+Two parts, the same weights and batches for both precisions:
+
+* world 2 (gloo, one thread a rank), a small GPT under ZeRO-3 over dp 2 and under 1D tensor
+  parallelism over tp 2: bytes a rank sends per step, by collective, measured (comm_log)
+  beside the engine's prediction; ZeRO-3's gathered bytes; the tp amax all-reduces fp8
+  adds; step times reported, not judged (CPU float8 is an emulation, slower than bf16);
+* one process: a byte-level GPT trained `--steps` steps on English text shipped with
+  Python (the pydoc topics of `pydoc_data`), AdamW; the loss every 10 steps and the gap of
+  fp8's curve to bf16's at the end (last step, and mean of the last 10 steps).
+
+`published_table()` is where the published-vs-predicted FP8 table of bench_fidelity.py is
+printed once that table exists. Writes benchmarks/results/fp8.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from gloo_world import lm_loss, results_path, run_world  # noqa: E402
+
+SPEC = "gpt:layers=2,hidden=128,heads=4,vocab=256,seq=64"
+PLANS = {"zero3": {"data": 2, "zero": {"stage": 3}}, "tp2": {"tensor": {"size": 2, "mode": "1d"}}}
+PRECISIONS = ("bf16", "fp8")
+WORLD, BATCH = 2, 8
+
+
+def text_batches(steps: int, batch: int, seq: int, seed: int = 0):
+    """`steps` (inputs, targets) pairs of byte windows from pydoc's topics (real text)."""
+    from pydoc_data.topics import topics
+
+    data = torch.tensor(list("\n".join(topics.values()).encode("ascii", "replace")))
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        start = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        window = torch.stack([data[s:s + seq + 1] for s in start.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def _engine(world: int, plan, precision: str, x):
+    import autopar
+    from autopar.models import build
+
+    model, _ = build(SPEC, batch=2, device="cpu", seed=0)
+    return autopar.parallelize(model, world, example_inputs=(x[:2],), loss_fn=lm_loss, plan=plan,
+                               optimizer=functools.partial(torch.optim.AdamW, lr=2e-3),
+                               precision=precision)
+
+
+def worker(rank: int, steps: int, out_path: str) -> None:
+    rows = []
+    batches = list(text_batches(steps, BATCH, 64))
+    for plan_name, plan in PLANS.items():
+        for precision in PRECISIONS:
+            engine = _engine(WORLD, plan, precision, batches[0][0])
+            times = []
+            for x, y in batches:
+                engine.comm_log.clear()
+                dist.barrier()
+                start = time.perf_counter()
+                engine.train_step(x, y)
+                times.append(time.perf_counter() - start)
+            measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+            predicted = engine.predicted_comm(BATCH)
+            rows.append({"plan": plan_name, "precision": precision,
+                         "step_time_s": statistics.median(times[1:]),
+                         "comm_by_op": {f"{op}/{ax}": b for (op, ax), b in measured.items()},
+                         "predicted_by_op": {f"{op}/{ax}": b for (op, ax), b in predicted.items()},
+                         "comm_equals_prediction": measured == predicted,
+                         "gathered": measured.get(("all_gather", "dp"), 0),
+                         "gathered_predicted": predicted.get(("all_gather", "dp"), 0),
+                         "tp_all_reduce": measured.get(("all_reduce", "tp"), 0)})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def loss_curves(steps: int) -> dict:
+    """bf16 and fp8 losses of the same model on the same text batches, one process."""
+    curves = {}
+    for precision in PRECISIONS:
+        batches = text_batches(steps, 16, 64)
+        x0, _ = next(text_batches(1, 16, 64))
+        engine = _engine(1, {}, precision, x0)
+        curves[precision] = [engine.train_step(x, y) for x, y in batches]
+    return curves
+
+
+def published_table() -> list[dict]:
+    """The published-vs-predicted FP8 rows of bench_fidelity.py (its `fp8_rows()`), printed;
+    [] while bench_fidelity has no FP8 table."""
+    import bench_fidelity
+
+    rows = getattr(bench_fidelity, "fp8_rows", lambda: [])()
+    for row in rows:
+        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--world-steps", type=int, default=4)
+    args = parser.parse_args()
+    tmp = results_path("fp8_world.json")
+    run_world(worker, (args.world_steps, tmp), WORLD)
+    with open(tmp) as f:
+        rows = json.load(f)
+    os.remove(tmp)
+    print(f"{SPEC}, world {WORLD} (gloo, CPU), global batch {BATCH}, {args.world_steps} steps")
+    print(f"{'plan':<6} {'prec':<5} {'step ms':>8} {'gathered B':>11} {'predicted':>10} "
+          f"{'tp all-reduce B':>16} {'all comm = pred':>16}")
+    for r in rows:
+        print(f"{r['plan']:<6} {r['precision']:<5} {r['step_time_s'] * 1e3:>8.1f} "
+              f"{r['gathered']:>11} {r['gathered_predicted']:>10} {r['tp_all_reduce']:>16} "
+              f"{str(r['comm_equals_prediction']):>16}")
+    torch.set_num_threads(1)
+    curves = loss_curves(args.steps)
+    bf16, fp8 = curves["bf16"], curves["fp8"]
+    last = abs(fp8[-1] - bf16[-1]) / bf16[-1]
+    tail = abs(statistics.mean(fp8[-10:]) - statistics.mean(bf16[-10:])) / \
+        statistics.mean(bf16[-10:])
+    print(f"\nloss curves, one process, byte-level {SPEC} on pydoc text, batch 16, AdamW 2e-3")
+    print(f"{'step':>5} {'bf16':>8} {'fp8':>8} {'gap %':>7}")
+    for i in list(range(0, args.steps, 10)) + [args.steps - 1]:
+        print(f"{i + 1:>5} {bf16[i]:>8.4f} {fp8[i]:>8.4f} "
+              f"{100 * (fp8[i] - bf16[i]) / bf16[i]:>7.2f}")
+    print(f"gap at the end: last step {100 * last:.2f}%, mean of the last 10 steps "
+          f"{100 * tail:.2f}% (goal: within 2%)")
+    published = published_table()
+    out = results_path("fp8.json")
+    with open(out, "w") as f:
+        json.dump({"model": SPEC, "world": WORLD, "rows": rows, "curves": curves,
+                   "gap_last": last, "gap_last10": tail, "published": published}, f, indent=2)
+    print(f"written to {os.path.relpath(out, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
