@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                 precision: str = "fp32", check_batches: bool = False, weights=None,
                 metrics=None, metrics_every: int = 10, checkpoint_dir=None,
                 checkpoint_every: int = 100, checkpoint_async: bool = True,
-                checkpoint_keep: int = 2) -> Engine:
+                checkpoint_keep: int = 2, chunked_loss: bool = True) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
@@ -48,9 +48,12 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     `checkpoint_dir`: resume from its latest checkpoint when it holds one (any plan or
     world wrote it; `engine.steps` says where the loop goes on), and save into it every
     `checkpoint_every` steps (in the background when `checkpoint_async`; the newest
-    `checkpoint_keep` are kept)."""
+    `checkpoint_keep` are kept). `chunked_loss`: a cross-entropy over a linear's logits
+    runs fused, in chunks of tokens, never holding the whole logits (False: as traced)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
     _check_checkpointing(checkpoint_dir, checkpoint_every, checkpoint_async, checkpoint_keep)
+    if not isinstance(chunked_loss, bool):
+        raise PlanError(f"chunked_loss must be True or False, not {chunked_loss!r}.")
     sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
@@ -86,7 +89,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                     optimizer, seed=0 if seed is None else seed,
                     max_grad_norm=max_grad_norm, precision=precision,
                     forward_graph=traced, check_batches=check_batches,
-                    stage_planner=pipeline_stages, start=start)
+                    stage_planner=pipeline_stages, start=start, chunked_loss=chunked_loss)
     engine.metrics = sink
     if checkpoint_dir is not None:
         engine.checkpointing = Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,

@@ -19,6 +19,7 @@ from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
 from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.passes.chunked_loss import chunk_loss
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
@@ -54,8 +55,10 @@ class Engine(nn.Module):
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
                  precision: str = "fp32", check_batches: bool = False, stage_planner=None,
-                 start=None):
+                 start=None, chunked_loss: bool = True):
         super().__init__()
+        self.chunked_loss = chunked_loss  # classifier + cross-entropy fused, in token chunks
+        self.chunked_losses = 0  # how many the training graph fused (passes.chunked_loss)
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
         self.max_grad_norm = max_grad_norm
         self.check_batches = check_batches  # compare every step's batch across ranks
@@ -167,6 +170,8 @@ class Engine(nn.Module):
             gm = cast_precision(gm, self.compute_dtype)
         if self.moe_layers:
             gm = place_expert_layers(gm)
+        if self.chunked_loss:
+            self.chunked_losses = chunk_loss(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
         shard_parameters(gm, {t: self.params.slice_for(traced.gm, p, solution.params.get(t))
