@@ -83,15 +83,20 @@ def _linear_behind(logits) -> fx.Node | None:
         return None
     vocab, node = _shape(logits)[-1], logits
     while node.op == "call_function" and node.target in _VIEWS | _CASTS:
-        if len(node.users) != 1 or not _passes_through(node, vocab):
+        if len(_readers(node)) != 1 or not _passes_through(node, vocab):
             return None
         node = node.args[0]
         if not isinstance(node, fx.Node):
             return None
     if node.op != "call_function" or node.target is not aten.linear.default or \
-            len(node.users) != 1 or (_shape(node) or (None,))[-1] != vocab:
+            len(_readers(node)) != 1 or (_shape(node) or (None,))[-1] != vocab:
         return None
     return node
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The users of node but export's metadata asserts (which go with it)."""
+    return [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
 
 
 def _passes_through(node: fx.Node, vocab) -> bool:
@@ -111,6 +116,8 @@ def _erase_chain(graph: fx.Graph, loss: fx.Node, linear: fx.Node) -> None:
     node = loss
     while True:
         source = node.args[0]
+        for user in list(node.users):  # export's metadata asserts on the erased values
+            graph.erase_node(user)
         graph.erase_node(node)
         if node is linear:
             return
