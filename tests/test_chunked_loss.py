@@ -36,6 +36,26 @@ def hf_llama(batch: int):
     return model, (x,), torch.randint(0, 64, (batch, 8)), loss_fn
 
 
+class _WithLabels(torch.nn.Module):
+    """A transformers model called with labels=: the loss inside its forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+def hf_llama_labels(batch: int):
+    model, (x,), target, _ = hf_llama(batch)
+    return _WithLabels(model), (x, target), target, _own_loss
+
+
+def _own_loss(loss, target):
+    return loss
+
+
 def test_kernel_equals_aten_in_many_chunks():
     torch.manual_seed(0)
     x = torch.randn(2, 13, 8, dtype=torch.float64).float().requires_grad_()
@@ -57,7 +77,7 @@ def test_kernel_equals_aten_in_many_chunks():
 def _chunked_run(name, plan, chunked: bool) -> dict:
     """compare() with small chunks (several per local batch), plus how many losses fused."""
     kernel.CHUNK_BYTES = SMALL_CHUNKS
-    model = hf_llama if name == "hf-llama" else name
+    model = {"hf-llama": hf_llama, "hf-llama-labels": hf_llama_labels}.get(name, name)
     return compare(model, plan, steps=3, probe=_fused, chunked_loss=chunked)
 
 
@@ -77,6 +97,14 @@ PLANS = {"data": {"data": 2},
 def test_chunked_equals_one_device(pool2, model, plan):
     for r in pool2.run(_chunked_run, model, PLANS[plan], True):
         assert r["probe"] == 1, r["probe"]  # the loss ran chunked
+        assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"]
+
+
+@pytest.mark.parametrize("plan", ["data", "tensor"])
+def test_loss_inside_the_forward_is_chunked(pool2, plan):
+    for r in pool2.run(_chunked_run, "hf-llama-labels", PLANS[plan], True):
+        assert r["probe"] == 1
         assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, (r["loss"], r["weights"])
         assert r["measured"] == r["predicted"]
 
