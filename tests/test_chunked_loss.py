@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from distributed import dist_pool_fixture
 from equivalence import compare
 
-from autopar.kernels import chunked_loss as kernel
+from autopar.graph import losses
 from autopar.kernels.chunked_loss import ChunkedCrossEntropy
 
 pool2 = dist_pool_fixture(2)
@@ -76,7 +76,7 @@ def test_kernel_equals_aten_in_many_chunks():
 
 def _chunked_run(name, plan, chunked: bool) -> dict:
     """compare() with small chunks (several per local batch), plus how many losses fused."""
-    kernel.CHUNK_BYTES = SMALL_CHUNKS
+    losses.CHUNK_BYTES = SMALL_CHUNKS
     model = {"hf-llama": hf_llama, "hf-llama-labels": hf_llama_labels}.get(name, name)
     return compare(model, plan, steps=3, probe=_fused, chunked_loss=chunked)
 

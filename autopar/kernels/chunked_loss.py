@@ -21,25 +21,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.graph.losses import chunk_rows
 from autopar.kernels import multid
 from autopar.kernels.collectives import AxisGroup, Bound
-
-CHUNK_BYTES = 16 * 2**20
-"""Bytes of one chunk's fp32 logits (rows = CHUNK_BYTES // (4 x the rank's vocabulary))."""
-
-
-def chunk_rows(vocab: int, chunk_bytes: int | None = None) -> int:
-    """Tokens per chunk for a rank holding `vocab` classes (chunk_bytes None: CHUNK_BYTES,
-    read when called, so a test can make chunks small)."""
-    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    return max(1, chunk_bytes // (4 * max(1, vocab)))
 
 
 def _logits(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     """One chunk's logits in fp32 (the loss's softmax runs in fp32 whatever x's dtype)."""
-    z = x @ weight.t()
-    if bias is not None:
-        z = z + bias
+    z = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
     return z.float()
 
 
@@ -57,12 +46,12 @@ class _ChunkedCE(torch.autograd.Function):
         row_max, sums, picked = (torch.empty(n, device=x.device) for _ in range(3))
         inside = (t >= start) & (t < start + vl)
         local_t = (t - start).masked_fill(~inside, 0)
-        for a in range(0, n, rows):
+        for a in range(0, n, rows):  # one chunk's logits alive at a time, reduced in place
             z = _logits(xf[a:a + rows], weight, bias)  # (rows, vocab slice)
             m = z.max(-1).values
             row_max[a:a + rows] = m
-            sums[a:a + rows] = (z - m[:, None]).exp().sum(-1)
             picked[a:a + rows] = z.gather(1, local_t[a:a + rows, None]).squeeze(1)
+            sums[a:a + rows] = z.sub_(m[:, None]).exp_().sum(-1)
             del z
         picked = picked * inside
         if g is not None:  # the three per-token all-reduces of the unchunked kernel
@@ -89,24 +78,23 @@ class _ChunkedCE(torch.autograd.Function):
         dx = torch.empty_like(xf)
         dw = torch.zeros_like(weight)
         db = torch.zeros_like(bias) if bias is not None else None
-        for a in range(0, xf.shape[0], rows):
-            z = _logits(xf[a:a + rows], weight, bias)
-            softmax = (z - lse[a:a + rows, None]).exp()
-            del z
-            dz = multid.ce_logit_grad(softmax, local_t[a:a + rows], inside[a:a + rows],
-                                      scale[a:a + rows]).to(x.dtype)
-            del softmax
-            dx[a:a + rows] = dz @ weight
-            dw += dz.t() @ xf[a:a + rows]
+        for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
+            dz = _logits(xf[a:a + rows], weight, bias).sub_(lse[a:a + rows, None]).exp_()
+            hit = torch.arange(dz.shape[0], device=dz.device)
+            dz[hit, local_t[a:a + rows]] -= inside[a:a + rows].to(dz.dtype)
+            dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)
+            torch.mm(dz, weight, out=dx[a:a + rows])
+            dw.addmm_(dz.t(), xf[a:a + rows])
             if db is not None:
                 db += dz.sum(0)
+            del dz
         return dx.reshape(x.shape), dw, db, None, None, None
 
 
 class ChunkedCrossEntropy(Bound):
     """Cross-entropy of x @ W.T (+ b), in chunks of `chunk_rows(this rank's vocabulary,
-    chunk_bytes)` tokens; W's rows split over `axis`
-    (vocabulary-parallel) or whole (axis None). `reduction`: 1 the mean over the tokens
+    chunk_bytes)` tokens; W's rows split over `axis` (vocabulary-parallel) or whole (axis
+    None). `reduction`: 1 the mean over the tokens
     whose target is not `ignore_index`, 2 their sum. The logits are fp32 (upcast when x is
     16-bit), as the unchunked kernels compute them."""
 

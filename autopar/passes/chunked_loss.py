@@ -15,27 +15,26 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from autopar.graph.losses import classifier_behind
 from autopar.kernels.chunked_loss import ChunkedCrossEntropy
 from autopar.kernels.modules import VocabParallelCrossEntropy
 from autopar.sharding.rules.vocab import cross_entropy_args
 
 aten = torch.ops.aten
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_CASTS = {aten._to_copy.default, aten.to.dtype}
 CHUNKED = "autopar_chunked_loss"  # node.meta key on a fused loss: its ChunkedCrossEntropy
 
 
 def chunk_loss(gm: fx.GraphModule, chunk_bytes: int | None = None) -> int:
     """Fuse every classifier + cross-entropy chain of gm (in place); returns how many.
-    `chunk_bytes`: one chunk's fp32 logits (None: `kernels.chunked_loss.CHUNK_BYTES`)."""
+    `chunk_bytes`: one chunk's fp32 logits (None: `graph.losses.CHUNK_BYTES`)."""
     fused = 0
     for node in list(gm.graph.nodes):
         loss = _loss_of(gm, node)
         if loss is None:
             continue
         axis, reduction, ignore = loss
-        linear = _linear_behind(node.args[0])
+        linear = classifier_behind(node.args[0])
         if linear is None:
             continue
         x, weight = linear.args[0], linear.args[1]
@@ -74,42 +73,6 @@ def _loss_of(gm: fx.GraphModule, node: fx.Node):
     if weight is not None or smoothing or reduction not in (1, 2):
         return None
     return None, reduction, ignore
-
-
-def _linear_behind(logits) -> fx.Node | None:
-    """The aten.linear whose output reaches `logits` ([tokens, vocabulary]) through views
-    that keep the last dim and casts to fp32 alone, each read once; else None."""
-    if not isinstance(logits, fx.Node) or len(_shape(logits) or ()) != 2:
-        return None
-    vocab, node = _shape(logits)[-1], logits
-    while node.op == "call_function" and node.target in _VIEWS | _CASTS:
-        if len(_readers(node)) != 1 or not _passes_through(node, vocab):
-            return None
-        node = node.args[0]
-        if not isinstance(node, fx.Node):
-            return None
-    if node.op != "call_function" or node.target is not aten.linear.default or \
-            len(_readers(node)) != 1 or (_shape(node) or (None,))[-1] != vocab:
-        return None
-    return node
-
-
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """The users of node but export's metadata asserts (which go with it)."""
-    return [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
-
-
-def _passes_through(node: fx.Node, vocab) -> bool:
-    if node.target in _VIEWS:
-        return (_shape(node.args[0]) or (None,))[-1] == vocab
-    dtype = node.args[1] if node.target is aten.to.dtype else node.kwargs.get("dtype")
-    extra = set(node.kwargs) - {"dtype", "layout", "device"}
-    return dtype == torch.float32 and not extra
-
-
-def _shape(node) -> tuple | None:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def _erase_chain(graph: fx.Graph, loss: fx.Node, linear: fx.Node) -> None:
