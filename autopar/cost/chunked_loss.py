@@ -46,6 +46,7 @@ class LossLogits:
     tokens: int
     vocab: int  # this device's classes
     kernel: str  # "aten" or "vocab_parallel": what runs unchunked
+    itemsize: int = FP32  # of the logits the traced loss reads (what activation_bytes counts)
 
     @property
     def whole_bytes(self) -> int:
@@ -84,7 +85,8 @@ def loss_logits(traced, solution=None, micro_batch: int = 1) -> list[LossLogits]
                          for d in logits.meta["autopar"].shape)
         if kernel == "vocab_parallel":
             vocab //= solution.size
-        out.append(LossLogits(node.meta["autopar"].layer, tokens, vocab, kernel))
+        size = torch.empty((), dtype=logits.meta["autopar"].dtype, device="meta").element_size()
+        out.append(LossLogits(node.meta["autopar"].layer, tokens, vocab, kernel, size))
     return out
 
 
@@ -110,7 +112,8 @@ def chunked_activations(traced, solution, micro_batch: int, per_layer: dict) -> 
     out = dict(per_layer)
     for loss in loss_logits(traced, solution, micro_batch):
         if loss.layer in out:
-            out[loss.layer] = max(0, out[loss.layer] - loss.whole_bytes + loss.tokens * FP32)
+            saved = loss.tokens * loss.vocab * loss.itemsize
+            out[loss.layer] = max(0, out[loss.layer] - saved + loss.tokens * FP32)
     return out
 
 
