@@ -123,3 +123,78 @@ def test_switch_must_be_a_bool():
     with pytest.raises(autopar.PlanError, match="chunked_loss must be True or False"):
         autopar.parallelize(model, 1, example_inputs=(x,), chunked_loss="yes",
                             optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
+    """Per rank: the live tensor bytes a step makes at its peak with the chunked loss off
+    and on, and the fall the memory model names for this rank's graph."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.cost.chunked_loss import effect
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.runtime.measure import measure_transient_bytes
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    peaks, said = {}, None
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=2, n_embd=32, block_size=seq))
+        x, y = torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))
+        engine = autopar.parallelize(model, world, example_inputs=(x,), plan=plan,
+                                     loss_fn=lambda out, t: F.cross_entropy(
+                                         out.reshape(-1, vocab), t.reshape(-1)),
+                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                     chunked_loss=chunked)
+        engine.train_step(x, y)
+        peaks[chunked] = measure_transient_bytes(lambda: engine.train_step(x, y))
+        if chunked:
+            solution = engine.train_solution if engine.plan.mesh["tp"] > 1 else None
+            said = effect(engine.train_graph, solution, 1)
+    return {"fall": peaks[False] - peaks[True], "said": said}
+
+
+def test_peak_falls_by_what_the_memory_model_says():
+    r = _peak_fall(32000, 512, {"data": 1})
+    assert r["said"]["losses"][0]["kernel"] == "aten"
+    assert abs(r["fall"] - r["said"]["saving_bytes"]) <= 0.10 * r["said"]["saving_bytes"], r
+
+
+def test_vocab_parallel_peak_falls_by_what_the_memory_model_says(pool2):
+    for r in pool2.run(_peak_fall, 32000, 512, PLANS["tensor"]):
+        assert r["said"]["losses"][0] == {"layer": "loss", "tokens": 512, "vocab": 16000,
+                                          "kernel": "vocab_parallel", "whole_buffers": 4}
+        assert abs(r["fall"] - r["said"]["saving_bytes"]) <= \
+            0.10 * r["said"]["saving_bytes"], r
+
+
+def test_activations_lose_the_saved_logits():
+    from autopar.cost.memory import activation_bytes
+    from autopar.graph.trace import trace
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
+    x = torch.randint(0, 1000, (2, 64))
+    traced = trace(model, (x,), loss_fn=lambda out, t: F.cross_entropy(
+        out.reshape(-1, 1000), t.reshape(-1)), example_target=x, train=True)
+    whole = activation_bytes(traced, micro_batch=2, chunked_loss=False)
+    chunked = activation_bytes(traced, micro_batch=2)
+    tokens = 2 * 64
+    assert whole["loss"] - chunked["loss"] == tokens * 1000 * 4 - tokens * 4
+    assert {k: v for k, v in whole.items() if k != "loss"} == \
+        {k: v for k, v in chunked.items() if k != "loss"}
+
+
+def test_explain_names_the_effect():
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
+    x = torch.randint(0, 1000, (4, 64))
+    plan = autopar.plan(model, (x,), autopar.World(2, device="a100-80gb"),
+                        constraints={"tp": 2}, loss_fn=lambda out, t: F.cross_entropy(
+                            out.reshape(-1, 1000), t.reshape(-1)), example_target=x)
+    text = plan.explain()
+    assert "chunked cross-entropy: peak -" in text and "arXiv 2410.10989" in text, text
+    effect = plan.detail["chunked_loss"]
+    assert effect["losses"][0]["vocab"] == 500 and effect["losses"][0]["whole_buffers"] == 4
