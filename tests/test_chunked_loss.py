@@ -147,7 +147,7 @@ def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
                                      optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                      chunked_loss=chunked)
         engine.train_step(x, y)
-        peaks[chunked] = measure_transient_bytes(lambda: engine.train_step(x, y))
+        peaks[chunked] = measure_transient_bytes(functools.partial(engine.train_step, x, y))
         if chunked:
             solution = engine.train_solution if engine.plan.mesh["tp"] > 1 else None
             said = effect(engine.train_graph, solution, 1)
