@@ -75,7 +75,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
         try:
             if chosen is None:
-                chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
+                chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision,
+                                      chunked_loss)
                 _check_executable(chosen)
             traced = traced or Engine.trace_for(model, tuple(example_inputs), chosen)
         except Exception as e:  # noqa: BLE001
@@ -260,7 +261,7 @@ def _check_process_group(size: int) -> None:
 
 
 def _search_plan(model, size: int, world, example_inputs, loss_fn,
-                 precision: str = "fp32") -> Plan:
+                 precision: str = "fp32", chunked_loss: bool = True) -> Plan:
     """plan=None: search among the modes the runtime executes (and say what was left out),
     timing the compute at `precision`'s rate (the planner's `dtype`, same names; fp32
     leaves it to the parameters' dtype, as before)."""
@@ -279,7 +280,8 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
             target = _example_target(model(*inputs), loss_fn)
     chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
                        example_target=target, executable=True, top=3,
-                       dtype=None if precision == "fp32" else precision)
+                       dtype=None if precision == "fp32" else precision,
+                       chunked_loss=chunked_loss)
     chosen.notes.extend(f"left out: {n}" for n in chosen.search.get("left_out", []))
     return chosen
 

@@ -4,7 +4,9 @@ under data, 1D tensor (vocabulary-parallel), Megatron-SP, pipeline and ZeRO-3 pl
 zoo GPT and a transformers Llama whose loss is its own `loss_function`; the switch; the
 memory model's named effect and the peak memory it predicts against the measured fall."""
 
+import contextlib
 import functools
+import io
 
 import pytest
 import torch
@@ -198,3 +200,26 @@ def test_explain_names_the_effect():
     assert "chunked cross-entropy: peak -" in text and "arXiv 2410.10989" in text, text
     effect = plan.detail["chunked_loss"]
     assert effect["losses"][0]["vocab"] == 500 and effect["losses"][0]["whole_buffers"] == 4
+
+
+def test_the_planner_prices_the_loss_unchunked_when_told():
+    import autopar
+    from autopar.cli import main
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
+    x = torch.randint(0, 1000, (4, 64))
+    plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
+                             chunked_loss=c, example_target=x,
+                             loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, 1000),
+                                                                    t.reshape(-1)))
+             for c in (True, False)}
+    acts = {c: p.predicted["memory_breakdown_bytes"]["activations"] for c, p in plans.items()}
+    assert acts[False] - acts[True] == 4 * 64 * (1000 - 1) * 4
+    assert plans[False].detail["chunked_loss"] is None
+    assert "chunked cross-entropy" not in plans[False].explain()
+    spec = "gpt:layers=1,hidden=64,heads=2,vocab=4096"
+    for flag, seen in (([], True), (["--no-chunked-loss"], False)):
+        with io.StringIO() as out, contextlib.redirect_stdout(out):
+            assert main(["explain", spec, "--world", "1", "--seq", "128", *flag]) == 0
+            assert ("chunked cross-entropy: peak -" in out.getvalue()) is seen

@@ -175,6 +175,7 @@ class LayerChain:
     traced: TracedGraph | None = None
     # the dtype of most parameter elements: what autopar.cost.precision prices states from
     param_dtype: torch.dtype = torch.float32
+    chunked_loss: bool = True  # a classifier's cross-entropy priced chunked (cost.chunked_loss)
 
     def layers(self) -> list[LayerType]:
         return [self.types[i] for i in self.order]
@@ -460,7 +461,8 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
                      experts=moe or _experts(traced, grouped))
 
 
-def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:
+def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes,
+                        chunked_loss: bool = True) -> list[str]:
     """Fill ``chain.types[*].sharded[t]`` for each tensor size t from the 1D catalog.
 
     Returns the sizes the model cannot take, each with the reason.
@@ -486,7 +488,7 @@ def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[s
         for name, lt in by_name.items():
             lt.sharded[size] = _read_sharded(traced, layer_of[name], solution, size)
             lt.sharded[size].refused = indivisible(traced, solution, set(layer_of[name].nodes))
-        _add_activations(traced, by_name, solution, size)
+        _add_activations(traced, by_name, solution, size, chunked_loss)
     return refused
 
 
@@ -522,7 +524,8 @@ def _split_kinds(traced: TracedGraph, chain: LayerChain, solutions, layer_of) ->
         chain.order = [kind_of[src] for src in chain.sources]
 
 
-def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int) -> None:
+def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int,
+                     chunked_loss: bool = True) -> None:
     """Saved-for-backward bytes per layer kind, split into what tensor parallelism splits,
     what it leaves replicated (and Megatron-SP splits) and what lies inside attention.
 
@@ -530,7 +533,8 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
     with S split 1/t and R replicated, A_t = S/t + R, so R = (t A_t - A_1) / (t - 1).
     """
     def at(batch, recompute, sol):
-        return activation_bytes(traced, sol, micro_batch=batch, recompute=recompute)
+        return activation_bytes(traced, sol, micro_batch=batch, recompute=recompute,
+                                chunked_loss=chunked_loss)
 
     one = {b: at(b, "none", None) for b in (1, 2)}
     local = {(b, r): at(b, r, solution) for b in (1, 2) for r in ("none", "selective")}

@@ -300,7 +300,7 @@ def _chunked_loss(plan: Plan, chain: LayerChain) -> dict | None:
     (None where nothing fuses: no classifier loss, a 2D/2.5D/3D grid or a cp axis)."""
     from autopar.sharding.solve import solve
 
-    if chain.traced is None or plan.mesh[CP] > 1 or \
+    if chain.traced is None or not chain.chunked_loss or plan.mesh[CP] > 1 or \
             (plan.mesh[TP] > 1 and plan.tp_mode != TP_1D):
         return None
     solution = solve(chain.traced, axis=TP, size=plan.mesh[TP]) if plan.mesh[TP] > 1 else None
