@@ -22,7 +22,7 @@ from autopar.sharding.rules.vocab import cross_entropy_args
 
 aten = torch.ops.aten
 
-CHUNKED = "autopar_chunked_loss"  # node.meta key on a fused loss: its ChunkedCrossEntropy
+CHUNKED = "autopar_chunked_loss"  # node.meta key on a fused loss
 
 
 def chunk_loss(gm: fx.GraphModule, chunk_bytes: int | None = None) -> int:
@@ -44,12 +44,10 @@ def chunk_loss(gm: fx.GraphModule, chunk_bytes: int | None = None) -> int:
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_module(name, (x, weight, node.args[1], bias))
-        new.meta = dict(linear.meta)  # the classifier's layer: its stage, its ZeRO-3 gather
-        info = node.meta.get("autopar")
-        if info is not None and "autopar" in new.meta:
-            new.meta["autopar"] = dataclasses.replace(
-                new.meta["autopar"], kind=info.kind, shape=info.shape, dtype=info.dtype)
-        new.meta[CHUNKED] = module
+        # the loss's layer: its collectives are the loss's, logged where the plan puts them
+        new.meta = dict(node.meta)
+        new.meta[CHUNKED] = True
+        _targets_with_the_classifier(node.args[1], node, linear)
         node.replace_all_uses_with(new)
         _erase_chain(gm.graph, node, linear)
         fused += 1
@@ -73,6 +71,24 @@ def _loss_of(gm: fx.GraphModule, node: fx.Node):
     if weight is not None or smoothing or reduction not in (1, 2):
         return None
     return None, reduction, ignore
+
+
+def _targets_with_the_classifier(target, loss: fx.Node, linear: fx.Node) -> None:
+    """The loss's ops that prepare the target (reshapes, transformers' label shift) join
+    the classifier's layer, so the fused op starts the loss's layer with a floating input:
+    the per-layer recorder (runtime.measure) then ends the loss's backward where the
+    classifier's input gradient leaves it, as the unfused graph's logits did."""
+    layer = getattr(loss.meta.get("autopar"), "layer", None)
+    into = getattr(linear.meta.get("autopar"), "layer", None)
+    todo, seen = [target] if isinstance(target, fx.Node) else [], set()
+    while todo:
+        node = todo.pop()
+        info = node.meta.get("autopar")
+        if node in seen or node.op != "call_function" or getattr(info, "layer", None) != layer:
+            continue
+        seen.add(node)
+        node.meta["autopar"] = dataclasses.replace(info, layer=into)
+        todo.extend(node.all_input_nodes)
 
 
 def _erase_chain(graph: fx.Graph, loss: fx.Node, linear: fx.Node) -> None:
