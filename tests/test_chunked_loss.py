@@ -111,6 +111,14 @@ def test_loss_inside_the_forward_is_chunked(pool2, plan):
         assert r["measured"] == r["predicted"]
 
 
+def test_zero_bubble_keeps_the_loss_unfused(pool2):
+    plan = {"pipeline": {"size": 2, "schedule": "zero_bubble", "microbatches": 4}}
+    for r in pool2.run(_chunked_run, "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16", plan,
+                       True):
+        assert r["probe"] == 0  # its split backward cannot split the fused op's
+        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5
+
+
 def test_switch_off_keeps_the_traced_loss(pool2):
     for r in pool2.run(_chunked_run, "gpt-tiny", PLANS["tensor"], False):
         assert r["probe"] == 0

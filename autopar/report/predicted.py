@@ -42,7 +42,19 @@ from autopar.cost.step import (
     stage_transfer,
     step_temps_dev,
 )
-from autopar.modes import CP, DP, EP, MEGATRON_SP, ORDER, PP, TP, TP_1D, TP_25D, cp_layout
+from autopar.modes import (
+    CP,
+    DP,
+    EP,
+    MEGATRON_SP,
+    ORDER,
+    PP,
+    TP,
+    TP_1D,
+    TP_25D,
+    ZERO_BUBBLE,
+    cp_layout,
+)
 from autopar.report.experts import expert_layout, expert_lines
 
 if TYPE_CHECKING:  # annotations only: report sits below plans
@@ -301,7 +313,8 @@ def _chunked_loss(plan: Plan, chain: LayerChain) -> dict | None:
     from autopar.sharding.solve import solve
 
     if chain.traced is None or not chain.chunked_loss or plan.mesh[CP] > 1 or \
-            (plan.mesh[TP] > 1 and plan.tp_mode != TP_1D):
+            (plan.mesh[TP] > 1 and plan.tp_mode != TP_1D) or \
+            (plan.mesh[PP] > 1 and plan.pipeline.schedule == ZERO_BUBBLE):
         return None
     solution = solve(chain.traced, axis=TP, size=plan.mesh[TP]) if plan.mesh[TP] > 1 else None
     return chunked_loss.effect(chain.traced, solution, plan.pipeline.micro_batch_size or 1)

@@ -18,7 +18,7 @@ from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
-from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D
+from autopar.modes import CP, DP, EDP, EP, PP, RING, TP, TP_1D, ZERO_BUBBLE
 from autopar.passes.chunked_loss import chunk_loss
 from autopar.passes.experts import (
     check_balance_loss,
@@ -170,7 +170,10 @@ class Engine(nn.Module):
             gm = cast_precision(gm, self.compute_dtype)
         if self.moe_layers:
             gm = place_expert_layers(gm)
-        if self.chunked_loss:
+        # zero-bubble splits each backward into its input and weight halves through
+        # autograd's graph, which cannot split the fused op's one backward: left unfused
+        if self.chunked_loss and not (self._pp.size > 1 and
+                                      self.plan.pipeline.schedule == ZERO_BUBBLE):
             self.chunked_losses = chunk_loss(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
