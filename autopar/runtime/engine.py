@@ -57,8 +57,7 @@ class Engine(nn.Module):
                  precision: str = "fp32", check_batches: bool = False, stage_planner=None,
                  start=None, chunked_loss: bool = True):
         super().__init__()
-        self.chunked_loss = chunked_loss  # classifier + cross-entropy fused, in token chunks
-        self.chunked_losses = 0  # how many the training graph fused (passes.chunked_loss)
+        self.chunked_loss, self.chunked_losses = chunked_loss, 0  # passes.chunked_loss
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
         self.max_grad_norm = max_grad_norm
         self.check_batches = check_batches  # compare every step's batch across ranks
@@ -170,10 +169,7 @@ class Engine(nn.Module):
             gm = cast_precision(gm, self.compute_dtype)
         if self.moe_layers:
             gm = place_expert_layers(gm)
-        # zero-bubble splits each backward into its input and weight halves through
-        # autograd's graph, which cannot split the fused op's one backward: left unfused
-        if self.chunked_loss and not (self._pp.size > 1 and
-                                      self.plan.pipeline.schedule == ZERO_BUBBLE):
+        if self.chunked_loss and _fuses_loss(self.plan, self._pp.size):
             self.chunked_losses = chunk_loss(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
@@ -514,6 +510,12 @@ def _stacked(outer, inner):
             yield
 
     return both
+
+
+def _fuses_loss(plan: Plan, pp: int) -> bool:
+    """Whether the chunked loss may fuse: not under zero-bubble, which splits each backward
+    into its input and weight halves through autograd's graph (the fused op has one)."""
+    return not (pp > 1 and plan.pipeline.schedule == ZERO_BUBBLE)
 
 
 def _blank(tensors: tuple, device: torch.device) -> tuple:
