@@ -34,7 +34,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                 metrics=None, metrics_every: int = 10, checkpoint_dir=None,
                 checkpoint_every: int = 100, checkpoint_async: bool = True,
                 checkpoint_keep: int = 2, timeout=DEFAULT_TIMEOUT,
-                compile: bool = False) -> Engine:
+                compile: bool = False, chunked_loss: bool = True) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
@@ -57,12 +57,14 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     RankStoppedError naming the rank that stopped and the step and phase where (None keeps
     torch's default of 30 minutes). `compile`: the training graph's compute between
     collectives compiled by inductor, one compiled region per repeated block
-    (docs/compile.md)."""
+    (docs/compile.md). `chunked_loss`: a cross-entropy over a linear's logits runs fused,
+    in chunks of tokens, never holding the whole logits (False: as traced)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
     if not isinstance(compile, bool):
         raise PlanError(f"compile must be True or False, not {compile!r}.")
     _check_checkpointing(checkpoint_dir, checkpoint_every, checkpoint_async, checkpoint_keep)
     seconds = check_timeout(timeout)
+    _check_switches(compile=compile, chunked_loss=chunked_loss)
     sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
     compute_dtype(precision)  # a bad name is refused before any process work
     size = _world_size(world)
@@ -84,7 +86,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
         try:
             if chosen is None:
-                chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision)
+                chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision,
+                                      chunked_loss)
                 _check_executable(chosen)
             traced = traced or Engine.trace_for(model, tuple(example_inputs), chosen)
         except Exception as e:  # noqa: BLE001
@@ -103,7 +106,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                         optimizer, seed=0 if seed is None else seed,
                         max_grad_norm=max_grad_norm, precision=precision,
                         forward_graph=traced, check_batches=check_batches,
-                        stage_planner=pipeline_stages, start=start, compile=compile)
+                        stage_planner=pipeline_stages, start=start, compile=compile,
+                        chunked_loss=chunked_loss)
     engine.watch, engine.metrics = watch, sink
     if checkpoint_dir is not None:
         _resume(engine, Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,
@@ -116,6 +120,13 @@ def _resume(engine: Engine, checkpointing: Checkpointing) -> None:
     engine.checkpointing = checkpointing
     if latest_checkpoint(checkpointing.directory) is not None:
         engine.load(checkpointing.directory)
+
+
+def _check_switches(**switches) -> None:
+    """parallelize's on/off arguments, each True or False."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise PlanError(f"{name} must be True or False, not {value!r}.")
 
 
 def _check_checkpointing(directory, every, asynchronous, keep) -> None:
@@ -280,7 +291,7 @@ def _check_process_group(size: int) -> None:
 
 
 def _search_plan(model, size: int, world, example_inputs, loss_fn,
-                 precision: str = FP32) -> Plan:
+                 precision: str = FP32, chunked_loss: bool = True) -> Plan:
     """plan=None: search among the modes the runtime executes (and say what was left out),
     timing the compute at `precision`'s rate (the planner's `dtype`, same names; fp32
     leaves it to the parameters' dtype, as before)."""
@@ -301,7 +312,8 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
     if precision == FP8 and FP8 not in world.profile.peak_flops:  # (a CPU's profile)
         dtype = BF16
     chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
-                       example_target=target, executable=True, top=3, dtype=dtype)
+                       example_target=target, executable=True, top=3, dtype=dtype,
+                       chunked_loss=chunked_loss)
     if dtype != precision and precision == FP8:
         chosen.notes.append(f"fp8: the '{world.device}' profile has no fp8 peak, so the "
                             "search priced the GEMMs at bf16's rate")

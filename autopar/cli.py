@@ -235,7 +235,7 @@ def _plan(args, world_size: int | None = None):
     sizes = [constraints[TP]] if TP in constraints else divisors(world.devices)
     start = time.perf_counter()
     chain = planner.prepare(model, inputs, loss_fn=loss_fn, example_target=target,
-                            tp_sizes=sizes, layers=layers)
+                            tp_sizes=sizes, layers=layers, chunked_loss=args.chunked_loss)
     progress = Progress()
     try:
         result = planner.search(chain, world, global_batch=args.batch, constraints=constraints,
@@ -303,7 +303,7 @@ def min_devices(args) -> int:
     model, inputs, loss_fn, target, layers = load_model(args.model, args.batch, args.seq,
                                                         DTYPES[args.dtype])
     chain = planner.prepare(model, inputs, loss_fn=loss_fn, example_target=target,
-                            tp_sizes=tp_sizes, layers=layers)
+                            tp_sizes=tp_sizes, layers=layers, chunked_loss=args.chunked_loss)
     tried = []
     for n in sizes:
         world = World(devices=n, per_node=args.per_node, device=args.device)
@@ -395,6 +395,9 @@ def add_plan_arguments(p) -> None:
                    help="find the fewest devices (up to --world) that fit the model")
     p.add_argument("--min-throughput", type=float, default=None,
                    help="with --min-devices: tokens per second the plan must reach")
+    p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="price a classifier's cross-entropy chunked, as parallelize runs it "
+                        "(--no-chunked-loss: as parallelize(..., chunked_loss=False))")
     p.add_argument("--plan", default=None, help="explain this plan file (its choices are fixed)")
     p.add_argument("--executable", action="store_true",
                    help="consider only what autopar.parallelize runs today (a plan to deploy)")

@@ -92,11 +92,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None,
-            max_grad_norm: float | None = None, optimizer=None) -> dict:
+            max_grad_norm: float | None = None, optimizer=None, **engine_args) -> dict:
     """`probe(engine, inputs, target)`, when given, runs after the first step; what it returns
     comes back under "probe". `max_grad_norm`: both sides clip by the global gradient norm
     (the reference with torch.nn.utils.clip_grad_norm_); the norms come back too.
-    `optimizer`: a factory for both sides (default AdamW)."""
+    `optimizer`: a factory for both sides (default AdamW). `engine_args`: more keywords of
+    parallelize (e.g. chunked_loss=False)."""
     import torch.distributed as dist
 
     import autopar
@@ -107,7 +108,7 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None,
     world = dist.get_world_size() if dist.is_initialized() else 1
     engine = autopar.parallelize(model, world, example_inputs=tuple(t[:2] for t in inputs),
                                  loss_fn=loss_fn, optimizer=opt, plan=plan,
-                                 max_grad_norm=max_grad_norm)
+                                 max_grad_norm=max_grad_norm, **engine_args)
     ref_opt = opt(reference.parameters())
     loss_errors, measured, predicted, norms = [], {}, {}, []
     for step in range(steps):

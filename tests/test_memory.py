@@ -77,7 +77,8 @@ def _measured_step(model, inputs, target, loss_fn) -> int:
 @pytest.mark.parametrize("name", ZOO)
 def test_predicted_activations_match_a_real_step(name):
     traced, model, inputs, target, loss_fn = _traced(name, batch=4)
-    predicted = sum(activation_bytes(traced, micro_batch=4).values())
+    # the plain model computes the whole logits: the unchunked loss
+    predicted = sum(activation_bytes(traced, micro_batch=4, chunked_loss=False).values())
     measured = _measured_step(model, inputs, target, loss_fn)
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
@@ -86,7 +87,8 @@ def test_activations_are_linear_in_the_batch():
     traced, model, _, _, loss_fn = _traced("llama-tiny")
     for saved in saved_activations(traced):
         assert sympy.degree(saved.nbytes, BATCH) <= 1, saved
-    totals = [sum(activation_bytes(traced, micro_batch=b).values()) for b in (1, 2, 3, 7)]
+    totals = [sum(activation_bytes(traced, micro_batch=b, chunked_loss=False).values())
+              for b in (1, 2, 3, 7)]
     per_sample = totals[1] - totals[0]
     assert per_sample > 0
     assert totals == [totals[0] + per_sample * (b - 1) for b in (1, 2, 3, 7)]
@@ -102,7 +104,7 @@ def test_parameters_and_buffers_are_not_activations():
     names = {s.node.name for s in params}
     assert {"model_rope_cos", "model_rope_sin", "model_output_weight"} <= names  # buffers too
     assert all(s.node.op == "get_attr" and not s.nbytes.free_symbols for s in params)
-    counted = sum(activation_bytes(traced, micro_batch=2).values())
+    counted = sum(activation_bytes(traced, micro_batch=2, chunked_loss=False).values())
     assert counted == sum(s.bytes_at(2) for s in saved_activations(traced) if not s.parameter)
 
 
@@ -119,7 +121,8 @@ def test_attention_inside_is_the_s_by_s_tensors():
 def test_recompute_keeps_less():
     model, x, y, traced = _gpt_with_dropout()
     measured = _measured_step(model, (x,), y, _lm_loss)
-    none, selective, full = (activation_bytes(traced, micro_batch=4, recompute=r)
+    none, selective, full = (activation_bytes(traced, micro_batch=4, recompute=r,
+                                              chunked_loss=False)
                              for r in ("none", "selective", "full"))
     assert abs(sum(none.values()) - measured) <= 0.10 * measured
     inside = sum(s.bytes_at(4) for s in saved_activations(traced) if s.attention_inside)

@@ -188,6 +188,7 @@ class LayerChain:
     traced: TracedGraph | None = None
     # the dtype of most parameter elements: what autopar.cost.precision prices states from
     param_dtype: torch.dtype = torch.float32
+    chunked_loss: bool = True  # a classifier's cross-entropy priced chunked (cost.chunked_loss)
 
     def layers(self) -> list[LayerType]:
         return [self.types[i] for i in self.order]
@@ -521,7 +522,8 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
                      fused_kernels=groups)
 
 
-def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[str]:
+def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes,
+                        chunked_loss: bool = True) -> list[str]:
     """Fill ``chain.types[*].sharded[t]`` for each tensor size t from the 1D catalog.
 
     Returns the sizes the model cannot take, each with the reason.
@@ -547,7 +549,7 @@ def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes) -> list[s
         for name, lt in by_name.items():
             lt.sharded[size] = _read_sharded(traced, layer_of[name], solution, size)
             lt.sharded[size].refused = indivisible(traced, solution, set(layer_of[name].nodes))
-        _add_activations(traced, by_name, solution, size)
+        _add_activations(traced, by_name, solution, size, chunked_loss)
     return refused
 
 
@@ -583,7 +585,8 @@ def _split_kinds(traced: TracedGraph, chain: LayerChain, solutions, layer_of) ->
         chain.order = [kind_of[src] for src in chain.sources]
 
 
-def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int) -> None:
+def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int,
+                     chunked_loss: bool = True) -> None:
     """Saved-for-backward bytes per layer kind, split into what tensor parallelism splits,
     what it leaves replicated (and Megatron-SP splits) and what lies inside attention.
 
@@ -591,7 +594,8 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
     with S split 1/t and R replicated, A_t = S/t + R, so R = (t A_t - A_1) / (t - 1).
     """
     def at(batch, recompute, sol):
-        return activation_bytes(traced, sol, micro_batch=batch, recompute=recompute)
+        return activation_bytes(traced, sol, micro_batch=batch, recompute=recompute,
+                                chunked_loss=chunked_loss)
 
     one = {b: at(b, NO_RECOMPUTE, None) for b in (1, 2)}
     local = {(b, r): at(b, r, solution) for b in (1, 2) for r in (NO_RECOMPUTE, SELECTIVE)}

@@ -80,6 +80,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.cost.chunked_loss import chunked_activations
 from autopar.cost.hardware import OPTIMIZER_IMPLEMENTATIONS
 from autopar.cost.precision import runtime
 from autopar.errors import PlanError
@@ -342,7 +343,8 @@ def _inside(producer: fx.Node, internal: bool, shape: tuple, inside: set[fx.Node
 
 # ------------------------------------------------------------------------ bytes per device
 def activation_bytes(traced: TracedGraph, solution=None, micro_batch: int = 1,
-                     recompute: str | dict[str, str] = NO_RECOMPUTE) -> dict[str, int]:
+                     recompute: str | dict[str, str] = NO_RECOMPUTE,
+                     chunked_loss: bool = True) -> dict[str, int]:
     """Bytes of saved activations one device holds after the forward pass, per layer.
 
     `solution`: a tensor-parallel Solution (None: one device). `micro_batch`: the batch one
@@ -351,7 +353,9 @@ def activation_bytes(traced: TracedGraph, solution=None, micro_batch: int = 1,
     "full" (a layer keeps only the activations it reads from outside itself), given for all
     transformer blocks (the layers whose name ends in an index, as Megatron recomputes
     whole blocks), or a dict from layer name to mode (missing layers: "none"). A storage
-    kept by several layers counts once, in the first layer that keeps it.
+    kept by several layers counts once, in the first layer that keeps it. `chunked_loss`:
+    a classifier's cross-entropy runs chunked, as the engine runs it by default
+    (`autopar.cost.chunked_loss`).
     """
     modes = _recompute_modes(traced, recompute)
     saves = _layer_saves(traced, solution, micro_batch)
@@ -368,7 +372,7 @@ def activation_bytes(traced: TracedGraph, solution=None, micro_batch: int = 1,
             seen.add(key)
             total += nbytes
         out[layer.name] = total
-    return out
+    return chunked_activations(traced, solution, micro_batch, out) if chunked_loss else out
 
 
 def _recompute_modes(traced: TracedGraph, recompute) -> dict[str, str]:

@@ -23,11 +23,13 @@ from autopar.modes import CP, DP, EP, NO_PIPELINE, PP, TP
 USABLE_MEMORY = 0.92  # the rest goes to the framework, kernels' workspaces, fragmentation
 
 
-def chain_of(traced, tokens_per_sample: int, tp_sizes=(), repeat: dict[str, int] | None = None) \
-        -> LayerChain:
-    """The layer chain of a training trace, with each kind's costs at every tensor size."""
+def chain_of(traced, tokens_per_sample: int, tp_sizes=(), repeat: dict[str, int] | None = None,
+             chunked_loss: bool = True) -> LayerChain:
+    """The layer chain of a training trace, with each kind's costs at every tensor size
+    (`chunked_loss`: a classifier's cross-entropy priced as the engine runs it by default)."""
     chain = layer_chain(traced, repeat=repeat, tokens_per_sample=tokens_per_sample)
-    chain.refused = add_tensor_parallel(traced, chain, sorted({1, *tp_sizes}))
+    chain.chunked_loss = chunked_loss
+    chain.refused = add_tensor_parallel(traced, chain, sorted({1, *tp_sizes}), chunked_loss)
     chain.traced = traced
     chain.names = layer_names(traced, repeat or {})
     return chain

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost import fp8
+from autopar.cost import chunked_loss, fp8
 from autopar.cost.comm import placements
 from autopar.cost.experts import alltoall_count
 from autopar.cost.hybrid import SOURCE, hybrid_split, replicas_wire_bytes
@@ -60,6 +60,7 @@ from autopar.modes import (
     TP,
     TP_1D,
     TP_25D,
+    ZERO_BUBBLE,
     cp_layout,
 )
 from autopar.report.experts import expert_layout, expert_lines
@@ -91,6 +92,7 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     data["replicated_groups"] = []
     if plan.mesh[TP] > 1 and plan.tp_mode == TP_1D and chain.traced is not None:
         _add_strategies(data, plan, chain)
+    data["chunked_loss"] = _chunked_loss(plan, chain)
     data["formulas"] = {k: str(v) for k, v in formulas().items()}
     data["model"] = {"parameters": int(chain.params), "tokens_per_sample": chain.tokens_per_sample}
     if ctx.dtype == FP8:
@@ -389,6 +391,29 @@ def _ffn_line(ffn: dict) -> str:
             f"({size_text(ffn['expert_param_bytes_per_device'])} of experts); {a2a}")
 
 
+def _chunked_loss(plan: Plan, chain: LayerChain) -> dict | None:
+    """The chunked cross-entropy's effect on one device's peak at this plan's tensor size
+    (None where nothing fuses: no classifier loss, a 2D/2.5D/3D grid or a cp axis)."""
+    from autopar.sharding.solve import solve
+
+    if chain.traced is None or not chain.chunked_loss or plan.mesh[CP] > 1 or \
+            (plan.mesh[TP] > 1 and plan.tp_mode != TP_1D) or \
+            (plan.mesh[PP] > 1 and plan.pipeline.schedule == ZERO_BUBBLE):
+        return None
+    solution = solve(chain.traced, axis=TP, size=plan.mesh[TP]) if plan.mesh[TP] > 1 else None
+    return chunked_loss.effect(chain.traced, solution, plan.pipeline.micro_batch_size or 1)
+
+
+def _chunked_lines(effect: dict | None) -> list[str]:
+    if not effect:
+        return []
+    shapes = ", ".join(f"{c['whole_buffers']} x [{c['tokens']} x {c['vocab']}]"
+                       for c in effect["losses"])
+    return [f"  {effect['effect']}: peak -{size_text(effect['saving_bytes'])} "
+            f"(whole fp32 logits {shapes} -> one chunk of {size_text(effect['chunk_bytes'])}; "
+            f"saved logits out of activations): {effect['source']}"]
+
+
 def _add_strategies(data: dict, plan: Plan, chain: LayerChain) -> None:
     """Per-op strategies of each kind of layer (column, row, heads, vocab-parallel, ...) and
     the ops that run replicated, from the catalog's 1D solution at this tensor size."""
@@ -475,6 +500,7 @@ def plan_text(data: dict, top: int | None = None) -> str:
         f"  communication per device per step {pred['comm_bytes_per_device'] / GiB:.2f} GiB"
         + _axes_text(data.get("comm_by_axis")),
         *_effect_lines(data.get("effects", [])),
+        *_chunked_lines(data.get("chunked_loss")),
         "",
         f"  {'layers':<26} {'n':>4} {'strategy':<24} {'fwd+bwd ms':>10} {'comm ms':>8} "
         f"{'act/dev':>9} {'params/dev':>10}",

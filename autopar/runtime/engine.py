@@ -31,7 +31,9 @@ from autopar.modes import (
     PP,
     RING,
     TP,
+    ZERO_BUBBLE,
 )
+from autopar.passes.chunked_loss import chunk_loss
 from autopar.passes.experts import (
     check_balance_loss,
     expert_weights,
@@ -76,8 +78,9 @@ class Engine(nn.Module):
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
                  precision: str = FP32, check_batches: bool = False, stage_planner=None,
-                 start=None, compile: bool = False):
+                 start=None, compile: bool = False, chunked_loss: bool = True):
         super().__init__()
+        self.chunked_loss, self.chunked_losses = chunked_loss, 0  # passes.chunked_loss
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
         self.max_grad_norm = max_grad_norm
         self.check_batches = check_batches  # compare every step's batch across ranks
@@ -197,6 +200,8 @@ class Engine(nn.Module):
         gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers)
         if self.moe_layers:
             gm = place_expert_layers(gm)
+        if self.chunked_loss and _fuses_loss(self.plan, self._pp.size):
+            self.chunked_losses = chunk_loss(gm)
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
         shard_parameters(gm, {t: self.params.slice_for(traced.gm, p, solution.params.get(t))
@@ -569,6 +574,10 @@ def _float8(gm: fx.GraphModule, solution: Solution, precision: str,
     for name in moe_layers:
         report.kept.setdefault(name, EXPERTS_KEPT)
     return gm, report
+def _fuses_loss(plan: Plan, pp: int) -> bool:
+    """Whether the chunked loss may fuse: not under zero-bubble, which splits each backward
+    into its input and weight halves through autograd's graph (the fused op has one)."""
+    return not (pp > 1 and plan.pipeline.schedule == ZERO_BUBBLE)
 
 
 def _blank(tensors: tuple, device: torch.device) -> tuple:

@@ -61,7 +61,8 @@ __all__ = ["DTYPES", "candidate_plan", "chain_of", "executable_candidates", "mod
 
 def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
             repeat: dict[str, int] | None = None, tokens_per_sample: int | None = None,
-            tp_sizes=(), layers: tuple[int, int] | dict[str, int] | None = None) -> LayerChain:
+            tp_sizes=(), layers: tuple[int, int] | dict[str, int] | None = None,
+            chunked_loss: bool = True) -> LayerChain:
     """Trace `model` and read the cost of each kind of layer (once per kind); `layers=(traced,
     real)`: `traced` copies of the repeated block stand for `real` (autopar.models.workload);
     or {traced block: real copies} where the blocks are of several kinds (`Workload.repeat`:
@@ -87,7 +88,7 @@ def prepare(model, example_inputs, *, loss_fn=None, example_target=None,
         x = example_inputs[0]
         tokens_per_sample = int(x.shape[1]) if x.dim() > 1 and not x.dtype.is_floating_point \
             else 1
-    return chain_of(traced, tokens_per_sample, tp_sizes, repeat)
+    return chain_of(traced, tokens_per_sample, tp_sizes, repeat, chunked_loss)
 
 
 def _check_repeat(repeat, layer_names: list[str] | None = None) -> None:
@@ -286,13 +287,15 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
          loss_fn=None, example_target=None, dtype: str | None = None,
          attention_kernel: str = "flash", executable: bool = False, top: int = 5,
          repeat: dict[str, int] | None = None, progress=None, seq: int | None = None,
-         precision: str | None = None, compile: bool = False) -> Plan:
+         precision: str | None = None, compile: bool = False,
+         chunked_loss: bool = True) -> Plan:
     """The fastest plan for `model` (a module, or a transformers config path with
     example_inputs None and `seq` tokens) on `world` (devices, or a World) that fits memory;
     `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today;
     `repeat` {layer: copies} counts a traced layer as that many; `top` best plans are kept;
     `precision` (parallelize's name for it) or `dtype`: fp32, bf16, fp16 or fp8. `compile`
-    prices the plan as parallelize(compile=True) runs it (inductor's fusion)."""
+    prices the plan as parallelize(compile=True) runs it (inductor's fusion);
+    `chunked_loss=False` prices the loss as `parallelize(..., chunked_loss=False)` runs it."""
     _check_top(top)
     dtype = _precision_of(dtype, precision)
     _check_repeat(repeat)
@@ -321,7 +324,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
     c = Constraints.of(constraints)
     sizes = [c.tp] if c.tp else [t for t in divisors(world.devices)]
     chain = prepare(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                    repeat=repeat, tp_sizes=sizes, layers=layers)
+                    repeat=repeat, tp_sizes=sizes, layers=layers, chunked_loss=chunked_loss)
     result = search(chain, world, global_batch=global_batch, constraints=c, dtype=dtype,
                     attention_kernel=attention_kernel, executable=executable, top=top,
                     progress=progress, compile=compile)

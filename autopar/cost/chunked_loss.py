@@ -1,0 +1,131 @@
+"""What a chunked cross-entropy (`autopar.passes.chunked_loss`) takes off a device's memory.
+
+Effect: the loss over a classifier's logits holds whole [tokens, vocabulary] fp32 tensors
+at its peak, unchunked: aten's cross-entropy keeps the log-probabilities for backward, then
+makes their gradient (nll_loss's backward) and the logits' gradient (log_softmax's
+backward), three at once; the vocabulary-parallel kernel holds the logits, their shifted
+copy, the exponentials and the saved softmax, four at once. Chunked, it holds one chunk's
+logits, turned into that chunk's gradient in place, and keeps 4 bytes per token (the
+log-sum-exp) for backward. Source: the fused linear cross-entropy of Liger-Kernel (Hsu et
+al. 2024, arXiv 2410.10989) and torchtitan's chunked loss; the buffer counts are those of
+the ops named above, checked by tests/test_chunked_loss.py against the live tensor bytes.
+
+`loss_logits` finds the fused losses of a traced graph under a solution, as the pass will
+fuse them; `activation_bytes` (autopar.cost.memory) takes `chunked_activations` off its
+per-layer figures; `effect` is what a plan's `predicted["chunked_loss"]` and explain show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.graph.ir import BATCH
+from autopar.graph.losses import chunk_rows, classifier_behind
+from autopar.sharding.rules.vocab import cross_entropy_args
+from autopar.sharding.strategy import Rewrite
+
+aten = torch.ops.aten
+
+NAME = "chunked cross-entropy"
+SOURCE = ("the loss holds one chunk's fp32 logits instead of whole [tokens, vocabulary] "
+          "ones (Liger-Kernel's fused linear cross-entropy, arXiv 2410.10989; torchtitan)")
+WHOLE_BUFFERS = {"aten": 3, "vocab_parallel": 4}
+"""Whole fp32 [tokens, vocabulary] tensors the unchunked loss holds at its peak (docstring)."""
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class LossLogits:
+    """One fused loss on one device: its tokens and vocabulary slice."""
+
+    layer: str  # where activation_bytes counts the saved log-probabilities
+    tokens: int
+    vocab: int  # this device's classes
+    kernel: str  # "aten" or "vocab_parallel": what runs unchunked
+    itemsize: int = FP32  # of the logits the traced loss reads (what activation_bytes counts)
+
+    @property
+    def whole_bytes(self) -> int:
+        return self.tokens * self.vocab * FP32
+
+    @property
+    def chunk_bytes(self) -> int:
+        return min(self.tokens, chunk_rows(self.vocab)) * self.vocab * FP32
+
+    @property
+    def unchunked_peak(self) -> int:
+        return WHOLE_BUFFERS[self.kernel] * self.whole_bytes
+
+    @property
+    def saving(self) -> int:
+        """The fall of the device's peak: the unchunked loss's buffers less one chunk."""
+        return self.unchunked_peak - self.chunk_bytes
+
+
+def loss_logits(traced, solution=None, micro_batch: int = 1) -> list[LossLogits]:
+    """The cross-entropies of `traced` the pass fuses under `solution` (None: one device),
+    at `micro_batch` samples per device."""
+    out = []
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default:
+            continue
+        weight, reduction, _, smoothing = cross_entropy_args(node)
+        logits = node.args[0]
+        linear = classifier_behind(logits)
+        if linear is None or weight is not None or smoothing or reduction not in (1, 2):
+            continue
+        kernel = _kernel(solution, node, linear)
+        if kernel is None:
+            continue
+        tokens, vocab = (int(sympy.sympify(d).subs(BATCH, micro_batch))
+                         for d in logits.meta["autopar"].shape)
+        if kernel == "vocab_parallel":
+            vocab //= solution.size
+        size = torch.empty((), dtype=logits.meta["autopar"].dtype, device="meta").element_size()
+        out.append(LossLogits(node.meta["autopar"].layer, tokens, vocab, kernel, size))
+    return out
+
+
+def _kernel(solution, loss: fx.Node, linear: fx.Node) -> str | None:
+    """What the rewritten graph runs for `loss`, where the pass can fuse it: the aten op on
+    whole logits, or the 1D vocabulary-parallel kernel; None for any other form."""
+    if solution is None:
+        return "aten"
+    strategy = solution.strategies.get(loss)
+    if strategy is None:
+        return None
+    if strategy.rewrite is Rewrite.VOCAB_CROSS_ENTROPY:
+        return "vocab_parallel"
+    layout = solution.layouts.get(linear)
+    whole = layout is not None and not getattr(layout, "shards", ()) and \
+        not getattr(layout, "partial", ())
+    return "aten" if strategy.rewrite is None and whole and not strategy.comm else None
+
+
+def chunked_activations(traced, solution, micro_batch: int, per_layer: dict) -> dict:
+    """`per_layer` (activation_bytes' result) with each fused loss's saved whole logits
+    replaced by its per-token log-sum-exp."""
+    out = dict(per_layer)
+    for loss in loss_logits(traced, solution, micro_batch):
+        if loss.layer in out:
+            saved = loss.tokens * loss.vocab * loss.itemsize
+            out[loss.layer] = max(0, out[loss.layer] - saved + loss.tokens * FP32)
+    return out
+
+
+def effect(traced, solution, micro_batch: int) -> dict | None:
+    """The named effect for a plan's prediction and explain: None where nothing fuses."""
+    losses = loss_logits(traced, solution, micro_batch)
+    if not losses:
+        return None
+    return {"effect": NAME, "source": SOURCE,
+            "unchunked_peak_bytes": sum(c.unchunked_peak for c in losses),
+            "chunk_bytes": sum(c.chunk_bytes for c in losses),
+            "saving_bytes": sum(c.saving for c in losses),
+            "losses": [{"layer": c.layer, "tokens": c.tokens, "vocab": c.vocab,
+                        "kernel": c.kernel, "whole_buffers": WHOLE_BUFFERS[c.kernel]}
+                       for c in losses]}

@@ -1,0 +1,118 @@
+"""Chunked cross-entropy: the classifier matmul, its optional fp32 upcast and the
+cross-entropy as one op that never holds the whole [tokens, vocabulary] logits.
+
+The forward walks the tokens in chunks: each chunk's logits are made, reduced to three
+numbers per token (row max, sum of exponentials under that max, target logit) and freed.
+The backward recomputes each chunk's logits from the saved hidden states and weight, turns
+them into that chunk's gradient and folds it into the hidden-state and weight gradients
+at once, so the peak holds one chunk's logits and gradient (the technique of Liger-Kernel's
+fused linear cross-entropy and torchtitan's chunked loss).
+
+Under vocabulary parallelism (Megatron's 1D split of the classifier, Shoeybi et al. 2019)
+each rank holds a vocabulary slice. The per-token triples of every chunk are gathered
+first and combined across ranks after the loop, with the same three all-reduces of one
+value per token as the unchunked kernel (`modules.VocabParallelCrossEntropy`): the local
+sums are rescaled to the global max before they are summed (sum_r s_r exp(m_r - M)), so
+the collectives' count and bytes, and with them the plan's prediction, do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.graph.losses import chunk_rows
+from autopar.kernels import multid
+from autopar.kernels.collectives import AxisGroup, Bound
+
+
+def _logits(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """One chunk's logits in fp32 (the loss's softmax runs in fp32 whatever x's dtype)."""
+    z = x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    return z.float()
+
+
+class _ChunkedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, g: AxisGroup | None, spec: tuple):
+        reduction, ignore_index, rows = spec
+        vl = weight.shape[0]
+        start = g.rank * vl if g is not None else 0
+        t = target.reshape(-1)
+        multid.check_index_range(t, vl * (g.size if g is not None else 1),
+                                 "the cross-entropy target", ignore_index)
+        xf = x.reshape(-1, x.shape[-1])
+        n = xf.shape[0]
+        row_max, sums, picked = (torch.empty(n, device=x.device) for _ in range(3))
+        inside = (t >= start) & (t < start + vl)
+        local_t = (t - start).masked_fill(~inside, 0)
+        for a in range(0, n, rows):  # one chunk's logits alive at a time, reduced in place
+            z = _logits(xf[a:a + rows], weight, bias)  # (rows, vocab slice)
+            m = z.max(-1).values
+            row_max[a:a + rows] = m
+            picked[a:a + rows] = z.gather(1, local_t[a:a + rows, None]).squeeze(1)
+            sums[a:a + rows] = z.sub_(m[:, None]).exp_().sum(-1)
+            del z
+        picked = picked * inside
+        if g is not None:  # the three per-token all-reduces of the unchunked kernel
+            whole = g.all_reduce(row_max.clone(), "forward", op=dist.ReduceOp.MAX)
+            sums = g.all_reduce(sums * (row_max - whole).exp(), "forward")
+            picked = g.all_reduce(picked, "forward")
+            row_max = whole
+        lse = row_max + sums.log()
+        valid = t != ignore_index
+        losses = (lse - picked) * valid
+        count = valid.sum().float()
+        ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
+        ctx.spec = spec
+        if reduction == 2:
+            return losses.sum()
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, lse, local_t, inside, valid, count = ctx.saved_tensors
+        reduction, _, rows = ctx.spec
+        scale = grad * valid if reduction == 2 else grad * valid / count
+        xf = x.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(xf)
+        dw = torch.zeros_like(weight)
+        db = torch.zeros_like(bias) if bias is not None else None
+        for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
+            dz = _logits(xf[a:a + rows], weight, bias).sub_(lse[a:a + rows, None]).exp_()
+            hit = torch.arange(dz.shape[0], device=dz.device)
+            dz[hit, local_t[a:a + rows]] -= inside[a:a + rows].to(dz.dtype)
+            dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)
+            torch.mm(dz, weight, out=dx[a:a + rows])
+            dw.addmm_(dz.t(), xf[a:a + rows])
+            if db is not None:
+                db += dz.sum(0)
+            del dz
+        return dx.reshape(x.shape), dw, db, None, None, None
+
+
+class ChunkedCrossEntropy(Bound):
+    """Cross-entropy of x @ W.T (+ b), in chunks of `chunk_rows(this rank's vocabulary,
+    chunk_bytes)` tokens; W's rows split over `axis` (vocabulary-parallel) or whole (axis
+    None). `reduction`: 1 the mean over the tokens
+    whose target is not `ignore_index`, 2 their sum. The logits are fp32 (upcast when x is
+    16-bit), as the unchunked kernels compute them."""
+
+    def __init__(self, axis: str | None, reduction: int = 1, ignore_index: int = -100,
+                 chunk_bytes: int | None = None):
+        super().__init__(axis)
+        self.reduction, self.ignore_index = reduction, ignore_index
+        self.chunk_bytes = chunk_bytes
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis}, chunk_bytes={self.chunk_bytes}"
+
+    def bind(self, groups: dict[str, AxisGroup]) -> None:
+        if self.axis is not None:
+            super().bind(groups)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        g = self._g() if self.axis is not None else None
+        spec = (self.reduction, self.ignore_index, chunk_rows(weight.shape[0], self.chunk_bytes))
+        return _ChunkedCE.apply(x, weight, bias, target, g, spec)

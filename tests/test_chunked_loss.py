@@ -1,0 +1,233 @@
+"""The chunked cross-entropy (autopar.kernels.chunked_loss, autopar.passes.chunked_loss):
+the kernel against aten, the fused training graph against the unfused one and one device
+under data, 1D tensor (vocabulary-parallel), Megatron-SP, pipeline and ZeRO-3 plans on the
+zoo GPT and a transformers Llama whose loss is its own `loss_function`; the switch; the
+memory model's named effect and the peak memory it predicts against the measured fall."""
+
+import contextlib
+import functools
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import dist_pool_fixture
+from equivalence import compare
+
+from autopar.graph import losses
+from autopar.kernels.chunked_loss import ChunkedCrossEntropy
+
+pool2 = dist_pool_fixture(2)
+
+SMALL_CHUNKS = 4 * 64 * 4  # 4 tokens of a 64-class (hf-llama) or 16 of a 256/16 slice
+
+
+def hf_llama(batch: int):
+    """A tiny transformers Llama trained on its own loss function (ForCausalLMLoss: fp32
+    upcast, labels shifted by one with -100 padding, mean over the counted tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg)
+    x = torch.randint(0, 64, (batch, 8))
+
+    def loss_fn(out, target):
+        return model.loss_function(out.logits, target, cfg.vocab_size)
+
+    return model, (x,), torch.randint(0, 64, (batch, 8)), loss_fn
+
+
+class _WithLabels(torch.nn.Module):
+    """A transformers model called with labels=: the loss inside its forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+def hf_llama_labels(batch: int):
+    model, (x,), target, _ = hf_llama(batch)
+    return _WithLabels(model), (x, target), target, _own_loss
+
+
+def _own_loss(loss, target):
+    return loss
+
+
+def test_kernel_equals_aten_in_many_chunks():
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, 8, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(40, 8).requires_grad_()
+    b = torch.randn(40).requires_grad_()
+    t = torch.randint(0, 40, (26,))
+    t[3] = -100
+    for reduction, name in ((1, "mean"), (2, "sum")):
+        module = ChunkedCrossEntropy(None, reduction, -100, chunk_bytes=3 * 40 * 4)  # 3 rows
+        got = module(x, w, t, b)
+        grads = torch.autograd.grad(got, (x, w, b))
+        want = F.cross_entropy((x @ w.t() + b).reshape(-1, 40), t, reduction=name)
+        expected = torch.autograd.grad(want, (x, w, b))
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        for g, e in zip(grads, expected):
+            assert torch.allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def _chunked_run(name, plan, chunked: bool) -> dict:
+    """compare() with small chunks (several per local batch), plus how many losses fused."""
+    losses.CHUNK_BYTES = SMALL_CHUNKS
+    model = {"hf-llama": hf_llama, "hf-llama-labels": hf_llama_labels}.get(name, name)
+    return compare(model, plan, steps=3, probe=_fused, chunked_loss=chunked)
+
+
+def _fused(engine, inputs, target) -> int:
+    return engine.chunked_losses
+
+
+PLANS = {"data": {"data": 2},
+         "tensor": {"tensor": {"size": 2, "mode": "1d"}},
+         "megatron-sp": {"tensor": {"size": 2, "mode": "1d", "sequence_parallel": True}},
+         "pipeline": {"pipeline": 2},
+         "zero3": {"data": 2, "zero": {"stage": 3}}}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf-llama"])
+def test_chunked_equals_one_device(pool2, model, plan):
+    for r in pool2.run(_chunked_run, model, PLANS[plan], True):
+        assert r["probe"] == 1, r["probe"]  # the loss ran chunked
+        assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"]
+
+
+@pytest.mark.parametrize("plan", ["data", "tensor"])
+def test_loss_inside_the_forward_is_chunked(pool2, plan):
+    for r in pool2.run(_chunked_run, "hf-llama-labels", PLANS[plan], True):
+        assert r["probe"] == 1
+        assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, (r["loss"], r["weights"])
+        assert r["measured"] == r["predicted"]
+
+
+def test_zero_bubble_keeps_the_loss_unfused(pool2):
+    plan = {"pipeline": {"size": 2, "schedule": "zero_bubble", "microbatches": 4}}
+    for r in pool2.run(_chunked_run, "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16", plan,
+                       True):
+        assert r["probe"] == 0  # its split backward cannot split the fused op's
+        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5
+
+
+def test_switch_off_keeps_the_traced_loss(pool2):
+    for r in pool2.run(_chunked_run, "gpt-tiny", PLANS["tensor"], False):
+        assert r["probe"] == 0
+        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5
+
+
+def test_switch_must_be_a_bool():
+    import autopar
+    from autopar.models import build
+
+    model, (x,) = build("gpt-tiny", batch=2, device="cpu", seed=0)
+    with pytest.raises(autopar.PlanError, match="chunked_loss must be True or False"):
+        autopar.parallelize(model, 1, example_inputs=(x,), chunked_loss="yes",
+                            optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
+    """Per rank: the live tensor bytes a step makes at its peak with the chunked loss off
+    and on, and the fall the memory model names for this rank's graph."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.cost.chunked_loss import effect
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.runtime.measure import measure_transient_bytes
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    peaks, said = {}, None
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=2, n_embd=32, block_size=seq))
+        x, y = torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))
+        engine = autopar.parallelize(model, world, example_inputs=(x,), plan=plan,
+                                     loss_fn=lambda out, t: F.cross_entropy(
+                                         out.reshape(-1, vocab), t.reshape(-1)),
+                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                     chunked_loss=chunked)
+        engine.train_step(x, y)
+        peaks[chunked] = measure_transient_bytes(functools.partial(engine.train_step, x, y))
+        if chunked:
+            solution = engine.train_solution if engine.plan.mesh["tp"] > 1 else None
+            said = effect(engine.train_graph, solution, 1)
+    return {"fall": peaks[False] - peaks[True], "said": said}
+
+
+def test_peak_falls_by_what_the_memory_model_says():
+    r = _peak_fall(32000, 512, {"data": 1})
+    assert r["said"]["losses"][0]["kernel"] == "aten"
+    assert abs(r["fall"] - r["said"]["saving_bytes"]) <= 0.10 * r["said"]["saving_bytes"], r
+
+
+def test_vocab_parallel_peak_falls_by_what_the_memory_model_says(pool2):
+    for r in pool2.run(_peak_fall, 32000, 512, PLANS["tensor"]):
+        assert r["said"]["losses"][0] == {"layer": "loss", "tokens": 512, "vocab": 16000,
+                                          "kernel": "vocab_parallel", "whole_buffers": 4}
+        assert abs(r["fall"] - r["said"]["saving_bytes"]) <= \
+            0.10 * r["said"]["saving_bytes"], r
+
+
+def test_activations_lose_the_saved_logits():
+    from autopar.cost.memory import activation_bytes
+    from autopar.graph.trace import trace
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
+    x = torch.randint(0, 1000, (2, 64))
+    traced = trace(model, (x,), loss_fn=lambda out, t: F.cross_entropy(
+        out.reshape(-1, 1000), t.reshape(-1)), example_target=x, train=True)
+    whole = activation_bytes(traced, micro_batch=2, chunked_loss=False)
+    chunked = activation_bytes(traced, micro_batch=2)
+    tokens = 2 * 64
+    assert whole["loss"] - chunked["loss"] == tokens * 1000 * 4 - tokens * 4
+    assert {k: v for k, v in whole.items() if k != "loss"} == \
+        {k: v for k, v in chunked.items() if k != "loss"}
+
+
+def test_explain_names_the_effect():
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
+    x = torch.randint(0, 1000, (4, 64))
+    plan = autopar.plan(model, (x,), autopar.World(2, device="a100-80gb"),
+                        constraints={"tp": 2}, loss_fn=lambda out, t: F.cross_entropy(
+                            out.reshape(-1, 1000), t.reshape(-1)), example_target=x)
+    text = plan.explain()
+    assert "chunked cross-entropy: peak -" in text and "arXiv 2410.10989" in text, text
+    effect = plan.detail["chunked_loss"]
+    assert effect["losses"][0]["vocab"] == 500 and effect["losses"][0]["whole_buffers"] == 4
+
+
+def test_the_planner_prices_the_loss_unchunked_when_told():
+    import autopar
+    from autopar.cli import main
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
+    x = torch.randint(0, 1000, (4, 64))
+    plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
+                             chunked_loss=c, example_target=x,
+                             loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, 1000),
+                                                                    t.reshape(-1)))
+             for c in (True, False)}
+    acts = {c: p.predicted["memory_breakdown_bytes"]["activations"] for c, p in plans.items()}
+    assert acts[False] - acts[True] == 4 * 64 * (1000 - 1) * 4
+    assert plans[False].detail["chunked_loss"] is None
+    assert "chunked cross-entropy" not in plans[False].explain()
+    spec = "gpt:layers=1,hidden=64,heads=2,vocab=4096"
+    for flag, seen in (([], True), (["--no-chunked-loss"], False)):
+        with io.StringIO() as out, contextlib.redirect_stdout(out):
+            assert main(["explain", spec, "--world", "1", "--seq", "128", *flag]) == 0
+            assert ("chunked cross-entropy: peak -" in out.getvalue()) is seen
