@@ -60,8 +60,6 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     (docs/compile.md). `chunked_loss`: a cross-entropy over a linear's logits runs fused,
     in chunks of tokens, never holding the whole logits (False: as traced)."""
     _check_arguments(model, loss_fn, optimizer, seed, max_grad_norm, check_batches)
-    if not isinstance(compile, bool):
-        raise PlanError(f"compile must be True or False, not {compile!r}.")
     _check_checkpointing(checkpoint_dir, checkpoint_every, checkpoint_async, checkpoint_keep)
     seconds = check_timeout(timeout)
     _check_switches(compile=compile, chunked_loss=chunked_loss)
@@ -84,14 +82,8 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         _init_process_group(size, seconds)
         _check_process_group(size)
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
-        try:
-            if chosen is None:
-                chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision,
-                                      chunked_loss)
-                _check_executable(chosen)
-            traced = traced or Engine.trace_for(model, tuple(example_inputs), chosen)
-        except Exception as e:  # noqa: BLE001
-            failure = e
+        chosen, traced, failure = _plan_and_trace(model, size, world, example_inputs, loss_fn,
+                                                  precision, chunked_loss, chosen, traced)
     watch = Watch(seconds, size)
     watch.bound([])
     with watch.guard(-1, "parallelize"):
@@ -113,6 +105,20 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         _resume(engine, Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,
                                       checkpoint_async, checkpoint_keep))
     return engine
+
+
+def _plan_and_trace(model, size: int, world, example_inputs: tuple, loss_fn, precision: str,
+                    chunked_loss: bool, chosen, traced):
+    """(plan, its traced graph, None), searching the plan when none was given; a failure
+    comes back as the third item, for every rank to learn of it together."""
+    try:
+        if chosen is None:
+            chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision,
+                                  chunked_loss)
+            _check_executable(chosen)
+        return chosen, traced or Engine.trace_for(model, tuple(example_inputs), chosen), None
+    except Exception as e:  # noqa: BLE001 - shared, so no other rank waits for this one
+        return chosen, traced, e
 
 
 def _resume(engine: Engine, checkpointing: Checkpointing) -> None:

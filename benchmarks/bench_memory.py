@@ -86,7 +86,8 @@ def plan_solution(model, sample: tuple, target, loss_fn, plan):
 
 def predict(name: str, plan_spec: dict, world: int, batch: int) -> dict:
     """Predicted bytes per rank of one plan, and what it was predicted from."""
-    from autopar.cost.memory import activation_bytes, state_bytes
+    from autopar.cost.memory import activation_bytes
+    from autopar.cost.state import state_bytes
     from autopar.plans import Plan
 
     model, inputs, target, loss_fn = example(name, batch)

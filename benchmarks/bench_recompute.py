@@ -8,7 +8,7 @@ takes the math path and saves its s x s tensors, what selective recomputation dr
 data 4 and under data 2 x Megatron-SP tensor 2, once per mode. Per rank: the saved activations the plan prices
 (engine.explain(), summed over the layers) beside those measured (every storage autograd
 saves during a step, `measure_saved_activations`); the peak, the state bytes the plan prices
-(`autopar.cost.memory.state_bytes`) plus the activations, beside the state the engine holds
+(`autopar.cost.state.state_bytes`) plus the activations, beside the state the engine holds
 (`measure_state_bytes`) plus the most bytes autograd held saved at once
 (`measure_peak_saved_activations`); the mean step time after a warm-up step, and its ratio to
 none's; and whether the comm log equals `engine.predicted_comm`. Prints the table and writes
@@ -50,7 +50,7 @@ def _model(spec: str, batch: int):
 
 def _one_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> dict:
     import autopar
-    from autopar.cost.memory import state_bytes
+    from autopar.cost.state import state_bytes
     from autopar.runtime.measure import (
         measure_peak_saved_activations,
         measure_saved_activations,

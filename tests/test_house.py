@@ -69,14 +69,8 @@ def test_no_import_cycles():
 
 # Today's files over 800 lines and functions over 80 (path: lines): each may only shrink, and
 # leaves this list once it is under the limit.
-LONG_FILES = {"autopar/cost/memory.py": 903, "autopar/runtime/checkpoint.py": 923}
-LONG_FUNCTIONS = {
-    "autopar/runtime/engine.py:Engine.__init__": 85,
-    "autopar/runtime/pipeline.py:PipelineRunner.__init__": 83,
-    "autopar/search/search.py:Search._priced": 84,
-    "autopar/passes/pipeline.py:split_stages": 81,
-    "autopar/cost/model.py:state_cost": 91,
-}
+LONG_FILES: dict[str, int] = {}
+LONG_FUNCTIONS: dict[str, int] = {}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 80
 
 

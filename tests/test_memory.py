@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from distributed import dist_pool_fixture
 from equivalence import build
 
-from autopar.cost.memory import activation_bytes, saved_activations, state_bytes
+from autopar.cost.memory import activation_bytes, saved_activations
+from autopar.cost.state import state_bytes
 from autopar.graph.trace import BATCH, trace
 from autopar.models import build as zoo_build
 from autopar.models.gpt import GPT, GPTConfig

@@ -6,7 +6,7 @@ meta; four blocks, two traced): mixed-precision AdamW holds 16 bytes per paramet
 + 4 + 8, divided exactly as each ZeRO stage shards it over data-parallel, 1D tensor-
 parallel and pipeline layouts, on every pipeline rank of the plan's report; fp32 holds
 4 + 4 + 0 + 8. Runtime plans price what `parallelize`'s optimizer holds (checked against
-`autopar.cost.memory.state_bytes`). Offload counts against the profile's host memory, in
+`autopar.cost.state.state_bytes`). Offload counts against the profile's host memory, in
 the search and in `--min-devices`.
 """
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from autopar.cost.hardware import load_hardware
-from autopar.cost.memory import state_bytes
 from autopar.cost.precision import mixed, precision_of, runtime
+from autopar.cost.state import state_bytes
 from autopar.errors import PlanError
 from autopar.models import build, workload
 from autopar.modes import RUNTIME

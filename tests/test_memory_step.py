@@ -1,4 +1,4 @@
-"""The optimizer step's temporaries (autopar.cost.memory.step_workspace) and where they sit in
+"""The optimizer step's temporaries (autopar.cost.state.step_workspace) and where they sit in
 the peak: measured on the CPU as the live bytes of the tensors `step()` makes
 (autopar.runtime.measure.measure_transient_bytes), for every optimizer and implementation the
 memory model names, and on the local shards of a tensor-parallel and a ZeRO-1 engine against
@@ -14,7 +14,7 @@ from distributed import dist_pool_fixture
 from equivalence import build
 
 import autopar
-from autopar.cost.memory import (
+from autopar.cost.state import (
     FOR_LOOP,
     FOREACH,
     FUSED,

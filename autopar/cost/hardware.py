@@ -78,7 +78,7 @@ class Hardware:
     # (1: the additive roofline, autopar.cost.model.gemm_traffic_s); 0 = not modelled
     gemm_operand_traffic: float = 0.0
     # how torch.optim steps here by default, which sets the step's temporaries
-    # (autopar.cost.memory.step_workspace): "foreach" where every tensor is on CUDA or a
+    # (autopar.cost.state.step_workspace): "foreach" where every tensor is on CUDA or a
     # device like it, "for_loop" on the CPU; "fused" where the run asks for fused=True
     optimizer_implementation: str = "foreach"
     source: str = ""

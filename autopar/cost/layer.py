@@ -125,7 +125,7 @@ class Sharded:
     # engine keeps experts whole beside a cp axis (autopar.plans.Plan.splits_experts)
     expert_comm: list[tuple[str, str, Lin]] = field(default_factory=list)
     # bytes per device of each parameter tensor outside the experts, in graph order (the
-    # order the engine's optimizer steps them: autopar.cost.memory.StepTemps)
+    # order the engine's optimizer steps them: autopar.cost.state.StepTemps)
     param_tensors: tuple = ()
     # per tensor of `param_tensors`: whether it has one dim (a bias, a norm's weight), which
     # the 2D, 2.5D and 3D grid kernels split q ways where they split a matrix q^2 or q^3 ways

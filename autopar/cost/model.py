@@ -12,7 +12,7 @@ reported per layer in ``StateCost.effects``. Communication is priced by
 device is parameters + gradients + optimizer states (by ZeRO stage and offload, bytes per
 parameter from ``autopar.cost.precision``) + the larger of activations (by recompute, sequence
 parallelism and micro-batches in flight) + buffers, during the backward, and the optimizer
-step's temporaries after it (``autopar.cost.memory.step_workspace``, by the profile's
+step's temporaries after it (``autopar.cost.state.step_workspace``, by the profile's
 ``optimizer_implementation``).
 """
 
@@ -29,7 +29,7 @@ from autopar.cost import fp8
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
-from autopar.cost.memory import StepTemps
+from autopar.cost.state import StepTemps
 from autopar.modes import (
     BF16,
     CONTIGUOUS,
@@ -208,7 +208,7 @@ class StateCost:
     ep_comm_bytes: float = 0.0
     expert_params: float = 0.0
     # the for-loop optimizer step's temporaries over this layer's parameter tensors (bytes
-    # of the weights per device, before ZeRO): autopar.cost.memory.StepTemps
+    # of the weights per device, before ZeRO): autopar.cost.state.StepTemps
     step_temps: StepTemps = field(default_factory=StepTemps)
 
     @property

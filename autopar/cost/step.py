@@ -15,9 +15,9 @@ from autopar.cost.comm import Placement, collective_time, placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.hybrid import HybridSplit, replicas_time, replicas_wire_bytes
 from autopar.cost.layer import LayerChain, add_tensor_parallel, layer_chain
-from autopar.cost.memory import FOR_LOOP, FUSED
 from autopar.cost.precision import ADAM_MOMENTS, Precision
 from autopar.cost.schedule import in_flight, stage_count, step_time, time_shared
+from autopar.cost.state import FOR_LOOP, FUSED
 from autopar.modes import CP, DP, EP, NO_PIPELINE, PP, TP
 
 USABLE_MEMORY = 0.92  # the rest goes to the framework, kernels' workspaces, fragmentation
@@ -126,7 +126,7 @@ def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: in
 
 
 def step_temps_dev(peak, first, last, device_of, pp: int) -> np.ndarray:
-    """Per pipeline rank, the for-loop step's temporaries (`autopar.cost.memory.StepTemps`)
+    """Per pipeline rank, the for-loop step's temporaries (`autopar.cost.state.StepTemps`)
     over its layers' parameter tensors in layer order: each layer's own peak, and where one
     layer follows another on the rank, twice its first tensor beside the last one's. Arrays
     per layer; a layer without parameters does not separate its neighbours."""
@@ -147,7 +147,7 @@ def optimizer_step_dev(params_dev, temps_dev, replicas: int, zero: int, offload:
                        precision: Precision, implementation: str, experts_dev=None,
                        split: ExpertSplit | None = None) -> np.ndarray:
     """Bytes of the optimizer step's temporaries per device (torch.optim's, as
-    `autopar.cost.memory.step_workspace` prices AdamW's and `STEP_SOURCE` names): foreach,
+    `autopar.cost.state.step_workspace` prices AdamW's and `STEP_SOURCE` names): foreach,
     one moment's copy of every local parameter; for-loop, `temps_dev` (`step_temps_dev`, in
     weight bytes); fused, none. The temporaries take the moments' dtype, and under ZeRO the
     step runs on each rank's 1/replicas piece of every parameter (experts: 1/their

@@ -50,6 +50,23 @@ class Stages:
     loss: fx.GraphModule | None = None
 
 
+def _reads_before(graph: fx.Graph, stage: dict, free: set,
+                  loss_stage: int) -> list[set[fx.Node]]:
+    """What each stage reads from earlier ones (the graph's inputs are stage 0's values)."""
+    reads_before: list[set[fx.Node]] = [set() for _ in range(loss_stage + 1)]
+    for nd in graph.nodes:
+        if nd.op == "output":
+            k = loss_stage
+        elif nd in stage and nd.op != "placeholder":
+            k = stage[nd]
+        else:
+            continue
+        for a in _sources(nd.all_input_nodes, free):
+            if a.op != "get_attr" and stage[a] < k:
+                reads_before[k].add(a)
+    return reads_before
+
+
 def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int,
                  targets: int = 0) -> Stages:
     """Cut `gm` into `n` stages. `stage_of_layer` maps layer names (node.meta["autopar"]
@@ -95,18 +112,7 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], n: int,
                             f"node {nd.name} reads a value of stage {earliest}; stages must "
                             "follow the order in which the model runs its layers.")
         stage[nd] = k
-    # what each stage reads from earlier ones (the graph's inputs are stage 0's values)
-    reads_before: list[set[fx.Node]] = [set() for _ in range(loss_stage + 1)]
-    for nd in graph.nodes:
-        if nd.op == "output":
-            k = loss_stage
-        elif nd in stage and nd.op != "placeholder":
-            k = stage[nd]
-        else:
-            continue
-        for a in _sources(nd.all_input_nodes, free):
-            if a.op != "get_attr" and stage[a] < k:
-                reads_before[k].add(a)
+    reads_before = _reads_before(graph, stage, free, loss_stage)
     order = {nd: i for i, nd in enumerate(graph.nodes)}
     # carried into stage k: what stage k or a later one reads that an earlier stage made
     carried: list[list[fx.Node]] = [inputs]

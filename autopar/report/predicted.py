@@ -17,7 +17,6 @@ from autopar.cost.comm import placements
 from autopar.cost.experts import alltoall_count
 from autopar.cost.hybrid import SOURCE, hybrid_split, replicas_wire_bytes
 from autopar.cost.layer import LayerChain
-from autopar.cost.memory import STEP_SOURCE
 from autopar.cost.model import (
     EFFECTS,
     Context,
@@ -30,6 +29,7 @@ from autopar.cost.model import (
 )
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
+from autopar.cost.state import STEP_SOURCE
 from autopar.cost.step import (
     USABLE_MEMORY,
     conversion_s,

@@ -5,9 +5,7 @@ and loading runs no code from the files (`safe_metadata`)."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
 import re
 import shutil
@@ -40,8 +38,15 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from autopar.errors import CheckpointError, PlanError
 from autopar.json_file import read_json
 from autopar.modes import PP
-from autopar.passes.tensor_parallel import shard_steps
 from autopar.runtime.agree import agree_with_rank_zero, process_rank
+from autopar.runtime.regions import (
+    Region,
+    expert_runs,
+    piece_region,
+    slice_region,
+    slice_runs,
+    whole_shape,
+)
 from autopar.runtime.safe_metadata import METADATA, SafeReader, read_metadata
 
 FORMAT = "autopar-dcp"
@@ -51,159 +56,6 @@ LATEST = "latest"
 WEIGHT, STATE, SCALAR, VALUE = "model/", "optim/", "optim.scalar/", "optim.value/"
 _STEP_DIR = re.compile(r"^step-(\d+)(?:-(\d+))?$")
 _TMP_PREFIX = ".tmp-"
-
-
-# ---------------------------------------------------------------------- geometry
-@dataclass
-class _Region:
-    """Where one local tensor lies in the whole tensor of `shape`: boxes, each the global
-    offsets of a box and the view of the local tensor that holds it."""
-
-    shape: tuple[int, ...]
-    boxes: list[tuple[tuple[int, ...], torch.Tensor]]
-
-    def chunks(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.size())
-                for o, v in self.boxes]
-
-    def find(self, index: MetadataIndex) -> torch.Tensor:
-        """The view of the box at `index.offset` (`index.index`, when given, is its position
-        in `boxes`: a load may ask for overlapping boxes of two local tensors)."""
-        i = index.index
-        if i is not None and i < len(self.boxes) and \
-                torch.Size(self.boxes[i][0]) == index.offset:
-            return self.boxes[i][1]
-        for offsets, view in self.boxes:
-            if torch.Size(offsets) == index.offset:
-                return view
-        raise KeyError(f"{index.fqn} has no box at {tuple(index.offset)} on this rank")
-
-
-def slice_runs(layout, mesh, coords: dict[str, int], shape: tuple[int, ...]) -> list[list]:
-    """Per dim of the whole tensor of `shape`, the (global start, length) runs this rank's
-    slice holds, in the slice's order: the cuts of `local_slice`, followed on positions."""
-    runs = [[(0, n)] for n in shape]
-    if layout is None:
-        return runs
-    for shard in layout.shards:
-        for axis, groups in shard_steps(shard, mesh):
-            parts, index = mesh.size(axis), mesh.index(axis, coords)
-            held = runs[shard.dim]
-            m = sum(n for _, n in held) // (groups * parts)
-            picked = []
-            for b in range(groups):  # this rank's m positions of every block
-                picked += _take(held, (b * parts + index) * m, m)
-            runs[shard.dim] = _merge(picked)
-    return runs
-
-
-def expert_runs(runs: list, parts: int, index: int) -> list:
-    """The runs of a stacked expert weight after the ep cut: the `index`-th of `parts`
-    equal blocks of the positions dim 0's `runs` hold (ShardedParams' own experts)."""
-    m = sum(n for _, n in runs[0]) // parts
-    return [_merge(_take(runs[0], index * m, m))] + [list(r) for r in runs[1:]]
-
-
-def _take(runs: list, start: int, length: int) -> list:
-    """The global runs of local positions [start, start + length) of a dim held as `runs`."""
-    out, pos = [], 0
-    for g, n in runs:
-        lo, hi = max(start, pos), min(start + length, pos + n)
-        if lo < hi:
-            out.append((g + lo - pos, hi - lo))
-        pos += n
-    return out
-
-
-def _merge(runs: list) -> list:
-    out = []
-    for g, n in runs:
-        if out and out[-1][0] + out[-1][1] == g:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((g, n))
-    return out
-
-
-def _whole_shape(local_shape, layout, mesh) -> tuple[int, ...]:
-    """The whole tensor's shape, from a slice's shape and its layout."""
-    shape = list(local_shape)
-    if layout is not None:
-        for shard in layout.shards:
-            for axis, _ in shard_steps(shard, mesh):
-                shape[shard.dim] *= mesh.size(axis)
-    return tuple(shape)
-
-
-def _place(runs: list, shape: tuple[int, ...], local_boxes) -> _Region:
-    """The region of local boxes ((offsets in the slice), view) through the slice's runs:
-    each local box splits where a dim's runs break."""
-    boxes = []
-    for offsets, view in local_boxes:
-        per_dim = []
-        for d, (o, n) in enumerate(zip(offsets, view.shape)):
-            cuts, pos = [], 0  # (offset in the view, global start, length)
-            for g, length in runs[d]:
-                lo, hi = max(o, pos), min(o + n, pos + length)
-                if lo < hi:
-                    cuts.append((lo - o, g + lo - pos, hi - lo))
-                pos += length
-            per_dim.append(cuts)
-        for combo in itertools.product(*per_dim):
-            part = view
-            for d, (rel, _, length) in enumerate(combo):
-                part = part.narrow(d, rel, length)
-            boxes.append((tuple(g for _, g, _ in combo), part))
-    return _Region(tuple(shape), boxes)
-
-
-def _slice_region(tensor: torch.Tensor, runs: list, shape) -> _Region:
-    """A tensor shaped like this rank's slice: one local box, the whole of it."""
-    if tensor.numel() == 0 and math.prod(shape) > 0:
-        return _Region(tuple(shape), [])
-    return _place(runs, shape, [((0,) * tensor.dim(), tensor)])
-
-
-def _flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list:
-    """Boxes (offsets, sizes) covering the row-major flat positions [start, stop) of a
-    tensor of `shape`, in order; each is a contiguous run of the flat order (a partial
-    row, whole rows, a partial row, recursively)."""
-    if start >= stop or math.prod(shape) == 0:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    first, last = start // inner, (stop - 1) // inner
-    rest = tuple(shape[1:])
-
-    def row(i, lo, hi):
-        return [((i,) + o, (1,) + s) for o, s in _flat_boxes(lo, hi, rest)]
-
-    if first == last:
-        return row(first, start - first * inner, stop - first * inner)
-    out, head = [], first
-    if start % inner:
-        out += row(first, start % inner, inner)
-        head += 1
-    tail = last + 1 if stop % inner == 0 else last
-    if tail > head:
-        out.append(((head,) + (0,) * len(rest), (tail - head,) + rest))
-    if stop % inner:
-        out += row(last, 0, stop % inner)
-    return out
-
-
-def _piece_region(piece: torch.Tensor, start: int, local_shape, runs: list,
-                  shape) -> _Region:
-    """A ZeRO piece (flat positions [start, start + len) of this rank's slice, of
-    `local_shape`) as boxes of the whole tensor: used for the weights and for every
-    optimizer state of the piece alike."""
-    strides = [math.prod(local_shape[d + 1:]) for d in range(len(local_shape))]
-    local = []
-    for offsets, sizes in _flat_boxes(start, start + piece.numel(), tuple(local_shape)):
-        flat = sum(o * s for o, s in zip(offsets, strides)) - start
-        local.append((offsets, piece.reshape(-1)[flat:flat + math.prod(sizes)].view(sizes)))
-    return _place(runs, shape, local)
 
 
 # ---------------------------------------------------------------------- planners
@@ -267,7 +119,7 @@ def _geometry(engine, local: torch.Tensor):
     """(runs, whole shape) of a local slice of the engine."""
     params = engine.params
     layout = params.layout_of(local)
-    shape = _whole_shape(_local_shape(engine, local), layout, params.mesh)
+    shape = whole_shape(_local_shape(engine, local), layout, params.mesh)
     if not params.is_expert(local):
         return slice_runs(layout, params.mesh, params.coords, shape), shape
     # a stacked expert weight: this ep rank's block of experts of its tensor slice
@@ -324,18 +176,18 @@ def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _state_region(engine, opt_param, local, tensor, pieces) -> _Region:
+def _state_region(engine, opt_param, local, tensor, pieces) -> Region:
     """The region of `tensor`, shaped like `opt_param` (a local slice or a ZeRO piece)."""
     runs, shape = _geometry(engine, local)
     if id(local) in pieces and pieces[id(local)][0] is opt_param:
-        return _piece_region(tensor, pieces[id(local)][1], _local_shape(engine, local), runs,
+        return piece_region(tensor, pieces[id(local)][1], _local_shape(engine, local), runs,
                              shape)
-    return _slice_region(tensor, runs, shape)
+    return slice_region(tensor, runs, shape)
 
 
-def _save_state(engine) -> dict[str, _Region]:
+def _save_state(engine) -> dict[str, Region]:
     """fqn -> this rank's region for everything a checkpoint holds."""
-    out: dict[str, _Region] = {}
+    out: dict[str, Region] = {}
     pieces = _pieces(engine)
     trained = {id(p) for p in engine.grads.trained()} if engine.pipeline is not None \
         else None
@@ -347,12 +199,12 @@ def _save_state(engine) -> dict[str, _Region]:
         runs, shape = _geometry(engine, local)
         if id(local) in pieces:  # ZeRO: from the pieces, never the whole parameter
             piece, start = pieces[id(local)]
-            out[fqn] = _piece_region(piece.detach(), start, _local_shape(engine, local), runs,
+            out[fqn] = piece_region(piece.detach(), start, _local_shape(engine, local), runs,
                                      shape)
         else:
-            out[fqn] = _slice_region(local.detach(), runs, shape)
+            out[fqn] = slice_region(local.detach(), runs, shape)
     for name, value in engine.params.untraced.items():
-        out[WEIGHT + name] = _slice_region(value, [[(0, n)] for n in value.shape],
+        out[WEIGHT + name] = slice_region(value, [[(0, n)] for n in value.shape],
                                            tuple(value.shape))
     held = engine.held_optimizer
     if held is not None:  # loaded, not yet handed to a pipeline's optimizer: as loaded
@@ -372,10 +224,10 @@ def _state_entries(engine, q, local, state: dict, pieces, out: dict) -> None:
         if isinstance(v, torch.Tensor) and v.shape == q.shape:
             out[f"{STATE}{name}/{k}"] = _state_region(engine, q, local, v.detach(), pieces)
         elif isinstance(v, torch.Tensor) and v.dim() == 0:
-            out[f"{SCALAR}{name}/{k}"] = _Region((), [((), v.detach())])
+            out[f"{SCALAR}{name}/{k}"] = Region((), [((), v.detach())])
         elif isinstance(v, (bool, int, float)):
             t = torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
-            out[f"{VALUE}{name}/{k}"] = _Region((), [((), t)])
+            out[f"{VALUE}{name}/{k}"] = Region((), [((), t)])
         else:
             raise PlanError(f"the optimizer state {k!r} of {name} is a {type(v).__name__} "
                             "that is neither shaped like its parameter nor a scalar, which "
@@ -570,7 +422,7 @@ def _staged(state: dict) -> dict:
                                pin_memory=view.device.type == "cuda")
             host.copy_(view, non_blocking=view.device.type == "cuda")
             boxes.append((offsets, host))
-        out[fqn] = _Region(region.shape, boxes)
+        out[fqn] = Region(region.shape, boxes)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return out
@@ -779,10 +631,10 @@ def _restore(optimizer, fill: list, groups: list) -> None:
                     group[k] = tuple(v) if isinstance(group[k], tuple) else v
 
 
-def _weight_targets(engine, stored: dict) -> dict[str, _Region]:
+def _weight_targets(engine, stored: dict) -> dict[str, Region]:
     """fqn -> the region of this rank's tensor each weight is read into; refuses a
     checkpoint whose weights' names or shapes differ from the model's."""
-    targets: dict[str, _Region] = {}
+    targets: dict[str, Region] = {}
     pieces = _pieces(engine)
     wanted = set()
     for names, local, _ in engine.params.entries():
@@ -794,13 +646,13 @@ def _weight_targets(engine, stored: dict) -> dict[str, _Region]:
         runs, shape = _geometry(engine, local)
         _check_shape(fqn[len(WEIGHT):], stored[fqn], shape)
         whole = tuple(local.shape) == _local_shape(engine, local) and _holds_whole(local)
-        region = _slice_region(local.data, runs, shape) if whole else _Region(shape, [])
+        region = slice_region(local.data, runs, shape) if whole else Region(shape, [])
         if id(local) in pieces:
             piece, start = pieces[id(local)]
             if not _aliases(piece, local):  # pieces of their own (ZeRO-3): filled too
-                extra = _piece_region(piece.data, start, _local_shape(engine, local), runs,
+                extra = piece_region(piece.data, start, _local_shape(engine, local), runs,
                                       shape)
-                region = _Region(shape, region.boxes + extra.boxes)
+                region = Region(shape, region.boxes + extra.boxes)
         targets[fqn] = region
     for name, value in engine.params.untraced.items():
         fqn = WEIGHT + name
@@ -809,7 +661,7 @@ def _weight_targets(engine, stored: dict) -> dict[str, _Region]:
                             "load a checkpoint of this model.")
         wanted.add(fqn)
         _check_shape(name, stored[fqn], tuple(value.shape))
-        targets[fqn] = _slice_region(value, [[(0, n)] for n in value.shape],
+        targets[fqn] = slice_region(value, [[(0, n)] for n in value.shape],
                                      tuple(value.shape))
     extra = sorted(k for k in stored if k.startswith(WEIGHT) and k not in wanted)
     if extra:
@@ -858,7 +710,7 @@ def _optimizer_targets(engine, stored: dict, targets: dict, pairs: list) -> list
                 targets[fqn] = _state_region(engine, q, local, t, pieces)
             else:
                 t = torch.empty((), dtype=md.properties.dtype)
-                targets[fqn] = _Region((), [((), t)])
+                targets[fqn] = Region((), [((), t)])
             state[key] = (kind, t)
         fill.append((local, state))
     return fill
@@ -904,7 +756,7 @@ def read_weight_boxes(path, boxes: dict[str, list[tuple[tuple[int, ...], torch.T
     stored chunks they overlap are read."""
     ckpt, _, reader = _read(path)
     stored = reader.read_metadata().state_dict_metadata
-    regions = {WEIGHT + name: _Region(tuple(stored[WEIGHT + name].size), list(pairs))
+    regions = {WEIGHT + name: Region(tuple(stored[WEIGHT + name].size), list(pairs))
                for name, pairs in boxes.items()}
     _dcp(dcp.load, regions, f"reading the checkpoint {ckpt}", no_dist=True,
          storage_reader=reader, planner=_LoadPlanner())
@@ -916,7 +768,7 @@ def _read_whole(ckpt: str, reader: SafeReader, kinds: tuple[str, ...]) -> dict:
     stored = reader.read_metadata().state_dict_metadata
     whole = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for fqn, md in stored.items() if fqn.startswith(kinds)}
-    regions = {fqn: _slice_region(t, [[(0, n)] for n in t.shape], tuple(t.shape))
+    regions = {fqn: slice_region(t, [[(0, n)] for n in t.shape], tuple(t.shape))
                for fqn, t in whole.items()}
     _dcp(dcp.load, regions, f"reading the checkpoint {ckpt}", no_dist=True,
          storage_reader=reader, planner=_LoadPlanner())

@@ -127,23 +127,7 @@ class Engine(nn.Module):
                               groups[EDP] if self.moe_layers and plan.ep > 1 else None)
             # a pipeline rank makes only its stages' slices, once the stages are cut
             self.params.defer = self._pp.size > 1
-        self.forward_graph = forward_graph if forward_graph is not None else \
-            self.trace_for(model, example_inputs, plan)
-        # a training engine's balance loss under a pipeline: checked before any graph is cut
-        if self.moe_layers and self._pp.size > 1 and loss_fn is not None:
-            check_balance_loss(self.forward_graph.gm, plan.pipeline.schedule)
-        if self.moe_layers and plan.ep > 1:  # experts' stacked weights: this rank's E/ep
-            graph = self.forward_graph
-            self.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
-                                      groups[EP])
-            self.grads.split_experts(groups[EDP], groups[EP].size)
-        check_graph(self.forward_graph, plan, self.mesh)
-        self.batches = batches.Batches(example_inputs, self.forward_graph, plan, self.mesh,
-                                       self._dp, self._cp, self._device)
-        self.forward_solution = self._solve(self.forward_graph, fixed=None)
-        self._note_replicated(self.forward_solution)
-        check_divisible(self.forward_graph, self.forward_solution)
-        self.forward_gm = self._build(self.forward_graph, self.forward_solution)
+        _build_forward(self, model, example_inputs, forward_graph, loss_fn)
         self.params.keep_untraced(model)
         self.train_graph = None
         self.train_solution: Solution | None = None
@@ -321,42 +305,7 @@ class Engine(nn.Module):
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on a global batch; the loss equals the single-device loss."""
         with self.watch.guard(self.steps, "forward and backward"):
-            return self._train_step(inputs, targets)
-
-    def _train_step(self, inputs, targets) -> float:
-        started, mark = time.perf_counter(), len(self.comm_log.records)
-        inputs = self.batches.for_step(inputs, targets, self.steps, self.check_batches)
-        self.recorder.begin_step(self.comm_log)
-        for layer in self.expert_layers():
-            layer.reset_load()
-        *local_inputs, local_target = self.batches.local(inputs + (targets,))
-        self.ensure_train_graph(tuple(local_inputs), local_target)
-        *local_inputs, local_target = self.batches.tokens(
-            tuple(local_inputs) + (local_target,), self.train_graph)
-        self.train_gm.train()
-        self.recorder.constant = frozenset(  # what explain() does not count as activations
-            t.untyped_storage().data_ptr() for t in (*self.params.parameters(),
-                                                     *self.train_gm.buffers()))
-        loss = self._forward_backward(tuple(local_inputs), local_target)
-        for hook in self.after_backward:
-            hook()
-        self.watch.at(self.steps, "gradient sync")
-        self.grads.average()
-        self.watch.at(self.steps, "optimizer step")
-        self.last_grad_norm = self.grads.step(
-            self.optimizer, self.scaler, self.max_grad_norm,
-            norm_phase=METRICS_PHASE if self.metrics is not None else None)
-        self.watch.at(self.steps, "loss average")
-        self.steps += 1
-        value = loss.detach().float().reshape(1)
-        if self._dp.size > 1:
-            value = self._dp.all_reduce(value, "step") / self._dp.size
-        self.recorder.finish_step(self.comm_log)
-        value = float(value)  # (waits for the step's kernels on a GPU)
-        self.watch.at(self.steps - 1, "checkpoint and metrics")
-        _after_step(self, value, time.perf_counter() - started, mark, inputs)
-        self.watch.at(self.steps - 1, "done")
-        return value
+            return _run_step(self, inputs, targets)
 
     def _forward_backward(self, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
         """The step's loss, with its gradients in .grad (a pipeline's through its schedule)."""
@@ -535,6 +484,67 @@ def _check_accumulation(m: int, pp: int, gm) -> None:
                         "micro-batches without a pipeline (each backward right after its "
                         "forward) cannot take exactly; leave the balance loss out of the loss, "
                         "or use microbatches=1.")
+
+
+def _run_step(engine: Engine, inputs, targets) -> float:
+    """One optimizer step (Engine.train_step, inside its watch)."""
+    started, mark = time.perf_counter(), len(engine.comm_log.records)
+    inputs = engine.batches.for_step(inputs, targets, engine.steps, engine.check_batches)
+    engine.recorder.begin_step(engine.comm_log)
+    for layer in engine.expert_layers():
+        layer.reset_load()
+    *local_inputs, local_target = engine.batches.local(inputs + (targets,))
+    engine.ensure_train_graph(tuple(local_inputs), local_target)
+    *local_inputs, local_target = engine.batches.tokens(
+        tuple(local_inputs) + (local_target,), engine.train_graph)
+    engine.train_gm.train()
+    engine.recorder.constant = frozenset(  # what explain() does not count as activations
+        t.untyped_storage().data_ptr() for t in (*engine.params.parameters(),
+                                                 *engine.train_gm.buffers()))
+    loss = engine._forward_backward(tuple(local_inputs), local_target)
+    for hook in engine.after_backward:
+        hook()
+    engine.watch.at(engine.steps, "gradient sync")
+    engine.grads.average()
+    engine.watch.at(engine.steps, "optimizer step")
+    engine.last_grad_norm = engine.grads.step(
+        engine.optimizer, engine.scaler, engine.max_grad_norm,
+        norm_phase=METRICS_PHASE if engine.metrics is not None else None)
+    engine.watch.at(engine.steps, "loss average")
+    engine.steps += 1
+    value = loss.detach().float().reshape(1)
+    if engine._dp.size > 1:
+        value = engine._dp.all_reduce(value, "step") / engine._dp.size
+    engine.recorder.finish_step(engine.comm_log)
+    value = float(value)  # (waits for the step's kernels on a GPU)
+    engine.watch.at(engine.steps - 1, "checkpoint and metrics")
+    _after_step(engine, value, time.perf_counter() - started, mark, inputs)
+    engine.watch.at(engine.steps - 1, "done")
+    return value
+
+
+def _build_forward(engine: Engine, model: nn.Module, example_inputs: tuple, forward_graph,
+                   loss_fn) -> None:
+    """The engine's forward graph (traced unless given), checked against its plan and mesh,
+    its batches, and its solution and rewritten module (Engine.__init__)."""
+    plan, groups = engine.plan, engine.groups
+    engine.forward_graph = forward_graph if forward_graph is not None else \
+        engine.trace_for(model, example_inputs, plan)
+    # a training engine's balance loss under a pipeline: checked before any graph is cut
+    if engine.moe_layers and engine._pp.size > 1 and loss_fn is not None:
+        check_balance_loss(engine.forward_graph.gm, plan.pipeline.schedule)
+    if engine.moe_layers and plan.ep > 1:  # experts' stacked weights: this rank's E/ep
+        graph = engine.forward_graph
+        engine.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
+                                    groups[EP])
+        engine.grads.split_experts(groups[EDP], groups[EP].size)
+    check_graph(engine.forward_graph, plan, engine.mesh)
+    engine.batches = batches.Batches(example_inputs, engine.forward_graph, plan, engine.mesh,
+                                     engine._dp, engine._cp, engine._device)
+    engine.forward_solution = engine._solve(engine.forward_graph, fixed=None)
+    engine._note_replicated(engine.forward_solution)
+    check_divisible(engine.forward_graph, engine.forward_solution)
+    engine.forward_gm = engine._build(engine.forward_graph, engine.forward_solution)
 
 
 def _after_step(engine: Engine, loss: float, seconds: float, mark: int, inputs) -> None:

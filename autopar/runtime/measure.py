@@ -17,7 +17,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autopar.cost.memory import StateBytes
+from autopar.cost.state import StateBytes
 from autopar.modes import DP, EDP, PP, STEP
 
 _COMPUTE = ("call_function", "call_module", "call_method")

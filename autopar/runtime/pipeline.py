@@ -73,7 +73,6 @@ class PipelineRunner:
         self.mine = [k for k in range(n) if stage_owner(schedule, k, p) == rank]
         self.first_owner, self.last_owner = stage_owner(schedule, 0, p), \
             stage_owner(schedule, n - 1, p)
-        process_group = group.group
         self._device = torch.device(device)
         self.on_host = self._device.type == "cpu"  # the stages' tensors in the C heap
         self._schedule = None
@@ -86,11 +85,23 @@ class PipelineRunner:
         self._by_name = {name: _attr(held[name], name)
                          for name in sorted(set().union(*(stages.params[k] for k in self.mine)))}
         self._params = _unique(list(self._by_name.values()))
-        # tied parameters: a group per set of members that hold a copy, in every pipeline
-        # (each data- and tensor-parallel coordinate has its own pipeline; torch wants every
-        # rank of the world to create every group, so the sets are gathered first)
         self._tied = []
         self._copies: dict[int, int] = {}  # tied parameter -> members holding a copy
+        self._tie_groups(stages, schedule, group)
+        # parameter attribute -> the member that trains it (fixed by the cut)
+        self._owners: dict[str, int] = {}
+        for k, names in enumerate(stages.params):
+            owner = stage_owner(schedule, k, p)
+            for name in names:
+                self._owners[name] = min(self._owners.get(name, owner), owner)
+        self.data = data if data is not None and data.size > 1 else None
+        self._buckets = self._data_buckets() if self.data is not None else None
+
+    def _tie_groups(self, stages: Stages, schedule: str, group: AxisGroup) -> None:
+        """Tied parameters: a group per set of members that hold a copy, in every pipeline
+        (each data- and tensor-parallel coordinate has its own pipeline; torch wants every
+        rank of the world to create every group, so the sets are gathered first)."""
+        p, rank, process_group = group.size, group.rank, group.group
         for name in sorted(stages.shared):
             owners = sorted({stage_owner(schedule, k, p) for k in stages.shared[name]})
             if len(owners) < 2:
@@ -103,14 +114,6 @@ class PipelineRunner:
             if rank in owners:  # logged as the pipeline axis's
                 self._tied.append((self._by_name[name], group.subgroup(tie)))
                 self._copies[id(self._by_name[name])] = len(owners)
-        # parameter attribute -> the member that trains it (fixed by the cut)
-        self._owners: dict[str, int] = {}
-        for k, names in enumerate(stages.params):
-            owner = stage_owner(schedule, k, p)
-            for name in names:
-                self._owners[name] = min(self._owners.get(name, owner), owner)
-        self.data = data if data is not None and data.size > 1 else None
-        self._buckets = self._data_buckets() if self.data is not None else None
 
     def _data_buckets(self) -> list | None:
         """Per stage of this member, its parameters' data-parallel buckets; None (reduce

@@ -13,11 +13,11 @@ from torch.utils._pytree import tree_map
 from autopar.errors import AutoparError, WeightsError
 from autopar.passes.tensor_parallel import local_slice
 from autopar.runtime.agree import agree_with_rank_zero, process_rank
-from autopar.runtime.checkpoint import expert_runs, slice_runs
 from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
 from autopar.runtime.gradients import zero_sharded
 from autopar.runtime.host_memory import give_back_large_frees, trim
 from autopar.runtime.materialize import iter_initial_values
+from autopar.runtime.regions import expert_runs, slice_runs
 from autopar.runtime.weights import model_entries, open_weights, stored_layouts
 
 META = torch.device("meta")
