@@ -330,6 +330,8 @@ def predict(run: Run) -> dict:
     world = World(run.gpus, per_node=8, device=run.device)
     dp = run.gpus // (run.tp * run.pp * run.cp)
     constraints = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=dp, tp_mode="1d")
+    if run.zero != 0 and dp > 1:  # ZeRO over all of dp, as each published run shards
+        constraints["dp_shard"] = dp
     for key in ("zero", "recompute"):
         if getattr(run, key) is not None:
             constraints[key] = getattr(run, key)

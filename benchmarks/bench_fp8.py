@@ -12,8 +12,8 @@ Two parts, the same weights and batches for both precisions:
   Python (the pydoc topics of `pydoc_data`), AdamW; the loss every 10 steps and the gap of
   fp8's curve to bf16's at the end (last step, and mean of the last 10 steps).
 
-`published_table()` is where the published-vs-predicted FP8 table of bench_fidelity.py is
-printed once that table exists. Writes benchmarks/results/fp8.json.
+Then the published-vs-predicted FP8 table of bench_fidelity.py (NeMo and torchtitan H100
+runs priced with --dtype fp8). Writes benchmarks/results/fp8.json.
 """
 
 from __future__ import annotations
@@ -101,13 +101,12 @@ def loss_curves(steps: int) -> dict:
 
 
 def published_table() -> list[dict]:
-    """The published-vs-predicted FP8 rows of bench_fidelity.py (its `fp8_rows()`), printed;
-    [] while bench_fidelity has no FP8 table."""
+    """The published-vs-predicted FP8 table of bench_fidelity.py, printed with its summary
+    (the same rows as `bench_fidelity.py --fp8-only`)."""
     import bench_fidelity
 
-    rows = getattr(bench_fidelity, "fp8_rows", lambda: [])()
-    for row in rows:
-        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()))
+    print("\npublished FP8 runs priced on their layouts (bench_fidelity.py):")
+    rows, _ = bench_fidelity.fp8_table()
     return rows
 
 
