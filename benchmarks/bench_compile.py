@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gloo_world import dtensor_tensor_parallel, lm_loss, results_path, run_world  # noqa: E402
+from gloo_world import (  # noqa: E402
+    dtensor_tensor_parallel,
+    eager_step,
+    lm_loss,
+    results_path,
+    run_world,
+    world_mean,
+)
 
 MODELS = {  # (GPT, LLaMA for the tensor group)
     "full": ("gpt:layers=12,hidden=768,heads=12,vocab=32768,seq=64",
@@ -74,24 +81,6 @@ def _autopar(model, world, plan, x, y, compile):
     return functools.partial(engine.train_step, x, y)
 
 
-def _torch_step(module, x, y, report):
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-
-    def step():
-        loss = lm_loss(module(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return report(loss)
-    return step
-
-
-def _mean(loss: torch.Tensor) -> float:
-    value = loss.detach().reshape(1).clone()
-    dist.all_reduce(value)
-    return float(value) / dist.get_world_size()
-
-
 def _compile_blocks(model):
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, fullgraph=True)
@@ -104,7 +93,7 @@ def _peer(group: str, model, world: int, x, y):
 
         mesh = init_device_mesh("cpu", (world,))
         tp = _compile_blocks(dtensor_tensor_parallel(copy.deepcopy(model), mesh, world))
-        return _torch_step(tp, x, y, float)
+        return eager_step(tp, torch.optim.AdamW(tp.parameters(), lr=1e-4), x, y, float)
     from torch.distributed.fsdp import fully_shard
 
     fsdp = _compile_blocks(copy.deepcopy(model))
@@ -112,7 +101,8 @@ def _peer(group: str, model, world: int, x, y):
         fully_shard(block)
     fully_shard(fsdp)
     rank, n = dist.get_rank(), x.shape[0] // world
-    return _torch_step(fsdp, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n], _mean)
+    return eager_step(fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-4),
+                      x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n], world_mean)
 
 
 def _engines(group: str, specs, world: int, batch: int) -> dict:

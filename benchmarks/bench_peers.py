@@ -43,9 +43,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gloo_world import (  # noqa: E402
     dtensor_tensor_parallel,
+    eager_step,
     lm_loss,
     results_path,
     run_world,
+    world_mean,
 )
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,vocab=2048,seq=64"
@@ -98,26 +100,9 @@ def _engines(spec: str, world: int, batch: int) -> dict:
     for block in fsdp.blocks:
         fully_shard(block)
     fully_shard(fsdp)
-    steps["DDP"] = _eager_step(ddp, adamw(ddp.parameters()), *mine, _mean)
-    steps["FSDP2"] = _eager_step(fsdp, adamw(fsdp.parameters()), *mine, _mean)
+    steps["DDP"] = eager_step(ddp, adamw(ddp.parameters()), *mine, world_mean)
+    steps["FSDP2"] = eager_step(fsdp, adamw(fsdp.parameters()), *mine, world_mean)
     return steps
-
-
-def _eager_step(module, optimizer, x, y, report):
-    """One plain torch training step of `module` on (x, y); returns report(loss)."""
-    def step():
-        loss = lm_loss(module(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return report(loss)
-    return step
-
-
-def _mean(loss: torch.Tensor) -> float:
-    value = loss.detach().reshape(1).clone()
-    dist.all_reduce(value)
-    return float(value) / dist.get_world_size()
 
 
 def _tensor_engines(world: int, batch: int) -> dict:
@@ -136,7 +121,7 @@ def _tensor_engines(world: int, batch: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     dt = dtensor_tensor_parallel(copy.deepcopy(model), mesh, world)
     return {"autopar tensor 1d": functools.partial(engine.train_step, x, y),
-            "DTensor TP": _eager_step(dt, adamw(dt.parameters()), x, y, float)}
+            "DTensor TP": eager_step(dt, adamw(dt.parameters()), x, y, float)}
 
 
 class _Stage(torch.nn.Module):

@@ -22,6 +22,25 @@ def lm_loss(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
+def eager_step(module, optimizer, x, y, report):
+    """A plain torch training step of `module` on (x, y), as a callable returning
+    report(loss): the peers' steps beside autopar's."""
+    def step():
+        loss = lm_loss(module(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return report(loss)
+    return step
+
+
+def world_mean(loss: torch.Tensor) -> float:
+    """The loss averaged over every rank of the world (a data-parallel peer's report)."""
+    value = loss.detach().reshape(1).clone()
+    dist.all_reduce(value)
+    return float(value) / dist.get_world_size()
+
+
 def results_path(name: str) -> str:
     """benchmarks/results/<name>, the folder made if missing (it is gitignored)."""
     out_dir = os.path.join(ROOT, "benchmarks", "results")
