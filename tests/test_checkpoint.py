@@ -214,7 +214,7 @@ def test_boxes_are_what_local_slice_cuts():
     import math
 
     from autopar.passes.tensor_parallel import local_slice
-    from autopar.runtime import checkpoint as ck
+    from autopar.runtime import regions as ck
     from autopar.sharding.axes import TensorMesh
     from autopar.sharding.layout import Layout, Shard
 
@@ -232,15 +232,15 @@ def test_boxes_are_what_local_slice_cuts():
             coords = dict(zip(mesh.physical, index))
             local = local_slice(full, layout, coords, mesh)
             runs = ck.slice_runs(layout, mesh, coords, shape)
-            assert ck._whole_shape(local.shape, layout, mesh) == shape
-            region = ck._slice_region(local, runs, shape)
+            assert ck.whole_shape(local.shape, layout, mesh) == shape
+            region = ck.slice_region(local, runs, shape)
             assert sum(v.numel() for _, v in region.boxes) == local.numel()
             assert _boxes_hold(full, region), (layout, coords)
             for dp in (2, 3, 4):
                 k = -(-local.numel() // dp)
                 for r in range(dp):
                     piece = local.reshape(-1)[r * k:r * k + k]
-                    region = ck._piece_region(piece, r * k, tuple(local.shape), runs, shape)
+                    region = ck.piece_region(piece, r * k, tuple(local.shape), runs, shape)
                     assert sum(v.numel() for _, v in region.boxes) == piece.numel()
                     assert _boxes_hold(full, region), (layout, coords, dp, r)
 

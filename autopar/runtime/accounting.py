@@ -102,11 +102,11 @@ def _dispatch(engine) -> dict[tuple[str, str, str], int]:
 
 
 def _expert_data(engine, runs: int) -> dict[tuple[str, str], int]:
-    """The experts' gradient sync over their expert-data group (with one rank there, only
-    ZeRO-3's gathers and reduce-scatters, which log at any size)."""
+    """The experts' gradient sync over their expert-data group (none with one rank there:
+    ZeRO-3 then copies its pieces, as over a dp of 1)."""
     edp, zero = engine.grads.edp, engine.zero
     zero3 = zero is not None and zero.stage == 3
-    if edp is None or (edp.size == 1 and not zero3):
+    if edp is None or edp.size == 1:
         return {}
     if zero3:
         part = zero.parts[1]

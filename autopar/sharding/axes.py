@@ -69,7 +69,9 @@ class TensorMesh:
     @staticmethod
     def with_cp(cp: int, tp: int) -> TensorMesh:
         """cp beside the 1D tensor axis; `CP_TP` names the tokens of a rank's cp block split
-        again over tp (Megatron-SP beside cp)."""
+        again over tp (Megatron-SP beside cp), which only a tensor axis of 2 or more has."""
+        if tp == 1:
+            return TensorMesh(TP_1D, ((CP, cp), (TP, tp)))
         return TensorMesh(TP_1D, ((CP, cp), (TP, tp)), {CP_TP: (CP, TP)})
 
     @staticmethod
