@@ -30,7 +30,7 @@ fit), not the cost model. The space, as ``autopar.search.space`` defines it:
   fastest states and the micro-batches it holds in flight; stage s runs on the schedule's
   ``stage_owner`` (s mod pp, or V-shaped under ZB-V);
 - every assignment of per-layer states from the search's state lists under the search's
-  rule (``_Prepared.fit``): on one device, the layers of one kind share one layout (tensor
+  rule (``Prepared.fit``, search/prepared.py): on one device, the layers of one kind share one layout (tensor
   mode and sequence parallelism) and each chooses its recompute freely;
 - parameters, gradient sync, buffers, activations and times are priced from the chosen
   states, as ``Search._price`` does.
