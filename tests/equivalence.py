@@ -87,6 +87,16 @@ def build(name: str, batch: int, seed: int = 0):
     return model, (x,), torch.randint(0, out.shape[-1], x.shape), _lm_loss
 
 
+def assert_equal_to_one_device(results: list[dict], tol: float = 1e-4) -> None:
+    """Every rank's `compare` result: losses and weights within `tol` of one device, the
+    same state keys, and the collectives' bytes as `engine.predicted_comm` says."""
+    for r in results:
+        assert r["loss"] <= tol, r["loss"]
+        assert r["weights"] <= tol, r["weights"]
+        assert r["keys_equal"]
+        assert r["measured"] == r["predicted"], (r["measured"], r["predicted"])
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 

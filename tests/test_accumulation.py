@@ -9,7 +9,7 @@ activations."""
 import pytest
 import torch
 from distributed import dist_pool_fixture
-from equivalence import build, compare
+from equivalence import assert_equal_to_one_device, build, compare
 
 import autopar
 from autopar.errors import PlanError
@@ -22,14 +22,6 @@ pool4 = dist_pool_fixture(4)
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
-
-
-def _assert_equal(results: list[dict]) -> None:
-    for r in results:
-        assert r["loss"] <= 1e-4, r["loss"]
-        assert r["weights"] <= 1e-4, r["weights"]
-        assert r["keys_equal"]
-        assert r["measured"] == r["predicted"], (r["measured"], r["predicted"])
 
 
 def _equal_after(model: str, plan: dict, batch: int = 8) -> dict:
@@ -56,7 +48,7 @@ def _counts(model: str, plan: dict, batch: int = 8) -> dict:
 
 
 def test_data_parallel_with_four_micro_batches_equals_one_device(pool2):
-    _assert_equal(pool2.run(_equal_after, GPT, {"data": 2, "microbatches": 4}))
+    assert_equal_to_one_device(pool2.run(_equal_after, GPT, {"data": 2, "microbatches": 4}))
     for r in pool2.run(_counts, GPT, {"data": 2, "microbatches": 4}):
         assert r["microbatches"] == 4
         assert r["measured"] == r["predicted"]
@@ -66,12 +58,12 @@ def test_data_parallel_with_four_micro_batches_equals_one_device(pool2):
 
 
 def test_tensor_parallel_with_micro_batches_equals_one_device(pool2):
-    _assert_equal(pool2.run(_equal_after, LLAMA, {"tensor": {"size": 2, "mode": "1d"},
+    assert_equal_to_one_device(pool2.run(_equal_after, LLAMA, {"tensor": {"size": 2, "mode": "1d"},
                                                   "microbatches": 2}))
 
 
 def test_megatron_sp_with_micro_batches_equals_one_device(pool2):
-    _assert_equal(pool2.run(_equal_after, LLAMA, {
+    assert_equal_to_one_device(pool2.run(_equal_after, LLAMA, {
         "tensor": {"size": 2, "mode": "1d", "sequence_parallel": True},
         "pipeline": {"size": 1, "microbatches": 2}}))
 
@@ -79,7 +71,7 @@ def test_megatron_sp_with_micro_batches_equals_one_device(pool2):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_with_micro_batches_equals_one_device(pool2, stage):
     plan = {"data": 2, "zero": {"stage": stage}, "microbatches": 4}
-    _assert_equal(pool2.run(_equal_after, GPT, plan))
+    assert_equal_to_one_device(pool2.run(_equal_after, GPT, plan))
     one = pool2.run(_counts, GPT, {"data": 2, "zero": {"stage": stage}})
     four = pool2.run(_counts, GPT, plan)
     for a, b in zip(one, four):
@@ -225,7 +217,7 @@ def test_experts_over_ep_with_micro_batches_equal_one_device(pool2):
     micro-batches: every micro-batch dispatches its own tokens."""
     for r in pool2.run(_experts, "hf-mixtral", {"expert": 2, "microbatches": 2}):
         assert r["experts"] and r["microbatches"] == 2
-        _assert_equal([r])
+        assert_equal_to_one_device([r])
 
 
 def test_a_balance_loss_with_micro_batches_is_refused():
@@ -242,7 +234,7 @@ def test_a_balance_loss_with_micro_batches_is_refused():
 def test_context_parallel_with_micro_batches_equals_one_device(pool2):
     """cp 2 (ring attention, zigzag): the tokens are cut over cp, the micro-batches over the
     batch."""
-    _assert_equal(pool2.run(_equal_after, GPT, {"sequence": {"size": 2, "mode": "ring"},
+    assert_equal_to_one_device(pool2.run(_equal_after, GPT, {"sequence": {"size": 2, "mode": "ring"},
                                                 "microbatches": 2}))
 
 
@@ -264,5 +256,5 @@ def test_explain_plan_keeps_the_micro_batches(tmp_path, capsys):
 def test_2d_tensor_with_micro_batches_equals_one_device(pool4):
     """A 2 x 2 SUMMA grid splits each micro-batch over its rows: 8 samples in 2
     micro-batches of 4, each split in 2."""
-    _assert_equal(pool4.run(_equal_after, LLAMA, {"tensor": {"size": 4, "mode": "2d"},
+    assert_equal_to_one_device(pool4.run(_equal_after, LLAMA, {"tensor": {"size": 4, "mode": "2d"},
                                                   "microbatches": 2}))

@@ -7,7 +7,7 @@ and the saved activations `engine.explain()` measures per layer are the plan's w
 import pytest
 import torch
 from distributed import dist_pool_fixture
-from equivalence import build, compare
+from equivalence import assert_equal_to_one_device, build, compare
 
 import autopar
 from autopar.modes import FULL, NO_RECOMPUTE, RECOMPUTE, RUNTIME, SELECTIVE
@@ -39,14 +39,6 @@ def hf_llama4(batch: int):
     return hf_llama(batch, layers=4)
 
 
-def _assert_equal(results: list[dict]) -> None:
-    for r in results:
-        assert r["loss"] <= 1e-4, r["loss"]
-        assert r["weights"] <= 1e-4, r["weights"]
-        assert r["keys_equal"]
-        assert r["measured"] == r["predicted"], (r["measured"], r["predicted"])
-
-
 def _equal_after(model, plan: dict, batch: int = 8) -> dict:
     return compare(model, plan, 3, batch)
 
@@ -71,7 +63,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_recomputation_trains_equal_to_one_device(pool2, case):
     model, plan = CASES[case]
-    _assert_equal(pool2.run(_equal_after, model, plan))
+    assert_equal_to_one_device(pool2.run(_equal_after, model, plan))
 
 
 def gpt_with_dropout(batch: int):
@@ -175,10 +167,10 @@ def test_experts_recomputed_equal_one_device(pool2):
 
     for r in pool2.run(_experts, "hf-mixtral", {"expert": 2, "recompute": FULL}):
         assert r["experts"]
-        _assert_equal([r])
+        assert_equal_to_one_device([r])
 
 
 def test_2d_tensor_recomputed_equals_one_device(pool4):
     """A 2D grid's broadcasts run again in the recomputed forward."""
-    _assert_equal(pool4.run(_equal_after, GPT, {"tensor": {"size": 4, "mode": "2d"},
+    assert_equal_to_one_device(pool4.run(_equal_after, GPT, {"tensor": {"size": 4, "mode": "2d"},
                                                 "recompute": FULL}))
