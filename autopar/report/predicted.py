@@ -15,7 +15,7 @@ import numpy as np
 from autopar.cost import chunked_loss, fp8
 from autopar.cost.comm import placements
 from autopar.cost.experts import alltoall_count
-from autopar.cost.hybrid import SOURCE, hybrid_split, replicas_wire_bytes
+from autopar.cost.hybrid import SOURCE, hybrid_split
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import (
     EFFECTS,
@@ -33,7 +33,6 @@ from autopar.cost.state import STEP_SOURCE
 from autopar.cost.step import (
     USABLE_MEMORY,
     conversion_s,
-    dp_wire_bytes,
     expert_split,
     host_bytes,
     host_capacity,
@@ -42,6 +41,7 @@ from autopar.cost.step import (
     optimizer_step_dev,
     stage_transfer,
     step_temps_dev,
+    sync_bytes,
 )
 from autopar.modes import (
     BF16,
@@ -265,8 +265,8 @@ def _comm_by_axis(plan: Plan, costs: list[StateCost], conv, slow: list[int], m: 
              "carries": f"sequence parallelism around attention ({plan.sequence_mode})"
              if plan.sequence_mode else "sequence parallelism around attention"},
         DP: {"seconds": dp_comm_s,
-             "bytes": dp_wire_bytes(params_max, replicas, zero.stage, precision.gather_ratio) + (
-                 replicas_wire_bytes(params_max, hybrid) if hybrid else 0.0),
+             "bytes": sync_bytes(params_max, replicas, zero.stage, zero.offload, precision,
+                                 hybrid)[1],
              "carries": "gradient sync over the dp x cp replicas" + (
                  f" (ZeRO-{zero.stage})" if zero.stage else "") + (
                  f"; HSDP: ZeRO inside {DP_SHARD} groups of {plan.dp_shard}, each piece "
