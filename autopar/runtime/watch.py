@@ -11,6 +11,7 @@ ends the process after the same timeout (set here on every group) instead of rai
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import threading
@@ -56,21 +57,36 @@ def lost_peer(error: BaseException) -> bool:
 
 class _Stamper:
     """The process's liveness: a counter in the store, raised every STAMP_EVERY seconds by a
-    daemon thread (a counter, not a clock, so clocks of different hosts never matter)."""
+    daemon thread (a counter, not a clock, so clocks of different hosts never matter).
+
+    The thread is stopped and joined when the interpreter exits (`stop`, run by atexit):
+    a daemon thread still inside a store call when Python finalizes is ended from under its
+    C++ frames, which aborts the process ("terminate called without an active exception")
+    and turns a finished rank into a failed one for its launcher."""
 
     def __init__(self, store, rank: int):
         self.store, self.rank, self.count = store, rank, 0
+        self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="autopar-alive", daemon=True)
         self.thread.start()
+        atexit.register(self.stop)
 
     def _run(self) -> None:
-        while True:
+        while not self.done.is_set():
             self.count += 1
             try:
                 self.store.set(f"alive/{self.rank}", str(self.count))
             except Exception:  # noqa: BLE001 - the store went away: the job is ending
                 return
-            time.sleep(STAMP_EVERY)
+            self.done.wait(STAMP_EVERY)
+
+    def stop(self) -> None:
+        """End the thread and wait for its store call in flight (bounded: a store whose host
+        is gone answers within its own timeout, and exit never waits longer than 5 s)."""
+        self.done.set()
+        atexit.unregister(self.stop)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5.0)
 
 
 _STAMPERS: dict[int, _Stamper] = {}  # id of the default group's store -> its stamper
@@ -88,7 +104,9 @@ class Watch:
             self.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
             key = id(dist.group.WORLD)
             if key not in _STAMPERS:
-                _STAMPERS.clear()  # a new default group: the old store's thread ends by itself
+                for old in _STAMPERS.values():  # a new default group: the old store's thread
+                    old.stop()
+                _STAMPERS.clear()
                 _STAMPERS[key] = _Stamper(self.store, self.rank)
         self.position = (-1, "startup")
 
