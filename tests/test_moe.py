@@ -66,7 +66,7 @@ def test_router_breaks_ties_as_torch_topk():
 def _naive(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token, slot by slot: the definition of the layer."""
     x2 = x.reshape(-1, x.size(-1))
-    r = route(layer.gate(x2), layer.top_k, layer.score, layer.normalize)
+    r = route(layer.gate(x2), layer.top_k, router=layer.router)
     rows = []
     for t in range(x2.size(0)):
         y = torch.zeros(x2.size(1), dtype=torch.float32)
@@ -152,6 +152,22 @@ def test_bad_expert_counts_are_refused():
     group = AxisGroup("ep", 3, 0, None, CommLog())
     with pytest.raises(ValueError, match="8 experts do not split over ep=3 ranks"):
         MoE(8, 16, 8, 2, ep=group)
+
+
+def test_the_router_alone_owns_the_routing_properties():
+    """How the logits choose the experts lives on `Router` only: the one-device layer, the
+    kernel and the spec of a recognised MoE module each hold a router and re-declare none of
+    its fields (two copies of a field could disagree)."""
+    import dataclasses
+
+    from autopar.kernels.moe_layers import MoESpec
+    from autopar.kernels.routing import Router
+
+    fields = {f.name for f in dataclasses.fields(Router)}
+    for owner in (SparseMoE, MoE, MoESpec):
+        assert not fields & set(vars(owner)), (owner.__name__, fields & set(vars(owner)))
+    layer = SparseMoE(8, 16, 4, 2, score=SIGMOID, normalize=False)
+    assert layer.router == Router(SIGMOID, False)
 
 
 # ----------------------------------------------------------------------------------------

@@ -356,7 +356,7 @@ def _moe(traced: TracedGraph, node) -> tuple[list[Gemm], Experts, sympy.Expr]:
     experts = Experts(e, k, h, params, param_bytes, Lin.of(rows * h * size), Lin.of(t),
                       _expert_tensors(weights, e))
     routing = t * e * (size + 4) + 3 * t * e * 4 + \
-        (3 * rows * 4 + 2 * t * 4 if spec.normalize else 0)
+        (3 * rows * 4 + 2 * t * 4 if spec.router.normalize else 0)
     dispatch = 8 * rows * 8 + 52 * e + t * h * size + rows * 8 + rows * h * size
     swiglu = 5 * rows * f * size + (5 * t * fs * size + 2 * t * size + 6 * t * h * size
                                     if fs else 0)

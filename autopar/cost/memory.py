@@ -523,7 +523,7 @@ def _moe_saves(traced: TracedGraph, micro_batch: int, solution=None) -> dict[fx.
         parts = solution.size if strategy is not None and \
             strategy.rewrite is Rewrite.TENSOR_EXPERTS else 1
         nbytes = 0 if x in saved_nodes else t * h * size
-        nbytes += t * e * 4 + t * k * 8 + (t * 4 + 2 * t * k * 4 if spec.normalize else 0)
+        nbytes += t * e * 4 + t * k * 8 + (t * 4 + 2 * t * k * 4 if spec.router.normalize else 0)
         nbytes += rows * (8 + h * size + 4 * f // parts * size + 8 + h * 4) + e * 4
         if fs:
             nbytes += 4 * t * fs // parts * size + t * 4 + t * h * size

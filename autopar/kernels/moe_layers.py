@@ -72,14 +72,6 @@ class MoESpec:
     score_bias: str = ""
 
     @property
-    def score(self) -> str:
-        return self.router.score
-
-    @property
-    def normalize(self) -> bool:
-        return self.router.normalize
-
-    @property
     def shared_gate(self) -> bool:
         """Whether a sigmoid gate weighs the shared expert's output."""
         return len(self.shared) == 4

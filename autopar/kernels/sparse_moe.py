@@ -130,14 +130,6 @@ class SparseMoE(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.init_weights()
 
-    @property
-    def score(self) -> str:
-        return self.router.score
-
-    @property
-    def normalize(self) -> bool:
-        return self.router.normalize
-
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         for p in self.parameters():
