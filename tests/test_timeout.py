@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,12 +19,14 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError, RankStoppedError
 from autopar.runtime.watch import Watch, check_timeout, lost_peer
-from tests.distributed import find_free_port
+from tests.distributed import dist_pool_fixture, find_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "stall_train.py"
 TIMEOUT = 10.0  # past any skew of the first step's tracing between two ranks here
 CASES = ("stall", "die", "absent", "die0")
+
+pool2 = dist_pool_fixture(2)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,61 @@ def test_a_process_that_ends_while_its_liveness_thread_is_in_the_store_exits_cle
         done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_STAMPING], env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _CountingStore:
+    """A store that counts the positions (`at/` keys) the main thread writes."""
+
+    def __init__(self, store):
+        self.store, self.main_writes = store, 0
+
+    def set(self, key, value):
+        if key.startswith("at/") and threading.current_thread() is threading.main_thread():
+            self.main_writes += 1
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _store_writes_per_step(steps: int) -> dict:
+    """On each rank: the positions train_step writes to the store itself per step, and the
+    position the store holds a moment after the last step."""
+    import torch
+    import torch.nn.functional as F
+
+    import autopar
+    from autopar.models import build
+    from autopar.runtime import watch
+
+    def lm_loss(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+    model, example = build("gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16", batch=4,
+                           device="cpu", seed=0)
+    engine = autopar.parallelize(model, 2, example_inputs=example, loss_fn=lm_loss,
+                                 plan=dict(tensor=dict(size=2)), timeout=60)
+    counting = _CountingStore(engine.watch.store)
+    engine.watch.store = counting
+    stamper = getattr(engine.watch, "stamper", None)
+    if stamper is not None:
+        stamper.store = counting
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.train_step(x, x)
+    time.sleep(3 * watch.STAMP_EVERY)  # the liveness thread's next stamps
+    held = counting.store.get(f"at/{engine.watch.rank}").decode()
+    if stamper is not None:
+        stamper.store = counting.store
+    return {"writes": counting.main_writes, "held": held, "number": engine.watch.number}
+
+
+def test_train_step_writes_its_position_to_the_store_once_per_step(pool2):
+    """The store is one process (rank 0's, or the launcher's) every rank writes to: each
+    write a step makes is a round trip to it. train_step wrote its position 6 times per
+    step (each phase); now once, where the step begins, and the liveness thread (which
+    stamps the store anyway) carries the later phases within STAMP_EVERY, so the position
+    the sentence of a stopped rank names is still the phase it reached."""
+    for r in pool2.run(_store_writes_per_step, 3):
+        assert r["writes"] == 3, r["writes"]
+        assert r["held"] == f"{r['number']} 2 done", r["held"]

@@ -57,7 +57,9 @@ def lost_peer(error: BaseException) -> bool:
 
 class _Stamper:
     """The process's liveness: a counter in the store, raised every STAMP_EVERY seconds by a
-    daemon thread (a counter, not a clock, so clocks of different hosts never matter).
+    daemon thread (a counter, not a clock, so clocks of different hosts never matter). The
+    thread also publishes the position of the watch that moved last when it changed, so a
+    step writes its position only once itself (`Watch.at`).
 
     The thread is stopped and joined when the interpreter exits (`stop`, run by atexit):
     a daemon thread still inside a store call when Python finalizes is ended from under its
@@ -66,19 +68,35 @@ class _Stamper:
 
     def __init__(self, store, rank: int):
         self.store, self.rank, self.count = store, rank, 0
+        self.watch: Watch | None = None  # whose position this process publishes
+        self.published = ""  # the position the store holds
+        self.lock = threading.Lock()  # one position write at a time, the newest last
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="autopar-alive", daemon=True)
         self.thread.start()
         atexit.register(self.stop)
 
     def _run(self) -> None:
-        while not self.done.is_set():
-            self.count += 1
-            try:
+        try:
+            while not self.done.is_set():
+                self.count += 1
                 self.store.set(f"alive/{self.rank}", str(self.count))
-            except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                self.publish()
+                self.done.wait(STAMP_EVERY)
+            self.publish()  # where a process that ends normally stopped
+        except Exception:  # noqa: BLE001 - the store went away: the job is ending
+            return
+
+    def publish(self) -> None:
+        """Write the position of `self.watch` unless the store holds it already."""
+        with self.lock:
+            watch = self.watch
+            if watch is None:
                 return
-            self.done.wait(STAMP_EVERY)
+            value = f"{watch.number} {watch.position[0]} {watch.position[1]}"
+            if value != self.published:
+                self.store.set(f"at/{self.rank}", value)
+                self.published = value
 
     def stop(self) -> None:
         """End the thread and wait for its store call in flight (bounded: a store whose host
@@ -98,6 +116,7 @@ class Watch:
 
     def __init__(self, timeout: float | None, size: int):
         self.timeout, self.number, self.store = timeout, 0, None
+        self.stamper: _Stamper | None = None
         if size > 1 and dist.is_available() and dist.is_initialized():
             self.number = next(_ENGINES)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -108,6 +127,7 @@ class Watch:
                     old.stop()
                 _STAMPERS.clear()
                 _STAMPERS[key] = _Stamper(self.store, self.rank)
+            self.stamper = _STAMPERS[key]
         self.position = (-1, "startup")
 
     def bound(self, groups) -> None:
@@ -121,20 +141,25 @@ class Watch:
                 seen.add(id(group))
                 dist.distributed_c10d._set_pg_timeout(delta, group)
 
-    def at(self, step: int, phase: str) -> None:
-        """This rank is now at `phase` of step `step` (0-based; -1 while starting)."""
+    def at(self, step: int, phase: str, publish: bool = False) -> None:
+        """This rank is now at `phase` of step `step` (0-based; -1 while starting). With
+        `publish` (where a step or parallelize begins) the position is written to the store
+        at once, a round trip to the store's host; else the liveness thread writes it within
+        STAMP_EVERY, so a step costs one write however many phases it names."""
         self.position = (step, phase)
-        if self.store is not None:
-            try:
-                self.store.set(f"at/{self.rank}", f"{self.number} {step} {phase}")
-            except Exception:  # noqa: BLE001 - the store's host died; the next collective says so
-                pass
+        if self.stamper is not None:
+            self.stamper.watch = self
+            if publish:
+                try:
+                    self.stamper.publish()
+                except Exception:  # noqa: BLE001 - the store's host died; the next collective says so
+                    pass
 
     @contextmanager
     def guard(self, step: int, phase: str):
         """Run a block at (step, phase); a lost peer or a timeout inside becomes one sentence
         naming the rank that stopped."""
-        self.at(step, phase)
+        self.at(step, phase, publish=True)
         started = time.monotonic()
         try:
             yield
