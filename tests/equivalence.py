@@ -102,9 +102,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None,
-            max_grad_norm: float | None = None, optimizer=None, **engine_args) -> dict:
+            max_grad_norm: float | None = None, optimizer=None, last=None,
+            **engine_args) -> dict:
     """`probe(engine, inputs, target)`, when given, runs after the first step; what it returns
-    comes back under "probe". `max_grad_norm`: both sides clip by the global gradient norm
+    comes back under "probe"; `last(engine)` after the last step, under "last". `max_grad_norm`: both sides clip by the global gradient norm
     (the reference with torch.nn.utils.clip_grad_norm_); the norms come back too.
     `optimizer`: a factory for both sides (default AdamW). `engine_args`: more keywords of
     parallelize (e.g. chunked_loss=False)."""
@@ -149,7 +150,8 @@ def compare(name: str, plan, steps: int = 5, batch: int = 8, probe=None,
             "noise_abs": noise_error,
             "keys_equal": list(full) == list(ref_state), "measured": measured,
             "predicted": predicted, "held": held,
-            "replicated": engine.replicated_parameters(), "probe": probed, "norms": norms}
+            "replicated": engine.replicated_parameters(), "probe": probed, "norms": norms,
+            "last": last(engine) if last is not None else None}
 
 
 def assert_equal(results: list[dict]) -> None:

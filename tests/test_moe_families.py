@@ -19,13 +19,11 @@ refused with one sentence naming the block and why (docs/moe-families.md lists t
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
 from distributed import dist_pool_fixture
+from equivalence import assert_equal_to_one_device, compare
 from torch import nn
 
 import autopar
@@ -107,49 +105,28 @@ def _loss(out, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def _relative(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 def _train(family: str, plan: dict, steps: int = 4) -> dict:
-    """On each rank: autopar under `plan` beside the same model on one device."""
-    model, idx, target = build(family)
-    reference = copy.deepcopy(model)
-    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
-    engine = autopar.parallelize(model, 2, example_inputs=(idx[:2],), loss_fn=_loss,
-                                 optimizer=opt, plan=plan)
-    ref_opt = opt(reference.parameters())
-    losses, measured, predicted, load = [], {}, {}, {}
-    for step in range(steps):
-        engine.comm_log.clear()
-        loss = engine.train_step((idx,), target)
-        if step == 0:
-            measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
-            predicted = engine.predicted_comm(BATCH)
-            load = engine.expert_load()
-        ref_opt.zero_grad()
-        ref_loss = _loss(reference(idx), target)
-        ref_loss.backward()
-        ref_opt.step()
-        losses.append(abs(loss - ref_loss.item()) / abs(ref_loss.item()))
-    full, ref = engine.full_state_dict(), reference.state_dict()
-    held = engine.parameter_bytes()
-    return {"loss": max(losses), "keys_equal": list(full) == list(ref),
-            "weights": max(_relative(full[k], ref[k]) for k in ref
-                           if ref[k].dtype.is_floating_point),
-            "measured": measured, "predicted": predicted, "load": load,
-            "experts_held": {k: mine / whole for k, (mine, whole) in held.items()
+    """On each rank: autopar under `plan` beside the same model on one device
+    (equivalence.compare), with the first step's expert load and the last step's explain."""
+    def built(batch: int):
+        model, idx, target = build(family)
+        return model, (idx,), target, _loss
+
+    result = compare(built, plan, steps=steps, batch=BATCH,
+                     probe=lambda engine, inputs, target: engine.expert_load(),
+                     last=lambda engine: engine.explain(format="json").get("experts"))
+    return {**result, "load": result["probe"], "explain": result["last"],
+            "experts_held": {k: mine / whole for k, (mine, whole) in result["held"].items()
                              if k.endswith(("experts.gate_up_proj", "experts.down_proj"))},
-            "explain": engine.explain(format="json").get("experts"),
-            "layers": sorted(find_moe_layers(reference))}
+            "layers": sorted(find_moe_layers(build(family)[0]))}
 
 
 @pytest.mark.parametrize("family", TRAINED)
 def test_family_under_expert_2_equals_one_device(pool2, family):
-    for r in pool2.run(_train, family, dict(expert=2)):
-        assert r["loss"] <= TOL and r["weights"] <= TOL, (r["loss"], r["weights"])
-        assert r["keys_equal"]
-        assert r["measured"] == r["predicted"], (r["measured"], r["predicted"])
+    results = pool2.run(_train, family, dict(expert=2))
+    assert_equal_to_one_device(results, TOL)
+    for r in results:
+        assert r["noise_abs"] <= TOL, r["noise_abs"]
         assert ("all_to_all", "ep") in r["measured"]
         # every MoE layer ran as the op over ep; each rank holds half of its experts
         assert r["layers"] and sorted(r["load"]) == r["layers"]
@@ -167,9 +144,9 @@ def test_family_under_expert_2_equals_one_device(pool2, family):
 def test_deepseek_v3_experts_split_over_tensor_2_equal_one_device(pool2):
     """Under tensor=2 the op splits each expert's FFN width (the shared expert's too, which
     has no gate) over tp, the router and its correction bias whole."""
-    for r in pool2.run(_train, "deepseek_v3", dict(tensor=2)):
-        assert r["loss"] <= TOL and r["weights"] <= TOL, (r["loss"], r["weights"])
-        assert r["measured"] == r["predicted"], (r["measured"], r["predicted"])
+    results = pool2.run(_train, "deepseek_v3", dict(tensor=2))
+    assert_equal_to_one_device(results, TOL)
+    for r in results:
         assert ("all_reduce", "tp") in r["measured"] and ("all_to_all", "ep") not in r["measured"]
         assert r["experts_held"] and all(s == 0.5 for s in r["experts_held"].values())
 
