@@ -131,6 +131,6 @@ RUNTIME = Capabilities(
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
     expert_zero_with_pp=(0, 1, 2, 3),
-    hybrid_with_pp=False,
-    hybrid_with_ep=False,
+    hybrid_with_pp=True,
+    hybrid_with_ep=True,
 )

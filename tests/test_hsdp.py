@@ -9,7 +9,7 @@ import json
 
 import pytest
 from distributed import dist_pool_fixture
-from equivalence import assert_equal, compare
+from equivalence import assert_equal, assert_equal_to_one_device, compare
 from test_checkpoint import _reshard
 
 from autopar.errors import PlanError
@@ -98,10 +98,49 @@ def test_a_plan_file_refuses_unknown_zero_keys():
         Plan.from_json(data)
 
 
-def test_the_runtime_refuses_hsdp_beside_a_pipeline():
-    plan = Plan.from_dict({"data": {"size": 4, "shard": 2}, "zero": {"stage": 1},
-                           "pipeline": 2}, 8)
-    assert any("hybrid sharding beside a pipeline" in u for u in plan.unsupported())
+def test_hsdp_beside_a_pipeline_or_experts_is_executable():
+    for spec, world in (({"pipeline": 2, "data": {"size": 4, "shard": 2}, "zero": {"stage": 1}},
+                         8), ({"expert": 2, "data": {"size": 4, "shard": 2},
+                               "zero": {"stage": 3}}, 4)):
+        assert Plan.from_dict(spec, world).unsupported() == []
+
+
+def _hsdp_axes(measured: dict, shard: int) -> None:
+    """ZeRO on dp_shard only; each reduce-scattered piece summed once over the replicas."""
+    assert measured[("reduce_scatter", "dp_shard")] > 0
+    assert measured[("all_reduce", "dp_replicate")] == \
+        measured[("reduce_scatter", "dp_shard")] // shard
+    assert ("reduce_scatter", "dp") not in measured and ("all_gather", "dp") not in measured
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hsdp_beside_a_pipeline_equals_one_device_with_exact_comm(pool8, stage):
+    """pp 2 x dp 4 as 2 replicas of 2-rank shard groups: each stage's dp ranks make their own
+    shard and replica groups; clipped by the global norm, each replicated piece once."""
+    plan = {"pipeline": {"size": 2, "microbatches": 2}, "data": {"size": 4, "shard": 2},
+            "zero": {"stage": stage}}
+    results = pool8.run(compare, GPT, plan, 3, 8, None, 1.0)
+    assert_equal_to_one_device(results, 1e-4)
+    for r in results:
+        _hsdp_axes(r["measured"], 2)
+        assert any(axis == "pp" for _, axis in r["measured"])
+        for (a, b) in r["norms"]:
+            assert abs(a - b) <= 1e-5 * b
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hsdp_beside_experts_equals_one_device_with_exact_comm(pool4, stage):
+    """ep 2 inside dp 4 as 2 x 2: the dense weights' ZeRO over the shard groups and their
+    replicas, the experts' over their expert-data group (whose pieces no replica repeats).
+    Before, the dense part divided its sums by the shard size alone: weights 1% off."""
+    plan = {"expert": 2, "data": {"size": 4, "shard": 2}, "zero": {"stage": stage}}
+    results = pool4.run(compare, "moe-tiny", plan, 3, 8, None, 1.0)
+    assert_equal_to_one_device(results, 1e-4)
+    for r in results:
+        _hsdp_axes(r["measured"], 2)
+        assert r["measured"][("reduce_scatter", "edp")] > 0
+        for (a, b) in r["norms"]:
+            assert abs(a - b) <= 1e-5 * b
 
 
 # ----------------------------------------------------------------------- planned

@@ -152,8 +152,8 @@ class Gradients:
         copies = self.params.tensor_copies(param)
         if self.zero is None:
             copies *= self.edp.size if self.params.is_expert(param) else self.dp.size
-        else:
-            copies *= self.replicas
+        elif self.edp is None or not self.params.is_expert(param):
+            copies *= self.replicas  # HSDP's replicas (the experts' pieces are over edp)
         if self.pipeline is not None:
             copies *= self.pipeline.copies(param)
         return copies

@@ -23,16 +23,18 @@ def expert_zero(plan_zero, params, dp, edp, divisor: float, is_expert, factory,
     pipeline, each of this rank's stages' parameters, for stage 2; `pieces`: ZeRO-3's
     pieces a start made, each part adopting its own)."""
     params = list(params)
+    hybrid = getattr(dp, "divisor", 1)  # HSDP: the rest's sums span the dp_replicate replicas
     rest = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]
     if plan_zero.stage == 3:
         return ExpertDataZeroThree(
-            ZeroThree(rest, dp, None, plan_zero.offload, compute_dtype, pieces=pieces),
+            ZeroThree(rest, dp, None, plan_zero.offload, compute_dtype, pieces=pieces,
+                      divisor=hybrid),
             ZeroThree(experts, edp, None, plan_zero.offload, compute_dtype, divisor=divisor,
                       prefix="zero3_experts_gather", pieces=pieces), factory)
     return ExpertDataZero(
         ShardedOptimizerState(rest, dp, None, plan_zero.stage, offload=plan_zero.offload,
-                              stages=stages),
+                              stages=stages, divisor=hybrid),
         ShardedOptimizerState(experts, edp, None, plan_zero.stage, offload=plan_zero.offload,
                               stages=stages, divisor=divisor), factory)
 
