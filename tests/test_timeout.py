@@ -198,8 +198,12 @@ def _store_writes_per_step(steps: int) -> dict:
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     for _ in range(steps):
         engine.train_step(x, x)
-    time.sleep(3 * watch.STAMP_EVERY)  # the liveness thread's next stamps
-    held = counting.store.get(f"at/{engine.watch.rank}").decode()
+    done = f"{engine.watch.number} {steps - 1} done"
+    for _ in range(40):  # the liveness thread's next stamps (a loaded machine delays them)
+        time.sleep(watch.STAMP_EVERY)
+        held = counting.store.get(f"at/{engine.watch.rank}").decode()
+        if held == done:
+            break
     if stamper is not None:
         stamper.store = counting.store
     return {"writes": counting.main_writes, "held": held, "number": engine.watch.number}
