@@ -109,7 +109,7 @@ def _saved_per_block(model, plan: dict, batch: int = 8) -> dict:
         engine.train_step(inputs, target)
     rows = engine.explain(format="json")["layers"]
     return {r["name"]: (r["predicted"]["activation_bytes"], r["measured"]["activation_bytes"])
-            for r in rows if r["name"][-1].isdigit()}
+            for r in rows if r["name"][-1].isdigit() and r["measured"]}  # (this rank's stages)
 
 
 def _check_saved(by_mode: dict) -> None:
