@@ -212,11 +212,9 @@ def _check_example_inputs(example_inputs) -> None:
 def _check_executable(chosen: Plan) -> None:
     chosen.check_grid()
     chosen.check_sequence_parallel()
-    missing = chosen.unsupported()
-    if missing:
-        raise PlanError(f"this plan uses {', '.join(missing)}, which the runtime cannot execute "
-                        "yet; plan it offline with autopar.plan, or choose data and 1d, 2d, "
-                        "2.5d or 3d tensor parallelism.")
+    refusal = chosen.refusal()
+    if refusal:
+        raise PlanError(refusal)
 
 
 def _world_size(world) -> int:

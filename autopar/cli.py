@@ -210,10 +210,11 @@ def constraints_of(args) -> dict:
         if fixed.recompute == NO_RECOMPUTE and any(lp.recompute != NO_RECOMPUTE
                                                    for lp in fixed.layers):
             del out["recompute"]  # a per-layer mix: the search finds it again
-        if fixed.mesh[TP] > 1:
-            out["sp"] = MEGATRON_SP if fixed.sequence_parallel else NO_SP
+        where = fixed.sequence_parallel_layers()
+        if fixed.mesh[TP] > 1 and (where is True or not where):  # (a per-layer mix: found again)
+            out["sp"] = MEGATRON_SP if where else NO_SP
         if fixed.mesh[CP] > 1 and fixed.sequence_mode:
-            out["sp"] = fixed.sequence_mode
+            out["cp_mode"] = fixed.sequence_mode  # beside the layers' sp, which it keeps
         if fixed.mesh[PP] > 1:
             out["schedule"] = fixed.pipeline.schedule
         if fixed.pipeline.micro_batch_size:

@@ -9,6 +9,7 @@ import pytest
 
 from autopar import Plan
 from autopar.cli import main
+from autopar.modes import CP, MEGATRON_SP, TP
 
 SMALL = "gpt:layers=4,hidden=256,heads=8,vocab=1024,seq=256"
 
@@ -57,6 +58,23 @@ def test_search_writes_a_plan_that_explain_reprices(tmp_path, capsys):
     again = _json(capsys, ["explain", SMALL, "--world", "8", "--batch", "16", "--plan", str(out),
                            "--format", "json"])
     assert again["mesh"] == plan.mesh
+    assert again["predicted"]["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])
+
+
+def test_explain_keeps_a_saved_plans_sequence_parallel_choice_beside_cp(tmp_path, capsys):
+    """A cp x tp plan with Megatron-SP: explaining it keeps the layers' sequence-parallel
+    choice (and its cp mode) and reports the time the search priced."""
+    out = tmp_path / "plan.json"
+    assert main(["search", SMALL, "--world", "8", "--batch", "16", "--cp", "2", "--tp", "2",
+                 "--sp", "megatron", "-o", str(out)]) == 0
+    capsys.readouterr()
+    plan = Plan.load(out)
+    assert plan.mesh[CP] == 2 and plan.mesh[TP] == 2 and plan.sequence_parallel
+    again = _json(capsys, ["explain", SMALL, "--plan", str(out), "--format", "json"])
+    assert again["mesh"] == plan.mesh
+    assert {lp["sp"] for lp in again["layers"] if lp["name"].startswith("blocks.")} == \
+        {MEGATRON_SP}
+    assert again["sequence"]["mode"] == plan.sequence_mode
     assert again["predicted"]["step_time_s"] == pytest.approx(plan.predicted["step_time_s"])
 
 

@@ -5,8 +5,8 @@ Per model family (zoo GPT, LLaMA, BERT, ViT, and transformers' LlamaForCausalLM 
 meta; four blocks, two traced): mixed-precision AdamW holds 16 bytes per parameter, 2 + 2
 + 4 + 8, divided exactly as each ZeRO stage shards it over data-parallel, 1D tensor-
 parallel and pipeline layouts, on every pipeline rank of the plan's report; fp32 holds
-4 + 4 + 0 + 8. Runtime plans price what `parallelize`'s optimizer holds (checked against
-`autopar.cost.state.state_bytes`). Offload counts against the profile's host memory, in
+4 + 4 + 0 + 8, what `parallelize` holds (fp32 masters under precision="bf16"); the free
+and --executable searches price the same bytes. Offload counts against the profile's host memory, in
 the search and in `--min-devices`.
 """
 
@@ -129,7 +129,7 @@ def test_adamw_state_is_16_bytes_a_parameter_divided_as_zero_shards_it(family, d
                                                                        per_param):
     chain, count = _chain(family, dtype)
     assert chain.params == count  # from the parameters, the untraced blocks included
-    precision = precision_of(chain.param_dtype, executable=False)
+    precision = precision_of(chain.param_dtype)
     assert (precision.weights, precision.gradients, precision.master,
             precision.optimizer) == per_param and precision.total == 16
     for layout, fixed in LAYOUTS.items():
@@ -158,11 +158,10 @@ def test_an_fp32_op_in_the_graph_does_not_change_the_state_bytes():
     assert "16 B/parameter = weights 2 + gradients 2 + fp32 master 4 + moments 8" in text
 
 
-def test_runtime_plans_price_what_the_runtimes_adamw_holds():
-    """Plans `parallelize` runs count what its optimizer holds: the rule state_bytes applies
-    per tensor (checked against a real AdamW step in test_memory.py). fp32 parameters (what
-    precision="bf16" trains: fp32 masters) hold 4 + 4 + 8; bf16 parameters keep torch's
-    AdamW moments in bf16 and no master: 2 + 2 + 4."""
+def test_state_bytes_counts_what_the_runtimes_adamw_holds():
+    """`state_bytes` applies torch's AdamW per tensor (checked against a real step in
+    test_memory.py): fp32 parameters (what precision="bf16" trains: fp32 masters) hold
+    4 + 4 + 8; bf16 parameters keep AdamW's moments in bf16 and no master: 2 + 2 + 4."""
     for dtype, per_param in ((torch.float32, (4, 4, 0, 8)), (torch.bfloat16, (2, 2, 0, 4))):
         chain, count = _chain("gpt", dtype)
         held = state_bytes(chain.traced)
@@ -170,13 +169,57 @@ def test_runtime_plans_price_what_the_runtimes_adamw_holds():
         moments = (held.optimizer - 4 * n_tensors) / held.parameters  # less AdamW's `step`
         assert held.gradients / held.parameters == per_param[1] / per_param[0]
         assert moments == per_param[3] / per_param[0]
-        for zero in range(4):
-            plan, cand = _plan(chain, dict(dp=4, zero=zero), "bf16", executable=True)
-            got = plan.detail["ranks"][0]["memory_bytes"]
-            want = _expect(runtime(dtype), count, 4, zero)
-            assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-9, abs=1)
-            assert want["parameters"] == per_param[0] * count / (4 if zero == 3 else 1)
     assert runtime(torch.bfloat16).total == 8 and mixed(torch.bfloat16).total == 16
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_the_free_and_executable_searches_price_the_same_state_bytes(dtype, name):
+    """One precision policy: the same layout, dtype and ZeRO stage cost the same state bytes
+    with and without --executable, to the byte, on every rank."""
+    chain, count = _chain("gpt", dtype)
+    for zero in range(4):
+        free, free_cand = _plan(chain, dict(dp=4, zero=zero), name)
+        runs, runs_cand = _plan(chain, dict(dp=4, zero=zero), name, executable=True)
+        assert free.mesh == runs.mesh
+        assert free.search["precision"] == runs.search["precision"]
+        for a, b in zip(free.detail["ranks"], runs.detail["ranks"]):
+            assert {k: a["memory_bytes"][k] for k in ("parameters", "gradients", "optimizer")} \
+                == {k: b["memory_bytes"][k] for k in ("parameters", "gradients", "optimizer")}
+        assert {k: free_cand.memory[k] for k in ("parameters", "gradients", "optimizer")} == \
+            {k: runs_cand.memory[k] for k in ("parameters", "gradients", "optimizer")}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_priced_state_is_what_parallelize_holds(precision):
+    """An fp32 model planned in `precision` and run by `parallelize` with it: the plan's
+    parameter, gradient and optimizer bytes are what the engine holds after a step (less
+    AdamW's step counters, 4 bytes a tensor), with and without --executable."""
+    import autopar
+    from autopar.runtime.measure import measure_state_bytes
+
+    spec = SPECS["gpt"]
+    model, (x,) = build(spec, batch=BATCH, device="cpu", seed=0)
+    y = torch.randint(0, 256, x.shape)
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
+
+    world = World(1, per_node=1, device="a100-80gb")
+    priced = []
+    for executable in (False, True):
+        plan = autopar.plan(model, (x,), world, global_batch=BATCH, loss_fn=loss_fn,
+                            example_target=y, dtype=precision, executable=executable,
+                            constraints=dict(zero=0, recompute="none"))
+        mem = plan.predicted["memory_breakdown_bytes"]
+        priced.append({k: mem[k] for k in ("parameters", "gradients", "optimizer")})
+    assert priced[0] == priced[1]
+    engine = autopar.parallelize(model, 1, example_inputs=(x[:2],), loss_fn=loss_fn,
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                                 precision=precision, plan=dict(recompute="none"))
+    held = measure_state_bytes(engine, lambda: engine.train_step(x, y))
+    n_tensors = sum(1 for _ in engine.parameters())
+    assert priced[0] == {"parameters": held.parameters, "gradients": held.gradients,
+                         "optimizer": held.optimizer - 4 * n_tensors}
 
 
 def _profile_with_host(tmp_path, host_bytes: int) -> str:

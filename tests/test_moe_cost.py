@@ -165,7 +165,7 @@ def test_experts_over_ep_hold_one_ep_th_of_the_expert_weights_and_zero_shards_th
     assert alone.ep_comm == 0 and split4.ep_comm > 0 and split4.comm > alone.comm
     assert split4.workspace >= 2 * moe.rows(1)  # the rows received and sent back
     # ZeRO-1 shards the experts' master and moments over the 2 ranks holding the same experts
-    precision = precision_of(chain.param_dtype, executable=False)
+    precision = precision_of(chain.param_dtype)
     dense = np.array([alone.params - alone.expert_params])
     experts = np.array([split4.expert_params])
     parts = memory_by_kind(dense + experts, np.zeros(1), 0.0, 8, 1, False, np.ones(1), precision,

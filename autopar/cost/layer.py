@@ -144,7 +144,9 @@ class LayerType:
     param_bytes: int
     params: int  # parameter elements
     boundary: Lin  # bytes of the activations this layer hands to the next one
-    input_bytes: Lin  # bytes of the activations this layer receives (kept by full recompute)
+    # bytes of the activations this layer receives (kept by full recompute), less those an
+    # earlier layer reads too (`held_once`)
+    input_bytes: Lin
     dtype_bytes: int
     sharded: dict[int, Sharded] = field(default_factory=dict)
     kernels: int = 0  # device kernels of its forward (one per op that is not a view)
@@ -443,19 +445,23 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     """Read the layer kinds of `traced`. ``repeat``: a layer name -> how many identical
     copies the real model has where the trace has one (the zoo traces two blocks of 96)."""
     repeat = repeat or {}
-    types: dict[int, LayerType] = {}
-    order: list[int] = []
+    types: dict[tuple, LayerType] = {}
+    order: list[tuple] = []
     sources: list[str] = []
     owner = {}
     for layer in traced.layers:
         for node in layer.nodes:
             owner[node] = layer.name
+    read: set = set()
     for layer in traced.layers:
-        if layer.group not in types:
-            types[layer.group] = _read_layer(traced, layer, owner)
+        held = held_once(layer, owner, read)
+        # the first block to read a shared tensor keeps it: a kind of its own
+        kind = (layer.group, bool(held))
+        if kind not in types:
+            types[kind] = _read_layer(traced, layer, owner, held)
         else:
-            types[layer.group].names.append(layer.name)
-        order.extend([layer.group] * repeat.get(layer.name, 1))
+            types[kind].names.append(layer.name)
+        order.extend([kind] * repeat.get(layer.name, 1))
         sources.extend([layer.name] * repeat.get(layer.name, 1))
     group_index = {g: i for i, g in enumerate(types)}
     type_list = list(types.values())
@@ -473,7 +479,33 @@ def _param_dtype(traced: TracedGraph) -> torch.dtype:
     return max(count, key=count.__getitem__, default=torch.float32)
 
 
-def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
+def _outside_inputs(layer, owner) -> list:
+    """The activations `layer` reads from other layers, in graph order."""
+    out: dict = {}
+    for node in layer.nodes:
+        if node.op == "get_attr":
+            continue
+        for a in _tensor_args(node):
+            if owner.get(a, layer.name) != layer.name and \
+                    a.meta["autopar"].kind not in (OpKind.PARAM,) and a.op != "get_attr":
+                out[a] = None
+    return list(out)
+
+
+def held_once(layer, owner, read: set) -> set:
+    """The inputs of `layer` an earlier layer reads too (adding this layer's to `read`).
+
+    A tensor several layers read (transformers' rotary tables, an additive attention mask)
+    is held once, by the first layer that reads it: full recomputation keeps it there, and
+    the later layers' kept inputs leave it out.
+    """
+    inputs = _outside_inputs(layer, owner)
+    held = {a for a in inputs if a in read}
+    read.update(inputs)
+    return held
+
+
+def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> LayerType:
     gemms, attention = [], []
     traffic = sympy.Integer(0)
     boundary = sympy.Integer(0)
@@ -512,6 +544,7 @@ def _read_layer(traced: TracedGraph, layer, owner) -> LayerType:
             boundary = boundary + _nbytes(info.shape, info.dtype)
         for a in _tensor_args(node):
             if owner.get(a, layer.name) != layer.name and a not in seen_inputs and \
+                    a not in held and \
                     a.meta["autopar"].kind not in (OpKind.PARAM,) and a.op != "get_attr":
                 seen_inputs.add(a)
                 inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)

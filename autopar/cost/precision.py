@@ -2,7 +2,8 @@
 one rule the planner prices state and the optimizer step with. ``mixed``: Megatron-LM and
 ZeRO's fp32 master and moments for 16-bit weights (Rajbhandari et al. 2019, §3.1, K = 12);
 ``runtime``: torch's optimizer, moments in the parameters' dtype and no master (fp32 under
-`precision="bf16"`, so AdamW is 16 bytes per parameter under both).
+`precision="bf16"`, so AdamW is 16 bytes per parameter under both), which `state_bytes`
+counts per tensor. The free and the executable search both price ``mixed``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def runtime(param_dtype: torch.dtype, moments: int = ADAM_MOMENTS) -> Precision:
     return Precision(e, e, 0, moments * e, "runtime")
 
 
-def precision_of(param_dtype: torch.dtype, *, executable: bool) -> Precision:
-    """The planner's rule: the runtime's for plans `parallelize` runs, else mixed precision."""
-    return runtime(param_dtype) if executable else mixed(param_dtype)
+def precision_of(param_dtype: torch.dtype) -> Precision:
+    """The planner's one rule, for the free and the executable search alike: mixed precision
+    (16 bytes a parameter, what `parallelize(precision="bf16")` holds on fp32 masters, and
+    what it holds under fp32)."""
+    return mixed(param_dtype)

@@ -280,10 +280,10 @@ class Plan:
             if self.grid_mode() not in runtime.cp_with_tp:
                 out.append(f"sequence parallelism over a cp axis together with {self.grid_mode()} "
                            f"tensor parallelism (cp runs with {'/'.join(runtime.cp_with_tp)} "
-                           "tensor parallelism only)")
+                           "tensor parallelism only: use one of those, or sequence size 1)")
             if self.sequence_parallel_layers() and not runtime.cp_with_megatron_sp:
                 out.append("sequence parallelism over a cp axis together with Megatron sequence "
-                           "parallelism (sequence_parallel)")
+                           "parallelism (use sequence_parallel=False, or sequence size 1)")
         if self.zero.offload and self.zero.stage == 0:
             out.append("offload without ZeRO (the offloaded optimizer runs on the pieces ZeRO "
                        "cuts; use zero=dict(stage=1, 2 or 3, offload=True))")
@@ -298,7 +298,8 @@ class Plan:
         out += self._unsupported_expert(runtime)
         if self.dp_replicate > 1:
             if not runtime.hybrid_shard:
-                out.append("hybrid sharding (a data shard size below the data-parallel size)")
+                out.append("hybrid sharding (a data shard size below the data-parallel size; "
+                           "drop the data shard size)")
             if self.mesh[PP] > 1 and not runtime.hybrid_with_pp:
                 out.append("hybrid sharding beside a pipeline (use pipeline size 1, or drop "
                            "the data shard size)")
@@ -307,14 +308,23 @@ class Plan:
                            "drop the data shard size)")
         if any(r not in runtime.recompute for r in [self.recompute] +
                [lp.recompute for lp in self.layers]):
-            out.append("recomputation")
+            out.append(f"recomputation (runs {', '.join(runtime.recompute)}; use one of those)")
         return out
+
+    def refusal(self, runtime=RUNTIME) -> str | None:
+        """One sentence refusing the parts of this plan `runtime` cannot execute, each with
+        what to choose instead (None when it runs them all)."""
+        missing = self.unsupported(runtime)
+        if not missing:
+            return None
+        return (f"this plan uses {'; and '.join(missing)}, which the runtime cannot execute "
+                "yet; change each part as it says, or plan it offline with autopar.plan.")
 
     def _unsupported_expert(self, runtime) -> list[str]:
         if self.ep == 1:
             return []
         if not runtime.expert:
-            return ["expert parallelism (an ep axis)"]
+            return ["expert parallelism (an ep axis; use expert size 1)"]
         out = []
         if self.mesh[CP] > 1 and not runtime.expert_with_cp:
             out.append("expert parallelism beside a cp axis (the expert groups lie inside dp; "
@@ -327,7 +337,8 @@ class Plan:
             out.append(f"ZeRO stage {self.zero.stage} beside expert parallelism (stages "
                        f"{', '.join(map(str, runtime.expert_zero))} run with an ep axis)")
         if self.mesh[PP] > 1 and not runtime.expert_with_pp:
-            out.append("expert parallelism beside a pipeline")
+            out.append("expert parallelism beside a pipeline (use pipeline size 1, or expert "
+                       "size 1)")
         elif self.mesh[PP] > 1 and self.zero.stage not in runtime.expert_zero_with_pp:
             out.append("ZeRO beside both expert parallelism and a pipeline (drop one of the "
                        "three)")

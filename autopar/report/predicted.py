@@ -315,7 +315,7 @@ def plan_precision(plan: Plan, chain: LayerChain) -> Precision:
     recorded = plan.search.get("precision")
     if recorded:
         return Precision.from_json(recorded)
-    return precision_of(chain.param_dtype, executable=False)
+    return precision_of(chain.param_dtype)
 
 
 def _kinds(plan: Plan, chain: LayerChain, ctx: Context) -> list[dict]:

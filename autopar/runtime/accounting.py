@@ -39,12 +39,14 @@ def predicted_comm_by_layer(engine, global_batch: int) -> dict[tuple[str, str, s
     layer_of = {n.name: n.meta["autopar"].layer for n in engine.train_graph.graph.nodes}
     by_layer: dict[tuple[str, str, str], int] = {}
     # under bf16/fp16 the model part's collectives move 16-bit values
+    kept = engine.recompute.kept_inputs(engine.train_solution)
     for c, factor in comm_factors(engine.train_solution, engine.compute_dtype):
         if mine is not None and layer_of.get(c.where) not in mine:  # another rank's stage
             continue
         key = (c.op, c.axis, layer_of.get(c.where) or STEP)
         # a recomputed region's forward runs again in the backward, its collectives too
-        again = c.phase == "forward" and c.where in engine.recompute.replayed
+        again = c.phase == "forward" and c.where in engine.recompute.replayed and \
+            id(c) not in kept
         nbytes = runs * (1 + again) * \
             int((sympy.sympify(c.bytes) * factor).subs(BATCH, local // runs))
         by_layer[key] = by_layer.get(key, 0) + nbytes

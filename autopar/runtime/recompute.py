@@ -30,6 +30,15 @@ class Recompute:
         # the traced nodes whose forward collectives run again in the backward
         self.replayed = {n.name for n in traced.gm.graph.nodes
                          if self._reruns(n, core)}
+        self._core = {n.name for n in core if n.name in self.replayed}
+
+    def kept_inputs(self, solution) -> set[int]:
+        """The ids of the collectives that hand a selectively recomputed core a value made
+        outside it (cp's K/V all-gather before eager attention's matmuls): the region keeps
+        what they hand it as an input, so they run once."""
+        return {id(c) for t in solution.transitions
+                if t.consumers[0].name in self._core and t.producer.name not in self._core
+                for c in t.comm}
 
     def _reruns(self, node: fx.Node, core: set) -> bool:
         mode = self.modes.get(getattr(node.meta.get("autopar"), "layer", None))

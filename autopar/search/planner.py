@@ -279,7 +279,7 @@ def candidate_plan(cand: Candidate, chain: LayerChain, world: World, global_batc
                    dtype: str = FP32) -> Plan:
     """The Plan of one candidate, made as the planner makes its winner's (`to_plan`)."""
     result = SearchResult(cand, [], 1, 0.0,
-                          precision=precision_of(chain.param_dtype, executable=True))
+                          precision=precision_of(chain.param_dtype))
     return _plan_of(cand, chain, world, result, global_batch, dtype, 0.0)
 
 

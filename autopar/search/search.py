@@ -149,7 +149,7 @@ class Search:
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
         self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
-            chain.param_dtype, executable=options.executable is not None), self.layers)
+            chain.param_dtype), self.layers)
         self.candidates = 0
         self._leaf_numbers = itertools.count()
 

@@ -51,6 +51,7 @@ class Constraints:
     cp: int | None = None
     tp_mode: str | None = None
     sp: str | None = None  # none | megatron | ulysses | ring
+    cp_mode: str | None = None  # ulysses | ring over the cp axis, beside sp's layers' choice
     zero: int | None = None
     offload: bool | None = None
     recompute: str | None = None
@@ -86,6 +87,7 @@ class Constraints:
                                       or value < 1):
                 raise PlanError(f"constraint {name}={value!r} must be a whole number >= 1.")
         for name, options in (("tp_mode", TP_MODES), ("sp", LAYER_SP + SEQUENCE_MODES),
+                              ("cp_mode", SEQUENCE_MODES),
                               ("recompute", RECOMPUTE), ("schedule", SCHEDULES),
                               ("zero", ZERO_STAGES), ("offload", (True, False))):
             value = getattr(self, name)
@@ -100,9 +102,13 @@ class Constraints:
         if self.sp == MEGATRON_SP and self.tp == 1:
             raise PlanError("constraint sp='megatron' splits the sequence over the tensor axis, "
                             "but tp is fixed to 1; fix tp to 2 or more, or drop sp.")
-        if self.sp in SEQUENCE_MODES and self.cp == 1:
-            raise PlanError(f"constraint sp='{self.sp}' runs over a cp axis, but cp is fixed "
-                            "to 1; fix cp to 2 or more, or drop sp.")
+        for name in ("sp", "cp_mode"):
+            if getattr(self, name) in SEQUENCE_MODES and self.cp == 1:
+                raise PlanError(f"constraint {name}='{getattr(self, name)}' runs over a cp axis, "
+                                f"but cp is fixed to 1; fix cp to 2 or more, or drop {name}.")
+        if self.cp_mode is not None and self.sp in SEQUENCE_MODES and self.sp != self.cp_mode:
+            raise PlanError(f"constraints sp='{self.sp}' and cp_mode='{self.cp_mode}' name two "
+                            "sequence modes for one cp axis; drop one of them.")
         if self.tp_mode in GRID_MODES and self.tp not in (None, 1):
             from autopar.sharding.axes import grid_size_error
 
@@ -285,7 +291,8 @@ class Space:
         heads to split over cp x tp."""
         if mesh[CP] == 1:
             return [None]
-        modes = [self.c.sp] if self.c.sp in SEQUENCE_MODES else list(SEQUENCE_MODES)
+        fixed = self.c.cp_mode or (self.c.sp if self.c.sp in SEQUENCE_MODES else None)
+        modes = [fixed] if fixed else list(SEQUENCE_MODES)
         return [m for m in modes if m != ULYSSES or heads % (mesh[CP] * mesh[TP]) == 0]
 
     def micro_batches(self, per_replica: int, pp: int) -> list[int]:
