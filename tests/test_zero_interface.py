@@ -90,8 +90,8 @@ def test_the_expert_pair_answers_through_its_parts():
         data, experts = _params(), [nn.Parameter(torch.randn(4, 6))]
         expert_ids = {id(p) for p in experts}
         zero = expert_zero(ZERO_FAMILIES[stage], ZeroPlan(stage=stage), data + experts,
-                           _dp(), _dp(2, 0, "edp"), 1.0, lambda p: id(p) in expert_ids,
-                           None, None)
+                           _dp(), _dp(2, 0, "edp"), 1.0,
+                           lambda p, ids=expert_ids: id(p) in ids, None, None)
         assert isinstance(zero, ExpertDataZeroThree if stage == 3 else ExpertDataZero)
         dense, expert = zero.parts
         assert dense.params == data and expert.params == experts and zero.stage == stage
