@@ -108,3 +108,13 @@ def test_the_engine_reads_zero_and_pipeline_from_their_one_owner():
     for name in ("zero", "pipeline", "held_optimizer"):
         attribute = getattr(Engine, name)
         assert isinstance(attribute, property) and attribute.fset is None, name
+
+
+def test_checkpoint_writes_engine_state_through_its_owners_methods():
+    """checkpoint.py sets no engine or scaler attribute (the step count, the loss scaler
+    and held optimizer state are restored through their owners' public methods) but its
+    own `engine.checkpointing`'s."""
+    source = (RUNTIME / "checkpoint.py").read_text().splitlines()
+    writes = re.compile(r"\b(engine\.(?!checkpointing\b)|scaler\.)\w+(\.\w+)*\s*=[^=]")
+    assert [f"{i}: {line.strip()}" for i, line in enumerate(source, 1)
+            if writes.search(line)] == []
