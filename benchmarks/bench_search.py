@@ -74,7 +74,11 @@ from autopar.cost.model import (
     tensor_modes,  # noqa: E402
 )
 from autopar.cost.schedule import check_microbatches, stage_owner  # noqa: E402
-from autopar.cost.step import host_bytes, optimizer_time, state_factors  # noqa: E402
+from autopar.cost.step import (  # noqa: E402
+    host_bytes,
+    optimizer_time,
+    stage_memory,
+)
 from autopar.errors import PlanError  # noqa: E402
 from autopar.models import workload  # noqa: E402
 from autopar.modes import ORDER, RECOMPUTE, SCHEDULES  # noqa: E402
@@ -411,12 +415,10 @@ def _memory_split(search, chain, priced, mesh, m, schedule, zero, offload):
     replicas = mesh["dp"] * mesh["cp"]
     params = np.array([priced.params[t][priced.fast[i]] for i, t in enumerate(order)])
     acts = np.array([priced.acts[t][priced.fast[i]] for i, t in enumerate(order)])
-    per_param = sum(state_factors(search.precision, replicas, zero, offload))
-    in_flight = search._in_flight(schedule, pp, 1, m)
-    weights = params[None, :] * per_param + in_flight[:, None] * acts[None, :]
-    biggest = float(params.max())
-    buffers = (2 * biggest if replicas > 1 else 0.0) + (2 * biggest if zero == 3 else 0.0)
-    return balance_within(priced.fast_time, weights, np.full(pp, search.capacity - buffers), pp)
+    weights, capacity = stage_memory(params, acts, search._in_flight(schedule, pp, 1, m),
+                                     float(params.max()), search.capacity, search.precision,
+                                     replicas, zero, offload)
+    return balance_within(priced.fast_time, weights, capacity, pp)
 
 
 def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, best,

@@ -76,6 +76,33 @@ def test_step_workspace_is_what_a_real_step_allocates(name, implementation, fact
         assert measured == sum(sizes)
 
 
+def test_stage_memory_prices_each_layer_on_each_pipeline_rank():
+    """cost.step.stage_memory: what the search balances stages under (Search._memory_split
+    only chooses): 2 bytes of bf16 weights carry 2 + 2 + 12 = 16 bytes of state at ZeRO-0,
+    16 / 8 of the optimizer part at ZeRO-1 over 8 ranks; activations count once per
+    micro-batch in flight; each rank's room is the capacity less the biggest layer's flat
+    buffers (2 for dp sync, 2 more for ZeRO-3's gathers)."""
+    import numpy as np
+
+    from autopar.cost.precision import Precision
+    from autopar.cost.step import stage_memory
+    from autopar.search import search
+
+    mixed = Precision(weights=2, gradients=2, master=4, optimizer=8)
+    params, acts, in_flight = np.array([2.0, 4.0]), np.array([10.0, 1.0]), np.array([3.0, 1.0])
+    weights, room = stage_memory(params, acts, in_flight, 4.0, 100.0, mixed, 8, 0, False)
+    assert weights.tolist() == [[2 * 8 + 30, 4 * 8 + 3], [2 * 8 + 10, 4 * 8 + 1]]
+    assert room.tolist() == [100 - 8, 100 - 8]
+    weights, room = stage_memory(params, acts, in_flight, 4.0, 100.0, mixed, 8, 3, True)
+    assert weights.tolist() == [[2 * (1 / 8 + 1 / 8) + 30, 4 * (1 / 8 + 1 / 8) + 3],
+                                [2 * (1 / 8 + 1 / 8) + 10, 4 * (1 / 8 + 1 / 8) + 1]]
+    assert room.tolist() == [100 - 16, 100 - 16]
+    _, room = stage_memory(params, acts, in_flight, 4.0, 100.0, mixed, 1, 0, False)
+    assert room.tolist() == [100, 100]  # one replica: no sync buffers
+    # the search prices no state itself: its split asks the cost model
+    assert not any(hasattr(search, f) for f in ("state_factors", "buffer_bytes"))
+
+
 def test_step_temps_join_in_order():
     """A pair straddling two runs counts: the later run's first tensor beside the earlier
     run's last."""

@@ -95,6 +95,18 @@ def buffer_bytes(biggest: float, replicas: int, zero: int) -> float:
     return (2 * biggest if replicas > 1 else 0.0) + (2 * biggest if zero == 3 else 0.0)
 
 
+def stage_memory(params, acts, in_flight, biggest: float, capacity: float,
+                 precision: Precision, replicas: int, zero: int,
+                 offload: bool) -> tuple[np.ndarray, np.ndarray]:
+    """What balancing layers over pipeline ranks under memory needs: the bytes each layer
+    puts on each rank ([ranks, layers]: its state, `state_factors` per byte of `params`, and
+    its activations `acts` times the micro-batches `in_flight` there), and the bytes each
+    rank has for them (`capacity` less the biggest layer's flat buffers, `buffer_bytes`)."""
+    per_param = sum(state_factors(precision, replicas, zero, offload))
+    weights = params[None, :] * per_param + in_flight[:, None] * acts[None, :]
+    return weights, np.full(len(in_flight), capacity - buffer_bytes(biggest, replicas, zero))
+
+
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
                    offload: bool, in_flight, precision: Precision, workspace: float = 0.0,
                    experts_dev=None, split: ExpertSplit | None = None,

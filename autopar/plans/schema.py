@@ -35,6 +35,7 @@ from autopar.modes import (
     ZERO_STAGES,
     cp_layout,
 )
+from autopar.plans.capabilities import missing
 from autopar.plans.views import views
 from autopar.sharding.axes import MULTI_D, TensorMesh, grid_size_error
 from autopar.world import World
@@ -274,75 +275,23 @@ class Plan:
 
     def unsupported(self, runtime=RUNTIME) -> list[str]:
         """Parts of this plan `runtime` (an `autopar.modes.Capabilities`) cannot execute yet
-        (they can still be planned)."""
+        (they can still be planned), in the capability table's words
+        (autopar.plans.capabilities)."""
         out = []
-        if self.mesh[CP] > 1 and self.mesh[TP] > 1:
-            if self.grid_mode() not in runtime.cp_with_tp:
-                out.append(f"sequence parallelism over a cp axis together with {self.grid_mode()} "
-                           f"tensor parallelism (cp runs with {'/'.join(runtime.cp_with_tp)} "
-                           "tensor parallelism only: use one of those, or sequence size 1)")
-            if self.sequence_parallel_layers() and not runtime.cp_with_megatron_sp:
-                out.append("sequence parallelism over a cp axis together with Megatron sequence "
-                           "parallelism (use sequence_parallel=False, or sequence size 1)")
         if self.zero.offload and self.zero.stage == 0:
             out.append("offload without ZeRO (the offloaded optimizer runs on the pieces ZeRO "
                        "cuts; use zero=dict(stage=1, 2 or 3, offload=True))")
-        elif self.zero.offload and self.zero.stage == 3 and self.mesh[DP] == 1 and \
-                not runtime.offload_zero3_single_rank:
-            out.append("ZeRO-3 offload over one data-parallel rank (no parameter to cut; "
-                       "use zero=dict(stage=1, offload=True) to offload the optimizer)")
-        if self.mesh[PP] == 1 and self.pipeline.microbatches > 1 and not runtime.accumulation:
-            out.append(f"gradient accumulation over {self.pipeline.microbatches} micro-batches "
-                       "without a pipeline (use microbatches=1, or a pipeline of 2 or more "
-                       "stages)")
-        out += self._unsupported_expert(runtime)
-        if self.dp_replicate > 1:
-            if not runtime.hybrid_shard:
-                out.append("hybrid sharding (a data shard size below the data-parallel size; "
-                           "drop the data shard size)")
-            if self.mesh[PP] > 1 and not runtime.hybrid_with_pp:
-                out.append("hybrid sharding beside a pipeline (use pipeline size 1, or drop "
-                           "the data shard size)")
-            if self.ep > 1 and not runtime.hybrid_with_ep:
-                out.append("hybrid sharding beside expert parallelism (use expert size 1, or "
-                           "drop the data shard size)")
-        if any(r not in runtime.recompute for r in [self.recompute] +
-               [lp.recompute for lp in self.layers]):
-            out.append(f"recomputation (runs {', '.join(runtime.recompute)}; use one of those)")
-        return out
+        return out + missing(self, runtime)
 
     def refusal(self, runtime=RUNTIME) -> str | None:
         """One sentence refusing the parts of this plan `runtime` cannot execute, each with
         what to choose instead (None when it runs them all)."""
-        missing = self.unsupported(runtime)
-        if not missing:
+        missing_parts = self.unsupported(runtime)
+        if not missing_parts:
             return None
-        return (f"this plan uses {'; and '.join(missing)}, which the runtime cannot execute "
-                "yet; change each part as it says, or plan it offline with autopar.plan.")
-
-    def _unsupported_expert(self, runtime) -> list[str]:
-        if self.ep == 1:
-            return []
-        if not runtime.expert:
-            return ["expert parallelism (an ep axis; use expert size 1)"]
-        out = []
-        if self.mesh[CP] > 1 and not runtime.expert_with_cp:
-            out.append("expert parallelism beside a cp axis (the expert groups lie inside dp; "
-                       "use sequence size 1)")
-        elif self.mesh[CP] > 1 and not runtime.expert_cp_extras and (
-                self.mesh[TP] > 1 or self.mesh[PP] > 1 or self.zero.stage > 0):
-            out.append("tensor, pipeline or ZeRO beside both expert parallelism and a cp axis "
-                       "(ep beside cp runs with data and sequence ranks alone)")
-        if self.zero.stage not in runtime.expert_zero:
-            out.append(f"ZeRO stage {self.zero.stage} beside expert parallelism (stages "
-                       f"{', '.join(map(str, runtime.expert_zero))} run with an ep axis)")
-        if self.mesh[PP] > 1 and not runtime.expert_with_pp:
-            out.append("expert parallelism beside a pipeline (use pipeline size 1, or expert "
-                       "size 1)")
-        elif self.mesh[PP] > 1 and self.zero.stage not in runtime.expert_zero_with_pp:
-            out.append("ZeRO beside both expert parallelism and a pipeline (drop one of the "
-                       "three)")
-        return out
+        return (f"this plan uses {'; and '.join(missing_parts)}, which the runtime cannot "
+                "execute yet; change each part as it says, or plan it offline with "
+                "autopar.plan.")
 
     def explain(self, top: int | None = None) -> str:
         """The plan as text a person reads: strategy, predicted time and memory, and why it

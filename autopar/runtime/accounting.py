@@ -107,23 +107,13 @@ def _expert_data(engine, runs: int) -> dict[tuple[str, str], int]:
     """The experts' gradient sync over their expert-data group (none with one rank there:
     ZeRO-3 then copies its pieces, as over a dp of 1)."""
     edp, zero = engine.grads.edp, engine.zero
-    zero3 = zero is not None and zero.stage == 3
     if edp is None or edp.size == 1:
         return {}
-    if zero3:
-        part = zero.parts[1]
+    if zero is not None:  # (ZeRO-2/3 reduce-scatter each micro-batch's gradients)
         graphs = [m for _, m in engine.pipeline.held_modules()] \
             if engine.pipeline is not None else [engine.train_gm]
-        units = zero.expert_units(graphs)
-        gathers = runs * sum(part.gather_bytes(u) for u in units) + \
-            sum(part.gather_bytes(u) for u in part.backward_gathers or ())
-        return {("reduce_scatter", EDP): runs * sum(part.unit_bytes(u) for u in units),
-                ("all_gather", EDP): gathers}
-    if zero is not None:  # (stage 2 under a pipeline: each micro-batch's gradients)
-        part = zero.parts[1]
-        sends = runs if zero.stage == 2 else 1
-        return {("reduce_scatter", EDP): sends * part.padded_bytes(), ("all_gather", EDP):
-                part.padded_bytes()}
+        scattered, gathered, _ = zero.expert_traffic(runs, graphs)
+        return {("reduce_scatter", EDP): scattered, ("all_gather", EDP): gathered}
     return {("all_reduce", EDP): sum(p.numel() * p.element_size() for p in
                                      engine.grads.trained() if engine.params.is_expert(p))}
 
@@ -137,25 +127,18 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
     zero = engine.zero
     hybrid = engine.plan.dp_replicate > 1
     axis = DP_SHARD if hybrid else DP
-    if zero is not None and zero.stage == 3:
-        # each layer gathered for its forward, again where its backward needs it (an
-        # embedding's does not), its gradients reduce-scattered (per micro-batch)
-        once = sum(zero.unit_bytes(u) for u in engine.train_units)
-        gathers = runs * sum(zero.gather_bytes(u) for u in engine.train_units) + \
-            sum(zero.gather_bytes(u) for u in zero.backward_gathers or ())
-        # fp8: the float8 weights' amaxes all-reduced before each of their gathers (under
-        # HSDP over the shard group, whose pieces make each weight)
-        amax = runs * sum(zero.amax_bytes(u) for u in engine.train_units) + \
-            sum(zero.amax_bytes(u) for u in zero.backward_gathers or ())
-        out = {("all_reduce", DP): 4, ("reduce_scatter", axis): runs * once,
-               ("all_gather", axis): gathers}
+    if zero is not None:
+        # ZeRO-1/2: the all-reduce's two halves, padded (ZeRO-2 reduce-scatters each
+        # micro-batch's gradients); ZeRO-3: each layer gathered for its forward, again
+        # where its backward needs it (an embedding's does not), its gradients
+        # reduce-scattered per micro-batch, and under fp8 the float8 weights' amaxes
+        # all-reduced before each of their gathers (under HSDP over the shard group, whose
+        # pieces make each weight)
+        scattered, gathered, amax = zero.traffic(runs, engine.train_units)
+        out = {("all_reduce", DP): 4, ("reduce_scatter", axis): scattered,
+               ("all_gather", axis): gathered}
         if amax:
             out[("all_reduce", axis)] = out.get(("all_reduce", axis), 0) + amax
-    elif zero is not None:  # ZeRO-1/2: the all-reduce's two halves, padded
-        # (stage 2 under a pipeline reduce-scatters each micro-batch's gradients)
-        sends = runs if zero.stage == 2 else 1
-        out = {("all_reduce", DP): 4, ("reduce_scatter", axis): sends * zero.padded_bytes(),
-               ("all_gather", axis): zero.padded_bytes()}
     else:
         grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.data_parameters()
                          if p.requires_grad)
@@ -186,11 +169,9 @@ def _pipeline(engine) -> dict[tuple[str, str], int]:
 def _tied_bytes(zero, param) -> int:
     """Bytes of a tied parameter's gradient as the pipeline members sum it: whole, or this
     rank's ZeRO piece where ZeRO-2/3 reduced it over dp first."""
-    if zero is None or zero.stage < 2:
+    if zero is None:
         return param.numel() * param.element_size()
-    dense = zero.parts[0] if hasattr(zero, "parts") else zero  # (experts' ZeRO: its dp part)
-    shard = next(s for p, s in zip(dense.params, dense.shards) if p is param)
-    return shard.numel() * shard.element_size()
+    return zero.tied_bytes(param)
 
 
 def _world(engine) -> dict[tuple[str, str], int]:

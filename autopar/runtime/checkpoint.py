@@ -48,6 +48,7 @@ from autopar.runtime.regions import (
     whole_shape,
 )
 from autopar.runtime.safe_metadata import METADATA, SafeReader, read_metadata
+from autopar.runtime.zero_state import ZeroState
 
 FORMAT = "autopar-dcp"
 VERSION = 1
@@ -132,31 +133,25 @@ def _geometry(engine, local: torch.Tensor):
 def _local_shape(engine, local: torch.Tensor) -> tuple[int, ...]:
     """A local slice's shape, also while ZeRO-3 keeps only its pieces (and has emptied
     the whole parameter)."""
-    for part in _zero_parts(engine.zero):
-        if hasattr(part, "shapes"):
-            for p, shape in zip(part.params, part.shapes):
-                if p is local:
-                    return tuple(shape)
-    return tuple(local.shape)
+    shape = _zero(engine).local_shape(local) if engine.zero is not None else None
+    return tuple(local.shape) if shape is None else shape
 
 
-def _zero_parts(zero) -> tuple:
-    """The ZeRO states that cut pieces, each over its own group: one, or beside an expert
-    axis the dp part and the experts' edp part (runtime.zero_experts)."""
-    if zero is None:
-        return ()
-    return tuple(getattr(zero, "parts", (zero,)))
+def _zero(engine) -> ZeroState:
+    """The engine's ZeRO state, recognised by its interface (runtime.zero_state)."""
+    zero = engine.zero
+    if not isinstance(zero, ZeroState):
+        raise CheckpointError(f"the engine's ZeRO state is a {type(zero).__name__}, not a "
+                              "runtime.zero_state.ZeroState; build the engine with "
+                              "autopar.parallelize.")
+    return zero
 
 
 def _pieces(engine) -> dict[int, tuple[torch.Tensor, int]]:
     """id(local parameter) -> (this rank's ZeRO piece of it, the piece's first flat
     position in the slice), when ZeRO shards the optimizer (an expert's piece is cut over
     its expert-data group, the rest's over dp)."""
-    out = {}
-    for part in _zero_parts(engine.zero):
-        r = part.dp.rank
-        out.update({id(p): (s, r * k) for p, s, k in zip(part.params, part.shards, part.chunks)})
-    return out
+    return _zero(engine).pieces() if engine.zero is not None else {}
 
 
 def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -164,8 +159,7 @@ def _optimizer_params(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
     parameter this rank's optimizer steps (under a pipeline: its stages')."""
     if engine.optimizer is None:
         return []
-    owner = {id(s): p for s, p in zip(engine.zero.shards, engine.zero.params)} \
-        if engine.zero is not None else {}
+    owner = _zero(engine).owners() if engine.zero is not None else {}
     trained = {id(p) for p in engine.grads.trained()}
     out = []
     for group in engine.optimizer.param_groups:
@@ -513,11 +507,7 @@ def _metadata(engine, state: dict) -> dict:
 def _scaler_state(engine) -> dict | None:
     """fp16's loss scaler (the same on every rank): kept so a resumed run goes on at the
     scale it reached instead of overflowing its way down from the initial one."""
-    scaler = engine.scaler
-    if scaler is None:
-        return None
-    return {"scale": scaler.scale, "good_steps": scaler.good_steps,
-            "skipped_steps": scaler.skipped_steps}
+    return engine.scaler.state_dict() if engine.scaler is not None else None
 
 
 def _read(path) -> tuple[str, dict, SafeReader]:
@@ -579,26 +569,22 @@ def load(engine, path) -> str:
     _dcp(dcp.load, targets, f"reading the checkpoint {ckpt}", storage_reader=reader,
          planner=_LoadPlanner())
     groups = meta.get("param_groups") or []
+    engine.take_held_optimizer()
     if hold:
-        engine.held_optimizer = ({id(local): (local, _values(state)) for local, state in fill},
-                                  groups)
+        engine.hold_optimizer(({id(local): (local, _values(state)) for local, state in fill},
+                               groups))
     else:
-        engine.held_optimizer = None
         _restore(engine.optimizer,
                  [(q, _values(state)) for (q, _), (_, state) in zip(pairs, fill)], groups)
-    engine.steps = int(meta["step"])
-    scaler, saved = engine.scaler, meta.get("loss_scaler")
-    if scaler is not None and saved is not None:  # (a bf16/fp32 checkpoint has none)
-        scaler.scale = float(saved["scale"])
-        scaler.good_steps = int(saved["good_steps"])
-        scaler.skipped_steps = int(saved["skipped_steps"])
+    # (a bf16/fp32 checkpoint has no loss scaler)
+    engine.restore_progress(int(meta["step"]), meta.get("loss_scaler"))
     return ckpt
 
 
-def adopt_held_optimizer(engine) -> None:
-    """Give the optimizer a pipeline rank has just built the state `load` held: each
-    parameter's slice state, cut to this rank's ZeRO piece where ZeRO shards it."""
-    held, engine.held_optimizer = engine.held_optimizer, None
+def adopt_held_optimizer(engine, held) -> None:
+    """Give the optimizer a pipeline rank has just built the state `load` held (`held`,
+    taken from the engine): each parameter's slice state, cut to this rank's ZeRO piece
+    where ZeRO shards it."""
     if held is None or engine.optimizer is None:
         return
     states, groups = held

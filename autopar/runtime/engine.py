@@ -62,6 +62,7 @@ from autopar.runtime.snapshot import memory_snapshot
 from autopar.runtime.stages import PipelineWeights, build_pipeline, layers_here, pipeline_step
 from autopar.runtime.startup import ModelCard, export, retarget
 from autopar.runtime.watch import Watch
+from autopar.runtime.zero_state import ZeroState
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.solve import Solution, solve
 
@@ -134,13 +135,11 @@ class Engine(nn.Module):
         self.train_gm: fx.GraphModule | None = None
         self.global_batch: int | None = None  # of the training graph's first step
         self._optimizer_factory = optimizer
-        self.zero = None  # ZeRO state over dp (runtime.zero: 1/2, runtime.zero3: 3)
-        self.pipeline = None  # a PipelineRunner once the training graph is built (pp > 1)
         self.stage_of_layer: dict[str, int] = {}
         self._weights: PipelineWeights | None = None
         self.train_units: list[int] = []  # ZeRO-3: the layers the training graph gathers
         self.recompute: Recompute | None = None  # the plan's, over the training graph
-        self.held_optimizer = None  # optimizer state a load read before the stages existed
+        self._held_optimizer = None  # optimizer state a load read before the stages existed
         self.optimizer = None
         if not zero_sharded(plan.zero, self._dp.size):
             self.optimizer = self.grads.with_norms(
@@ -224,7 +223,7 @@ class Engine(nn.Module):
             self._wire_pipeline()
             return
         instrument(self.train_gm, self.recorder, 0)  # (a pipeline's stages once cut)
-        if self.zero is not None and self.zero.stage == 3:
+        if self.zero is not None:  # (ZeRO-3: the gathers each layer needs)
             self.train_units = self.zero.rewrite(self.train_gm)
         self.recompute.apply(self.train_gm)  # (after the marks and gathers: they stay out)
         compile_graphs(self.regions, [self.train_gm])  # after every pass that adds modules
@@ -240,7 +239,7 @@ class Engine(nn.Module):
             self.plan, self.train_graph, self.train_gm, self._pp, self._dp, self.global_batch,
             self._device, self.fetch_pipeline_weights, self._dp if averages else None,
             self.stage_planner)
-        self.pipeline = self.grads.pipeline = runner
+        self.grads.pipeline = runner
         runner.startup_log = self.startup_log
         balanced = [m for m in self.train_gm.modules()
                     if isinstance(m, ExpertLayer) and m.with_aux]
@@ -256,32 +255,25 @@ class Engine(nn.Module):
             instrument(module, self.recorder, k, parameter_probes=False)
         if zero_sharded(self.plan.zero, self._dp.size):
             self._make_zero(runner.parameters(), runner.stage_parameters())
-            if self.zero.stage == 2:
-                runner.weights_done = self.zero.stage_done
-            if self.zero.stage == 3:  # this rank's stages (and the loss) gather
-                for _, module in runner.held_modules():
-                    self.train_units += self.zero.rewrite(module)
-                runner.saving = self.zero.saving
-                self.zero.overlap = False
+            self.train_units += self.zero.wire_pipeline(runner)
         for _, module in runner.held_modules():
             self.recompute.apply(module)
         runner.saving = _stacked(self.recorder.saving, runner.saving)
         compile_graphs(self.regions, [module for _, module in runner.held_modules()])
-        if self.held_optimizer is not None:  # load() before the stages existed
+        if self._held_optimizer is not None:  # load() before the stages existed
             from autopar.runtime.checkpoint import adopt_held_optimizer
 
-            adopt_held_optimizer(self)
+            adopt_held_optimizer(self, self.take_held_optimizer())
 
     def _make_zero(self, params, stages=None, pieces=None) -> None:
         """ZeRO: the optimizer runs on this rank's 1/dp of every parameter (`stages`: each
         pipeline stage's parameters, for stage 2's per-micro-batch reduction; `pieces`:
         ZeRO-3's pieces a start made, adopted as they are)."""
-        self.zero = self.grads.zero = make_zero(self.plan.zero, params, self._zero_dp,
-                                                self._optimizer_factory, self.compute_dtype,
-                                                stages, experts=self.grads, pieces=pieces,
-                                                float8=self.float8 is not None)
-        if self.zero.stage == 3:  # the graphs gather each layer's parameters
-            self.zero.rewrite(self.forward_gm)
+        self.grads.zero = make_zero(self.plan.zero, params, self._zero_dp,
+                                    self._optimizer_factory, self.compute_dtype, stages,
+                                    experts=self.grads, pieces=pieces,
+                                    float8=self.float8 is not None)
+        self.zero.rewrite(self.forward_gm)  # (ZeRO-3: each layer's gathers)
         self.optimizer = self.grads.with_norms(self.zero.optimizer)
 
     def fetch_pipeline_weights(self) -> None:
@@ -339,7 +331,7 @@ class Engine(nn.Module):
         for layer in self.expert_layers():
             layer.reset_load()
         out = self.forward_gm(*self.batches.tokens(inputs, self.forward_graph))
-        if self.zero is not None and self.zero.stage == 3:
+        if self.zero is not None:
             self.zero.drain()
         return out
 
@@ -359,7 +351,39 @@ class Engine(nn.Module):
         graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
         return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 
-    # ------------------------------------------------------------------ accounting, state
+    # ------------------------------------------------------------------ state, one owner each
+    @property
+    def zero(self) -> ZeroState | None:
+        """ZeRO state over dp (runtime.zero_state's interface), owned by `self.grads`."""
+        return self.grads.zero
+
+    @property
+    def pipeline(self):
+        """This rank's PipelineRunner once the training graph is built (pp > 1), owned by
+        `self.grads`."""
+        return self.grads.pipeline
+
+    @property
+    def held_optimizer(self):
+        """Optimizer state a load read before this pipeline rank's stages existed."""
+        return self._held_optimizer
+
+    def hold_optimizer(self, held) -> None:
+        """Keep loaded optimizer state until the stages and their optimizer exist."""
+        self._held_optimizer = held
+
+    def take_held_optimizer(self):
+        """The held optimizer state, no longer held (None: none)."""
+        held, self._held_optimizer = self._held_optimizer, None
+        return held
+
+    def restore_progress(self, steps: int, scaler_state: dict | None) -> None:
+        """A checkpoint's step count and fp16 loss scaler state (None: it saved none)."""
+        self.steps = steps
+        if self.scaler is not None and scaler_state is not None:
+            self.scaler.load_state_dict(scaler_state)
+
+    # ------------------------------------------------------------------ accounting
     def predicted_comm(self, global_batch: int) -> dict[tuple[str, str], int]:
         """Bytes per (collective, axis) of one train_step at this global batch, from the plan."""
         return accounting.predicted_comm(self, global_batch)
@@ -447,7 +471,7 @@ class Engine(nn.Module):
 def _accumulate(engine: Engine, inputs: tuple, target: torch.Tensor) -> torch.Tensor:
     """Engine._forward_backward without a pipeline: the replica's batch in the plan's
     micro-batches (one pass when 1), returning the loss over the whole batch."""
-    zero3 = engine.zero is not None and engine.zero.stage == 3
+    zero = engine.zero
     m = engine.microbatches
     # gradient accumulation: each micro-batch's forward and backward in turn (its
     # activations freed before the next), the gradients summed in .grad (ZeRO-2/3: in
@@ -458,7 +482,7 @@ def _accumulate(engine: Engine, inputs: tuple, target: torch.Tensor) -> torch.Te
     for i, (*xs, y) in enumerate(parts):
         # (ZeRO-3: saved parameters are gathered again in the backward)
         with engine.recorder.saving(), \
-                engine.zero.saving() if zero3 else contextlib.nullcontext():
+                zero.saving() if zero is not None else contextlib.nullcontext():
             loss = engine.train_gm(*xs, y)
         last = i == m - 1
         if engine.grads.buckets is not None and last:  # the all-reduce overlaps the
@@ -468,11 +492,11 @@ def _accumulate(engine: Engine, inputs: tuple, target: torch.Tensor) -> torch.Te
         engine.recorder.backward_done()
         if m > 1:
             engine.recorder.next_microbatch()
-            if not last and engine.zero is not None and engine.zero.stage == 2:
-                engine.zero.reduce_gradients()  # this micro-batch's pieces, landed
+            if not last and zero is not None:
+                zero.microbatch_done()  # (ZeRO-2: this micro-batch's pieces, landed)
         total = loss.detach() if total is None else total + loss.detach()
-    if zero3:
-        engine.zero.end_backward()
+    if zero is not None:
+        zero.end_backward()
     return total / m if m > 1 else total
 
 

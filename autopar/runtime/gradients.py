@@ -10,15 +10,24 @@ from autopar.kernels.collectives import AxisGroup, CommLog, world_group
 from autopar.runtime.buckets import average_gradients
 from autopar.runtime.hsdp import ShardGroup
 from autopar.runtime.params import ShardedParams
-from autopar.runtime.zero import ShardedOptimizerState
+from autopar.runtime.zero import ZeroOne, ZeroTwo
 from autopar.runtime.zero3 import ZeroThree
 from autopar.runtime.zero_experts import expert_zero
+from autopar.runtime.zero_state import ZeroState
+
+# the one place a plan's ZeRO stage number becomes the family that runs it
+ZERO_FAMILIES: dict[int, type[ZeroState]] = {1: ZeroOne, 2: ZeroTwo, 3: ZeroThree}
+
+
+def zero_family(plan_zero) -> type[ZeroState] | None:
+    """The ZeRO family a plan's `zero` asks for (None: no ZeRO)."""
+    return ZERO_FAMILIES.get(plan_zero.stage)
 
 
 def zero_sharded(plan_zero, dp_size: int) -> bool:
     """Whether the optimizer runs on ZeRO's pieces: over two or more dp ranks, or
     offloaded (one rank's piece is then the whole parameter, on the host)."""
-    return plan_zero.stage >= 1 and (dp_size > 1 or plan_zero.offload)
+    return zero_family(plan_zero) is not None and (dp_size > 1 or plan_zero.offload)
 
 
 def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=None,
@@ -28,25 +37,28 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
     Gradients whose expert weights are cut over their expert-data group instead. `pieces`:
     ZeRO-3's pieces a start made already (id(parameter) -> piece), adopted as they are.
     `float8`: ZeRO-3 gathers float8 linears' weights in e4m3 (precision="fp8")."""
+    family = zero_family(plan_zero)
     if experts is not None and experts.edp is not None:
-        return expert_zero(plan_zero, params, dp, experts.edp, experts.expert_divisor,
+        return expert_zero(family, plan_zero, params, dp, experts.edp, experts.expert_divisor,
                            experts.params.is_expert, factory, compute_dtype, stages, pieces)
     # under HSDP `dp` is a runtime.hsdp.ShardGroup: the sum it reduces spans its replicas
     divisor = dp.divisor if isinstance(dp, ShardGroup) else 1
-    if plan_zero.stage == 3:
+    if family is ZeroThree:
         return ZeroThree(list(params), dp, factory, plan_zero.offload, compute_dtype,
                          pieces=pieces, divisor=divisor, float8=float8)
-    return ShardedOptimizerState(list(params), dp, factory, plan_zero.stage,
-                                 offload=plan_zero.offload, stages=stages, divisor=divisor)
+    extra = {"stages": stages} if family.reduces_in_backward else {}
+    return family(list(params), dp, factory, offload=plan_zero.offload, divisor=divisor,
+                  **extra)
 
 
 class Gradients:
-    """The gradient path of one engine; `zero`, `pipeline` and `buckets` are set as the
-    engine builds them (ZeRO state, a PipelineRunner, plain dp's GradientBuckets)."""
+    """The gradient path of one engine, and the owner of its ZeRO state (`zero`, a
+    runtime.zero_state.ZeroState) and pipeline runner (`pipeline`), which the engine reads
+    from here; `buckets`: plain dp's GradientBuckets."""
 
     def __init__(self, params: ShardedParams, dp: AxisGroup, log: CommLog):
         self.params, self.dp, self.log = params, dp, log
-        self.zero = None
+        self.zero: ZeroState | None = None
         self.pipeline = None
         self.buckets = None
         self.edp: AxisGroup | None = None  # with an ep axis: the expert-data group ...
@@ -77,8 +89,8 @@ class Gradients:
         """(gradient, its local parameter) for every gradient this rank's optimizer steps
         on: ZeRO pieces, or its (stages') whole local parameters."""
         if self.zero is not None:
-            return [(s.grad, p) for s, p in zip(self.zero.shards, self.zero.params)
-                    if s.grad is not None]
+            owners = self.zero.owners()
+            return [(s.grad, owners[id(s)]) for s in self.zero.shards if s.grad is not None]
         return [(p.grad, p) for p in self.trained() if p.grad is not None]
 
     def average(self) -> None:
@@ -108,7 +120,7 @@ class Gradients:
             optimizer.zero_grad(set_to_none=True)
         for p in self.trained():
             p.grad = None
-        for piece in getattr(self.zero, "shards", ()):
+        for piece in self.zero.shards if self.zero is not None else ():
             piece.grad = None
 
     def step(self, optimizer, scaler, max_norm: float | None,
@@ -196,8 +208,7 @@ class Gradients:
     def whole_norms(self, params, tensors) -> list[torch.Tensor]:
         """For each optimizer parameter (a slice or a ZeRO piece of one), the norm of the
         whole tensor `tensors[i]` is this rank's piece of (autopar.optim's LAMB and LARS)."""
-        owner = {id(s): p for s, p in zip(self.zero.shards, self.zero.params)} \
-            if self.zero is not None else {}
+        owner = self.zero.owners() if self.zero is not None else {}
         index = self.params.norm_index
         slots = []
         vec = torch.zeros(len(index), dtype=torch.float64)

@@ -3,6 +3,7 @@ each slice with its names in the original model and its layout on the tensor axe
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -201,8 +202,8 @@ class ShardedParams:
         out = {}
         for names, local, layout in self.entries():
             parts = layout.parts(self.mesh.sizes) if layout is not None else 1
-            i = zero.index_of(local) if _pieces_only(zero) else None
-            numel = local.numel() if i is None else zero.numels[i]  # (ZeRO-3: whole)
+            shape = zero.local_shape(local) if zero is not None else None  # (ZeRO-3)
+            numel = local.numel() if shape is None else math.prod(shape)
             nbytes = numel * local.element_size()
             if self.ep is not None and names[0] in self.experts:
                 parts *= self.ep.size
@@ -228,7 +229,7 @@ class ShardedParams:
         keep = set(self.state_keys)
         for names, local, layout in self.entries():
             value = local.detach()
-            if _pieces_only(zero) and zero.index_of(local) is not None:
+            if _keeps_only_piece(zero, local):
                 value = zero.whole(local)
             if layout is not None:
                 for shard in layout.shards:  # composites: minor component first
@@ -242,6 +243,6 @@ class ShardedParams:
         yield from self.untraced.items()
 
 
-def _pieces_only(zero) -> bool:
-    """ZeRO-3: the pieces are all a rank keeps of each parameter."""
-    return zero is not None and zero.stage == 3
+def _keeps_only_piece(zero, local) -> bool:
+    """Whether ZeRO keeps only this rank's piece of `local` (ZeRO-3)."""
+    return zero is not None and zero.keeps_only_piece(local)

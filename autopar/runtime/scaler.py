@@ -47,3 +47,13 @@ class LossScaler:
         if self.good_steps >= self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps so a resumed run goes on at the same scale."""
+        return {"scale": self.scale, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -73,9 +73,8 @@ def pipeline_step(runner, weights, zero, inputs: tuple, target, loss_scale: floa
         # between live blocks, through the optimizer step: given back (0.2 ms a step with
         # the threshold at 128 KiB, where little is left to give; 2.5-7 ms at 1 MiB)
         trim()
-    if zero is not None and zero.stage >= 2:
+    if zero is not None:  # (ZeRO-2/3: the pieces summed the micro-batches' gradients)
         zero.after_pipeline(runner.microbatches, runner.tied())
-    if zero is not None and zero.stage == 3:
         zero.end_backward()
     weights.release()
     return loss
@@ -105,7 +104,7 @@ class PipelineWeights:
             held = self.released.pop(target, None)
             if held is not None:  # made again, to be filled by its owner
                 local.data = torch.empty(held[0], dtype=held[1], device=local.device)
-            if zero is not None and zero.stage == 3 and zero.index_of(local) is not None:
+            if zero is not None and zero.keeps_only_piece(local):
                 # ZeRO-3 keeps pieces: made whole to send, and for the other stages' graphs
                 # this rank runs to find their shapes, until the next step
                 local.data = zero.whole(local)

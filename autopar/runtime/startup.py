@@ -14,7 +14,7 @@ from autopar.errors import AutoparError, WeightsError
 from autopar.passes.tensor_parallel import local_slice
 from autopar.runtime.agree import agree_with_rank_zero, process_rank
 from autopar.runtime.export import MAX_SHARD_BYTES, SafetensorsWriter
-from autopar.runtime.gradients import zero_sharded
+from autopar.runtime.gradients import zero_family, zero_sharded
 from autopar.runtime.host_memory import give_back_large_frees, trim
 from autopar.runtime.materialize import iter_initial_values
 from autopar.runtime.regions import expert_runs, slice_runs
@@ -168,7 +168,8 @@ class Startup:
     def expect_zero(self, plan_zero, dp, pp_size: int, edp=None) -> None:
         """ZeRO-3 made at the engine's start (no pipeline): keep only this rank's pieces,
         of stacked expert weights over `edp` (the expert-data group, under an ep axis)."""
-        if plan_zero.stage == 3 and zero_sharded(plan_zero, dp.size) and pp_size == 1:
+        if zero_sharded(plan_zero, dp.size) and zero_family(plan_zero).pieces_only \
+                and pp_size == 1:
             self.pieces_of = (dp.size, dp.rank)
             if edp is not None:
                 self.expert_pieces_of = (edp.size, edp.rank)

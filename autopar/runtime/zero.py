@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2 over dp (Rajbhandari et al. 2019, §5.1-5.2): each rank steps its 1/dp
 piece of every parameter (a reduce-scatter of the gradients, an all-gather of the pieces;
-stage 2 reduce-scatters in buckets during the backward), optionally on the host
-(ZeRO-Offload, Ren et al. 2021, §4)."""
+`ZeroTwo` reduce-scatters in buckets during the backward), optionally on the host
+(ZeRO-Offload, Ren et al. 2021, §4). Both behind runtime.zero_state's interface."""
 
 from __future__ import annotations
 
@@ -9,16 +9,20 @@ import torch
 from torch import nn
 
 from autopar.kernels.collectives import AxisGroup, Pending
+from autopar.runtime.zero_state import ZeroState
 
-BUCKET_BYTES = 4 << 20  # stage 2: gradients reduce-scattered together (padded bytes)
+BUCKET_BYTES = 4 << 20  # ZeRO-2: gradients reduce-scattered together (padded bytes)
 
 
-class ShardedOptimizerState:
-    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory, stage: int = 1,
-                 bucket_bytes: int | None = None, offload: bool = False,
-                 stages: list[list[nn.Parameter]] | None = None, divisor: float = 1):
+class ZeroOne(ZeroState):
+    """ZeRO-1: whole gradients through the backward, reduce-scattered at the step."""
+
+    stage = 1
+
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
+                 offload: bool = False, divisor: float = 1):
         self.params = [p for p in params if p.requires_grad]
-        self.dp, self.stage = dp, stage
+        self.dp = dp
         self.divisor = divisor  # the mean is the sum over dp / (dp.size * divisor)
         self.numels = [p.numel() for p in self.params]
         self.chunks = [-(-n // dp.size) for n in self.numels]
@@ -33,11 +37,79 @@ class ShardedOptimizerState:
         if offload:  # the optimizer's pieces: copies on the host
             self.shards = [nn.Parameter(host_copy(s.detach())) for s in self.shards]
         self.optimizer = factory(self.shards) if factory is not None else None
+        self.buckets: list[list[int]] = []  # ZeRO-2: parameter indices, reduced together
+
+    def padded_bytes(self) -> int:
+        """Bytes of one step's reduce-scatter inputs (and of its all-gather output)."""
+        if not self.params:
+            return 0
+        return self.dp.size * self.total * self.params[0].element_size()
+
+    def traffic(self, runs: int, units=()) -> tuple[int, int, int]:
+        """One reduce-scatter and one all-gather of the padded pieces a step."""
+        return self.padded_bytes(), self.padded_bytes(), 0
+
+    def _to_shard(self, piece: torch.Tensor) -> torch.Tensor:
+        """A gradient piece where its shard lives (down to the host under offload)."""
+        return host_copy(piece) if self.offload else piece
+
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over dp into each rank's pieces (the mean, as DDP gives), and
+        free the whole gradients."""
+        if not self.params:
+            return
+        p0 = self.params[0]
+        buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p, k in zip(self.params, self.chunks):
+            if p.grad is not None:
+                write_padded(buf[:, offset:offset + k], p.grad)
+                p.grad = None
+            offset += k
+        # (one data-parallel rank: offload alone, no collective)
+        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward") \
+            if self.dp.size > 1 else buf.reshape(-1)
+        mine /= self.dp.size * self.divisor
+        offset = 0
+        for shard, k, length in zip(self.shards, self.chunks, self.lengths):
+            shard.grad = self._to_shard(mine[offset:offset + length])
+            offset += k
+
+    def gather_parameters(self) -> None:
+        """Every rank gets every rank's updated pieces, written into the whole parameters."""
+        if not self.params:
+            return
+        p0 = self.params[0]
+        local = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for shard, k, length in zip(self.shards, self.chunks, self.lengths):
+            local[offset:offset + length] = shard.detach()  # (up from the host: offload)
+            offset += k
+        full = (self.dp.all_gather(local, 0, 1, "step") if self.dp.size > 1 else local).view(
+            self.dp.size, self.total)
+        offset = 0
+        with torch.no_grad():
+            for p, n, k in zip(self.params, self.numels, self.chunks):
+                p.copy_(full[:, offset:offset + k].reshape(-1)[:n].view_as(p))
+                offset += k
+        for shard in self.shards:
+            shard.grad = None
+
+
+class ZeroTwo(ZeroOne):
+    """ZeRO-2: gradients reduce-scattered in buckets as the backward makes them (under a
+    pipeline, per stage and micro-batch; under accumulation, per micro-batch)."""
+
+    stage = 2
+    reduces_in_backward = True
+
+    def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
+                 offload: bool = False, divisor: float = 1, bucket_bytes: int | None = None,
+                 stages: list[list[nn.Parameter]] | None = None):
+        super().__init__(params, dp, factory, offload=offload, divisor=divisor)
         self._hooks = []
-        self._reducing: list[tuple] = []  # stage 2: buckets in flight
-        self.buckets: list[list[int]] = []  # stage 2: parameter indices, reduced together
-        if stage >= 2:
-            self._make_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes, stages)
+        self._reducing: list[tuple] = []  # buckets in flight
+        self._make_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes, stages)
 
     def _make_buckets(self, bucket_bytes: int, stages) -> None:
         """Buckets of consecutive parameters (last first) up to `bucket_bytes`, each sent
@@ -84,16 +156,29 @@ class ShardedOptimizerState:
             self._reduce_bucket(b)
 
     def stage_done(self, j: int) -> None:
-        """Stage 2 under a pipeline: this rank's j-th stage has finished one micro-batch's
-        weight gradients; send its buckets that are now complete."""
+        """Under a pipeline: this rank's j-th stage has finished one micro-batch's weight
+        gradients; send its buckets that are now complete."""
         for b in self._stage_buckets[j]:
             self._count(b)
 
+    def wire_pipeline(self, runner) -> list[int]:
+        """The runner says when a stage's weight gradients are made (`stage_done`)."""
+        runner.weights_done = self.stage_done
+        return []
+
+    def microbatch_done(self) -> None:
+        """This micro-batch's pieces, landed (the next backward adds to them)."""
+        self.reduce_gradients()
+
     def after_pipeline(self, microbatches: int, tied) -> None:
-        """Stage 2 under a pipeline: the pieces hold the sum of the micro-batches'
-        gradients (each reduce-scattered as its backward made them)."""
+        """Under a pipeline: the pieces hold the sum of the micro-batches' gradients (each
+        reduce-scattered as its backward made them)."""
         self._land_reduced()
         pieces_after_pipeline(self, microbatches, tied)
+
+    def traffic(self, runs: int, units=()) -> tuple[int, int, int]:
+        """A reduce-scatter per micro-batch, one all-gather a step."""
+        return runs * self.padded_bytes(), self.padded_bytes(), 0
 
     def _reduce_bucket(self, b: int) -> None:
         """Keep only this rank's piece of the mean over dp of each gradient of bucket b
@@ -129,63 +214,15 @@ class ShardedOptimizerState:
                 col += self.chunks[i]
         self._reducing.clear()
 
-    def _to_shard(self, piece: torch.Tensor) -> torch.Tensor:
-        """A gradient piece where its shard lives (down to the host under offload)."""
-        return host_copy(piece) if self.offload else piece
-
-    def padded_bytes(self) -> int:
-        """Bytes of one step's reduce-scatter inputs (and of its all-gather output)."""
-        if not self.params:
-            return 0
-        return self.dp.size * self.total * self.params[0].element_size()
-
     def reduce_gradients(self) -> None:
-        """Sum the gradients over dp into each rank's pieces (the mean, as DDP gives), and
-        free the whole gradients (stage 2 did this during the backward)."""
+        """Land the buckets in flight, sending first those some of whose parameters got no
+        gradient this time; the whole gradients were freed during the backward."""
         if not self.params:
             return
-        if self.stage >= 2:  # buckets some of whose parameters got no gradient this time
-            for b, done in enumerate(self._done):
-                if done:
-                    self._reduce_bucket(b)
-            self._land_reduced()
-            return
-        p0 = self.params[0]
-        buf = torch.zeros(self.dp.size, self.total, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p, k in zip(self.params, self.chunks):
-            if p.grad is not None:
-                write_padded(buf[:, offset:offset + k], p.grad)
-                p.grad = None
-            offset += k
-        # (one data-parallel rank: offload alone, no collective)
-        mine = self.dp.reduce_scatter(buf.reshape(-1), 0, 1, "backward") \
-            if self.dp.size > 1 else buf.reshape(-1)
-        mine /= self.dp.size * self.divisor
-        offset = 0
-        for shard, k, length in zip(self.shards, self.chunks, self.lengths):
-            shard.grad = self._to_shard(mine[offset:offset + length])
-            offset += k
-
-    def gather_parameters(self) -> None:
-        """Every rank gets every rank's updated pieces, written into the whole parameters."""
-        if not self.params:
-            return
-        p0 = self.params[0]
-        local = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for shard, k, length in zip(self.shards, self.chunks, self.lengths):
-            local[offset:offset + length] = shard.detach()  # (up from the host: offload)
-            offset += k
-        full = (self.dp.all_gather(local, 0, 1, "step") if self.dp.size > 1 else local).view(
-            self.dp.size, self.total)
-        offset = 0
-        with torch.no_grad():
-            for p, n, k in zip(self.params, self.numels, self.chunks):
-                p.copy_(full[:, offset:offset + k].reshape(-1)[:n].view_as(p))
-                offset += k
-        for shard in self.shards:
-            shard.grad = None
+        for b, done in enumerate(self._done):
+            if done:
+                self._reduce_bucket(b)
+        self._land_reduced()
 
 
 def write_padded(dst: torch.Tensor, grad: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from autopar.kernels.collectives import AxisGroup, Pending
 from autopar.kernels.float8 import E4M3, Float8Linear, quantize, scale_for
 from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
+from autopar.runtime.zero_state import ZeroState
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
 REDUCES_IN_FLIGHT = 1
@@ -38,10 +39,11 @@ class _Unit:
         self.float8 = float8 if float8 is not None and any(float8) else None
 
 
-class ZeroThree:
+class ZeroThree(ZeroState):
     """The pieces, the layer units, the gathers and the gradient reduce-scatters."""
 
     stage = 3
+    pieces_only = reduces_in_backward = True
 
     def __init__(self, params: list[nn.Parameter], dp: AxisGroup, factory,
                  offload: bool = False, compute_dtype: torch.dtype | None = None,
@@ -103,6 +105,17 @@ class ZeroThree:
     # ------------------------------------------------------------------ graph rewrite
     def index_of(self, param) -> int | None:
         return self._index.get(id(param))
+
+    def local_shape(self, param) -> tuple[int, ...] | None:
+        i = self.index_of(param)
+        return None if i is None else tuple(self.shapes[i])
+
+    def wire_pipeline(self, runner) -> list[int]:
+        """This rank's stages (and the loss) gather; gradients land per micro-batch."""
+        units = [u for _, module in runner.held_modules() for u in self.rewrite(module)]
+        runner.saving = self.saving
+        self.overlap = False
+        return units
 
     def _unit(self, layer: str, members: list[int], float8: list[bool] | None = None) -> int:
         key = f"{layer}|{','.join(map(str, members))}"
@@ -386,9 +399,6 @@ class ZeroThree:
         return self._backward_order
 
     # ------------------------------------------------------------------ engine interface
-    def padded_bytes(self) -> int:
-        return self.dp.size * self.total * self.params[0].element_size() if self.params else 0
-
     def unit_bytes(self, u: int) -> int:
         """Bytes of unit u's gradient reduce-scatter (the masters' dtype)."""
         return self.dp.size * self.units[u].chunk * self.params[0].element_size()
@@ -397,8 +407,18 @@ class ZeroThree:
         """Bytes of one all-gather of unit u (the compute dtype; fp8 weights: 1 a value)."""
         return self.dp.size * self._unit_piece_bytes(u)
 
+    def traffic(self, runs: int, units=()) -> tuple[int, int, int]:
+        """`units` gathered per forward and where a backward needs them, reduce-scattered
+        per micro-batch; fp8: the weights' amaxes all-reduced before each gather."""
+        again = self.backward_gathers or ()
+        return (runs * sum(self.unit_bytes(u) for u in units),
+                runs * sum(self.gather_bytes(u) for u in units) +
+                sum(self.gather_bytes(u) for u in again),
+                runs * sum(self.amax_bytes(u) for u in units) +
+                sum(self.amax_bytes(u) for u in again))
+
     def reduce_gradients(self) -> None:
-        """Stage 3 reduce-scatters each layer's gradients in its backward."""
+        """Each layer's gradients are reduce-scattered in its backward."""
 
     def after_pipeline(self, microbatches: int, tied) -> None:
         """Under a pipeline: the pieces hold the sum of the micro-batches' gradients."""

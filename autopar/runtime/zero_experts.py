@@ -12,46 +12,64 @@ from __future__ import annotations
 
 import contextlib
 
-from autopar.runtime.zero import ShardedOptimizerState
 from autopar.runtime.zero3 import ZeroThree
+from autopar.runtime.zero_state import ZeroState
 
 
-def expert_zero(plan_zero, params, dp, edp, divisor: float, is_expert, factory,
+def expert_zero(family, plan_zero, params, dp, edp, divisor: float, is_expert, factory,
                 compute_dtype, stages=None, pieces=None):
-    """The ZeRO state of a plan's stage with the experts (`is_expert`) cut over `edp`, their
-    sums divided by edp x `divisor` (= dp; `Gradients.expert_divisor`) (`stages`: under a
-    pipeline, each of this rank's stages' parameters, for stage 2; `pieces`: ZeRO-3's
-    pieces a start made, each part adopting its own)."""
+    """The ZeRO state of a plan's stage `family` (runtime.gradients.zero_family) with the
+    experts (`is_expert`) cut over `edp`, their sums divided by edp x `divisor` (= dp;
+    `Gradients.expert_divisor`) (`stages`: under a pipeline, each of this rank's stages'
+    parameters, for ZeRO-2; `pieces`: ZeRO-3's pieces a start made, each part adopting its
+    own)."""
     params = list(params)
     hybrid = getattr(dp, "divisor", 1)  # HSDP: the rest's sums span the dp_replicate replicas
     rest = [p for p in params if not is_expert(p)]
     experts = [p for p in params if is_expert(p)]
-    if plan_zero.stage == 3:
+    if issubclass(family, ZeroThree):
         return ExpertDataZeroThree(
             ZeroThree(rest, dp, None, plan_zero.offload, compute_dtype, pieces=pieces,
                       divisor=hybrid),
             ZeroThree(experts, edp, None, plan_zero.offload, compute_dtype, divisor=divisor,
                       prefix="zero3_experts_gather", pieces=pieces), factory)
+    extra = {"stages": stages} if family.reduces_in_backward else {}
     return ExpertDataZero(
-        ShardedOptimizerState(rest, dp, None, plan_zero.stage, offload=plan_zero.offload,
-                              stages=stages, divisor=hybrid),
-        ShardedOptimizerState(experts, edp, None, plan_zero.stage, offload=plan_zero.offload,
-                              stages=stages, divisor=divisor), factory)
+        family(rest, dp, None, offload=plan_zero.offload, divisor=hybrid, **extra),
+        family(experts, edp, None, offload=plan_zero.offload, divisor=divisor, **extra),
+        factory)
 
 
-class ExpertDataZero:
+class ExpertDataZero(ZeroState):
     """ZeRO-1/2: the dp part and the edp (experts) part, one optimizer."""
 
     def __init__(self, data, experts, factory):
-        self.parts = (data, experts)
+        self._parts = (data, experts)
         self.stage, self.offload, self.dp = data.stage, data.offload, data.dp
+        self.pieces_only, self.reduces_in_backward = data.pieces_only, data.reduces_in_backward
         self.params = data.params + experts.params
         self.shards = data.shards + experts.shards
         self.optimizer = factory(self.shards) if factory is not None else None
 
-    def padded_bytes(self) -> int:
-        """The dp pieces' bytes (the experts' travel on the edp axis)."""
-        return self.parts[0].padded_bytes()
+    @property
+    def parts(self) -> tuple[ZeroState, ZeroState]:
+        return self._parts
+
+    def local_shape(self, param) -> tuple[int, ...] | None:
+        return next((s for s in (part.local_shape(param) for part in self.parts)
+                     if s is not None), None)
+
+    def traffic(self, runs: int, units=()) -> tuple[int, int, int]:
+        """The dp part's bytes (the experts' travel on the edp axis: `expert_traffic`)."""
+        return self.parts[0].traffic(runs, units)
+
+    def expert_units(self, graphs) -> list[int]:
+        return []
+
+    def expert_traffic(self, runs: int, graphs) -> tuple[int, int, int]:
+        """The experts' bytes on the edp axis, as `traffic` (`graphs`: those this rank's
+        step runs, for ZeRO-3's gathers)."""
+        return self.parts[1].traffic(runs, self.expert_units(graphs))
 
     def reduce_gradients(self) -> None:
         for part in self.parts:
@@ -61,11 +79,20 @@ class ExpertDataZero:
         for part in self.parts:
             part.gather_parameters()
 
+    def microbatch_done(self) -> None:
+        for part in self.parts:
+            part.microbatch_done()
+
     def stage_done(self, j: int) -> None:
-        """Stage 2 under a pipeline: this rank's j-th stage made one micro-batch's weight
+        """ZeRO-2 under a pipeline: this rank's j-th stage made one micro-batch's weight
         gradients; each part sends its buckets of that stage now complete."""
         for part in self.parts:
             part.stage_done(j)
+
+    def wire_pipeline(self, runner) -> list[int]:
+        if self.reduces_in_backward:
+            runner.weights_done = self.stage_done
+        return []
 
     def after_pipeline(self, microbatches: int, tied) -> None:
         """Under a pipeline: each part's pieces, the sums over the micro-batches, become
@@ -75,8 +102,10 @@ class ExpertDataZero:
 
 
 class ExpertDataZeroThree(ExpertDataZero):
-    """ZeRO-3: each part gathers its own parameters in the graphs, layer by layer. The
-    byte counts the accounting reads (units, gathers) are the dp part's."""
+    """ZeRO-3: each part gathers its own parameters in the graphs, layer by layer (the
+    units `rewrite` returns are the dp part's; `expert_units` the experts')."""
+
+    wire_pipeline = ZeroThree.wire_pipeline  # (with this pair's rewrite and saving)
 
     def __init__(self, data: ZeroThree, experts: ZeroThree, factory):
         super().__init__(data, experts, factory)
@@ -111,19 +140,6 @@ class ExpertDataZeroThree(ExpertDataZero):
         """The experts' units `graphs` gather (the training graph, or a pipeline rank's
         stages and loss), in order."""
         return [u for gm in graphs for u in self._expert_units.get(id(gm), ())]
-
-    def unit_bytes(self, u: int) -> int:
-        return self.parts[0].unit_bytes(u)
-
-    def gather_bytes(self, u: int) -> int:
-        return self.parts[0].gather_bytes(u)
-
-    def amax_bytes(self, u: int) -> int:
-        return self.parts[0].amax_bytes(u)
-
-    @property
-    def backward_gathers(self):
-        return self.parts[0].backward_gathers
 
     @contextlib.contextmanager
     def saving(self):

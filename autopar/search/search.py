@@ -28,7 +28,6 @@ from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
     USABLE_MEMORY,
-    buffer_bytes,
     crossing_transfer,
     expert_split,
     grad_placement,
@@ -37,8 +36,8 @@ from autopar.cost.step import (
     memory_by_kind,
     optimizer_step_dev,
     pipeline_time,
+    stage_memory,
     stage_transfer,
-    state_factors,
     step_parts,
     step_temps_dev,
     sync_bytes,
@@ -409,12 +408,10 @@ class Search:
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh[PP]
-        replicas = zero_ranks(leaf.mesh, shard)
-        per_param = sum(state_factors(self.precision, replicas, zero, offload))
-        in_flight = self._in_flight(leaf.schedule, pp, 1, leaf.m)
-        weights = prep.params[None, :] * per_param + in_flight[:, None] * prep.acts[None, :]
-        buffers = buffer_bytes(prep.biggest, replicas, zero)
-        capacity = np.full(pp, self.capacity - buffers)
+        weights, capacity = stage_memory(
+            prep.params, prep.acts, self._in_flight(leaf.schedule, pp, 1, leaf.m),
+            prep.biggest, self.capacity, self.precision, zero_ranks(leaf.mesh, shard), zero,
+            offload)
         return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,

@@ -14,6 +14,7 @@ from autopar.cost.model import LayerState, TensorMode, tensor_modes
 from autopar.cost.schedule import check_microbatches
 from autopar.errors import PlanError
 from autopar.modes import (
+    AXES,
     BF16,
     CP,
     DP,
@@ -282,7 +283,7 @@ class Space:
 
         meshes = factorisations(world, self.c, self.n_blocks or 1, seq_ok)
         if caps is not None:
-            meshes = [m for m in meshes if all(m[a] == 1 for a in (PP, CP) if a not in caps.axes)
+            meshes = [m for m in meshes if all(m[a] == 1 for a in AXES if a not in caps.axes)
                       and (caps.cp_with_tp or m[CP] == 1 or m[TP] == 1)]
         return meshes
 

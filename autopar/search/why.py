@@ -10,16 +10,12 @@ from autopar.cost.step import USABLE_MEMORY, host_capacity
 from autopar.modes import (
     CP,
     DP,
-    GRID_MODES,
-    MEGATRON_SP,
     PP,
-    RECOMPUTE,
     TP,
     TP_1D,
-    TP_MODES,
-    ZERO_STAGES,
     Capabilities,
 )
+from autopar.plans.capabilities import lacking
 from autopar.search.space import divisors
 
 
@@ -148,42 +144,9 @@ def no_leaf(space, meshes, global_batch: int) -> str:
 
 
 def not_executable(caps: Capabilities) -> list[str]:
-    """What a runtime of these capabilities cannot execute yet, in words."""
-    out = []
-    if CP not in caps.axes:
-        out.append("sequence parallelism over a cp axis (Ulysses, ring)")
-    elif not caps.cp_with_tp:
-        out.append("a cp axis combined with tensor parallelism")
-    else:
-        beside = [m.upper() for m in TP_MODES if m not in caps.cp_with_tp]
-        if beside or not caps.cp_with_megatron_sp:
-            out.append("a cp axis combined with " + " or ".join(
-                ([f"{'/'.join(beside)} tensor parallelism"] if beside else [])
-                + ([] if caps.cp_with_megatron_sp else ["Megatron-SP"])))
-    modes = [m for m in GRID_MODES if m not in caps.tp_modes]
-    if modes:
-        out.append("/".join(modes) + " tensor parallelism")
-    if MEGATRON_SP not in caps.sequence_parallel:
-        out.append("Megatron sequence parallelism")
-    rc = [r for r in RECOMPUTE[1:] if r not in caps.recompute]
-    if rc:
-        out.append("/".join(rc) + " recomputation")
-    zero = [z for z in ZERO_STAGES[1:] if z not in caps.zero]
-    if zero:
-        out.append("ZeRO stage " + "/".join(map(str, zero)))
-    with_pp = [z for z in caps.zero if z and z not in caps.zero_with_pp]
-    if with_pp:
-        out.append("ZeRO stage " + "/".join(map(str, with_pp)) + " together with a pipeline")
-    if not caps.offload:
-        out.append("optimizer offload")
-    if not caps.accumulation:
-        out.append("gradient accumulation over micro-batches when pp is 1 (a replica's batch "
-                   "runs in one pass)")
-    out = [w + ": the runtime cannot execute it yet" for w in out]
-    if PP not in caps.axes:
-        out.insert(0, "pipeline parallelism (pp > 1): runs from a plan that names it "
-                      "(pipeline=dict(size=...)); this search does not choose it yet")
-    return out
+    """What a runtime of these capabilities cannot execute yet, in the capability table's
+    words (autopar.plans.capabilities, which Plan.unsupported says too)."""
+    return [f"{words}: the runtime cannot execute it yet" for _, words in lacking(caps)]
 
 
 def nothing_fits(result, world) -> str:
