@@ -509,10 +509,8 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
     gemms, attention = [], []
     traffic = sympy.Integer(0)
     boundary = sympy.Integer(0)
-    inputs = sympy.Integer(0)
     param_bytes = params = kernels = 0
     dtype_bytes = 0
-    seen_inputs = set()
     grouped = []
     moe = None
     for node in layer.nodes:
@@ -542,12 +540,8 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
             traffic = traffic + _traffic(node)
         if any(owner.get(u, layer.name) != layer.name for u in node.users) and info.shape:
             boundary = boundary + _nbytes(info.shape, info.dtype)
-        for a in _tensor_args(node):
-            if owner.get(a, layer.name) != layer.name and a not in seen_inputs and \
-                    a not in held and \
-                    a.meta["autopar"].kind not in (OpKind.PARAM,) and a.op != "get_attr":
-                seen_inputs.add(a)
-                inputs = inputs + _nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
+    inputs = sum((_nbytes(a.meta["autopar"].shape, a.meta["autopar"].dtype)
+                  for a in _outside_inputs(layer, owner) if a not in held), sympy.Integer(0))
     fused, groups = _fused(layer.nodes)
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
                      params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels,
