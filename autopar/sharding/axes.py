@@ -74,6 +74,11 @@ class TensorMesh:
             return TensorMesh(TP_1D, ((CP, cp), (TP, tp)))
         return TensorMesh(TP_1D, ((CP, cp), (TP, tp)), {CP_TP: (CP, TP)})
 
+    def beside_cp(self, cp: int) -> TensorMesh:
+        """This 2D, 2.5D or 3D grid with a cp axis of `cp` ranks outside it (cp major, as in
+        the device order): the grid splits weights and activations, cp the tokens."""
+        return TensorMesh(self.mode, ((CP, cp),) + self.dims, dict(self.composites))
+
     @staticmethod
     def for_mode(mode: str, size: int, depth: int = 1) -> TensorMesh:
         """The mesh of `size` tensor ranks in `mode` (sizes already checked by the plan)."""

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.analysis import OpKind
-from autopar.modes import TP_3D, TP_25D
+from autopar.modes import CP, TP_3D, TP_25D
 from autopar.sharding.axes import GRIDS, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.rules.context import RuleContext, batch_like, itemsize, replicate
@@ -37,6 +37,32 @@ def role_layout(ctx: RuleContext, grid: tuple, role: str, ndim: int, groups: int
             d = 1 - d
         layout = layout.with_shard(d, ctx.mesh.composite(comps), g)
     return layout
+
+
+def keep_tokens(ctx: RuleContext, x: fx.Node, layout: Layout) -> Layout:
+    """`layout` with x's split of its tokens over cp kept (beside cp, a grid rule is per
+    token: the grid splits batch and hidden, cp the sequence); as it is where x has none, or
+    where the grid already splits that dim (a flattened batch x sequence dim: cp gathered)."""
+    held = ctx.layout(x)
+    shard = held.shard_on(CP) if isinstance(held, Layout) else None
+    if shard is None or shard.dim >= len(ctx.shape(x)) - 1 or \
+            layout.shard_of_dim(shard.dim) is not None:
+        return layout
+    return layout.with_shard(shard.dim, CP, shard.groups)
+
+
+def _tokens_out(ctx: RuleContext, x: fx.Node, needs_x: Layout, out: Layout) -> Layout:
+    """The output keeps the token split x's need carries (the same leading dims)."""
+    shard = needs_x.shard_on(CP)
+    if shard is None or len(ctx.info.shape) <= shard.dim or \
+            ctx.info.shape[shard.dim] != ctx.shape(x)[shard.dim]:
+        return out
+    return out.with_shard(shard.dim, CP, shard.groups)
+
+
+def _over_cp(needs_x: Layout) -> tuple:
+    """The axes a weight whole on cp sums its gradient over, where x's tokens split over cp."""
+    return (CP,) if needs_x.shard_on(CP) is not None else ()
 
 
 def _same_split(a: Layout, b: Layout) -> int:
@@ -82,7 +108,7 @@ def grid_linear(ctx: RuleContext) -> Strategy:
     if placed is not None and placed.shard_of_dim(out_dim) is not None:
         groups = placed.shard_of_dim(out_dim).groups
     nx = len(ctx.shape(x))
-    needs_x = role_layout(ctx, grid, "x", nx)
+    needs_x = keep_tokens(ctx, x, role_layout(ctx, grid, "x", nx))
     needs_w = role_layout(ctx, grid, "weight", 2, groups, transposed)
     w_shape = ctx.shape(w)
     for shard in needs_w.shards:
@@ -90,10 +116,12 @@ def grid_linear(ctx: RuleContext) -> Strategy:
         if not divisible(w_shape[shard.dim], ctx.sizes[shard.axis] * g):
             return replicate(ctx, note=f"weight dim {shard.dim} of {w_shape[shard.dim]} does "
                                        f"not split over the {ctx.mode} grid")
-    needs = {x: Need(needs_x), w: Need(needs_w)}
+    cp = _over_cp(needs_x)
+    needs = {x: Need(needs_x), w: Need(needs_w, cp if ctx.requires_grad.get(w) else False)}
     if bias is not None:
-        needs[bias] = Need(role_layout(ctx, grid, "bias", 1, groups))
-    out = role_layout(ctx, grid, "y", len(ctx.info.shape), groups)
+        needs[bias] = Need(role_layout(ctx, grid, "bias", 1, groups),
+                           cp if ctx.requires_grad.get(bias) else False)
+    out = _tokens_out(ctx, x, needs_x, role_layout(ctx, grid, "y", len(ctx.info.shape), groups))
     X, W = ctx.local_bytes(x, needs_x), ctx.local_bytes(w, needs_w)
     Y = ctx.local_bytes(node, out)
     rg = ctx.requires_grad
@@ -158,7 +186,7 @@ def grid_norm(ctx: RuleContext) -> Strategy:
     hidden = layout.shard_of_dim(nx - 1) if isinstance(layout, Layout) else None
     if layout.partial or hidden is None or hidden.groups != 1 or \
             hidden.axis not in ctx.mesh.physical:
-        layout = role_layout(ctx, _pick_grid(ctx, x), "x", nx)
+        layout = keep_tokens(ctx, x, role_layout(ctx, _pick_grid(ctx, x), "x", nx))
         hidden = layout.shard_of_dim(nx - 1)
     h = hidden.axis
     if not divisible(ctx.shape(x)[-1], ctx.sizes[h]):
@@ -200,6 +228,10 @@ def grid_embedding(ctx: RuleContext) -> Strategy:
     grads: tuple = ()
     if nids and batch_like(ctx.shape(ids)[0]):
         ids_layout = role_layout(ctx, grid, "ids", nids)
+        held = ctx.layout(ids)
+        tokens = held.shard_on(CP) if isinstance(held, Layout) else None
+        if tokens is not None and tokens.dim > 0:  # [batch, tokens] ids: cp's split kept
+            ids_layout = ids_layout.with_shard(tokens.dim, CP, tokens.groups)
         grads = tuple(s.axis for s in ids_layout.shards)
     out = Layout(nids + 1, tuple(sorted(ids_layout.shards + (Shard(nids, hidden.axis),))))
     needs = {w: Need(table, grads or False), ids: Need(ids_layout)}
