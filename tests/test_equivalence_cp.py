@@ -171,6 +171,126 @@ def test_cp_ulysses_refuses_heads_that_do_not_divide():
         Engine(model, plan, groups, (x,), None, None)
 
 
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+def test_cp2_equals_single_device(pool2, name, mode):
+    """transformers' GPT-2 passes a causal mask it builds from positions; it is recognised
+    (`autopar.graph.masks`) and the kernels run with is_causal."""
+    _check_kernels(pool2.run(compare, name, CP(mode), probe=_cp_collectives), mode)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+def test_cp4_equals_single_device(pool4, name, mode):
+    """Four sequence shards (llama-tiny's 4 key/value heads: one per rank under Ulysses)."""
+    _check_kernels(pool4.run(compare, name, CP(mode, size=4), probe=_cp_collectives), mode)
+
+
+GQA2 = "llama:layers=2,hidden=64,heads=8,kv_heads=2,ffn=128,vocab=256,seq=32"
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp4_grouped_query_attention_with_fewer_kv_heads_than_cp(pool4, mode):
+    """2 key/value heads over cp 4: Ulysses repeats them twice before its all-to-all (the
+    plan prices f = 2 repeated k, v, and the log agrees); ring sends the 2 heads as they
+    are."""
+    _check_kernels(pool4.run(compare, GQA2, CP(mode, size=4), probe=_cp_collectives), mode)
+
+
+def _positions_probe(engine, inputs, target):
+    """Every 2-D tensor split over cp in the training graph (the position tables): the whole
+    tensor that went in and this rank's block that came out."""
+    import torch.fx as fx
+
+    from autopar import modes
+    from autopar.kernels.sequence import sequence_positions
+
+    seen = {}
+
+    class Spy(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_module" and n.target.startswith("cp_split") and \
+                    isinstance(out, torch.Tensor) and out.dim() == 2:
+                seen[n.args[0].name] = (self.env[n.args[0]].detach().clone(),
+                                        out.detach().clone())
+            return out
+
+    *local, local_target = engine.batches.local(tuple(inputs) + (target,))
+    local = engine.batches.tokens(tuple(local) + (local_target,), engine.train_graph)
+    engine.comm_log.enabled = False
+    try:
+        Spy(engine.train_gm).run(*local)
+    finally:
+        engine.comm_log.enabled = True
+    layout = engine.plan.cp_layout()
+    cp = engine.groups[modes.CP]
+    return {"positions": sequence_positions(32, cp.size, cp.rank, layout).tolist(),
+            "layout": layout, "seen": seen}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_cp_positions_are_global(pool2, name, layout):
+    """The position tensor (RoPE tables, learned position embeddings of arange(S)) is whole
+    in the graph; the split before the sequence-split product or add keeps exactly this
+    rank's global positions: the contiguous block, or under ring attention's default
+    zigzag layout chunks r and 3 - r of 4."""
+    plan = {"sequence": {"size": 2, "mode": "ring", "layout": layout}}
+    results = pool2.run(compare, name, plan, steps=1, probe=_positions_probe)
+    model, _, _, _ = build(name, 8)
+    for rank, r in enumerate(results):
+        pos = r["probe"]["positions"]
+        if layout == "contiguous":
+            assert pos == list(range(rank * 16, rank * 16 + 16))
+        else:
+            chunks = (rank, 3 - rank)
+            assert pos == [c * 8 + i for c in chunks for i in range(8)]
+        seen = r["probe"]["seen"]
+        assert seen, "no position table was split over cp"
+        for whole, block in seen.values():
+            assert whole.shape[0] == 32 and block.shape[0] == 16
+            assert torch.equal(block, whole[pos])
+        if name == "llama-tiny":  # the RoPE tables of positions 0..31, cut to this rank's
+            tables = [model.rope_cos[:32], model.rope_sin[:32]]
+            for whole, block in seen.values():
+                assert any(torch.equal(whole, t) for t in tables)
+                assert any(torch.equal(block, t[pos]) for t in tables)
+
+
+def test_cp_refuses_bad_plans():
+    model, (x,), _, loss_fn = build("gpt-tiny", 8)
+    with pytest.raises(PlanError, match="does not divide by 3: use a sequence length of 30 "
+                                        "or 33, or a sequence size that divides 32"):
+        autopar.parallelize(model, 3, example_inputs=(x[:2],), loss_fn=loss_fn,
+                            plan=CP("ulysses", size=3))
+    with pytest.raises(PlanError, match=r"zigzag layout \(2 x 3 chunks\), and 32 does not "
+                                        r"divide by 6: .* or layout='contiguous'"):
+        autopar.parallelize(model, 3, example_inputs=(x[:2],), loss_fn=loss_fn,
+                            plan=CP("ring", size=3))
+    with pytest.raises(PlanError, match="sequence layout"):
+        autopar.parallelize(model, 2, example_inputs=(x[:2],), loss_fn=loss_fn,
+                            plan={"sequence": {"size": 2, "mode": "ring", "layout": "striped"}})
+
+
+def test_cp_ulysses_refuses_heads_that_do_not_divide():
+    """3 heads over a sequence size of 2: Ulysses cannot split them; the error names ring.
+    Solved on one process with a size-2 cp group that is never called."""
+    from autopar.kernels.collectives import AxisGroup
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.runtime.engine import Engine
+    from autopar.runtime.mesh import axis_groups
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=3, n_embd=24))
+    x = torch.randint(0, 64, (2, 16))
+    groups = axis_groups({"dp": 1, "tp": 1})
+    groups["cp"] = AxisGroup("cp", 2, 0, None, groups["tp"].log)
+    plan = autopar.Plan(mesh={"cp": 2}, sequence_mode="ulysses")
+    with pytest.raises(PlanError, match=r"3 attention heads .* mode='ring'"):
+        Engine(model, plan, groups, (x,), None, None)
+
+
 def test_cp_with_grid_tensor_parallelism_is_refused():
     """cp runs beside 1d tensor layers only (with or without Megatron-SP,
     tests/test_cp_combos.py): 2d with a cp axis is refused before any process work."""

@@ -1,0 +1,83 @@
+"""Context parallelism beside 2D, 2.5D and 3D tensor parallelism.
+
+The grid's mesh holds cp as its outermost dim (pp, dp, cp, then the grid's dims): the grid
+splits weights and the batch and hidden dims of activations, cp the tokens. Grid linears,
+norms and embeddings are per token, so they keep their input's split over cp (their
+weights' gradients summed over cp); attention runs ring (zigzag or contiguous) or Ulysses
+over cp on the batch and heads block the grid leaves each rank. At world 8 (cp 2 x a grid
+of 4) each run trains 5 AdamW steps equal to one device (tests/equivalence.py: losses and
+weights within 1e-5) with measured communication equal to the plan's for every (op, axis).
+cp 2 beside a 3D cube of 8 needs 16 processes: its solution is checked in one process.
+"""
+
+import pytest
+from distributed import dist_pool_fixture
+from equivalence import assert_equal, build, compare
+
+import autopar
+from autopar.modes import CP, RING, TP
+from autopar.sharding.layout import Layout
+
+pool8 = dist_pool_fixture(8, timeout_s=900)
+
+GRIDS = {"2d": {"size": 4, "mode": "2d"}, "2.5d": {"size": 4, "mode": "2.5d", "depth": 1},
+         "3d": {"size": 8, "mode": "3d"}}
+
+
+def cp_grid(mode, grid, layout=None):
+    sequence = {"size": 2, "mode": mode, **({"layout": layout} if layout else {})}
+    return {"sequence": sequence, "tensor": GRIDS[grid]}
+
+
+@pytest.mark.parametrize("name,grid,mode,layout", [
+    ("gpt-tiny", "2d", "ring", "zigzag"), ("llama-tiny", "2d", "ring", "contiguous"),
+    ("hf-gpt2", "2d", "ulysses", None), ("llama-tiny", "2.5d", "ulysses", None)])
+def test_cp2_beside_a_grid_of_4_equals_one_device(pool8, name, grid, mode, layout):
+    results = pool8.run(compare, name, cp_grid(mode, grid, layout))
+    assert_equal(results)
+    measured = results[0]["measured"]
+    assert measured[("p2p" if mode == "ring" else "all_to_all", CP)] > 0  # the sequence kernel
+    assert measured[("broadcast", "tp_i")] > 0 and measured[("broadcast", "tp_j")] > 0  # SUMMA
+    assert measured[("all_reduce", CP)] > 0  # the weights' gradients, whole on cp
+    assert all(r["measured"] == measured for r in results)
+
+
+def test_cp_beside_a_grid_runs_and_holds_cp_outermost():
+    for grid in GRIDS:
+        plan = autopar.Plan.from_dict(cp_grid("ring", grid), 2 * GRIDS[grid]["size"])
+        assert plan.unsupported() == []
+        mesh = plan.tensor_mesh()
+        assert mesh.physical[0] == CP and mesh.size(CP) == 2
+        assert mesh.size(TP) == GRIDS[grid]["size"]  # tp: the grid alone
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
+    """The training graph of cp 2 x 3D 8 solved in one process: every linear keeps its input's
+    tokens on cp beside the cube's batch and hidden splits, attention runs the sequence
+    kernel on the ranks' batch x heads block, and what crosses cp is that kernel's traffic,
+    the weights' gradient sums and the loss's gather (the flattened logits cannot be split
+    over the batch's cube axes and cp at once)."""
+    from autopar.graph.trace import trace
+    from autopar.sharding.solve import solve
+
+    plan = autopar.Plan.from_dict(cp_grid(mode, "3d"), 16)
+    model, inputs, target, loss_fn = build("gpt-tiny", 8)
+    traced = trace(model, tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                   example_target=target[:2], train=True)
+    sol = solve(traced, axis=TP, size=8, modes=plan.layer_modes(), default_mode="3d",
+                mesh=plan.tensor_mesh(), sequence_mode=plan.sequence_mode or RING,
+                sequence_layout=plan.cp_layout())
+    linears = [n for n, s in sol.strategies.items() if s.name == "3d linear"]
+    assert len(linears) == 9
+    for node in linears[:-1]:  # the blocks' linears: [B, S, features] in and out
+        assert sol.strategies[node].needs[node.args[0]].layout.shard_of_dim(1).axis == CP
+        assert sol.layouts[node].shard_of_dim(1).axis == CP
+    attention = [s for s in sol.strategies.values() if s.name.endswith("sequence")]
+    assert len(attention) == 2
+    q = Layout.replicated(4).with_shard(2, CP)
+    assert all(len(s.needs) == 3 and all(n.layout.shard_on(CP) == q.shards[0]
+                                         for n in s.needs.values()) for s in attention)
+    kernel = "p2p" if mode == "ring" else "all_to_all"
+    cp_ops = {(c.op, c.where.startswith("scaled_dot")) for c in sol.comm if c.axis == CP}
+    assert cp_ops == {(kernel, True), ("all_reduce", False), ("all_gather", False)}
