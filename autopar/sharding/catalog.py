@@ -187,9 +187,13 @@ def _merge(a: Strategy, b: Strategy, mesh: TensorMesh) -> Strategy | None:
     out = _union(a.out, b.out, mesh)
     if out is None and a.out is not None:
         return None
+    kernel = next((s for s in (a, b) if s.rewrite is Rewrite.SEQUENCE_ATTENTION), None)
+    if kernel is not None:  # it reads q, k, v alone: a causal mask another axis split is gone
+        needs = {n: need for n, need in needs.items() if n in kernel.needs}
     name = a.name if a.name == b.name else f"{a.name}+{b.name}"
     return Strategy(name, {n: needs[n] for n in list(a.needs) + [m for m in b.needs
-                                                                  if m not in a.needs]},
+                                                                  if m not in a.needs]
+                           if n in needs},
                     out, a.comm + b.comm, a.rewrite or b.rewrite, a.note or b.note,
                     {**b.args, **a.args})
 
