@@ -7,7 +7,13 @@ weights' gradients summed over cp); attention runs ring (zigzag or contiguous) o
 over cp on the batch and heads block the grid leaves each rank. At world 8 (cp 2 x a grid
 of 4) each run trains 5 AdamW steps equal to one device (tests/equivalence.py: losses and
 weights within 1e-5) with measured communication equal to the plan's for every (op, axis).
-cp 2 beside a 3D cube of 8 needs 16 processes: its solution is checked in one process.
+cp 2 beside a 3D cube of 8 runs at world 16 (gpt-tiny, ring), and its solution under both
+sequence modes is checked in one process.
+
+A value whose batch and tokens are flattened into one dim (the language model's logits and
+targets) lies over `cp_<batch axis>`: cp's per-sample runs of tokens, then the grid's batch
+split, which are the rows a rank holds; the grid's cross-entropy takes its rows there and
+sums the loss over cp and the batch axes, so no rank gathers the logits.
 """
 
 import pytest
@@ -20,6 +26,7 @@ from autopar.modes import CP, RING, TP
 from autopar.sharding.layout import Layout
 
 pool8 = dist_pool_fixture(8, timeout_s=900)
+pool16 = dist_pool_fixture(16, timeout_s=900)
 
 GRIDS = {"2d": {"size": 4, "mode": "2d"}, "2.5d": {"size": 4, "mode": "2.5d", "depth": 1},
          "3d": {"size": 8, "mode": "3d"}}
@@ -46,6 +53,13 @@ def test_cp2_beside_a_grid_of_4_equals_one_device(pool8, name, grid, mode, layou
     assert all(r["measured"] == measured for r in results)
 
 
+def test_cp2_beside_3d_equals_one_device(pool16):
+    results = pool16.run(compare, "gpt-tiny", cp_grid("ring", "3d"))
+    assert_equal(results)
+    measured = results[0]["measured"]
+    assert measured[("p2p", CP)] > 0 and measured[("all_gather", "tp_a")] > 0
+
+
 def test_cp_beside_a_grid_runs_and_holds_cp_outermost():
     for grid in GRIDS:
         plan = autopar.Plan.from_dict(cp_grid("ring", grid), 2 * GRIDS[grid]["size"])
@@ -60,8 +74,9 @@ def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
     """The training graph of cp 2 x 3D 8 solved in one process: every linear keeps its input's
     tokens on cp beside the cube's batch and hidden splits, attention runs the sequence
     kernel on the ranks' batch x heads block, and what crosses cp is that kernel's traffic,
-    the weights' gradient sums and the loss's gather (the flattened logits cannot be split
-    over the batch's cube axes and cp at once)."""
+    the weights' gradient sums, the loss's sum and the targets' and position table's
+    gathers; the loss takes the logits' rows where they lie, over cp and the cube's batch
+    axes."""
     from autopar.graph.trace import trace
     from autopar.sharding.solve import solve
 
@@ -85,3 +100,43 @@ def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
     kernel = "p2p" if mode == "ring" else "all_to_all"
     cp_ops = {(c.op, c.where.startswith("scaled_dot")) for c in sol.comm if c.axis == CP}
     assert cp_ops == {(kernel, True), ("all_reduce", False), ("all_gather", False)}
+    gathers = {c.where for c in sol.comm if c.axis == CP and c.op == "all_gather"}
+    assert not [w for w in gathers if w.startswith("reshape")], gathers  # the logits' view
+    loss = next(s for s in sol.strategies.values() if s.name == "3d vocab_parallel")
+    logits, target = (need.layout.shard_of_dim(0) for need in loss.needs.values())
+    assert logits == target and logits.axis in ("cp_tp_ba", "cp_tp_bc") and logits.groups < 0
+    assert loss.args["batch"][0] == CP
+
+
+def test_planner_prices_ulysses_beside_2d_as_the_solution_sends():
+    """8 heads, 2 kv heads: a 2D grid of 2 x 2 leaves a rank 4 heads and 1 kv head, which
+    Ulysses over cp 2 repeats twice. The planner's bytes per attention (what a rank sends,
+    (c - 1)/c of each buffer) equal the solution's all-to-alls over cp at the same batch."""
+    import sympy
+
+    from autopar.cost.comm import Placement
+    from autopar.cost.hardware import load_hardware
+    from autopar.cost.model import Context, TensorMode, _context_comm
+    from autopar.graph.ir import BATCH
+    from autopar.graph.trace import trace
+    from autopar.models import workload
+    from autopar.search import planner
+    from autopar.sharding.solve import solve
+
+    w = workload("llama:layers=1,hidden=64,heads=8,kv_heads=2,ffn=128,vocab=64,seq=32", seq=32)
+    chain = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                            tp_sizes=[1])
+    block = next(lt for lt in chain.types if lt.attention)
+    ctx = Context(load_hardware("a100-80gb"), "fp32", Placement(4, 4), Placement(2, 2),
+                  "ulysses")
+    mode = TensorMode("2d", 4, q=2)
+    priced = _context_comm(block, mode, 4, ctx, [0.0], False).nbytes * 2  # c / (c - 1)
+
+    plan = autopar.Plan.from_dict(cp_grid("ulysses", "2d"), 8)
+    traced = trace(w.model, tuple(w.inputs), loss_fn=w.loss_fn, example_target=w.target,
+                   train=True)
+    sol = solve(traced, axis=TP, size=4, modes=plan.layer_modes(), default_mode="2d",
+                mesh=plan.tensor_mesh(), sequence_mode="ulysses")
+    sent = sum(sympy.sympify(c.bytes).subs(BATCH, 4) for c in sol.comm
+               if c.axis == CP and c.op == "all_to_all")
+    assert sent > 0 and float(sent) == pytest.approx(priced)

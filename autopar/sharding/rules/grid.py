@@ -65,6 +65,12 @@ def _over_cp(needs_x: Layout) -> tuple:
     return (CP,) if needs_x.shard_on(CP) is not None else ()
 
 
+def _cp_rows(ctx: RuleContext, axis: str) -> bool:
+    """Whether `axis` is a grid's batch axis and cp over a flattened batch x tokens dim."""
+    return axis in ctx.mesh.composites and ctx.mesh.components(axis)[0] == CP and \
+        not ctx.mesh.has_group(axis)
+
+
 def _same_split(a: Layout, b: Layout) -> int:
     """How many shards two layouts share (axis and dim; blocks ignored)."""
     return len({(s.dim, s.axis) for s in a.shards} & {(s.dim, s.axis) for s in b.shards})
@@ -252,8 +258,9 @@ def grid_loss(ctx: RuleContext) -> Strategy:
     layout = ctx.layout(logits)
     vocab = layout.shard_of_dim(1) if isinstance(layout, Layout) else None
     batch = layout.shard_of_dim(0) if isinstance(layout, Layout) else None
+    rows = batch is not None and _cp_rows(ctx, batch.axis)  # batch x tokens beside cp
     if layout.partial or vocab is None or vocab.groups != 1 or \
-            (batch is not None and batch.groups != 1):
+            (batch is not None and batch.groups != 1 and not rows):
         layout = role_layout(ctx, GRIDS[ctx.mode][0], "y", 2)
         vocab, batch = layout.shard_of_dim(1), layout.shard_of_dim(0)
     if not divisible(ctx.shape(logits)[1], ctx.sizes[vocab.axis]):
@@ -261,8 +268,9 @@ def grid_loss(ctx: RuleContext) -> Strategy:
     target_layout = Layout.replicated(1)
     batch_axes: tuple = ()
     if batch is not None:
-        target_layout = target_layout.with_shard(0, batch.axis)
-        batch_axes = (batch.axis,)
+        target_layout = target_layout.with_shard(0, batch.axis, batch.groups)
+        # the loss sum and count summed over each group that splits the rows
+        batch_axes = ctx.mesh.components(batch.axis) if rows else (batch.axis,)
     item = itemsize(logits.meta["autopar"].dtype)
     rows = ctx.local_bytes(logits, layout) / (ctx.shape(logits)[1] / ctx.sizes[vocab.axis])
     comm = ctx.comm_on("all_reduce", vocab.axis, rows) + \
