@@ -11,9 +11,10 @@ cp 2 beside a 3D cube of 8 runs at world 16 (gpt-tiny, ring), and its solution u
 sequence modes is checked in one process.
 
 A value whose batch and tokens are flattened into one dim (the language model's logits and
-targets) lies over `cp_<batch axis>`: cp's per-sample runs of tokens, then the grid's batch
-split, which are the rows a rank holds; the grid's cross-entropy takes its rows there and
-sums the loss over cp and the batch axes, so no rank gathers the logits.
+targets, GPT-2's Conv1D inputs) lies over `cp_<batch axis>`: cp's per-sample runs of tokens,
+then the grid's batch split, which are the rows a rank holds; grid linears and the grid's
+cross-entropy take their rows there (the loss summed over cp and the batch axes), so
+nothing gathers the sequence.
 """
 
 import pytest
@@ -38,11 +39,13 @@ def cp_grid(mode, grid, layout=None):
 
 
 @pytest.mark.parametrize("name,grid,mode,layout", [
-    ("gpt-tiny", "2d", "ring", "zigzag"), ("llama-tiny", "2d", "ring", "contiguous"),
+    ("gpt-tiny", "2d", "ring", "zigzag"), ("hf-gpt2", "2d", "ring", "contiguous"),
     ("hf-llama", "2d", "ulysses", None), ("llama-tiny", "2.5d", "ulysses", None)])
 def test_cp2_beside_a_grid_of_4_equals_one_device(pool8, name, grid, mode, layout):
-    """hf-llama: transformers' Llama with grouped-query attention (2 kv heads of 4: one per
-    grid rank, repeated for Ulysses' head split)."""
+    """hf-gpt2: transformers' GPT-2, whose Conv1D linears read [batch x tokens, hidden] (over
+    cp and the grid's batch axis, like the loss); hf-llama: transformers' Llama with
+    grouped-query attention (2 kv heads of 4: one per grid rank, repeated for Ulysses' head
+    split)."""
     results = pool8.run(compare, hf_llama if name == "hf-llama" else name,
                         cp_grid(mode, grid, layout))
     assert_equal(results)

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from autopar.graph.analysis import OpKind
 from autopar.modes import CP, TP_3D, TP_25D
-from autopar.sharding.axes import GRIDS, role_spec
+from autopar.sharding.axes import GRIDS, cp_batch, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.rules.context import RuleContext, batch_like, itemsize, replicate
 from autopar.sharding.rules.registry import decides
@@ -44,6 +44,10 @@ def keep_tokens(ctx: RuleContext, x: fx.Node, layout: Layout) -> Layout:
     token: the grid splits batch and hidden, cp the sequence); as it is where x has none, or
     where the grid already splits that dim (a flattened batch x sequence dim: cp gathered)."""
     held = ctx.layout(x)
+    rows, batch = _rows(ctx, held), layout.shard_of_dim(0)
+    if rows is not None and batch is not None and batch.groups == 1 and \
+            rows.axis == cp_batch(batch.axis):  # [batch x tokens, ...] over cp and the batch
+        return layout.with_shard(0, rows.axis, rows.groups)
     shard = held.shard_on(CP) if isinstance(held, Layout) else None
     if shard is None or shard.dim >= len(ctx.shape(x)) - 1 or \
             layout.shard_of_dim(shard.dim) is not None:
@@ -51,8 +55,17 @@ def keep_tokens(ctx: RuleContext, x: fx.Node, layout: Layout) -> Layout:
     return layout.with_shard(shard.dim, CP, shard.groups)
 
 
+def _rows(ctx: RuleContext, layout) -> Shard | None:
+    """The split of dim 0 over cp and a grid's batch axis (`cp_batch`), or None."""
+    rows = layout.shard_of_dim(0) if isinstance(layout, Layout) else None
+    return rows if rows is not None and _cp_rows(ctx, rows.axis) else None
+
+
 def _tokens_out(ctx: RuleContext, x: fx.Node, needs_x: Layout, out: Layout) -> Layout:
     """The output keeps the token split x's need carries (the same leading dims)."""
+    rows, batch = _rows(ctx, needs_x), out.shard_of_dim(0)
+    if rows is not None and batch is not None and cp_batch(batch.axis) in ctx.mesh.composites:
+        return out.with_shard(0, cp_batch(batch.axis), rows.groups)
     shard = needs_x.shard_on(CP)
     if shard is None or len(ctx.info.shape) <= shard.dim or \
             ctx.info.shape[shard.dim] != ctx.shape(x)[shard.dim]:
@@ -60,9 +73,9 @@ def _tokens_out(ctx: RuleContext, x: fx.Node, needs_x: Layout, out: Layout) -> L
     return out.with_shard(shard.dim, CP, shard.groups)
 
 
-def _over_cp(needs_x: Layout) -> tuple:
+def _over_cp(ctx: RuleContext, needs_x: Layout) -> tuple:
     """The axes a weight whole on cp sums its gradient over, where x's tokens split over cp."""
-    return (CP,) if needs_x.shard_on(CP) is not None else ()
+    return (CP,) if needs_x.shard_on(CP) is not None or _rows(ctx, needs_x) else ()
 
 
 def _cp_rows(ctx: RuleContext, axis: str) -> bool:
@@ -122,7 +135,7 @@ def grid_linear(ctx: RuleContext) -> Strategy:
         if not divisible(w_shape[shard.dim], ctx.sizes[shard.axis] * g):
             return replicate(ctx, note=f"weight dim {shard.dim} of {w_shape[shard.dim]} does "
                                        f"not split over the {ctx.mode} grid")
-    cp = _over_cp(needs_x)
+    cp = _over_cp(ctx, needs_x)
     needs = {x: Need(needs_x), w: Need(needs_w, cp if ctx.requires_grad.get(w) else False)}
     if bias is not None:
         needs[bias] = Need(role_layout(ctx, grid, "bias", 1, groups),
