@@ -127,7 +127,6 @@ PLANNER = Capabilities()
 
 # What autopar's runtime executes today.
 RUNTIME = Capabilities(
-    cp_with_tp=(TP_1D,),  # cp beside 1D tensor parallelism (with or without Megatron-SP)
     expert_zero=(0, 1, 2, 3),
     expert_with_pp=True,
     expert_zero_with_pp=(0, 1, 2, 3),

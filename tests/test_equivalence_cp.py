@@ -171,15 +171,6 @@ def test_cp_ulysses_refuses_heads_that_do_not_divide():
         Engine(model, plan, groups, (x,), None, None)
 
 
-def test_cp_with_grid_tensor_parallelism_is_refused():
-    """cp runs beside 1d tensor layers only (with or without Megatron-SP,
-    tests/test_cp_combos.py): 2d with a cp axis is refused before any process work."""
-    model, (x,), _, loss_fn = build("gpt-tiny", 8)
-    with pytest.raises(PlanError, match="together with 2d tensor parallelism"):
-        autopar.parallelize(model, 8, example_inputs=(x[:2],), loss_fn=loss_fn,
-                            plan=CP("ring", tensor=dict(size=4, mode="2d")))
-
-
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
 def test_cp2_tp2_equals_single_device(pool4, name, mode):

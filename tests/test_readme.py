@@ -605,8 +605,6 @@ TRIGGERS = textwrap.dedent('''
     record(lambda: run(4, dict(data=4)))
     record(lambda: run(2, autopar.Plan(mesh={"dp": 2, "tp": 2})))
     record(lambda: run(6, dict(tensor=dict(size=6, mode="2d"))))
-    record(lambda: run(8, dict(tensor=dict(size=4, mode="2d"),
-                               sequence=dict(size=2, mode="ring"))))
     record(lambda: run(4, dict(sequence=dict(size=4, mode="ring")), seq=20))
     record(lambda: run(4, dict(tensor=dict(size=4, mode="1d", sequence_parallel=True)),
                        seq=30))

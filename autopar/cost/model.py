@@ -747,8 +747,10 @@ def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     if c <= 1:
         return CpCost(0.0, 0.0, 0.0)
     for a, attn in zip(lt.attention, attn_each):
-        kv_heads = max(1, a.kv_heads // (mode.size if mode.name == TP_1D else 1))
-        heads = max(1, a.heads // (mode.size if mode.name == TP_1D else 1))
+        # 1D splits the heads over tp; a 2D, 2.5D or 3D grid over one side of q ranks
+        split = mode.size if mode.name == TP_1D else mode.q
+        kv_heads = max(1, a.kv_heads // split)
+        heads = max(1, a.heads // split)
         kv = 2 * act * kv_heads / heads
         if ctx.cp_mode == RING:
             hop, pair = ctx.coll("p2p", kv, ctx.cp), ctx.coll("p2p", 2 * kv, ctx.cp)

@@ -270,8 +270,11 @@ class Plan:
                             "only: make them 1d or set sp='none'.")
 
     def tensor_mesh(self) -> TensorMesh:
-        """The tensor axes this plan runs on (see `autopar.sharding.axes`)."""
-        return TensorMesh.for_mode(self.grid_mode(), self.mesh[TP], self.tp_depth)
+        """The tensor axes this plan runs on (see `autopar.sharding.axes`); a 2D, 2.5D or 3D
+        grid beside a cp axis holds cp as its outermost dim."""
+        mesh = TensorMesh.for_mode(self.grid_mode(), self.mesh[TP], self.tp_depth)
+        return mesh.beside_cp(self.mesh[CP]) if mesh.mode in MULTI_D and self.mesh[CP] > 1 \
+            else mesh
 
     def unsupported(self, runtime=RUNTIME) -> list[str]:
         """Parts of this plan `runtime` (an `autopar.modes.Capabilities`) cannot execute yet

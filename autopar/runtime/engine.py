@@ -108,7 +108,7 @@ class Engine(nn.Module):
         self._cp = groups[CP] if CP in groups else AxisGroup(CP, 1, 0, None, self.comm_log)
         self._pp = groups[PP] if PP in groups else AxisGroup(PP, 1, 0, None, self.comm_log)
         self.mesh = plan.tensor_mesh()
-        if self._cp.size > 1:  # context parallelism: cp beside the 1D tensor axis
+        if self._cp.size > 1 and self.mesh.mode not in MULTI_D:  # cp beside the 1D tensor axis
             self.mesh = TensorMesh.with_cp(self._cp.size, self._tp.size)
         # ZeRO's group: dp, or under HSDP the shard group with its replicas
         self._zero_dp = ShardGroup(groups[DP_SHARD], groups[DP_REPLICATE]) \

@@ -36,7 +36,8 @@ def _device_mesh(device: str, sizes: tuple, names: tuple):
 def plan_groups(plan) -> dict[str, AxisGroup]:
     """The process groups a Plan runs on, per mesh axis: one DeviceMesh (pp, dp, cp, tp; pp
     and cp only when split) under 1D tensor parallelism, the grid's groups under 2D, 2.5D
-    and 3D. A new axis's groups are made here, where every engine gets its groups."""
+    and 3D (a cp axis is the grid mesh's outermost dim, `Plan.tensor_mesh`). A new axis's
+    groups are made here, where every engine gets its groups."""
     tensor = plan.tensor_mesh()
     if tensor.mode != TP_1D:
         groups = tensor_groups(plan.mesh[DP], tensor, pp=plan.mesh[PP])
@@ -78,8 +79,8 @@ def axis_groups(mesh: dict[str, int], log: CommLog | None = None) -> dict[str, A
 
 def tensor_groups(dp: int, mesh: TensorMesh, log: CommLog | None = None,
                   pp: int = 1) -> dict[str, AxisGroup]:
-    """AxisGroups for `dp` and every tensor axis of `mesh` that is a process group, and
-    for `pp` (outermost) when the plan has a pipeline."""
+    """AxisGroups for `dp` and every tensor axis of `mesh` that is a process group (cp too,
+    where the grid holds one), and for `pp` (outermost) when the plan has a pipeline."""
     log = log if log is not None else CommLog()
     dims = (((PP, pp),) if pp > 1 else ()) + ((DP, dp),) + mesh.dims
     names = tuple(name for name, _ in dims)

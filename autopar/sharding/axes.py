@@ -74,6 +74,16 @@ class TensorMesh:
             return TensorMesh(TP_1D, ((CP, cp), (TP, tp)))
         return TensorMesh(TP_1D, ((CP, cp), (TP, tp)), {CP_TP: (CP, TP)})
 
+    def beside_cp(self, cp: int) -> TensorMesh:
+        """This 2D, 2.5D or 3D grid with a cp axis of `cp` ranks outside it (cp major, as in
+        the device order): the grid splits weights and activations, cp the tokens. A
+        batch x tokens dim flattened into one lies over `cp_<batch axis>` (`cp_batch`)."""
+        composites = dict(self.composites)
+        for grid in GRIDS[self.mode]:
+            batch = role_spec(self.mode, grid, "x")[0]
+            composites[cp_batch(self.composite(batch))] = (CP,) + batch
+        return TensorMesh(self.mode, ((CP, cp),) + self.dims, composites)
+
     @staticmethod
     def for_mode(mode: str, size: int, depth: int = 1) -> TensorMesh:
         """The mesh of `size` tensor ranks in `mode` (sizes already checked by the plan)."""
@@ -133,6 +143,8 @@ class TensorMesh:
         if axis == CP_TP:
             return False
         comps = self.components(axis)
+        if comps[0] == CP and len(comps) > 1:  # read component by component (`cp_batch`)
+            return False
         order = [self.physical.index(c) for c in comps]
         return order == sorted(order)
 
@@ -156,6 +168,15 @@ class TensorMesh:
     def grids(self, mode: str) -> tuple[tuple[str, ...], ...]:
         """The role axes of the grids of `mode` (two for 3D: roles alternate by layer)."""
         return GRIDS[mode]
+
+
+def cp_batch(batch: str) -> str:
+    """The layout axis of a grid's batch x tokens dim beside cp (a language model's
+    flattened logits and targets): the split over cp first, each sample's run of tokens
+    (`groups` -r), then this rank's part over the grid's `batch` axis as one block, which
+    is the rows a rank holds of [B, S] with B split over `batch` and S over cp, flattened.
+    No process group: its steps run over cp, then `batch`."""
+    return f"{CP}_{batch}"
 
 
 def role_spec(mode: str, grid: tuple[str, ...], role: str) -> dict[int, tuple[str, ...]]:

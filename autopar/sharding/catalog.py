@@ -23,8 +23,8 @@ import torch.fx as fx
 from autopar.graph.analysis import OpKind
 from autopar.modes import CP, CP_TP, TP
 from autopar.sharding import rules  # noqa: F401  (importing it registers every family's rules)
-from autopar.sharding.axes import MULTI_D, TensorMesh
-from autopar.sharding.layout import Layout, joined_tokens
+from autopar.sharding.axes import MULTI_D, TensorMesh, cp_batch
+from autopar.sharding.layout import Layout, Shard, joined_tokens
 from autopar.sharding.rules.context import RuleContext, replicate, tensor_inputs
 from autopar.sharding.rules.registry import MODE_RULES, RULES, TARGET_RULES, Rule
 from autopar.sharding.rules.tokens import with_tokens
@@ -187,9 +187,13 @@ def _merge(a: Strategy, b: Strategy, mesh: TensorMesh) -> Strategy | None:
     out = _union(a.out, b.out, mesh)
     if out is None and a.out is not None:
         return None
+    kernel = next((s for s in (a, b) if s.rewrite is Rewrite.SEQUENCE_ATTENTION), None)
+    if kernel is not None:  # it reads q, k, v alone: a causal mask another axis split is gone
+        needs = {n: need for n, need in needs.items() if n in kernel.needs}
     name = a.name if a.name == b.name else f"{a.name}+{b.name}"
     return Strategy(name, {n: needs[n] for n in list(a.needs) + [m for m in b.needs
-                                                                  if m not in a.needs]},
+                                                                  if m not in a.needs]
+                           if n in needs},
                     out, a.comm + b.comm, a.rewrite or b.rewrite, a.note or b.note,
                     {**b.args, **a.args})
 
@@ -207,7 +211,9 @@ def _union(a, b, mesh: TensorMesh):
             continue
         same = next((t for t in shards if t.dim == s.dim), None)
         joined = joined_tokens(same, s) if same is not None and CP_TP in mesh.axes else None
-        if joined is not None:  # Megatron-SP's tp split of a rank's cp block of the tokens
+        joined = joined or (_cp_rows(same, s, mesh) if same is not None else None)
+        if joined is not None:  # Megatron-SP's tp split of a rank's cp block of the tokens,
+            # or a grid's batch split and cp's tokens flattened into one dim
             shards[shards.index(same)] = joined
             continue
         used = [t.axis for t in shards] + partial
@@ -221,6 +227,16 @@ def _union(a, b, mesh: TensorMesh):
             return None
         partial.append(p)
     return Layout(a.ndim, tuple(sorted(shards)), tuple(sorted(partial)))
+
+
+def _cp_rows(a: Shard, b: Shard, mesh: TensorMesh) -> Shard | None:
+    """One dim split over a grid's batch axis (one block) and over cp in per-sample runs (a
+    [B, S, ...] value flattened, `Shard.groups` < 0): the split over `cp_batch`; else None."""
+    tokens, batch = (a, b) if a.axis == CP else (b, a)
+    if tokens.axis != CP or tokens.groups >= 0 or batch.groups != 1:
+        return None
+    axis = cp_batch(batch.axis)
+    return Shard(a.dim, axis, tokens.groups) if axis in mesh.composites else None
 
 
 def _overlap(mesh: TensorMesh, a: str, b: str) -> bool:

@@ -125,15 +125,16 @@ def sequence_attention(ctx: RuleContext, q, k, v, mask) -> Strategy:
     full = ctx.all_layouts
     sizes = ctx.sizes
 
-    other = _other_split(full, sizes, (q, k, v), shapes)
+    others = _other_splits(full, sizes, (q, k, v), shapes)
+    other = others[0] if others else None
 
     def per_rank(n: fx.Node) -> tuple[sympy.Expr, int]:
         """Bytes of this rank's block of n (every axis's split) and its heads per rank."""
         lay = rep(n).with_shard(2, CP)
         heads = int(ctx.shape(n)[1])
-        if other is not None:
-            lay = lay.with_shard(other.dim, other.axis)
-            heads //= sizes[other.axis] if other.dim == 1 else 1
+        for split in others:
+            lay = lay.with_shard(split.dim, split.axis)
+            heads //= sizes[split.axis] if split.dim == 1 else 1
         return ctx.local_bytes(n, lay), heads
 
     # k, v repeated to the query heads (transformers' repeat_kv) with the sequence split
@@ -191,18 +192,17 @@ def _kv_sources(full: dict, sizes: dict, k: fx.Node, v: fx.Node) -> list | None:
     return None
 
 
-def _other_split(full: dict, sizes: dict, qkv: tuple, shapes: list) -> Shard | None:
-    """The split the other axis's attention rule puts on batch or heads (all of q, k, v
-    alike), or None when there is none or it does not divide every one of them."""
-    other = None
-    for n in qkv:
-        lay = full.get(n)
-        for s in (lay.shards if isinstance(lay, Layout) else ()):
-            if s.axis != CP and s.dim in (0, 1) and s.groups == 1 and other is None:
-                other = s
-    if other is not None and not all(splits(sh[other.dim], sizes[other.axis]) for sh in shapes):
-        other = None
-    return other
+def _other_splits(full: dict, sizes: dict, qkv: tuple, shapes: list) -> list[Shard]:
+    """The splits the other axes' attention rules put on batch and heads (a 2D grid splits
+    both), one per dim; those that do not divide every one of q, k, v are left out."""
+    out: list[Shard] = []
+    found = [s for n in qkv for s in (full[n].shards if isinstance(full.get(n), Layout) else ())]
+    for s in found:
+        if s.axis != CP and s.dim in (0, 1) and s.groups == 1 and \
+                all(t.dim != s.dim for t in out) and \
+                all(splits(sh[s.dim], sizes[s.axis]) for sh in shapes):
+            out.append(s)
+    return out
 
 
 def _ulysses_comm(name: str, f: int, qkv_bytes: tuple, ob, grads: list[bool],

@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 
 from autopar.graph.analysis import OpKind
-from autopar.modes import TP_3D, TP_25D
-from autopar.sharding.axes import GRIDS, role_spec
+from autopar.modes import CP, TP_3D, TP_25D
+from autopar.sharding.axes import GRIDS, cp_batch, role_spec
 from autopar.sharding.layout import Layout, Shard, divisible
 from autopar.sharding.rules.context import RuleContext, batch_like, itemsize, replicate
 from autopar.sharding.rules.registry import decides
@@ -37,6 +37,51 @@ def role_layout(ctx: RuleContext, grid: tuple, role: str, ndim: int, groups: int
             d = 1 - d
         layout = layout.with_shard(d, ctx.mesh.composite(comps), g)
     return layout
+
+
+def keep_tokens(ctx: RuleContext, x: fx.Node, layout: Layout) -> Layout:
+    """`layout` with x's split of its tokens over cp kept (beside cp, a grid rule is per
+    token: the grid splits batch and hidden, cp the sequence); as it is where x has none, or
+    where the grid already splits that dim (a flattened batch x sequence dim: cp gathered)."""
+    held = ctx.layout(x)
+    rows, batch = _rows(ctx, held), layout.shard_of_dim(0)
+    if rows is not None and batch is not None and batch.groups == 1 and \
+            rows.axis == cp_batch(batch.axis):  # [batch x tokens, ...] over cp and the batch
+        return layout.with_shard(0, rows.axis, rows.groups)
+    shard = held.shard_on(CP) if isinstance(held, Layout) else None
+    if shard is None or shard.dim >= len(ctx.shape(x)) - 1 or \
+            layout.shard_of_dim(shard.dim) is not None:
+        return layout
+    return layout.with_shard(shard.dim, CP, shard.groups)
+
+
+def _rows(ctx: RuleContext, layout) -> Shard | None:
+    """The split of dim 0 over cp and a grid's batch axis (`cp_batch`), or None."""
+    rows = layout.shard_of_dim(0) if isinstance(layout, Layout) else None
+    return rows if rows is not None and _cp_rows(ctx, rows.axis) else None
+
+
+def _tokens_out(ctx: RuleContext, x: fx.Node, needs_x: Layout, out: Layout) -> Layout:
+    """The output keeps the token split x's need carries (the same leading dims)."""
+    rows, batch = _rows(ctx, needs_x), out.shard_of_dim(0)
+    if rows is not None and batch is not None and cp_batch(batch.axis) in ctx.mesh.composites:
+        return out.with_shard(0, cp_batch(batch.axis), rows.groups)
+    shard = needs_x.shard_on(CP)
+    if shard is None or len(ctx.info.shape) <= shard.dim or \
+            ctx.info.shape[shard.dim] != ctx.shape(x)[shard.dim]:
+        return out
+    return out.with_shard(shard.dim, CP, shard.groups)
+
+
+def _over_cp(ctx: RuleContext, needs_x: Layout) -> tuple:
+    """The axes a weight whole on cp sums its gradient over, where x's tokens split over cp."""
+    return (CP,) if needs_x.shard_on(CP) is not None or _rows(ctx, needs_x) else ()
+
+
+def _cp_rows(ctx: RuleContext, axis: str) -> bool:
+    """Whether `axis` is a grid's batch axis and cp over a flattened batch x tokens dim."""
+    return axis in ctx.mesh.composites and ctx.mesh.components(axis)[0] == CP and \
+        not ctx.mesh.has_group(axis)
 
 
 def _same_split(a: Layout, b: Layout) -> int:
@@ -82,7 +127,7 @@ def grid_linear(ctx: RuleContext) -> Strategy:
     if placed is not None and placed.shard_of_dim(out_dim) is not None:
         groups = placed.shard_of_dim(out_dim).groups
     nx = len(ctx.shape(x))
-    needs_x = role_layout(ctx, grid, "x", nx)
+    needs_x = keep_tokens(ctx, x, role_layout(ctx, grid, "x", nx))
     needs_w = role_layout(ctx, grid, "weight", 2, groups, transposed)
     w_shape = ctx.shape(w)
     for shard in needs_w.shards:
@@ -90,10 +135,12 @@ def grid_linear(ctx: RuleContext) -> Strategy:
         if not divisible(w_shape[shard.dim], ctx.sizes[shard.axis] * g):
             return replicate(ctx, note=f"weight dim {shard.dim} of {w_shape[shard.dim]} does "
                                        f"not split over the {ctx.mode} grid")
-    needs = {x: Need(needs_x), w: Need(needs_w)}
+    cp = _over_cp(ctx, needs_x)
+    needs = {x: Need(needs_x), w: Need(needs_w, cp if ctx.requires_grad.get(w) else False)}
     if bias is not None:
-        needs[bias] = Need(role_layout(ctx, grid, "bias", 1, groups))
-    out = role_layout(ctx, grid, "y", len(ctx.info.shape), groups)
+        needs[bias] = Need(role_layout(ctx, grid, "bias", 1, groups),
+                           cp if ctx.requires_grad.get(bias) else False)
+    out = _tokens_out(ctx, x, needs_x, role_layout(ctx, grid, "y", len(ctx.info.shape), groups))
     X, W = ctx.local_bytes(x, needs_x), ctx.local_bytes(w, needs_w)
     Y = ctx.local_bytes(node, out)
     rg = ctx.requires_grad
@@ -158,7 +205,7 @@ def grid_norm(ctx: RuleContext) -> Strategy:
     hidden = layout.shard_of_dim(nx - 1) if isinstance(layout, Layout) else None
     if layout.partial or hidden is None or hidden.groups != 1 or \
             hidden.axis not in ctx.mesh.physical:
-        layout = role_layout(ctx, _pick_grid(ctx, x), "x", nx)
+        layout = keep_tokens(ctx, x, role_layout(ctx, _pick_grid(ctx, x), "x", nx))
         hidden = layout.shard_of_dim(nx - 1)
     h = hidden.axis
     if not divisible(ctx.shape(x)[-1], ctx.sizes[h]):
@@ -200,6 +247,10 @@ def grid_embedding(ctx: RuleContext) -> Strategy:
     grads: tuple = ()
     if nids and batch_like(ctx.shape(ids)[0]):
         ids_layout = role_layout(ctx, grid, "ids", nids)
+        held = ctx.layout(ids)
+        tokens = held.shard_on(CP) if isinstance(held, Layout) else None
+        if tokens is not None and tokens.dim > 0:  # [batch, tokens] ids: cp's split kept
+            ids_layout = ids_layout.with_shard(tokens.dim, CP, tokens.groups)
         grads = tuple(s.axis for s in ids_layout.shards)
     out = Layout(nids + 1, tuple(sorted(ids_layout.shards + (Shard(nids, hidden.axis),))))
     needs = {w: Need(table, grads or False), ids: Need(ids_layout)}
@@ -220,8 +271,9 @@ def grid_loss(ctx: RuleContext) -> Strategy:
     layout = ctx.layout(logits)
     vocab = layout.shard_of_dim(1) if isinstance(layout, Layout) else None
     batch = layout.shard_of_dim(0) if isinstance(layout, Layout) else None
+    rows = batch is not None and _cp_rows(ctx, batch.axis)  # batch x tokens beside cp
     if layout.partial or vocab is None or vocab.groups != 1 or \
-            (batch is not None and batch.groups != 1):
+            (batch is not None and batch.groups != 1 and not rows):
         layout = role_layout(ctx, GRIDS[ctx.mode][0], "y", 2)
         vocab, batch = layout.shard_of_dim(1), layout.shard_of_dim(0)
     if not divisible(ctx.shape(logits)[1], ctx.sizes[vocab.axis]):
@@ -229,8 +281,9 @@ def grid_loss(ctx: RuleContext) -> Strategy:
     target_layout = Layout.replicated(1)
     batch_axes: tuple = ()
     if batch is not None:
-        target_layout = target_layout.with_shard(0, batch.axis)
-        batch_axes = (batch.axis,)
+        target_layout = target_layout.with_shard(0, batch.axis, batch.groups)
+        # the loss sum and count summed over each group that splits the rows
+        batch_axes = ctx.mesh.components(batch.axis) if rows else (batch.axis,)
     item = itemsize(logits.meta["autopar"].dtype)
     rows = ctx.local_bytes(logits, layout) / (ctx.shape(logits)[1] / ctx.sizes[vocab.axis])
     comm = ctx.comm_on("all_reduce", vocab.axis, rows) + \

@@ -105,6 +105,13 @@ def _reshape(ctx: RuleContext, x: fx.Node, shard: Shard) -> Strategy:
     sequence split gathered or flattened per sample, else replicated."""
     node = ctx.node
     in_shape, out_shape = ctx.shape(x), ctx.info.shape
+    if _cp_rows(ctx, shard.axis):  # [B*S, ...] over cp's runs and a grid's batch axis
+        back, _ = reshape_shard(in_shape, out_shape, shard, ctx.sizes[CP])
+        if back is not None and back.dim >= 1 and back.groups == 1:  # to [B, S, ...]
+            batch = ctx.mesh.composite(ctx.mesh.components(shard.axis)[1:])
+            return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
+                back.dim - 1, batch).with_shard(back.dim, CP), rewrite=Rewrite.LOCAL_SIZES)
+        return replicate(ctx)
     new, groups_needed = reshape_shard(in_shape, out_shape, shard, ctx.size)
     if new is not None:
         return follow(ctx, x, Layout.replicated(len(out_shape)).with_shard(
@@ -128,6 +135,13 @@ def _reshape(ctx: RuleContext, x: fx.Node, shard: Shard) -> Strategy:
     if ctx.axis != CP:  # the sequence split is gathered here; the producer keeps it
         ctx.ask_producer(x, ("replicate",))
     return replicate(ctx)
+
+
+def _cp_rows(ctx: RuleContext, axis: str) -> bool:
+    """Whether `axis` is cp and a grid's batch axis over one flattened dim (`cp_batch`)."""
+    mesh = ctx.mesh
+    return mesh is not None and axis in mesh.composites and \
+        mesh.components(axis)[0] == CP and not mesh.has_group(axis)
 
 
 def _slice(ctx: RuleContext, x: fx.Node, layout: Layout, shard: Shard) -> Strategy:

@@ -1,0 +1,145 @@
+"""Context parallelism beside 2D, 2.5D and 3D tensor parallelism.
+
+The grid's mesh holds cp as its outermost dim (pp, dp, cp, then the grid's dims): the grid
+splits weights and the batch and hidden dims of activations, cp the tokens. Grid linears,
+norms and embeddings are per token, so they keep their input's split over cp (their
+weights' gradients summed over cp); attention runs ring (zigzag or contiguous) or Ulysses
+over cp on the batch and heads block the grid leaves each rank. At world 8 (cp 2 x a grid
+of 4) each run trains 5 AdamW steps equal to one device (tests/equivalence.py: losses and
+weights within 1e-5) with measured communication equal to the plan's for every (op, axis).
+cp 2 beside a 3D cube of 8 runs at world 16 (gpt-tiny, ring), and its solution under both
+sequence modes is checked in one process.
+
+A value whose batch and tokens are flattened into one dim (the language model's logits and
+targets, GPT-2's Conv1D inputs) lies over `cp_<batch axis>`: cp's per-sample runs of tokens,
+then the grid's batch split, which are the rows a rank holds; grid linears and the grid's
+cross-entropy take their rows there (the loss summed over cp and the batch axes), so
+nothing gathers the sequence.
+"""
+
+import pytest
+from distributed import dist_pool_fixture
+from equivalence import assert_equal, build, compare
+from test_cp_combos import hf_llama
+
+import autopar
+from autopar.modes import CP, RING, TP
+from autopar.sharding.layout import Layout
+
+pool8 = dist_pool_fixture(8, timeout_s=900)
+pool16 = dist_pool_fixture(16, timeout_s=900)
+
+GRIDS = {"2d": {"size": 4, "mode": "2d"}, "2.5d": {"size": 4, "mode": "2.5d", "depth": 1},
+         "3d": {"size": 8, "mode": "3d"}}
+
+
+def cp_grid(mode, grid, layout=None):
+    sequence = {"size": 2, "mode": mode, **({"layout": layout} if layout else {})}
+    return {"sequence": sequence, "tensor": GRIDS[grid]}
+
+
+@pytest.mark.parametrize("name,grid,mode,layout", [
+    ("gpt-tiny", "2d", "ring", "zigzag"), ("hf-gpt2", "2d", "ring", "contiguous"),
+    ("hf-llama", "2d", "ulysses", None), ("llama-tiny", "2.5d", "ulysses", None)])
+def test_cp2_beside_a_grid_of_4_equals_one_device(pool8, name, grid, mode, layout):
+    """hf-gpt2: transformers' GPT-2, whose Conv1D linears read [batch x tokens, hidden] (over
+    cp and the grid's batch axis, like the loss); hf-llama: transformers' Llama with
+    grouped-query attention (2 kv heads of 4: one per grid rank, repeated for Ulysses' head
+    split)."""
+    results = pool8.run(compare, hf_llama if name == "hf-llama" else name,
+                        cp_grid(mode, grid, layout))
+    assert_equal(results)
+    measured = results[0]["measured"]
+    assert measured[("p2p" if mode == "ring" else "all_to_all", CP)] > 0  # the sequence kernel
+    assert measured[("broadcast", "tp_i")] > 0 and measured[("broadcast", "tp_j")] > 0  # SUMMA
+    assert measured[("all_reduce", CP)] > 0  # the weights' gradients, whole on cp
+    assert all(r["measured"] == measured for r in results)
+
+
+def test_cp2_beside_3d_equals_one_device(pool16):
+    results = pool16.run(compare, "gpt-tiny", cp_grid("ring", "3d"))
+    assert_equal(results)
+    measured = results[0]["measured"]
+    assert measured[("p2p", CP)] > 0 and measured[("all_gather", "tp_a")] > 0
+
+
+def test_cp_beside_a_grid_runs_and_holds_cp_outermost():
+    for grid in GRIDS:
+        plan = autopar.Plan.from_dict(cp_grid("ring", grid), 2 * GRIDS[grid]["size"])
+        assert plan.unsupported() == []
+        mesh = plan.tensor_mesh()
+        assert mesh.physical[0] == CP and mesh.size(CP) == 2
+        assert mesh.size(TP) == GRIDS[grid]["size"]  # tp: the grid alone
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
+    """The training graph of cp 2 x 3D 8 solved in one process: every linear keeps its input's
+    tokens on cp beside the cube's batch and hidden splits, attention runs the sequence
+    kernel on the ranks' batch x heads block, and what crosses cp is that kernel's traffic,
+    the weights' gradient sums, the loss's sum and the targets' and position table's
+    gathers; the loss takes the logits' rows where they lie, over cp and the cube's batch
+    axes."""
+    from autopar.graph.trace import trace
+    from autopar.sharding.solve import solve
+
+    plan = autopar.Plan.from_dict(cp_grid(mode, "3d"), 16)
+    model, inputs, target, loss_fn = build("gpt-tiny", 8)
+    traced = trace(model, tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                   example_target=target[:2], train=True)
+    sol = solve(traced, axis=TP, size=8, modes=plan.layer_modes(), default_mode="3d",
+                mesh=plan.tensor_mesh(), sequence_mode=plan.sequence_mode or RING,
+                sequence_layout=plan.cp_layout())
+    linears = [n for n, s in sol.strategies.items() if s.name == "3d linear"]
+    assert len(linears) == 9
+    for node in linears[:-1]:  # the blocks' linears: [B, S, features] in and out
+        assert sol.strategies[node].needs[node.args[0]].layout.shard_of_dim(1).axis == CP
+        assert sol.layouts[node].shard_of_dim(1).axis == CP
+    attention = [s for s in sol.strategies.values() if s.name.endswith("sequence")]
+    assert len(attention) == 2
+    q = Layout.replicated(4).with_shard(2, CP)
+    assert all(len(s.needs) == 3 and all(n.layout.shard_on(CP) == q.shards[0]
+                                         for n in s.needs.values()) for s in attention)
+    kernel = "p2p" if mode == "ring" else "all_to_all"
+    cp_ops = {(c.op, c.where.startswith("scaled_dot")) for c in sol.comm if c.axis == CP}
+    assert cp_ops == {(kernel, True), ("all_reduce", False), ("all_gather", False)}
+    gathers = {c.where for c in sol.comm if c.axis == CP and c.op == "all_gather"}
+    assert not [w for w in gathers if w.startswith("reshape")], gathers  # the logits' view
+    loss = next(s for s in sol.strategies.values() if s.name == "3d vocab_parallel")
+    logits, target = (need.layout.shard_of_dim(0) for need in loss.needs.values())
+    assert logits == target and logits.axis in ("cp_tp_ba", "cp_tp_bc") and logits.groups < 0
+    assert loss.args["batch"][0] == CP
+
+
+def test_planner_prices_ulysses_beside_2d_as_the_solution_sends():
+    """8 heads, 2 kv heads: a 2D grid of 2 x 2 leaves a rank 4 heads and 1 kv head, which
+    Ulysses over cp 2 repeats twice. The planner's bytes per attention (what a rank sends,
+    (c - 1)/c of each buffer) equal the solution's all-to-alls over cp at the same batch."""
+    import sympy
+
+    from autopar.cost.comm import Placement
+    from autopar.cost.hardware import load_hardware
+    from autopar.cost.model import Context, TensorMode, _context_comm
+    from autopar.graph.ir import BATCH
+    from autopar.graph.trace import trace
+    from autopar.models import workload
+    from autopar.search import planner
+    from autopar.sharding.solve import solve
+
+    w = workload("llama:layers=1,hidden=64,heads=8,kv_heads=2,ffn=128,vocab=64,seq=32", seq=32)
+    chain = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                            tp_sizes=[1])
+    block = next(lt for lt in chain.types if lt.attention)
+    ctx = Context(load_hardware("a100-80gb"), "fp32", Placement(4, 4), Placement(2, 2),
+                  "ulysses")
+    mode = TensorMode("2d", 4, q=2)
+    priced = _context_comm(block, mode, 4, ctx, [0.0], False).nbytes * 2  # c / (c - 1)
+
+    plan = autopar.Plan.from_dict(cp_grid("ulysses", "2d"), 8)
+    traced = trace(w.model, tuple(w.inputs), loss_fn=w.loss_fn, example_target=w.target,
+                   train=True)
+    sol = solve(traced, axis=TP, size=4, modes=plan.layer_modes(), default_mode="2d",
+                mesh=plan.tensor_mesh(), sequence_mode="ulysses")
+    sent = sum(sympy.sympify(c.bytes).subs(BATCH, 4) for c in sol.comm
+               if c.axis == CP and c.op == "all_to_all")
+    assert sent > 0 and float(sent) == pytest.approx(priced)
