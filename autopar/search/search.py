@@ -61,7 +61,8 @@ from autopar.search.partition import balance_within
 from autopar.search.prepared import Fast, Leaf, Prepared
 from autopar.search.space import Constraints, Options, Space, divisors
 
-__all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "divisors"]
+__all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
+           "divisors"]
 
 
 @dataclass(kw_only=True)
@@ -131,9 +132,14 @@ class Search:
     """One search over one model and world; reusable for several questions."""
 
     def __init__(self, chain: LayerChain, world, options: Options, constraints=None,
-                 state_costs: dict | None = None):
+                 state_costs: dict | None = None, grid_only: bool = False,
+                 settled: dict | None = None):
         """`state_costs`: layer state costs to share with other searches of this chain and
-        world in the same dtype and attention kernel (their capabilities may differ)."""
+        world in the same dtype and attention kernel (their capabilities may differ);
+        `grid_only`: only the meshes whose tensor group may take a multi-dimensional mode
+        (the rest of the space is a 1D search's); `settled`: shared with those searches, the
+        leaves (under one ZeRO option) whose fastest states fit as they are, so a search
+        that meets one with the same fastest states skips the candidate already priced."""
         self.chain = chain
         self.world = world
         self.hw: Hardware = world.profile
@@ -150,17 +156,22 @@ class Search:
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
         self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
             chain.param_dtype, executable=options.executable is not None), self.layers)
+        self.grid_only = grid_only
+        self._settled = settled
         self.candidates = 0
+        self.best_times: list[float] = []  # after `run`: the k best fitting step times
         self._leaf_numbers = itertools.count()
 
     # ------------------------------------------------------------------ the search
-    def run(self, progress=None) -> SearchResult:
+    def run(self, progress=None, cutoff: float = float("inf")) -> SearchResult:
         """Price every leaf's lower bound, then evaluate leaves best bound first until the
-        bound passes the k-th best plan found (branch and bound: exact for the top k)."""
-        with _collector_paused():
-            return self._run(progress)
+        bound passes the k-th best plan found (branch and bound: exact for the top k);
+        `cutoff`: the k-th best step time other searches found, which no leaf whose bound
+        reaches it can enter."""
+        with collector_paused():
+            return self._run(progress, cutoff)
 
-    def _run(self, progress) -> SearchResult:
+    def _run(self, progress, cutoff: float) -> SearchResult:
         start = time.perf_counter()
         meshes, leaves = self._all_leaves(progress)
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
@@ -171,7 +182,7 @@ class Search:
             if progress and j % 64 == 0:
                 progress(len(meshes) + j * len(meshes) // len(leaves), 2 * len(meshes))
             key = _mesh_key(leaf.mesh) + (leaf.split.ep if leaf.split is not None else 1,)
-            if len(top) >= self.opt.top and leaf.bound >= -top[0][0]:
+            if leaf.bound >= min(cutoff, -top[0][0] if len(top) >= self.opt.top else cutoff):
                 bounds.setdefault(key, leaf)
                 continue
             for cand in self._evaluate(leaf):
@@ -185,6 +196,7 @@ class Search:
                         heapq.heappush(top, item)
                     elif cand.step_time < -top[0][0]:
                         heapq.heapreplace(top, item)
+        self.best_times = sorted(-t for t, _, _ in top)
         ranked = sorted(per_mesh.values(), key=lambda c: (not c.fits, c.step_time if c.fits
                                                           else c.memory_per_device))
         winner = ranked[0] if ranked and ranked[0].fits else None
@@ -204,7 +216,7 @@ class Search:
     def every(self, progress=None) -> list[Candidate]:
         """Every candidate of the space, in leaf order, none skipped by a bound (for
         benchmarks and for checking `run`)."""
-        with _collector_paused():
+        with collector_paused():
             _, leaves = self._all_leaves(progress)
             out = []
             for leaf in leaves:
@@ -219,6 +231,8 @@ class Search:
         world = self.world.devices
         heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
         meshes = self.space.meshes(world)
+        if self.grid_only:
+            meshes = [m for m in meshes if self.space.has_grid(m[TP])]
         if self.opt.executable is not None:
             self.left_out.extend(why.not_executable(self.opt.executable))
         if not meshes:
@@ -393,8 +407,17 @@ class Search:
             leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v)
             leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
+        settled, fast = self._settled, None
+        if settled is not None:
+            fast = tuple(leaf.prep.states_of(leaf.prep.fast))
+            key = (_mesh_key(leaf.mesh), leaf.split.ep if leaf.split is not None else 1,
+                   leaf.cp_mode, leaf.b, leaf.schedule, leaf.v)
         for zero, offload, shard in leaf.zeros:
+            if fast is not None and settled.get(key + (zero, offload, shard)) == fast:
+                continue  # the same candidate as another search's
             cand, moved = self._priced(leaf, zero, offload, shard)
+            if fast is not None and cand.fits and not moved:
+                settled.setdefault(key + (zero, offload, shard), fast)
             yield cand
             if leaf.mesh[PP] > 1 and leaf.v == 1 and (not cand.fits or (
                     moved and cand.states != leaf.prep.states_of(leaf.prep.fast))):
@@ -528,7 +551,7 @@ class Search:
 
 
 @contextlib.contextmanager
-def _collector_paused():
+def collector_paused():
     """Python's cyclic garbage collector paused while the search runs. The search makes
     many short-lived containers, and each full collection they trigger walks every object
     the process holds (torch alone keeps some 400k alive): about a quarter of the search's
