@@ -9,9 +9,9 @@ space whole, at no more candidates than the free search prices.
 import pytest
 
 from autopar.models import workload
+from autopar.modes import RUNTIME
 from autopar.search import planner
 from autopar.search.search import Options, Search
-from autopar.modes import RUNTIME
 from autopar.world import World
 
 SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"
