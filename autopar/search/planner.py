@@ -242,8 +242,8 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
         cutoff = times[options.top - 1] if len(times) >= options.top else float("inf")
         try:
             results.append(search.run(progress if grid is None else None, cutoff))
-        except PlanError as e:
-            errors.append(e)
+        except PlanError as e:  # kept without its frames: they would hold every search
+            errors.append(e.with_traceback(None))
         times = sorted(times + search.best_times)
     if not results:
         raise errors[0]

@@ -158,6 +158,8 @@ class Search:
             chain.param_dtype, executable=options.executable is not None), self.layers)
         self.grid_only = grid_only
         self._settled = settled
+        self._fast_keys: dict = {}  # id(Prepared) -> its fastest path (`_fast_key`)
+        self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made
         self.candidates = 0
         self.best_times: list[float] = []  # after `run`: the k best fitting step times
         self._leaf_numbers = itertools.count()
@@ -173,6 +175,7 @@ class Search:
 
     def _run(self, progress, cutoff: float) -> SearchResult:
         start = time.perf_counter()
+        self._cutoff = cutoff
         meshes, leaves = self._all_leaves(progress)
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
         top: list = []  # max-heap by time of the k best fitting candidates
@@ -336,6 +339,8 @@ class Search:
             # stages perfectly balanced, parameters evenly spread (experts' sync left out:
             # it runs over a smaller group)
             avg = prep.min_total / pp
+            if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
+                continue
             slowest = max(avg, prep.min_single)
             dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
                                       grad_pl, cache=None if shard else dp_cache,
@@ -356,6 +361,8 @@ class Search:
                     # no less than the pipeline's work spread over its cores, nor the
                     # schedule at a whole core per rank
                     pipe = max(m * avg, self.hw.compute_share * pipe)
+                if pipe + dp_lb >= self._cutoff:
+                    continue  # another search's k best are faster
                 out.append(Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
                                  mesh=dict(mesh), pl=pl, grad_pl=grad_pl, cp_mode=cp_mode,
                                  b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=leaf_zeros,
@@ -403,18 +410,20 @@ class Search:
 
     def _evaluate(self, leaf):
         leaf.prep.build()
+        settled, fast, zeros = self._settled, None, leaf.zeros
+        if settled is not None:
+            fast = self._fast_key(leaf.prep)
+            key = (_mesh_key(leaf.mesh), leaf.split.ep if leaf.split is not None else 1,
+                   leaf.cp_mode, leaf.b, leaf.schedule, leaf.v)
+            # what another search priced alike is the same candidate
+            zeros = [z for z in zeros if settled.get(key + z) != fast]
+            if not zeros:
+                return
         if leaf.stage_of is None:
             leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v)
             leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
-        settled, fast = self._settled, None
-        if settled is not None:
-            fast = tuple(leaf.prep.states_of(leaf.prep.fast))
-            key = (_mesh_key(leaf.mesh), leaf.split.ep if leaf.split is not None else 1,
-                   leaf.cp_mode, leaf.b, leaf.schedule, leaf.v)
-        for zero, offload, shard in leaf.zeros:
-            if fast is not None and settled.get(key + (zero, offload, shard)) == fast:
-                continue  # the same candidate as another search's
+        for zero, offload, shard in zeros:
             cand, moved = self._priced(leaf, zero, offload, shard)
             if fast is not None and cand.fits and not moved:
                 settled.setdefault(key + (zero, offload, shard), fast)
@@ -428,6 +437,16 @@ class Search:
                     yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
                                                           transfer=None, fast=None),
                                       zero, offload, shard)
+
+    def _fast_key(self, prep) -> tuple:
+        """The prepared states' fastest path as plain values, which other searches' states
+        (equal, not the same objects) compare to cheaply."""
+        hit = self._fast_keys.get(id(prep))
+        if hit is None:
+            hit = self._fast_keys[id(prep)] = tuple(
+                (s.mode.name, s.mode.size, s.mode.q, s.mode.d, s.sp, s.recompute)
+                for s in prep.states_of(prep.fast))
+        return hit
 
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
