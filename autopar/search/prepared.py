@@ -6,7 +6,6 @@ layer states of one (mesh, placement, micro-batch) with their time and memory ta
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass, field
 
 import numpy as np
