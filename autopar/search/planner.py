@@ -175,9 +175,11 @@ def search(chain: LayerChain, world: World, *, global_batch: int, constraints=No
     _check_top(top)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
                       executable=RUNTIME if executable else None, top=top, compile=compile)
-    if not executable:
-        return Search(chain, world, options, constraints).run(progress)
-    with collector_paused():  # once for all its searches: each pause ends in a collection
+    # paused here, not only inside run: the searches' caches are freed before the collector
+    # resumes, so its first collection has nothing of theirs to walk
+    with collector_paused():
+        if not executable:
+            return Search(chain, world, options, constraints).run(progress)
         return _executable_search(chain, world, options, constraints, progress)
 
 
