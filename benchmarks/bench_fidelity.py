@@ -197,6 +197,10 @@ BEST_PUBLISHED = {
     ("llama3-70b", "h100-80gb"): (0.4257, 0.5676,
                                   "MPT-70B s2048 x64, full recompute: MFU 42.57%, HFU 56.76% "
                                   "(llm-foundry H100 table); Megatron-Core 70B x768: 42.4%"),
+    ("gpt3-175b", "a100-80gb"): (0.514, 0.528,
+                                 "GPT 175B x512, SP + selective recompute, dp 1: MFU 51.4%, "
+                                 "HFU 52.8% (Megatron-LM README, from Korthikanti et al. 2022); "
+                                 "the best A100 run of any size: 1T, MFU 56.3%, HFU 57.0%"),
 }
 
 
@@ -531,8 +535,11 @@ def main() -> int:
     if not args.skip_optimism:
         checks = [optimism(m, d, g) for m in ("llama3-8b", "llama3-70b")
                   for d in ("a100-80gb", "h100-80gb") for g in (64, 512)]
+        # the README's first command: GPT-3 175B on 1024 A100, batch 1536 of 2048 tokens
+        checks.append(optimism("gpt3-175b", "a100-80gb", 1024, batch=1536, seq=2048))
         print()
-        print("Free search, sequence 8192, global batch 512 (4M tokens): predicted MFU "
+        print("Free search, sequence 8192, global batch 512 (4M tokens; GPT-3 175B: 2048 and "
+              "1536, as the README plans it): predicted MFU "
               "(attention FLOPs counted whole, as the published MFUs count them; 'causal': "
               "counted at the half a causal kernel computes) against the best published MFU "
               "and HFU of that model class and GPU")

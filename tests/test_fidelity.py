@@ -93,3 +93,14 @@ def test_megatron_h100_rows_are_the_readme_table():
         b, s, n, h, v = run.batch, run.seq, cfg.n_layer, cfg.n_embd, cfg.vocab_size
         flops = 12 * b * s * n * h * h * ((2 + s / h) + 4 + v / (2 * n * h))
         assert figure(run, 1.0) == pytest.approx(flops / run.gpus / 1e12, rel=1e-12)
+
+
+def test_the_optimism_check_holds_gpt3_175b_to_its_own_published_run():
+    """The optimism check's GPT-3 175B A100 row (the README's first command) compares with
+    the 175B run of the table above: the same MFU, and an HFU above it (selective
+    recomputation counted)."""
+    from bench_fidelity import BEST_PUBLISHED
+
+    mfu, hfu, _ = BEST_PUBLISHED[("gpt3-175b", "a100-80gb")]
+    (run,) = [r for r in RUNS if r.name == "GPT 175B (Korthikanti)"]
+    assert mfu == run.published and mfu < hfu

@@ -47,7 +47,15 @@ from autopar.modes import (
 from autopar.plans import LayerPlan, PipelinePlan, Plan, ZeroPlan
 from autopar.plans.views import views
 from autopar.search import why
-from autopar.search.search import Candidate, Constraints, Options, Search, SearchResult, divisors
+from autopar.search.search import (
+    Candidate,
+    Constraints,
+    Options,
+    Search,
+    SearchResult,
+    collector_paused,
+    divisors,
+)
 from autopar.world import World, local_device
 
 # the parameters' dtype of each precision: fp8 holds bf16 weights and casts the linear
@@ -167,9 +175,12 @@ def search(chain: LayerChain, world: World, *, global_batch: int, constraints=No
     _check_top(top)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
                       executable=RUNTIME if executable else None, top=top, compile=compile)
-    if not executable:
-        return Search(chain, world, options, constraints).run(progress)
-    return _executable_search(chain, world, options, constraints, progress)
+    # paused here, not only inside run: the searches' caches are freed before the collector
+    # resumes, so its first collection has nothing of theirs to walk
+    with collector_paused():
+        if not executable:
+            return Search(chain, world, options, constraints).run(progress)
+        return _executable_search(chain, world, options, constraints, progress)
 
 
 def _grids(world: int) -> list:
@@ -216,19 +227,26 @@ def _sequence_parallel_length(chain: LayerChain, world: int) -> int | None:
 def _executable_search(chain, world, options, constraints, progress) -> SearchResult:
     """The runtime runs one grid per plan (1D layers may join it): search 1D alone and 1D
     with each grid the world can form, and keep the fastest; the union of these spaces is
-    exactly what `parallelize` can execute."""
+    exactly what `parallelize` can execute. A grid's search walks only the meshes whose
+    tensor group can form it (elsewhere its space is the 1D one), skips what cannot beat
+    the k best step times found so far and the candidates an earlier search priced alike
+    (`settled`): the same top k as searching each space whole."""
     start = time.perf_counter()
-    results, first, errors = [], None, []
+    results, first, errors, times = [], None, [], []
     sp_seq = _sequence_parallel_length(chain, world.devices)
     state_costs: dict = {}  # the 1D layers' states priced once for every grid
+    settled: dict = {}
     for grid in [None] + _grids(world.devices):
         opt = _narrowed(options, grid, sp_seq)
-        search = Search(chain, world, opt, constraints, state_costs)
+        search = Search(chain, world, opt, constraints, state_costs, grid_only=grid is not None,
+                        settled=settled)
         first = first or search
+        cutoff = times[options.top - 1] if len(times) >= options.top else float("inf")
         try:
-            results.append(search.run(progress if grid is None else None))
-        except PlanError as e:
-            errors.append(e)
+            results.append(search.run(progress if grid is None else None, cutoff))
+        except PlanError as e:  # kept without its frames: they would hold every search
+            errors.append(e.with_traceback(None))
+        times = sorted(times + search.best_times)
     if not results:
         raise errors[0]
     ranked = sorted((r.best for r in results if r.best), key=lambda c: c.step_time)

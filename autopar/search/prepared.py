@@ -5,6 +5,7 @@ layer states of one (mesh, placement, micro-batch) with their time and memory ta
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,7 +65,9 @@ class Prepared:
         recomputation, its fastest (recomputing adds compute and reruns collectives, never
         takes any away) and with the same parameters and workspace; `build` the rest."""
         order = search.chain.order
-        self.search = search
+        # no reference cycle with the search that caches it: both go by reference counting
+        # when the search is dropped, with no collection to walk them
+        self.search = weakref.proxy(search)
         self.kinds, self.context = kinds, context
         self.per_type = [(states, [None] * len(states)) for _, states in kinds]
         self.order = order

@@ -60,7 +60,8 @@ from autopar.search.partition import balance_within
 from autopar.search.prepared import Fast, Leaf, Prepared
 from autopar.search.space import Constraints, Options, Space, divisors
 
-__all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "divisors"]
+__all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
+           "divisors"]
 
 
 @dataclass(kw_only=True)
@@ -130,9 +131,14 @@ class Search:
     """One search over one model and world; reusable for several questions."""
 
     def __init__(self, chain: LayerChain, world, options: Options, constraints=None,
-                 state_costs: dict | None = None):
+                 state_costs: dict | None = None, grid_only: bool = False,
+                 settled: dict | None = None):
         """`state_costs`: layer state costs to share with other searches of this chain and
-        world in the same dtype and attention kernel (their capabilities may differ)."""
+        world in the same dtype and attention kernel (their capabilities may differ);
+        `grid_only`: only the meshes whose tensor group may take a multi-dimensional mode
+        (the rest of the space is a 1D search's); `settled`: shared with those searches, the
+        leaves (under one ZeRO option) whose fastest states fit as they are, so a search
+        that meets one with the same fastest states skips the candidate already priced."""
         self.chain = chain
         self.world = world
         self.hw: Hardware = world.profile
@@ -149,18 +155,26 @@ class Search:
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
         self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
             chain.param_dtype), self.layers)
+        self.grid_only = grid_only
+        self._settled = settled
+        self._fast_keys: dict = {}  # id(Prepared) -> its fastest path (`_fast_key`)
+        self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made
         self.candidates = 0
+        self.best_times: list[float] = []  # after `run`: the k best fitting step times
         self._leaf_numbers = itertools.count()
 
     # ------------------------------------------------------------------ the search
-    def run(self, progress=None) -> SearchResult:
+    def run(self, progress=None, cutoff: float = float("inf")) -> SearchResult:
         """Price every leaf's lower bound, then evaluate leaves best bound first until the
-        bound passes the k-th best plan found (branch and bound: exact for the top k)."""
-        with _collector_paused():
-            return self._run(progress)
+        bound passes the k-th best plan found (branch and bound: exact for the top k);
+        `cutoff`: the k-th best step time other searches found, which no leaf whose bound
+        reaches it can enter."""
+        with collector_paused():
+            return self._run(progress, cutoff)
 
-    def _run(self, progress) -> SearchResult:
+    def _run(self, progress, cutoff: float) -> SearchResult:
         start = time.perf_counter()
+        self._cutoff = cutoff
         meshes, leaves = self._all_leaves(progress)
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
         top: list = []  # max-heap by time of the k best fitting candidates
@@ -170,7 +184,7 @@ class Search:
             if progress and j % 64 == 0:
                 progress(len(meshes) + j * len(meshes) // len(leaves), 2 * len(meshes))
             key = _mesh_key(leaf.mesh) + (leaf.split.ep if leaf.split is not None else 1,)
-            if len(top) >= self.opt.top and leaf.bound >= -top[0][0]:
+            if leaf.bound >= min(cutoff, -top[0][0] if len(top) >= self.opt.top else cutoff):
                 bounds.setdefault(key, leaf)
                 continue
             for cand in self._evaluate(leaf):
@@ -184,6 +198,7 @@ class Search:
                         heapq.heappush(top, item)
                     elif cand.step_time < -top[0][0]:
                         heapq.heapreplace(top, item)
+        self.best_times = sorted(-t for t, _, _ in top)
         ranked = sorted(per_mesh.values(), key=lambda c: (not c.fits, c.step_time if c.fits
                                                           else c.memory_per_device))
         winner = ranked[0] if ranked and ranked[0].fits else None
@@ -203,7 +218,7 @@ class Search:
     def every(self, progress=None) -> list[Candidate]:
         """Every candidate of the space, in leaf order, none skipped by a bound (for
         benchmarks and for checking `run`)."""
-        with _collector_paused():
+        with collector_paused():
             _, leaves = self._all_leaves(progress)
             out = []
             for leaf in leaves:
@@ -218,6 +233,8 @@ class Search:
         world = self.world.devices
         heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
         meshes = self.space.meshes(world)
+        if self.grid_only:
+            meshes = [m for m in meshes if self.space.has_grid(m[TP])]
         if self.opt.executable is not None:
             self.left_out.extend(why.not_executable(self.opt.executable))
         if not meshes:
@@ -321,6 +338,8 @@ class Search:
             # stages perfectly balanced, parameters evenly spread (experts' sync left out:
             # it runs over a smaller group)
             avg = prep.min_total / pp
+            if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
+                continue
             slowest = max(avg, prep.min_single)
             dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
                                       grad_pl, cache=None if shard else dp_cache,
@@ -341,6 +360,8 @@ class Search:
                     # no less than the pipeline's work spread over its cores, nor the
                     # schedule at a whole core per rank
                     pipe = max(m * avg, self.hw.compute_share * pipe)
+                if pipe + dp_lb >= self._cutoff:
+                    continue  # another search's k best are faster
                 out.append(Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
                                  mesh=dict(mesh), pl=pl, grad_pl=grad_pl, cp_mode=cp_mode,
                                  b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=leaf_zeros,
@@ -388,12 +409,23 @@ class Search:
 
     def _evaluate(self, leaf):
         leaf.prep.build()
+        settled, fast, zeros = self._settled, None, leaf.zeros
+        if settled is not None:
+            fast = self._fast_key(leaf.prep)
+            key = (_mesh_key(leaf.mesh), leaf.split.ep if leaf.split is not None else 1,
+                   leaf.cp_mode, leaf.b, leaf.schedule, leaf.v)
+            # what another search priced alike is the same candidate
+            zeros = [z for z in zeros if settled.get(key + z) != fast]
+            if not zeros:
+                return
         if leaf.stage_of is None:
             leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v)
             leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
-        for zero, offload, shard in leaf.zeros:
+        for zero, offload, shard in zeros:
             cand, moved = self._priced(leaf, zero, offload, shard)
+            if fast is not None and cand.fits and not moved:
+                settled.setdefault(key + (zero, offload, shard), fast)
             yield cand
             if leaf.mesh[PP] > 1 and leaf.v == 1 and (not cand.fits or (
                     moved and cand.states != leaf.prep.states_of(leaf.prep.fast))):
@@ -404,6 +436,16 @@ class Search:
                     yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
                                                           transfer=None, fast=None),
                                       zero, offload, shard)
+
+    def _fast_key(self, prep) -> tuple:
+        """The prepared states' fastest path as plain values, which other searches' states
+        (equal, not the same objects) compare to cheaply."""
+        hit = self._fast_keys.get(id(prep))
+        if hit is None:
+            hit = self._fast_keys[id(prep)] = tuple(
+                (s.mode.name, s.mode.size, s.mode.q, s.mode.d, s.sp, s.recompute)
+                for s in prep.states_of(prep.fast))
+        return hit
 
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
@@ -525,7 +567,7 @@ class Search:
 
 
 @contextlib.contextmanager
-def _collector_paused():
+def collector_paused():
     """Python's cyclic garbage collector paused while the search runs. The search makes
     many short-lived containers, and each full collection they trigger walks every object
     the process holds (torch alone keeps some 400k alive): about a quarter of the search's

@@ -193,6 +193,10 @@ class Space:
         return [m for m in modes if all(tp in lt.sharded or m.name != TP_1D for lt in
                                         self.chain.types)]
 
+    def has_grid(self, tp: int) -> bool:
+        """Whether a tensor group of `tp` ranks may take a multi-dimensional mode here."""
+        return any(m.name != TP_1D for m in self.tp_modes(tp))
+
     def refused_tensor_sizes_1d(self) -> dict[int, str]:
         """Tensor size -> why 1d blocks cannot take it, from the chain's refusals."""
         out = {}
