@@ -190,18 +190,39 @@ def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
     return {"fall": peaks[False] - peaks[True], "said": said}
 
 
-def test_peak_falls_by_what_the_memory_model_says():
-    r = _peak_fall(32000, 512, {"data": 1})
-    assert r["said"]["losses"][0]["kernel"] == "aten"
-    assert abs(r["fall"] - r["said"]["saving_bytes"]) <= 0.10 * r["said"]["saving_bytes"], r
-
-
 def test_vocab_parallel_peak_falls_by_what_the_memory_model_says(pool2):
     for r in pool2.run(_peak_fall, 32000, 512, PLANS["tensor"]):
         assert r["said"]["losses"][0] == {"layer": "loss", "tokens": 512, "vocab": 16000,
                                           "kernel": "vocab_parallel", "whole_buffers": 4}
         assert abs(r["fall"] - r["said"]["saving_bytes"]) <= \
             0.10 * r["said"]["saving_bytes"], r
+
+
+def test_peak_falls_by_what_the_plan_says():
+    """Llama 3's vocabulary at 2048 tokens: the step's peak falls by the named effect, and
+    the plan's memory per device counts the loss's peak (one chunk's logits chunked;
+    unchunked, its whole buffers beyond the saved logits), so it falls as much; within 10%."""
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig
+
+    vocab, seq = 128256, 2048
+    r = _peak_fall(vocab, seq, {"data": 1})
+    measured = r["fall"]
+    assert r["said"]["losses"][0]["kernel"] == "aten"
+    assert abs(measured - r["said"]["saving_bytes"]) <= 0.10 * r["said"]["saving_bytes"], r
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=2, n_embd=32, block_size=seq))
+    x = torch.randint(0, vocab, (1, seq))
+    plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
+                             chunked_loss=c, example_target=x, global_batch=1,
+                             loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, vocab),
+                                                                    t.reshape(-1)))
+             for c in (True, False)}
+    buffers = {c: p.predicted["memory_breakdown_bytes"]["buffers"] for c, p in plans.items()}
+    chunk = losses.chunk_rows(vocab) * vocab * 4
+    assert buffers[True] >= chunk  # the chunk's transient logits are in the plan
+    said = plans[False].predicted["memory_per_device_bytes"] - \
+        plans[True].predicted["memory_per_device_bytes"]
+    assert abs(measured - said) <= 0.10 * said, (measured, said)
 
 
 def test_activations_lose_the_saved_logits():
