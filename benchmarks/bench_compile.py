@@ -156,6 +156,11 @@ def _paired(times: dict, row: str, other) -> float | None:
 
 def worker(rank, world, specs, batch, steps, groups, out_path):
     warnings.filterwarnings("ignore")
+    # inductor compiles in this process: a pool of compile workers per rank (each a torch
+    # import, hundreds of MiB) would be four pools on a 2-core machine
+    from torch._inductor import config as inductor
+
+    inductor.compile_threads = 1
     rows = []
     for group in groups:
         engines = _engines(group, specs, world, batch)
@@ -168,7 +173,12 @@ def worker(rank, world, specs, batch, steps, groups, out_path):
                          "vs_eager": _paired(times, row, eager),
                          "vs_peer": _paired(times, row, peer) if "autopar" in row else None,
                          "step_memory_bytes": memory[row], "loss": losses[row]})
+        # an engine's parameters, gradients and optimizer state sit in reference cycles: only
+        # the cyclic collector frees them, and it counts objects, not bytes, so without this
+        # the groups' engines piled up (the 110M run held eleven and was killed for memory)
         del engines
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world": world, "models": specs, "batch": batch, "steps": steps,

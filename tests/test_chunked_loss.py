@@ -1,6 +1,7 @@
 """The chunked cross-entropy (autopar.kernels.chunked_loss, autopar.passes.chunked_loss):
 the kernel against aten, the fused training graph against the unfused one and one device
-under data, 1D tensor (vocabulary-parallel), Megatron-SP, pipeline and ZeRO-3 plans on the
+under data, 1D tensor (vocabulary-parallel), Megatron-SP, pipeline (zero-bubble too) and
+ZeRO-3 plans on the
 zoo GPT and a transformers Llama whose loss is its own `loss_function`; the switch; the
 memory model's named effect and the peak memory it predicts against the measured fall."""
 
@@ -111,12 +112,37 @@ def test_loss_inside_the_forward_is_chunked(pool2, plan):
         assert r["measured"] == r["predicted"]
 
 
-def test_zero_bubble_keeps_the_loss_unfused(pool2):
+def test_zero_bubble_runs_the_loss_chunked(pool2):
+    """ZB-V splits each backward into B (input gradient) and W (weight gradient) through
+    autograd's graph: the fused loss gives each its own node, and trains as one device."""
     plan = {"pipeline": {"size": 2, "schedule": "zero_bubble", "microbatches": 4}}
     for r in pool2.run(_chunked_run, "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16", plan,
                        True):
-        assert r["probe"] == 0  # its split backward cannot split the fused op's
-        assert r["loss"] <= 1e-5 and r["weights"] <= 1e-5
+        assert r["probe"] == 1
+        assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, (r["loss"], r["weights"])
+
+
+def test_split_kernel_gives_each_gradient_its_own_node():
+    """The split form: the same loss and gradients as the fused one, the input gradient
+    computed without the weight's node running, and the weight's without the input's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, 8, requires_grad=True)
+    w = torch.randn(40, 8, requires_grad=True)
+    b = torch.randn(40, requires_grad=True)
+    t = torch.randint(0, 40, (26,))
+    whole = ChunkedCrossEntropy(None, chunk_bytes=3 * 40 * 4)
+    split = ChunkedCrossEntropy(None, chunk_bytes=3 * 40 * 4, split=True)
+    want = whole(x, w, t, b)
+    expected = torch.autograd.grad(want, (x, w, b))
+    got = split(x, w, t, b)
+    assert torch.equal(got, want)
+    (dx,) = torch.autograd.grad(got, (x,), retain_graph=True)
+    weight_node = got.grad_fn.next_functions[1][0]
+    assert type(weight_node).__name__ == "_WeightHalfBackward"
+    assert weight_node.next_functions[0][0] is None  # x enters detached
+    dw, db = torch.autograd.grad(got, (w, b))
+    for g, e in zip((dx, dw, db), expected):
+        assert torch.allclose(g, e, rtol=1e-6, atol=1e-6)
 
 
 def test_switch_off_keeps_the_traced_loss(pool2):
@@ -164,18 +190,39 @@ def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
     return {"fall": peaks[False] - peaks[True], "said": said}
 
 
-def test_peak_falls_by_what_the_memory_model_says():
-    r = _peak_fall(32000, 512, {"data": 1})
-    assert r["said"]["losses"][0]["kernel"] == "aten"
-    assert abs(r["fall"] - r["said"]["saving_bytes"]) <= 0.10 * r["said"]["saving_bytes"], r
-
-
 def test_vocab_parallel_peak_falls_by_what_the_memory_model_says(pool2):
     for r in pool2.run(_peak_fall, 32000, 512, PLANS["tensor"]):
         assert r["said"]["losses"][0] == {"layer": "loss", "tokens": 512, "vocab": 16000,
                                           "kernel": "vocab_parallel", "whole_buffers": 4}
         assert abs(r["fall"] - r["said"]["saving_bytes"]) <= \
             0.10 * r["said"]["saving_bytes"], r
+
+
+def test_peak_falls_by_what_the_plan_says():
+    """Llama 3's vocabulary at 2048 tokens: the step's peak falls by the named effect, and
+    the plan's memory per device counts the loss's peak (one chunk's logits chunked;
+    unchunked, its whole buffers beyond the saved logits), so it falls as much; within 10%."""
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig
+
+    vocab, seq = 128256, 2048
+    r = _peak_fall(vocab, seq, {"data": 1})
+    measured = r["fall"]
+    assert r["said"]["losses"][0]["kernel"] == "aten"
+    assert abs(measured - r["said"]["saving_bytes"]) <= 0.10 * r["said"]["saving_bytes"], r
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=2, n_embd=32, block_size=seq))
+    x = torch.randint(0, vocab, (1, seq))
+    plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
+                             chunked_loss=c, example_target=x, global_batch=1,
+                             loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, vocab),
+                                                                    t.reshape(-1)))
+             for c in (True, False)}
+    buffers = {c: p.predicted["memory_breakdown_bytes"]["buffers"] for c, p in plans.items()}
+    chunk = losses.chunk_rows(vocab) * vocab * 4
+    assert buffers[True] >= chunk  # the chunk's transient logits are in the plan
+    said = plans[False].predicted["memory_per_device_bytes"] - \
+        plans[True].predicted["memory_per_device_bytes"]
+    assert abs(measured - said) <= 0.10 * said, (measured, said)
 
 
 def test_activations_lose_the_saved_logits():

@@ -1,7 +1,8 @@
 """parallelize(..., compile=True): inductor over each rank's graph, regionally.
 
 Compiled runs equal one device (losses and weights within 1e-4 over 3 AdamW steps) under
-tensor 1D + Megatron-SP, ZeRO-3, a pipeline, ring attention and experts at world 2; the collectives
+tensor 1D + Megatron-SP, ZeRO-3, a pipeline, ring attention, Ulysses, experts, selective
+recomputation beside tensor 1D and ZeRO-2 at world 2, 2D and 2.5D at world 4; the collectives
 stay autopar's own (comm_log equals the plan's bytes); dynamo breaks no graph and compiles
 each distinct region once, however many blocks repeat it. Inductor's graph cache shares
 the compiled blocks between the tests (the block of a data plan is ZeRO-3's block).
@@ -22,6 +23,7 @@ from autopar.models import build as zoo_build
 from autopar.runtime.compile import PREFIX, Region, compilable
 
 pool2 = dist_pool_fixture(2)
+pool4 = dist_pool_fixture(4, timeout_s=900)
 
 
 def _deep_gpt(batch: int):
@@ -87,25 +89,47 @@ PLANS = {
     "pipeline": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}},
     "ring": {"sequence": {"size": 2, "mode": "ring"}},
     "experts": {"expert": 2},
+    "ulysses": {"sequence": {"size": 2, "mode": "ulysses"}},
+    "selective-tensor": {"tensor": {"size": 2, "mode": "1d"}, "recompute": "selective"},
+    "selective-zero2": {"data": 2, "zero": {"stage": 2}, "recompute": "selective"},
 }
+PLANS4 = {"2d": {"tensor": {"size": 4, "mode": "2d"}},
+          "2.5d": {"tensor": {"size": 4, "mode": "2.5d", "depth": 1}}}
 # a pipeline rank runs half the blocks: four, so that each rank repeats one
 MODEL_OF = {"pipeline": _deep_gpt, "experts": "moe-tiny"}
 
 
-@pytest.mark.parametrize("plan", sorted(PLANS))
-def test_compiled_plans_equal_one_device(pool2, plan):
-    for r in pool2.run(compiled_against_one_device, MODEL_OF.get(plan, "gpt-tiny"),
-                       PLANS[plan]):
+def _check_compiled(results, fused: bool = True):
+    for r in results:
         assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, r
         assert r["measured"] == r["predicted"]
         assert r["breaks"] == 0
+        assert r["explained"]["compiled_functions"] == r["compiled"]
+        if not fused:
+            continue
         # the second block reuses the first's function (a function may compile once more
         # for inputs of other shapes: dynamo's guards)
         assert 1 <= r["compiled"] <= r["graphs"] < r["regions"]
         assert "linear" in str(r["in_regions"])
         # engine.explain: the compiled regions beside the fusion the plan prices
-        assert r["explained"]["compiled_functions"] == r["compiled"]
         assert r["explained"]["predicted_fusion_s"] < 0
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_compiled_plans_equal_one_device(pool2, plan):
+    _check_compiled(pool2.run(compiled_against_one_device, MODEL_OF.get(plan, "gpt-tiny"),
+                              PLANS[plan]))
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS4))
+def test_compiled_grid_plans_equal_one_device(pool4, plan):
+    """2D (SUMMA on 2 x 2) and 2.5D (2 x 2 x 1) train compiled as one device: the grid
+    kernels (linears, norms, attention) are autopar's modules, outside the regions, and
+    what lies between two of them in a block is one elementwise op (an activation, a
+    residual add), which stays eager: nothing to fuse, no graph to break."""
+    for r in pool4.run(compiled_against_one_device, "gpt-tiny", PLANS4[plan]):
+        assert r["regions"] == r["compiled"] == 0, r
+        _check_compiled([r], fused=False)
 
 
 def test_compile_time_does_not_grow_with_depth():

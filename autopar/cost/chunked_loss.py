@@ -12,7 +12,9 @@ the ops named above, checked by tests/test_chunked_loss.py against the live tens
 
 `loss_logits` finds the fused losses of a traced graph under a solution, as the pass will
 fuse them; `activation_bytes` (autopar.cost.memory) takes `chunked_activations` off its
-per-layer figures; `effect` is what a plan's `predicted["chunked_loss"]` and explain show.
+per-layer figures; `held_while_running` is the rest of the loss's peak (one chunk's logits,
+or the unchunked buffers beyond the saved one), a layer workspace in the plan's memory;
+`effect` is what a plan's `predicted["chunked_loss"]` and explain show.
 """
 
 from __future__ import annotations
@@ -114,6 +116,18 @@ def chunked_activations(traced, solution, micro_batch: int, per_layer: dict) -> 
         if loss.layer in out:
             saved = loss.tokens * loss.vocab * loss.itemsize
             out[loss.layer] = max(0, out[loss.layer] - saved + loss.tokens * FP32)
+    return out
+
+
+def held_while_running(traced, solution, micro_batch: int, chunked: bool) -> dict[str, int]:
+    """Per loss layer, the bytes its loss holds while it runs beyond what `activation_bytes`
+    keeps for the backward: one chunk's fp32 logits chunked; unchunked, the whole buffers of
+    its peak less the saved logits."""
+    out: dict[str, int] = {}
+    for loss in loss_logits(traced, solution, micro_batch):
+        held = loss.chunk_bytes if chunked else \
+            loss.unchunked_peak - loss.tokens * loss.vocab * loss.itemsize
+        out[loss.layer] = out.get(loss.layer, 0) + held
     return out
 
 

@@ -512,6 +512,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
             # the rows received and the expert outputs sent back, held while the layer runs
             workspace = max(workspace, 2 * imbalance *
                             moe_cost.dispatch_bytes(lt.experts, batch, c))
+    # a loss's logits while it runs (its tokens split over cp)
+    workspace = max(workspace, sharded.loss_workspace(batch / c))
     acts, params = _held_bytes(lt, state, sharded, batch, c, expert_params)
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,

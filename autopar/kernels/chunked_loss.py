@@ -65,30 +65,59 @@ class _ChunkedCE(torch.autograd.Function):
         count = valid.sum().float()
         ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
         ctx.spec = spec
-        if reduction == 2:
-            return losses.sum()
-        return losses.sum() / count
+        ctx.mark_non_differentiable(lse, local_t, inside, valid, count)
+        loss = losses.sum() if reduction == 2 else losses.sum() / count
+        return loss, lse, local_t, inside, valid, count
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        x, weight, bias, lse, local_t, inside, valid, count = ctx.saved_tensors
+        dx, dw, db = _gradients(x, weight, bias, (lse, local_t, inside, valid, count), grad,
+                                ctx.spec, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, db, None, None, None
+
+
+class _WeightHalf(torch.autograd.Function):
+    """The weight gradient of a split chunked loss: forward a zero added to the loss, its
+    backward the classifier's weight (and bias) gradient, from the statistics the input half
+    saved; a zero-bubble stage runs it in its W pass, apart from the input gradient (B)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lse, local_t, inside, valid, count, spec):
+        ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
+        ctx.spec = spec
+        return lse.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias, lse, local_t, inside, valid, count = ctx.saved_tensors
-        reduction, _, rows = ctx.spec
-        scale = grad * valid if reduction == 2 else grad * valid / count
-        xf = x.reshape(-1, x.shape[-1])
-        dx = torch.empty_like(xf)
-        dw = torch.zeros_like(weight)
-        db = torch.zeros_like(bias) if bias is not None else None
-        for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
-            dz = _logits(xf[a:a + rows], weight, bias).sub_(lse[a:a + rows, None]).exp_()
-            hit = torch.arange(dz.shape[0], device=dz.device)
-            dz[hit, local_t[a:a + rows]] -= inside[a:a + rows].to(dz.dtype)
-            dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)
+        x, weight, bias, *stats = ctx.saved_tensors
+        _, dw, db = _gradients(x, weight, bias, stats, grad, ctx.spec, False, True)
+        return None, dw, db, None, None, None, None, None, None
+
+
+def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool):
+    """dx, dW, db of the chunked loss (None where not wanted), chunk by chunk: each
+    chunk's logits are made again, turned into their gradient in place and folded in."""
+    lse, local_t, inside, valid, count = stats
+    reduction, _, rows = spec
+    scale = grad * valid if reduction == 2 else grad * valid / count
+    xf = x.reshape(-1, x.shape[-1])
+    dx = torch.empty_like(xf) if want_x else None
+    dw = torch.zeros_like(weight) if want_w else None
+    db = torch.zeros_like(bias) if want_w and bias is not None else None
+    for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
+        dz = _logits(xf[a:a + rows], weight, bias).sub_(lse[a:a + rows, None]).exp_()
+        hit = torch.arange(dz.shape[0], device=dz.device)
+        dz[hit, local_t[a:a + rows]] -= inside[a:a + rows].to(dz.dtype)
+        dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)
+        if dx is not None:
             torch.mm(dz, weight, out=dx[a:a + rows])
+        if dw is not None:
             dw.addmm_(dz.t(), xf[a:a + rows])
-            if db is not None:
-                db += dz.sum(0)
-            del dz
-        return dx.reshape(x.shape), dw, db, None, None, None
+        if db is not None:
+            db += dz.sum(0)
+        del dz
+    return None if dx is None else dx.reshape(x.shape), dw, db
 
 
 class ChunkedCrossEntropy(Bound):
@@ -96,16 +125,18 @@ class ChunkedCrossEntropy(Bound):
     chunk_bytes)` tokens; W's rows split over `axis` (vocabulary-parallel) or whole (axis
     None). `reduction`: 1 the mean over the tokens
     whose target is not `ignore_index`, 2 their sum. The logits are fp32 (upcast when x is
-    16-bit), as the unchunked kernels compute them."""
+    16-bit), as the unchunked kernels compute them. `split`: the input and weight gradients
+    in two autograd nodes (zero-bubble's B and W passes), each making the chunks' logits
+    again; otherwise one backward makes them once for both."""
 
     def __init__(self, axis: str | None, reduction: int = 1, ignore_index: int = -100,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, split: bool = False):
         super().__init__(axis)
         self.reduction, self.ignore_index = reduction, ignore_index
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes, self.split = chunk_bytes, split
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis}, chunk_bytes={self.chunk_bytes}"
+        return f"axis={self.axis}, chunk_bytes={self.chunk_bytes}, split={self.split}"
 
     def bind(self, groups: dict[str, AxisGroup]) -> None:
         if self.axis is not None:
@@ -115,4 +146,8 @@ class ChunkedCrossEntropy(Bound):
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         g = self._g() if self.axis is not None else None
         spec = (self.reduction, self.ignore_index, chunk_rows(weight.shape[0], self.chunk_bytes))
-        return _ChunkedCE.apply(x, weight, bias, target, g, spec)
+        if not self.split:
+            return _ChunkedCE.apply(x, weight, bias, target, g, spec)[0]
+        detached = None if bias is None else bias.detach()
+        loss, *stats = _ChunkedCE.apply(x, weight.detach(), detached, target, g, spec)
+        return loss + _WeightHalf.apply(x.detach(), weight, bias, *stats, spec)

@@ -25,9 +25,10 @@ aten = torch.ops.aten
 CHUNKED = "autopar_chunked_loss"  # node.meta key on a fused loss
 
 
-def chunk_loss(gm: fx.GraphModule, chunk_bytes: int | None = None) -> int:
+def chunk_loss(gm: fx.GraphModule, chunk_bytes: int | None = None, split: bool = False) -> int:
     """Fuse every classifier + cross-entropy chain of gm (in place); returns how many.
-    `chunk_bytes`: one chunk's fp32 logits (None: `graph.losses.CHUNK_BYTES`)."""
+    `chunk_bytes`: one chunk's fp32 logits (None: `graph.losses.CHUNK_BYTES`); `split`: the
+    input and weight gradients in two autograd nodes (a zero-bubble schedule's B and W)."""
     fused = 0
     for node in list(gm.graph.nodes):
         loss = _loss_of(gm, node)
@@ -39,7 +40,7 @@ def chunk_loss(gm: fx.GraphModule, chunk_bytes: int | None = None) -> int:
             continue
         x, weight = linear.args[0], linear.args[1]
         bias = linear.args[2] if len(linear.args) > 2 else None
-        module = ChunkedCrossEntropy(axis, reduction, ignore, chunk_bytes)
+        module = ChunkedCrossEntropy(axis, reduction, ignore, chunk_bytes, split)
         name = _free_name(gm, "chunked_cross_entropy")
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):

@@ -183,8 +183,8 @@ class Engine(nn.Module):
         gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers)
         if self.moe_layers:
             gm = place_expert_layers(gm)
-        if self.chunked_loss and _fuses_loss(self.plan, self._pp.size):
-            self.chunked_losses = chunk_loss(gm)
+        if self.chunked_loss:
+            self.chunked_losses = chunk_loss(gm, split=_splits_backward(self.plan, self._pp.size))
         retarget(gm, self._device)  # a graph traced on meta makes its constants here
         self.params.prepare(traced.gm, traced.params, solution.params)
         shard_parameters(gm, {t: self.params.slice_for(traced.gm, p, solution.params.get(t))
@@ -608,10 +608,10 @@ def _float8(gm: fx.GraphModule, solution: Solution, precision: str,
     for name in moe_layers:
         report.kept.setdefault(name, EXPERTS_KEPT)
     return gm, report
-def _fuses_loss(plan: Plan, pp: int) -> bool:
-    """Whether the chunked loss may fuse: not under zero-bubble, which splits each backward
-    into its input and weight halves through autograd's graph (the fused op has one)."""
-    return not (pp > 1 and plan.pipeline.schedule == ZERO_BUBBLE)
+def _splits_backward(plan: Plan, pp: int) -> bool:
+    """Whether the schedule splits each backward into its input and weight halves through
+    autograd's graph (zero-bubble): the chunked loss then gives each half a node."""
+    return pp > 1 and plan.pipeline.schedule == ZERO_BUBBLE
 
 
 def _blank(tensors: tuple, device: torch.device) -> tuple:

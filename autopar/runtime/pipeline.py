@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
@@ -168,6 +169,8 @@ class PipelineRunner:
             output_args=examples[k][1], group=self.group.group) for k in self.mine]
         for j, stage in enumerate(stages):
             stage.axis, stage.startup_log = self.group, self.startup_log
+            if split and stage.is_last:
+                stage.loss_weights = list(self.stages.loss.parameters())
             stage.weights_done = functools.partial(self._weights_done, j)
             stage.saving = lambda: self.saving()
             if self._buckets is not None:
@@ -359,11 +362,25 @@ class _Stage(PipelineStage):
 class _SplitBackwardStage(_Stage):
     """A zero-bubble stage that frees a micro-batch's saved activations right after its
     weight-gradient pass (W): the input-gradient pass keeps the whole autograd graph, and W
-    walks only part of it, so each forward saves through a box that W empties."""
+    walks only part of it, so each forward saves through a box that W empties.
+
+    The last stage's B and W also take the loss's own parameters (`loss_weights`: a chunked
+    loss holds the classifier's weight), which the stage's module does not hold."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._boxes: dict[int, list] = {}
+        self.loss_weights: list[torch.nn.Parameter] = []
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if not self.loss_weights or backward_type == "full":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                      last_backward=last_backward)
+        weights = _unique([*self.submod.parameters(), *self.loss_weights])
+        if backward_type == "input":
+            return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                        bwd_kwargs["input_values"], iter(weights))
+        return stage_backward_weight(iter(weights), bwd_kwargs["param_groups"]), None
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         box = self._boxes.setdefault(fwd_chunk_id, [])
