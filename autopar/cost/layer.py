@@ -449,13 +449,8 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     copies the real model has where the trace has one (the zoo traces two blocks of 96)."""
     repeat = repeat or {}
     types: dict[tuple, LayerType] = {}
-    order: list[tuple] = []
-    sources: list[str] = []
-    owner = {}
-    for layer in traced.layers:
-        for node in layer.nodes:
-            owner[node] = layer.name
-    read: set = set()
+    order, sources, read = [], [], set()
+    owner = {node: layer.name for layer in traced.layers for node in layer.nodes}
     for layer in traced.layers:
         held = held_once(layer, owner, read)
         # the first block to read a shared tensor keeps it: a kind of its own
@@ -496,12 +491,9 @@ def _outside_inputs(layer, owner) -> list:
 
 
 def held_once(layer, owner, read: set) -> set:
-    """The inputs of `layer` an earlier layer reads too (adding this layer's to `read`).
-
-    A tensor several layers read (transformers' rotary tables, an additive attention mask)
-    is held once, by the first layer that reads it: full recomputation keeps it there, and
-    the later layers' kept inputs leave it out.
-    """
+    """The inputs of `layer` an earlier layer reads too (adding this layer's to `read`): a
+    tensor several layers read (transformers' rotary tables, an additive mask) is held once,
+    by the first reader; full recomputation keeps it there, later layers leave it out."""
     inputs = _outside_inputs(layer, owner)
     held = {a for a in inputs if a in read}
     read.update(inputs)
