@@ -29,6 +29,8 @@ ALLOWED = {
         "a profile's collective algorithms: ring, tree, hierarchical",
     ("autopar/cost/calibrate.py", modes.RING):
         "the collective algorithm a calibration fits, not ring attention",
+    ("autopar/runtime/pipeline.py", modes.FULL):
+        "torch pipelining's backward_type (input, weight or full), not full recomputation",
 }
 
 

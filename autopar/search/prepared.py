@@ -86,6 +86,7 @@ class Prepared:
         self.built = False
         self._stages: dict = {}
         self._layouts: dict = {}
+        self._fast_key: tuple | None = None  # `fast_key`, once asked
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
 
@@ -184,6 +185,14 @@ class Prepared:
     def states_of(self, chosen):
         """The LayerState of each layer at its chosen state index."""
         return [states[c] for states, c in zip(self.state_rows, chosen)]
+
+    def fast_key(self) -> tuple:
+        """The fastest path's states as plain values, which other searches' states (equal,
+        not the same objects) compare to cheaply (once built)."""
+        if self._fast_key is None:
+            self._fast_key = tuple((s.mode.name, s.mode.size, s.mode.q, s.mode.d, s.sp,
+                                    s.recompute) for s in self.states_of(self.fast))
+        return self._fast_key
 
     def path_time(self, chosen) -> np.ndarray:
         """Each layer's seconds in its chosen state, plus a conversion where its layout is not

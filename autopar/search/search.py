@@ -157,7 +157,6 @@ class Search:
             chain.param_dtype), self.layers)
         self.grid_only = grid_only
         self._settled = settled
-        self._fast_keys: dict = {}  # id(Prepared) -> its fastest path (`_fast_key`)
         self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made
         self.candidates = 0
         self.best_times: list[float] = []  # after `run`: the k best fitting step times
@@ -199,21 +198,7 @@ class Search:
                     elif cand.step_time < -top[0][0]:
                         heapq.heapreplace(top, item)
         self.best_times = sorted(-t for t, _, _ in top)
-        ranked = sorted(per_mesh.values(), key=lambda c: (not c.fits, c.step_time if c.fits
-                                                          else c.memory_per_device))
-        winner = ranked[0] if ranked and ranked[0].fits else None
-        alternatives = [(c, self._reason(c, winner)) for c in ranked[(1 if winner else 0):]]
-        for key, leaf in bounds.items():
-            if len(alternatives) >= self.opt.top:
-                break  # the rest would be cut below
-            if key not in per_mesh and winner is not None:
-                alternatives.append((self._bound_candidate(leaf),
-                                     f"at least {100 * (leaf.bound / winner.step_time - 1):.1f}% "
-                                     "slower (lower bound: never fully priced)"))
-        alternatives = alternatives[: self.opt.top]
-        return SearchResult(winner, alternatives, self.candidates, time.perf_counter() - start,
-                            self.left_out, self.opt.attention_kernel, self.precision,
-                            self.opt.compile)
+        return _result(self, per_mesh, bounds, time.perf_counter() - start)
 
     def every(self, progress=None) -> list[Candidate]:
         """Every candidate of the space, in leaf order, none skipped by a bound (for
@@ -240,7 +225,7 @@ class Search:
         if not meshes:
             raise PlanError(why.no_mesh(self.c, self.chain, world, len(self.blocks)))
         if self.c.ep not in (None, 1):
-            self._check_ep(meshes)
+            _check_ep(self.c, self.space, self.opt.executable, meshes)
         leaves = []
         for i, mesh in enumerate(meshes):
             if progress:
@@ -250,25 +235,6 @@ class Search:
             raise PlanError(why.too_many_devices(self.space, meshes, world, self.opt.global_batch)
                             or why.no_leaf(self.space, meshes, self.opt.global_batch))
         return meshes, leaves
-
-    def _check_ep(self, meshes) -> None:
-        """One sentence for a fixed ep no mesh can take."""
-        ep, counts = self.c.ep, self.space.expert_counts()
-        if not counts:
-            raise PlanError(f"ep={ep} splits experts, but the model has no mixture-of-experts "
-                            "layer; drop ep.")
-        if any(n % ep for n in counts):
-            raise PlanError(f"{min(counts)} experts do not split over ep={ep} ranks; choose an "
-                            "expert-parallel size that divides the number of experts.")
-        if self.opt.executable is not None and not any(self.space.ep_sizes(m) for m in meshes):
-            raise PlanError(f"ep={ep}: the runtime runs an expert axis inside the data-parallel "
-                            "ranks alone (no cp axis beside it), and no mesh of this world with "
-                            f"these constraints has dp divisible by {ep}; fix dp to a multiple "
-                            f"of {ep} and cp to 1.")
-        if not any(self.space.ep_sizes(m) for m in meshes):
-            raise PlanError(f"ep={ep} must divide the data-parallel ranks dp x cp, and no mesh "
-                            "of this world with these constraints has dp x cp divisible by "
-                            f"{ep}; fix dp (or cp) to a multiple of {ep}.")
 
     def _reason(self, cand: Candidate, winner: Candidate | None) -> str:
         return why.lost(cand, winner, self.capacity, self.host_capacity)
@@ -411,7 +377,7 @@ class Search:
         leaf.prep.build()
         settled, fast, zeros = self._settled, None, leaf.zeros
         if settled is not None:
-            fast = self._fast_key(leaf.prep)
+            fast = leaf.prep.fast_key()
             key = (_mesh_key(leaf.mesh), leaf.split.ep if leaf.split is not None else 1,
                    leaf.cp_mode, leaf.b, leaf.schedule, leaf.v)
             # what another search priced alike is the same candidate
@@ -436,16 +402,6 @@ class Search:
                     yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
                                                           transfer=None, fast=None),
                                       zero, offload, shard)
-
-    def _fast_key(self, prep) -> tuple:
-        """The prepared states' fastest path as plain values, which other searches' states
-        (equal, not the same objects) compare to cheaply."""
-        hit = self._fast_keys.get(id(prep))
-        if hit is None:
-            hit = self._fast_keys[id(prep)] = tuple(
-                (s.mode.name, s.mode.size, s.mode.q, s.mode.d, s.sp, s.recompute)
-                for s in prep.states_of(prep.fast))
-        return hit
 
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
@@ -580,6 +536,46 @@ def collector_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _result(search: Search, per_mesh: dict, bounds: dict, seconds: float) -> SearchResult:
+    """The winner (the fastest fitting candidate of every mesh) and the alternatives with
+    why each lost, then the meshes only bounded (at least how much slower), `top` in all."""
+    ranked = sorted(per_mesh.values(), key=lambda c: (not c.fits, c.step_time if c.fits
+                                                      else c.memory_per_device))
+    winner = ranked[0] if ranked and ranked[0].fits else None
+    alternatives = [(c, search._reason(c, winner)) for c in ranked[(1 if winner else 0):]]
+    for key, leaf in bounds.items():
+        if len(alternatives) >= search.opt.top:
+            break  # the rest would be cut below
+        if key not in per_mesh and winner is not None:
+            alternatives.append((search._bound_candidate(leaf),
+                                 f"at least {100 * (leaf.bound / winner.step_time - 1):.1f}% "
+                                 "slower (lower bound: never fully priced)"))
+    return SearchResult(winner, alternatives[: search.opt.top], search.candidates, seconds,
+                        search.left_out, search.opt.attention_kernel, search.precision,
+                        search.opt.compile)
+
+
+def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:
+    """One sentence for a fixed ep no mesh can take."""
+    ep, counts = c.ep, space.expert_counts()
+    if not counts:
+        raise PlanError(f"ep={ep} splits experts, but the model has no mixture-of-experts "
+                        "layer; drop ep.")
+    if any(n % ep for n in counts):
+        raise PlanError(f"{min(counts)} experts do not split over ep={ep} ranks; choose an "
+                        "expert-parallel size that divides the number of experts.")
+    if executable is not None and not executable.expert_with_cp and not any(space.ep_sizes(m) for m in meshes):
+        raise PlanError(f"ep={ep}: the runtime runs an expert axis inside the data-parallel "
+                        "ranks alone (no cp axis beside it), and no mesh of this world with "
+                        f"these constraints has dp divisible by {ep}; fix dp to a multiple "
+                        f"of {ep} and cp to 1.")
+    if not any(space.ep_sizes(m) for m in meshes):
+        raise PlanError(f"ep={ep} must divide the data-parallel ranks dp x cp, and no mesh "
+                        "of this world with these constraints has dp x cp divisible by "
+                        f"{ep}; fix dp (or cp) to a multiple of {ep}.")
+
 
 
 def _mesh_key(mesh) -> tuple:
