@@ -404,9 +404,9 @@ def _curve(precision: str, steps: int, lr: float = 1e-3) -> list[float]:
 def test_fp8_loss_curve_follows_bf16_over_100_steps():
     """A byte-level GPT on real text, 100 AdamW steps from the same weights: both curves fall
     well below the first step's loss, and fp8's (the default rowwise recipe) last-10 mean
-    ends within 2% of bf16's (issue #32). Measured with one thread, seeds 0-2: rowwise
-    -0.04% to +0.5%, tensorwise -0.26% to +0.5%, bf16 beside fp32 0.00%
-    (docs/fp8-training.md has the table). The rate is 1e-3: at 3e-3 the earlier 5.2% was
+    ends within 2% of bf16's (issue #32). Measured with one thread, model seeds 0-2: rowwise
+    -0.18% to +0.17%, tensorwise -0.26% to +0.19%, fp32 beside bf16 0.00% (seed 0;
+    docs/fp8-training.md has the table). The rate is 1e-3: at 3e-3 the earlier 5.2% was
     this model's instability, not float8's bias (the same fp8 run ended 7% apart with one
     thread or two, bf16's 1.2%; over seeds fp8 ended from 4% below bf16 to 10% above)."""
     bf16, fp8 = _curve("bf16", 100), _curve("fp8", 100)
