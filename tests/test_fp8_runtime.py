@@ -129,6 +129,7 @@ def test_the_rowwise_gemms_follow_their_recipe(rows):
     torch.manual_seed(0)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     x[3] *= 2.0 ** -20  # a token whose activations sit below e4m3's range at the tensor's scale
+    x[5] = 0.0  # a row of zeros (a padded token): a finite scale, zeros out, no NaN
     x.requires_grad_(True)
     w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, 48, dtype=torch.bfloat16)
@@ -142,6 +143,8 @@ def test_the_rowwise_gemms_follow_their_recipe(rows):
     tensorwise = _Float8Matmul.apply(x.detach(), w.detach(), None, (), False)[3]
     assert float((y[3].detach().float() - exact).norm() / exact.norm()) < 5e-2
     assert float(tensorwise.float().norm()) == 0.0
+    assert torch.equal(y[5].detach(), torch.zeros_like(y[5]))
+    assert all(torch.isfinite(t).all() for t in (y, x.grad, w.grad))
 
 
 def test_an_unknown_recipe_is_refused_with_the_names_that_exist():

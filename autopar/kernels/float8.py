@@ -39,10 +39,12 @@ def check_recipe(recipe: str) -> str:
 
 
 def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power of two that brings `amax` to at most the largest finite value of `dtype`."""
+    """The power of two that brings `amax` to at most the largest finite value of `dtype`;
+    at most 2**126, so that a zero amax (an all-zero tensor, or row under rowwise scaling)
+    gets a finite scale whose reciprocal is a normal float32."""
     top = torch.finfo(dtype).max
     amax = amax.float().clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.exp2(torch.floor(torch.log2(top / amax)))
+    return torch.exp2(torch.floor(torch.log2(top / amax)).clamp(max=126))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
