@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
+from autopar.kernels.float8 import ROWWISE, check_recipe
 from autopar.kernels.moe_layers import expert_layers
 from autopar.modes import BF16, CP, FP8, FP32, TP_1D
 from autopar.passes.precision import compute_dtype
@@ -34,14 +35,16 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                 metrics=None, metrics_every: int = 10, checkpoint_dir=None,
                 checkpoint_every: int = 100, checkpoint_async: bool = True,
                 checkpoint_keep: int = 2, timeout=DEFAULT_TIMEOUT,
-                compile: bool = False, chunked_loss: bool = True) -> Engine:
+                compile: bool = False, chunked_loss: bool = True,
+                fp8_recipe: str = ROWWISE) -> Engine:
     """Turn `model` into a distributed training engine over `world` (an int or a World).
 
     `plan`: None (search), a Plan, a plan file or a Colossal-AI style dict such as
     dict(tensor=dict(size=4, mode="2d")). `optimizer`: a factory taking the parameters.
     `max_grad_norm`: clip by the global norm over every shard. `precision`: "fp32", "bf16"
     or "fp16" (16-bit compute on fp32 masters), or "fp8" (bf16, with the linears' GEMMs in
-    float8: docs/fp8-training.md). `check_batches`: compare every step's
+    float8: docs/fp8-training.md; `fp8_recipe`: "rowwise" or "tensorwise" scales).
+    `check_batches`: compare every step's
     global batch across ranks (the first step always does). A model on the meta device
     gets only this rank's slices, of its own initialization under `seed` (None: the random
     state now, as one device would draw it), or of `weights`: a safetensors file or
@@ -65,6 +68,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     _check_switches(compile=compile, chunked_loss=chunked_loss)
     sink = StepMetrics(metrics, metrics_every) if metrics is not None else None
     compute_dtype(precision)  # a bad name is refused before any process work
+    check_recipe(fp8_recipe)
     size = _world_size(world)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
@@ -99,7 +103,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
                         max_grad_norm=max_grad_norm, precision=precision,
                         forward_graph=traced, check_batches=check_batches,
                         stage_planner=pipeline_stages, start=start, compile=compile,
-                        chunked_loss=chunked_loss)
+                        chunked_loss=chunked_loss, fp8_recipe=fp8_recipe)
     engine.watch, engine.metrics = watch, sink
     if checkpoint_dir is not None:
         _resume(engine, Checkpointing(os.fspath(checkpoint_dir), checkpoint_every,

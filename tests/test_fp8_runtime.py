@@ -21,8 +21,18 @@ from distributed import dist_pool_fixture
 from torch import nn
 
 import autopar
-from autopar.kernels.float8 import E4M3, E5M2, Float8Linear, _Float8Matmul, quantize, scale_for
-from autopar.passes.float8 import OUTPUT_PROJECTION
+from autopar.kernels.float8 import (
+    E4M3,
+    E5M2,
+    ROWWISE,
+    TENSORWISE,
+    Float8Linear,
+    _Float8Matmul,
+    _RowwiseMatmul,
+    quantize,
+    scale_for,
+)
+from autopar.passes.float8 import MULTI_D_KEPT, OUTPUT_PROJECTION
 
 pool2 = dist_pool_fixture(2)
 pool4 = dist_pool_fixture(4)
@@ -101,6 +111,69 @@ def test_power_of_two_scales_round_alike_whatever_the_amax():
     assert torch.equal(own[normal], big[normal])
 
 
+def _rowwise_emulated(x, w, dy):
+    """The rowwise recipe by hand in fp32: every operand in e4m3 at a power-of-two scale per
+    slice along the dim its GEMM keeps (rows of the left operand, columns of the right)."""
+    def through(t, dim):
+        s = scale_for(t.abs().amax(dim=dim, keepdim=True), E4M3)
+        return quantize(t, s, E4M3).float() / s
+    return (through(x, 1) @ through(w, 1).t(), through(dy, 1) @ through(w, 0),
+            through(dy, 0).t() @ through(x, 0))
+
+
+@pytest.mark.parametrize("rows", [32, 20])
+def test_the_rowwise_gemms_follow_their_recipe(rows):
+    """Rowwise scales on `torch._scaled_mm` (a [m, 1] and a [1, n] scale) equal the recipe
+    emulated in fp32; a row far smaller than the rest keeps its precision, where one scale
+    for the whole tensor flushes it to zero."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    x[3] *= 2.0 ** -20  # a token whose activations sit below e4m3's range at the tensor's scale
+    x[5] = 0.0  # a row of zeros (a padded token): a finite scale, zeros out, no NaN
+    x.requires_grad_(True)
+    w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(rows, 48, dtype=torch.bfloat16)
+    y = _RowwiseMatmul.apply(x, w, False)
+    y.backward(dy)
+    ref = _rowwise_emulated(x.detach().float(), w.detach().float(), dy.float())
+    for got, want in zip((y, x.grad, w.grad), ref):
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+    exact = x.detach()[3].float() @ w.detach().float().t()
+    tensorwise = _Float8Matmul.apply(x.detach(), w.detach(), None, (), False)[3]
+    assert float((y[3].detach().float() - exact).norm() / exact.norm()) < 5e-2
+    assert float(tensorwise.float().norm()) == 0.0
+    assert torch.equal(y[5].detach(), torch.zeros_like(y[5]))
+    assert all(torch.isfinite(t).all() for t in (y, x.grad, w.grad))
+
+
+def test_an_unknown_recipe_is_refused_with_the_names_that_exist():
+    with pytest.raises(ValueError, match="'rowwise', 'tensorwise'|'tensorwise', 'rowwise'"):
+        autopar.parallelize(nn.Linear(16, 16), 1, example_inputs=(torch.randn(4, 16),),
+                            loss_fn=F.mse_loss, precision="fp8", fp8_recipe="blockwise")
+
+
+@pytest.mark.parametrize("mode", ["2d", "2.5d", "3d"])
+def test_multi_d_linears_are_named_as_kept_in_bf16(mode):
+    """The float8 pass leaves a 2D/2.5D/3D linear (a GridLinear of the tensor-parallel pass)
+    in bf16 and its report says why."""
+    import torch.fx as fx
+
+    from autopar.kernels.modules import GridLinear
+    from autopar.passes.float8 import float8_linears
+
+    root = nn.Module()
+    root.proj = GridLinear(mode, ("a", "b", "c") if mode != "2d" else ("a", "b"))
+    root.w = nn.Parameter(torch.zeros(16, 16))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_module("proj", (x, graph.get_attr("w"))))
+    gm = fx.GraphModule(root, graph)
+    _, report = float8_linears(gm, {}, "tp", {"a": 2, "b": 2, "c": 2})
+    assert report.converted == []
+    assert report.kept == {"proj": MULTI_D_KEPT.format(mode=mode)}
+
+
 def test_the_transposed_form_is_conv1d():
     torch.manual_seed(0)
     x = torch.randn(16, 32, dtype=torch.bfloat16)
@@ -138,10 +211,10 @@ def _train(engine, inputs, target, steps):
     return [engine.train_step(inputs, target) for _ in range(steps)]
 
 
-def compare_fp8(build, plan, steps: int = 3, batch: int = 8) -> dict:
-    """Train under `plan` at fp8, the same model at fp8 on one device and in fp32 with plain
-    torch (every rank runs all three); relative differences, and the first step's bytes
-    measured and predicted."""
+def compare_fp8(build, plan, steps: int = 3, batch: int = 8, recipe: str = ROWWISE) -> dict:
+    """Train under `plan` at fp8 (`recipe`'s scales), the same model at fp8 on one device and
+    in fp32 with plain torch (every rank runs all three); relative differences, and the
+    first step's bytes measured and predicted."""
     import torch.distributed as dist
     from equivalence import relative
 
@@ -150,9 +223,10 @@ def compare_fp8(build, plan, steps: int = 3, batch: int = 8) -> dict:
     opt = functools.partial(torch.optim.SGD, lr=0.2)
     small = tuple(t[:2] for t in inputs)
     engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=small,
-                                 loss_fn=loss_fn, optimizer=opt, plan=plan, precision="fp8")
+                                 loss_fn=loss_fn, optimizer=opt, plan=plan, precision="fp8",
+                                 fp8_recipe=recipe)
     reference = autopar.parallelize(one, 1, example_inputs=small, loss_fn=loss_fn,
-                                    optimizer=opt, plan={}, precision="fp8")
+                                    optimizer=opt, plan={}, precision="fp8", fp8_recipe=recipe)
     engine.comm_log.clear()
     losses = [engine.train_step(inputs, target)]
     measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
@@ -203,14 +277,20 @@ def test_fp8_gpt2_equals_fp8_on_one_device_at_world_2(pool2, plan):
 
 
 def test_fp8_tensor_parallel_reduces_the_amax_of_split_operands(pool2):
-    """Under tp 2 every float8 linear whose weight is split all-reduces 4 bytes per split
-    operand, two in all: a column-parallel one its weight's (forward) and its output
-    gradient's (backward), a row-parallel one its input's and its weight's (forward)."""
-    results = pool2.run(compare_fp8, hf_gpt2, PLANS2["tp2"], 1)
+    """Under tp 2 and tensorwise scales every float8 linear whose weight is split all-reduces
+    4 bytes per split operand, two in all: a column-parallel one its weight's (forward) and
+    its output gradient's (backward), a row-parallel one its input's and its weight's
+    (forward). Rowwise scales come from each rank's piece of a row: no all-reduce. Both
+    equal fp8 on one device."""
+    tensorwise = pool2.run(compare_fp8, hf_gpt2, PLANS2["tp2"], 3, 8, TENSORWISE)
+    rowwise = pool2.run(compare_fp8, hf_gpt2, PLANS2["tp2"], 1)
     fp32 = pool2.run(_tp_bytes_without_fp8)
-    for r, plain in zip(results, fp32):
+    _check(tensorwise)
+    for r, row, plain in zip(tensorwise, rowwise, fp32):
         extra = r["measured"][("all_reduce", "tp")] - plain
         assert r["split"] > 0 and extra == r["split"] * 2 * 4, (extra, r["split"])
+        assert row["measured"] == row["predicted"]
+        assert row["split"] == r["split"] and row["measured"][("all_reduce", "tp")] == plain
 
 
 def _tp_bytes_without_fp8() -> int:
@@ -308,7 +388,7 @@ def _text_batches(steps: int, batch: int, seq: int):
         yield window[:, :-1], window[:, 1:]
 
 
-def _curve(precision: str, steps: int) -> list[float]:
+def _curve(precision: str, steps: int, lr: float = 1e-3) -> list[float]:
     from autopar.models import build
 
     # on the CPU, so that both curves start from the same weights (a meta model would take
@@ -319,18 +399,20 @@ def _curve(precision: str, steps: int) -> list[float]:
     engine = autopar.parallelize(model, 1, example_inputs=(x0[:2],),
                                  loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1),
                                                                         y.flatten()),
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=lr),
                                  plan={}, precision=precision)
     return [engine.train_step(x, y) for x, y in _text_batches(steps, 16, 32)]
 
 
 def test_fp8_loss_curve_follows_bf16_over_100_steps():
     """A byte-level GPT on real text, 100 AdamW steps from the same weights: both curves fall
-    well below the first step's loss, and fp8's last-10 mean ends within 8% of bf16's.
-    Measured: 3.155 vs 3.000 (5.2%). Issue #32 asks for 2%, which this recipe does not meet
-    yet (a larger model measures 3.6% at 120 steps): the bound here catches regressions such
-    as the output projection in float8 (10% and more) while that work stays open."""
+    well below the first step's loss, and fp8's (the default rowwise recipe) last-10 mean
+    ends within 2% of bf16's (issue #32). Measured with one thread, model seeds 0-2: rowwise
+    -0.18% to +0.17%, tensorwise -0.26% to +0.19%, fp32 beside bf16 0.00% (seed 0;
+    docs/fp8-training.md has the table). The rate is 1e-3: at 3e-3 the earlier 5.2% was
+    this model's instability, not float8's bias (the same fp8 run ended 7% apart with one
+    thread or two, bf16's 1.2%; over seeds fp8 ended from 4% below bf16 to 10% above)."""
     bf16, fp8 = _curve("bf16", 100), _curve("fp8", 100)
     end_bf16, end_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
     assert end_bf16 < 0.7 * bf16[0] and end_fp8 < 0.7 * fp8[0], (bf16[0], end_bf16, end_fp8)
-    assert abs(end_fp8 - end_bf16) / end_bf16 < 0.08, (end_bf16, end_fp8)
+    assert abs(end_fp8 - end_bf16) / end_bf16 < 0.02, (end_bf16, end_fp8)

@@ -3,7 +3,8 @@ becomes an `autopar.kernels.float8.Float8Linear` (its three GEMMs in float8), un
 local weight has a dim the fp8 kernels cannot take, or it is the output projection (its
 result is what the model returns or the loss reads: the logits, whose rounding the loss
 feels directly; torchtitan's float8 recipe keeps its output layer too); those stay in the
-compute dtype and the pass says which and why.
+compute dtype and the pass says which and why, as it does for the linears of 2D, 2.5D and
+3D tensor parallelism (GridLinear modules by then), whose kernels have no float8 form.
 
 Run it after `cast_precision(gm, torch.bfloat16)` (so the rest of the model computes in
 bf16 and the masters stay fp32), before the collectives are bound. The forms matched are
@@ -21,7 +22,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.kernels.float8 import GRAD, INPUT, MULTIPLE, WEIGHT, Float8Linear
+from autopar.kernels.float8 import (
+    GRAD,
+    INPUT,
+    MULTIPLE,
+    RECIPE_TEXT,
+    TENSORWISE,
+    WEIGHT,
+    Float8Linear,
+)
+from autopar.kernels.modules import GridLinear
 from autopar.passes.precision import CAST, LOSS_LAYER
 from autopar.passes.tensor_parallel import clone_graph_module
 from autopar.sharding.layout import Layout
@@ -36,6 +46,9 @@ EXPERTS_KEPT = "its experts' GEMMs run in bf16 (the MoE kernel has no float8 for
 OUTPUT_PROJECTION = "it is the output projection (its result is the model's output or " \
     "what the loss reads); the recipe keeps it in bf16"
 
+MULTI_D_KEPT = "it runs {mode} tensor parallelism, whose SUMMA and 3D kernels have no " \
+    "float8 form (float8 runs beside 1D tensor parallelism only)"
+
 FLOAT8_PREFIX = "float8_linear"  # the submodules this pass adds: float8_linear_<node>
 
 
@@ -46,23 +59,31 @@ class Float8Report:
 
     converted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # module -> why it stayed bf16
+    recipe: str = TENSORWISE  # the scaling recipe (autopar.kernels.float8.RECIPES)
 
     def merge(self, other: "Float8Report") -> None:
         self.converted += [m for m in other.converted if m not in self.converted]
         self.kept.update({m: w for m, w in other.kept.items() if m not in self.kept})
+        self.recipe = other.recipe
 
     def to_json(self) -> dict:
-        return {"converted": list(self.converted), "kept": dict(self.kept)}
+        return {"converted": list(self.converted), "kept": dict(self.kept),
+                "recipe": RECIPE_TEXT[self.recipe]}
 
 
 def float8_linears(gm: fx.GraphModule, params: dict[str, Layout], axis: str,
-                   sizes: dict[str, int]) -> tuple[fx.GraphModule, Float8Report]:
+                   sizes: dict[str, int], recipe: str = TENSORWISE
+                   ) -> tuple[fx.GraphModule, Float8Report]:
     """A new GraphModule whose eligible linears run in float8 (see the module docstring),
     with the report. `params`: each parameter's layout (`Solution.params`); `sizes`: ranks
-    per tensor axis."""
+    per tensor axis; `recipe`: the scaling recipe (autopar.kernels.float8.RECIPES)."""
     out, _ = clone_graph_module(gm)
-    report = Float8Report()
+    report = Float8Report(recipe=recipe)
     for node in list(out.graph.nodes):
+        grid = _grid_linear(out, node)
+        if grid:
+            report.kept.setdefault(_module_of(node), MULTI_D_KEPT.format(mode=grid))
+            continue
         form = _linear_form(node, params)
         if form is None:
             continue
@@ -75,7 +96,7 @@ def float8_linears(gm: fx.GraphModule, params: dict[str, Layout], axis: str,
             continue
         name = f"{FLOAT8_PREFIX}_{node.name}"
         out.add_submodule(name, Float8Linear(axis, _split(params[target], axis, sizes,
-                                                          transposed), transposed))
+                                                          transposed), transposed, recipe))
         with out.graph.inserting_before(node):
             fp8 = out.graph.call_module(name, (x, weight) + ((bias,) if bias is not None else ()))
         fp8.meta = dict(node.meta)
@@ -86,6 +107,14 @@ def float8_linears(gm: fx.GraphModule, params: dict[str, Layout], axis: str,
     out.graph.lint()
     out.recompile()
     return out, report
+
+
+def _grid_linear(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The mode ("2d", "2.5d", "3d") of a 2D/2.5D/3D tensor-parallel linear, else ""."""
+    if node.op != "call_module":
+        return ""
+    module = gm.get_submodule(node.target)
+    return module.mode if isinstance(module, GridLinear) else ""
 
 
 def _linear_form(node: fx.Node, params: dict) -> tuple | None:

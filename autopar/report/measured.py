@@ -384,8 +384,9 @@ def _float8_lines(fp8: dict | None) -> list[str]:
     """precision="fp8": which linears ran their GEMMs in float8, which stayed bf16 and why."""
     if fp8 is None:
         return []
-    lines = ["", f"float8 (e4m3 activations and weights, e5m2 gradients, tensorwise power-of-two"
-                 f" scales): {len(fp8['converted'])} linear modules in float8"]
+    recipe = fp8.get("recipe", "e4m3 activations and weights, e5m2 gradients, tensorwise "
+                             "power-of-two scales")
+    lines = ["", f"float8 ({recipe}): {len(fp8['converted'])} linear modules in float8"]
     lines += [f"  stayed bf16: {module}: {why}" for module, why in fp8["kept"].items()]
     return lines
 

@@ -15,6 +15,7 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
 from autopar.kernels.collectives import AxisGroup, CommLog, bind
+from autopar.kernels.float8 import ROWWISE, check_recipe
 from autopar.kernels.modules import RandomStreams, bind_streams
 from autopar.kernels.moe import ScheduleBalance, StepBalance
 from autopar.kernels.moe_layers import ExpertLayer, expert_layers, opaque_moe
@@ -79,7 +80,8 @@ class Engine(nn.Module):
                  example_inputs: tuple, loss_fn, optimizer, seed: int = 0,
                  forward_graph=None, max_grad_norm: float | None = None,
                  precision: str = FP32, check_batches: bool = False, stage_planner=None,
-                 start=None, compile: bool = False, chunked_loss: bool = True):
+                 start=None, compile: bool = False, chunked_loss: bool = True,
+                 fp8_recipe: str = ROWWISE):
         super().__init__()
         self.chunked_loss, self.chunked_losses = chunked_loss, 0  # passes.chunked_loss
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
@@ -88,6 +90,7 @@ class Engine(nn.Module):
         self.stage_planner = stage_planner  # layers -> stages when the plan names none
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
         self.compute_dtype = compute_dtype(precision)  # None: fp32, no cast
+        self.fp8_recipe = check_recipe(fp8_recipe)  # precision="fp8": the scaling recipe
         self.scaler = LossScaler() if precision == FP16 else None
         self.regions = CompiledRegions() if compile else None  # runtime.compile: inductor
         self.last_grad_norm: float | None = None  # the global norm of the last step's grads
@@ -180,7 +183,8 @@ class Engine(nn.Module):
         gm = apply_solution(traced.gm, solution)
         if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
             gm = cast_precision(gm, self.compute_dtype)
-        gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers)
+        gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers,
+                                  self.fp8_recipe)
         if self.moe_layers:
             gm = place_expert_layers(gm)
         if self.chunked_loss:
@@ -596,14 +600,15 @@ def _stacked(outer, inner):
 
 
 def _float8(gm: fx.GraphModule, solution: Solution, precision: str,
-            report: Float8Report | None, moe_layers) -> tuple[fx.GraphModule, Float8Report | None]:
+            report: Float8Report | None, moe_layers,
+            recipe: str) -> tuple[fx.GraphModule, Float8Report | None]:
     """Under precision="fp8": gm with its eligible linears' GEMMs in float8
     (autopar.passes.float8), and `report` (a new one for None) told which, and that the MoE
     layers (autopar.kernels.moe_layers) keep their experts' GEMMs in bf16; else gm, None."""
     if precision != FP8:
         return gm, None
     report = report if report is not None else Float8Report()
-    gm, made = float8_linears(gm, solution.params, TP, solution.sizes)
+    gm, made = float8_linears(gm, solution.params, TP, solution.sizes, recipe)
     report.merge(made)
     for name in moe_layers:
         report.kept.setdefault(name, EXPERTS_KEPT)
