@@ -10,7 +10,8 @@ Only two things happen here:
   re-exported for discoverability.  No fixtures, hooks or plugins are
   registered globally.
 
-Multi-process (gloo) tests share one world per test module::
+Multi-process (gloo) tests share one world of each size for the session, reset for each
+module (tests/distributed.py: ``shared_pool``)::
 
     # tests/test_something.py
     from distributed import dist_pool_fixture
@@ -36,8 +37,8 @@ The explicit equivalent, e.g. to pass other options::
 Workers import the test module again: never start a pool at import time of
 a test module, only in fixtures or tests.  A failure on any rank breaks the
 shared pool for the rest of the module (later runs raise
-``DistPoolBrokenError``), so tests that expect a rank to fail create their own
-short-lived pool.
+``DistPoolBrokenError``; the next module gets a new one), so tests that expect a
+rank to fail create their own short-lived pool.
 """
 
 import os

@@ -18,8 +18,9 @@ autopar and the rest of ``tests/pool_preload.py`` once for the whole session
     with DistPool(4) as pool:
         assert pool.run(allreduce_rank, 2.0) == [12.0] * 4   # index = rank
 
-House rule: slow distributed tests share one pool per test module, through a
-module-scoped fixture made with :func:`dist_pool_fixture`::
+House rule: distributed tests take their pool from a fixture made with
+:func:`dist_pool_fixture`; every module gets the session's world of that size, reset
+for it (see :meth:`DistPool.reset`), so a world starts and warms up once a run::
 
     pool4 = dist_pool_fixture(4)        # at module level of a test module
 
@@ -40,8 +41,10 @@ Rules of the road
   failure.  A test that *expects* a rank to fail must therefore use a pool of
   its own (``with DistPool(2, timeout_s=...) as pool:``), not the shared one.
 * The pool adds no collectives of its own between calls and leaves RNG state
-  alone; worker state (module globals, process groups created by tests)
-  persists from one call to the next.
+  alone within a module; worker state (module globals, process groups created
+  by tests) persists from one call to the next. Between modules a reset puts
+  back torch's and numpy's generators, the default dtype, grad mode, autopar's
+  module globals, and the test process's environment and directory.
 """
 
 from __future__ import annotations
@@ -277,20 +280,7 @@ def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
             sys.path.remove(p)
         sys.path.insert(0, p)
 
-    os.environ.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": _LOOPBACK,
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    })
-    # Keep gloo on the loopback interface.
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    _rank_environ(rank, world_size, port)
 
     try:
         import datetime
@@ -311,6 +301,7 @@ def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
         conn.close()
         return
 
+    fresh = _Fresh()
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
 
     while True:
@@ -334,6 +325,15 @@ def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
             except Exception:
                 pass
             break
+        if msg[0] == "reset":
+            try:
+                fresh.restore(*msg[1:])
+                _rank_environ(rank, world_size, port)
+            except BaseException as exc:
+                conn.send_bytes(_error_payload(exc, traceback.format_exc()))
+            else:
+                conn.send_bytes(pickle.dumps(("ok", None)))
+            continue
         _, fn, args, kwargs = msg
         try:
             result = fn(*args, **kwargs)
@@ -352,6 +352,73 @@ def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
         conn.send_bytes(payload)
     conn.close()
     _fast_exit(0)
+
+
+def _rank_environ(rank: int, world_size: int, port: int) -> None:
+    os.environ.update({
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": _LOOPBACK,
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    })
+    # Keep gloo on the loopback interface.
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+class _Fresh:
+    """What a worker holds when it starts, so that a shared pool can hand the next test
+    module a worker as a new one would be: the random generators' states (torch's and numpy's;
+    Python's is seeded afresh in every forked process, a new worker's is random), torch's default dtype and grad mode, and the global names of every autopar
+    module (a test that sets a module constant or wraps a module function leaves it set:
+    ``losses.CHUNK_BYTES = ...``). Environment and working directory come from the test
+    process at each reset, as at start-up."""
+
+    def __init__(self):
+        import torch
+
+        self.torch_rng = torch.get_rng_state()
+        numpy = sys.modules.get("numpy")
+        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+        self.dtype = torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
+        self.names = {name: dict(vars(module)) for name, module in list(sys.modules.items())
+                      if module is not None and name.split(".")[0] == "autopar"}
+
+    def restore(self, environ: dict, cwd: str) -> None:
+        import torch
+
+        os.environ.clear()
+        os.environ.update(environ)
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
+        torch.set_rng_state(self.torch_rng)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.numpy_rng is not None:
+            numpy.random.set_state(self.numpy_rng)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(self.grad)
+        for name, names in self.names.items():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            now = vars(module)
+            for key, value in names.items():
+                if now.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
+        import gc
+
+        gc.collect()
+
+
+_MISSING = object()
 
 
 def _fast_exit(code: int) -> None:
@@ -414,7 +481,7 @@ class DistPool:
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 300.0,
-                 start_timeout_s: float | None = None):
+                 start_timeout_s: float | None = None, pg_timeout_s: float | None = None):
         if _IN_WORKER:
             raise RuntimeError(
                 "DistPool created inside a DistPool worker: a module imported by the "
@@ -426,6 +493,7 @@ class DistPool:
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(
             start_timeout_s if start_timeout_s is not None else max(self.timeout_s, 180.0))
+        self.pg_timeout_s = pg_timeout_s
         self.port: int | None = None
         self._processes: list = []
         self._conns: list = []
@@ -456,7 +524,7 @@ class DistPool:
         self._broken = None
         self.port = find_free_port()
         paths = [REPO_ROOT, TESTS_DIR]
-        pg_timeout_s = max(self.timeout_s, self.start_timeout_s) + 60.0
+        pg_timeout_s = self.pg_timeout_s or max(self.timeout_s, self.start_timeout_s) + 60.0
         processes, conns = [], []
         try:
             for rank in range(self.world_size):
@@ -573,6 +641,24 @@ class DistPool:
                     self._broken = f"interrupted by {type(exc).__name__} while running {_fn_name(fn)}"
                 raise
             return [reply[1] for reply in replies]
+
+    def reset(self) -> None:
+        """Hand the workers to a new test module as new ones: the test process's environment
+        and working directory, and the state each worker started with (random generators,
+        default dtype, grad mode, autopar's module globals; see ``_Fresh``). Module globals
+        of test modules and process groups made by tests stay. A failure breaks the pool."""
+        with self._lock:
+            if self._closed or self._broken is not None:
+                raise DistPoolBrokenError(
+                    f"DistPool(world_size={self.world_size}) cannot be reset: "
+                    f"{'closed' if self._closed else self._broken}")
+            payload = pickle.dumps(("reset", dict(os.environ), os.getcwd()))
+            for c in self._conns:
+                try:
+                    c.send_bytes(payload)
+                except (OSError, EOFError):
+                    pass
+            self._collect(list(range(self.world_size)), self.timeout_s, what="reset")
 
     def _collect(self, ranks: list[int], timeout_s: float, what: str) -> list:
         """Wait for one message from each of ``ranks``.  On any failure tear
@@ -700,6 +786,30 @@ class DistPool:
 # --------------------------------------------------------------------------
 
 
+# The worlds every test module shares (world size -> pool), started by the first module
+# that asks and kept for the session; closed at exit.
+_SHARED: dict[int, DistPool] = {}
+# Their process groups' collective timeout: the longest a module's calls may take.
+_SHARED_PG_TIMEOUT_S = 3660.0
+
+
+def shared_pool(world_size: int, *, timeout_s: float = 300.0) -> DistPool:
+    """The session's pool of `world_size` ranks, reset for a new module (``DistPool.reset``),
+    its calls bounded by `timeout_s`; a new pool where there is none yet or the last one
+    broke (a failure in one module leaves the next a healthy world)."""
+    pool = _SHARED.get(world_size)
+    if pool is not None and pool.broken is None:
+        pool.timeout_s = float(timeout_s)
+        try:
+            pool.reset()
+            return pool
+        except DistPoolError:
+            pool.close()
+    pool = DistPool(world_size, timeout_s=timeout_s, pg_timeout_s=_SHARED_PG_TIMEOUT_S)
+    _SHARED[world_size] = pool
+    return pool
+
+
 def dist_pool_fixture(world_size: int, *, timeout_s: float = 300.0,
                       scope: str = "module", **pool_kwargs: Any):
     """Make a pytest fixture yielding a :class:`DistPool`, one per ``scope``.
@@ -711,10 +821,21 @@ def dist_pool_fixture(world_size: int, *, timeout_s: float = 300.0,
         def test_sum(pool4):
             assert pool4.run(some_module_level_fn) == [...]
 
-    The pool starts when the first test of the module asks for it and is
-    closed after the module's last test.  Nothing starts at import time.
+    The pool is handed out when the first test of the module asks for it. With the default
+    module scope and no other pool options, every module gets the session's world of that
+    size (:func:`shared_pool`): started once, reset for each module so that its workers
+    start as new ones would, replaced when a failure broke it. Starting a world and warming
+    its workers up (torch's first trace in a process loads and builds more than a second's
+    worth) was paid again by every module. Nothing starts at import time.
     """
     import pytest
+
+    if scope == "module" and not pool_kwargs:
+        @pytest.fixture(scope=scope)
+        def _shared_pool_fixture():
+            yield shared_pool(world_size, timeout_s=timeout_s)
+
+        return _shared_pool_fixture
 
     @pytest.fixture(scope=scope)
     def _dist_pool_fixture():

@@ -58,21 +58,31 @@ def _child(script: str, args: list[str], cwd: str, environ: dict, out: str,
     os._exit(code)
 
 
+def start_script(script: str | Path, args: list[str], cwd: str | Path, *,
+                 environ: dict | None = None, out: str = os.devnull, err: str = os.devnull):
+    """Start `python script *args` in `cwd` with `environ` (default: this process's), forked
+    from the preloaded server, its stdout and stderr written to `out` and `err`; the started
+    multiprocessing Process (join, is_alive, kill, exitcode)."""
+    with _STARTING:
+        here = os.getcwd()
+        os.chdir(os.path.dirname(os.path.abspath(__file__)))  # not a test's scratch
+        try:
+            context = fork_context()
+        finally:
+            os.chdir(here)
+    child = context.Process(target=_child, args=(str(script), list(args), str(cwd),
+                                                 dict(os.environ if environ is None else environ),
+                                                 out, err))
+    child.start()
+    return child
+
+
 def run_script(script: str | Path, args: list[str], cwd: str | Path, timeout: float) -> Done:
     """`python script *args` in `cwd`, forked from the preloaded server; its exit status and
     what it printed. A child still running after `timeout` seconds is killed and fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        with _STARTING:
-            here = os.getcwd()
-            os.chdir(os.path.dirname(os.path.abspath(__file__)))  # not a test's scratch
-            try:
-                context = fork_context()
-            finally:
-                os.chdir(here)
-        child = context.Process(target=_child, args=(str(script), list(args), str(cwd),
-                                                     dict(os.environ), out, err))
-        child.start()
+        child = start_script(script, args, cwd, out=out, err=err)
         child.join(timeout)
         if child.is_alive():
             child.kill()

@@ -172,6 +172,48 @@ def test_workers_start_with_the_test_process_environment_and_directory(tmp_path,
     assert got == [("set after the fork server started", os.getcwd())] * 2
 
 
+# What another module's fixture is: the same call, made again.
+other_module_pool2 = dist_pool_fixture(2, timeout_s=60)
+
+
+def _draw_and_patch(rank):
+    """Leave state behind as a test might: draws from torch's generator (rank `rank` more),
+    float64 by default, no grad, an autopar constant changed."""
+    from autopar.graph import losses
+
+    for _ in range(1 + (dist.get_rank() == rank)):
+        torch.rand(3)
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    losses.CHUNK_BYTES = 7
+
+
+def _fresh_state():
+    from autopar.graph import losses
+
+    return (torch.rand(3).tolist(), torch.get_default_dtype(),
+            torch.is_grad_enabled(), losses.CHUNK_BYTES, os.environ.get("AUTOPAR_POOL_PROBE"),
+            os.getcwd(), os.environ["RANK"])
+
+
+def test_modules_share_one_world_each_module_finds_as_new(pool2, request, tmp_path,
+                                                          monkeypatch):
+    """Every module gets the session's world of its size (no start-up, no warm-up again), and
+    finds its workers as new ones: what an earlier module left behind is reset, and the
+    environment and directory are the test process's at the module's start."""
+    with DistPool(2, timeout_s=60) as new:
+        fresh = new.run(_fresh_state)
+    pids = pool2.pids
+    pool2.run(_draw_and_patch, 1)
+    monkeypatch.setenv("AUTOPAR_POOL_PROBE", "set for the next module")
+    monkeypatch.chdir(tmp_path)
+    next_module = request.getfixturevalue("other_module_pool2")
+    assert next_module.pids == pids
+    got = next_module.run(_fresh_state)
+    assert [g[:4] + g[6:] for g in got] == [f[:4] + f[6:] for f in fresh]
+    assert [g[4:6] for g in got] == [("set for the next module", str(tmp_path))] * 2
+
+
 def test_unpicklable_fn_fails_in_parent_and_pool_survives(pool2):
     with pytest.raises(TypeError, match="module-level function"):
         pool2.run(lambda: 1)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -324,12 +325,15 @@ def _rebind(traced, model) -> None:
 def _install_trace_cache() -> None:
     """Trace each family once per graph kind in this worker: the tracer reads shapes only
     (the batch is symbolic), so a later case gets the first graph with its own model's
-    tensors bound in."""
+    tensors bound in. The planner's trace (the training graph it prices) shares the cache:
+    it is the engine's training graph, traced the same way, so the planner mode traces
+    nothing new."""
+    from autopar.graph.trace import trace as real
     from autopar.runtime import engine
+    from autopar.search import planner
 
     if getattr(engine.trace, "_family_cache", False):
         return
-    real = engine.trace
 
     def cached(model, example_inputs, **kwargs):
         opaque = tuple(sorted(n for n, m in model.named_modules() if "forward" in vars(m)))
@@ -346,6 +350,7 @@ def _install_trace_cache() -> None:
 
     cached._family_cache = True
     engine.trace = cached
+    planner.trace = cached
 
 
 def _one_sentence(message: str) -> bool:
@@ -544,6 +549,38 @@ def families_page() -> str:
 def test_the_families_page_is_current():
     with open(PAGE) as f:
         assert f.read() == families_page(), "run python tests/test_families.py to update it"
+
+
+def test_the_planner_mode_reuses_the_family_trace(monkeypatch):
+    """The planner prices the training graph the engine traces: with the trace cache in place
+    the planner gets the engine's graph, rebound to its model, and traces nothing itself."""
+    import importlib
+
+    from autopar.runtime import engine
+    from autopar.search import planner
+
+    tracing = importlib.import_module("autopar.graph.trace")  # the module, not the function
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("train"))
+        return real(*args, **kwargs)
+
+    real = tracing.trace
+    monkeypatch.setattr(tracing, "trace", counted)
+    monkeypatch.setattr(engine, "trace", engine.trace)  # restored after the test
+    monkeypatch.setattr(planner, "trace", planner.trace)
+    monkeypatch.setitem(_CURRENT, "family", "gpt2")
+    monkeypatch.setattr(sys.modules[__name__], "_TRACES", {})
+    _install_trace_cache()
+    model, inputs, target = build("gpt2")
+    args = dict(loss_fn=_lm_loss, example_target=target[:2], train=True)
+    first = engine.trace(model, (inputs[0][:2],), **args)
+    again, _, _ = build("gpt2")
+    second = planner.trace(again, (inputs[0][:2],), **args)
+    assert second is first and calls == [True]
+    own = {id(p) for p in again.parameters()}  # the graph's listed weights: the second model's
+    assert all(id(p) in own for t, p in second.gm.named_parameters() if t in second.params)
 
 
 def test_an_encoder_decoder_traces_without_its_generation_cache():

@@ -21,20 +21,31 @@ def _run(*args, env=None, timeout=900):
                           env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
 
 
-def test_without_a_gpu_it_says_so_and_succeeds(tmp_path):
-    out = _run("--out", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})
+def _main(capsys, *args) -> subprocess.CompletedProcess:
+    """The script's main in this process (what it decides before its first section needs
+    no interpreter of its own; test_every_section_runs_on_the_cpu runs it as a command)."""
+    code = gpu_truth.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_without_a_gpu_it_says_so_and_succeeds(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gpu_truth.torch.cuda, "is_available", lambda: False)  # a CPU machine
+    out = _main(capsys, "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "no GPU" in out.stdout
 
 
-def test_it_refuses_a_budget_it_cannot_finish_in(tmp_path):
-    out = _run("--device", "cpu", "--quick", "--budget-s", "20", "--out", str(tmp_path))
+def test_it_refuses_a_budget_it_cannot_finish_in(tmp_path, capsys):
+    out = _main(capsys, "--device", "cpu", "--quick", "--budget-s", "20", "--out",
+                str(tmp_path))
     assert out.returncode == 2
     need = sum(q for _, q in gpu_truth.ESTIMATE_S.values())
     assert out.stderr.strip() == (
         f"gpu_truth: the sections calibrate, predict, overhead, ranks need about {need} s but "
         "--budget-s is 20 s; pass fewer --sections or a larger budget.")
-    out = _run("--device", "cpu", "--sections", "calibrate,nope", "--out", str(tmp_path))
+    out = _main(capsys, "--device", "cpu", "--sections", "calibrate,nope", "--out",
+                str(tmp_path))
     assert out.returncode == 2
     assert "unknown section 'nope'" in out.stderr
 

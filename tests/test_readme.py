@@ -486,8 +486,10 @@ def test_bash_block(block, scratch, capsys):
             _run_calibrate(argv)
         elif kind == "torchrun":
             _run_torchrun(argv)
-        elif kind == "example":
-            done = _subprocess([sys.executable, *argv[1:]])
+        elif kind == "example":  # `python examples/x.py ...`, forked as the snippets are
+            done = run_script(argv[1], argv[2:], cwd=os.getcwd(), timeout=TIMEOUT)
+            assert done.returncode == 0, f"`{shlex.join(argv)}` failed:\n{done.stdout}\n" \
+                f"{done.stderr}"
             assert EXAMPLE_CHECKS[argv[1]](done.stdout), done.stdout
         else:
             assert kind in ("pip", "apt", "pytest", "long"), shlex.join(argv)
