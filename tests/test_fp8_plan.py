@@ -147,13 +147,15 @@ def test_fp8_fidelity_table_meets_its_goals(fp8_rows):
 
 def test_gemms_the_fp8_kernels_cannot_take_stay_bf16():
     """An FFN width of 520 (not a multiple of 16) keeps the MLP's three GEMMs in bf16; the
-    attention projections (256 wide) still run in fp8."""
+    attention projections (256 wide) still run in fp8. Each layer kind is listed: the first
+    block is a kind of its own (it holds what every block reads, `cost.layer.held_once`)."""
     w = workload(SMALL.replace("ffn=512", "ffn=520"))
     p = autopar.plan(w.model, w.inputs, World(8, per_node=8, device="h100-80gb"),
                      global_batch=8, loss_fn=w.loss_fn, example_target=w.target,
                      precision="fp8", constraints={"tp": 1})
     f = p.detail["fp8"]
     assert f["fp8_gemms"] == 2 * 4 and f["weight_gemms"] == 2 * 7 + 1
-    assert f["kept_bf16"] == ["blocks.0 256x520", "blocks.0 520x256", "output 256x1024"]
+    assert f["kept_bf16"] == ["blocks.0 256x520", "blocks.0 520x256", "blocks.1 256x520",
+                              "blocks.1 520x256", "output 256x1024"]
     assert "linear GEMMs kept bf16 (layer KxN): blocks.0 256x520, blocks.0 520x256" in \
         p.explain()

@@ -291,5 +291,10 @@ def test_one_formula_prices_the_flat_buffers():
     parts = memory_by_kind(np.array([100.0]), np.zeros(1), 10.0, 4, 3, False, np.ones(1),
                            mixed(torch.bfloat16), workspace=5.0)
     assert parts["buffers"][0] == buffer_bytes(10.0, 4, 3) + 5.0
+    import inspect
+
+    from autopar.cost.step import stage_memory
+
+    assert "buffer_bytes(biggest, replicas, zero)" in inspect.getsource(stage_memory)
     search_source = (Path(planner.__file__).parent / "search.py").read_text()
-    assert "buffer_bytes(prep.biggest, replicas, zero)" in search_source
+    assert "stage_memory(" in search_source
