@@ -8,8 +8,9 @@ space whole, at no more candidates than the free search prices.
 
 import pytest
 
+from autopar.cost.comm import placements
 from autopar.models import workload
-from autopar.modes import RUNTIME
+from autopar.modes import CP, DP, ORDER, PP, RUNTIME, TP
 from autopar.search import planner
 from autopar.search.search import Options, Search
 from autopar.world import World
@@ -56,16 +57,58 @@ def test_the_executable_winner_is_the_one_of_every_grid_searched_whole(small, co
     assert _signature(got.best) == _signature(_whole(small, world, 32, constraints))
 
 
-def test_gpt3_executable_search_prices_no_more_than_the_free_one():
+@pytest.fixture(scope="module")
+def gpt3():
+    w = workload("gpt3-175b", seq=2048)
+    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                           repeat={"blocks.1": w.layers - 1},
+                           tokens_per_sample=w.tokens_per_sample, tp_sizes=GPT3_TP)
+
+
+def test_gpt3_executable_search_prices_no_more_than_the_free_one(gpt3):
     """GPT-3 175B on 1024 A100 (the case bench_search times): the same winner as every grid
     searched whole, at no more candidates than the free search (it was 7x as many: every grid's
-    search priced the 1D leaves again)."""
-    w = workload("gpt3-175b", seq=2048)
-    chain = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
-                            repeat={"blocks.1": w.layers - 1},
-                            tokens_per_sample=w.tokens_per_sample, tp_sizes=GPT3_TP)
+    search priced the 1D leaves again; then 1582 against 1442 once cp ran beside the grids:
+    the 2D search priced again the 1D candidates its 2x2 states could not better)."""
+    chain = gpt3
     world = World(1024, per_node=8, device="a100-80gb")
     free = planner.search(chain, world, global_batch=1536)
     got = planner.search(chain, world, global_batch=1536, executable=True)
     assert got.candidates <= free.candidates
     assert _signature(got.best) == _signature(_whole(chain, world, 1536, None))
+
+
+def _prepared(chain, world, grid, mesh, b):
+    """The 1D search's and `grid`'s search's Prepared of one mesh and micro-batch."""
+    sp_seq = planner._sequence_parallel_length(chain, world.devices)
+    options = Options(global_batch=1536, executable=RUNTIME)
+    base = Search(chain, world, planner._narrowed(options, None, sp_seq))
+    search = Search(chain, world, planner._narrowed(options, grid, sp_seq), base=base)
+    pl = placements(mesh, ORDER, world.per_node)
+    return base._prepared(mesh, pl, None, b), search._prepared(mesh, pl, None, b).build()
+
+
+@pytest.mark.parametrize("tp, grid, adds", [(4, ("2d", None), False), (16, ("2d", None), True)])
+def test_a_grid_adds_states_only_where_a_candidate_can_take_them(gpt3, tp, grid, adds):
+    """GPT-3's 2x2 SUMMA states are slower than 1D with Megatron-SP at no fewer activations,
+    so no candidate of tp=4 takes them and the 2D search leaves those leaves to the 1D one;
+    its 4x4 states at tp=16 are the fastest there and stay."""
+    world = World(1024, per_node=8, device="a100-80gb")
+    mesh = {PP: 8, DP: 1024 // (8 * tp), CP: 1, TP: tp}
+    base, prep = _prepared(gpt3, world, grid, mesh, 4)
+    assert prep.base is base and prep.adds_nothing() is not adds
+
+
+def test_states_no_candidate_takes_leave_the_candidates_as_they_are(gpt3):
+    """What `adds_nothing` claims, whole: on GPT-3's tp=4 meshes every candidate of the
+    2D space (its 2x2 states beside the 1D ones) is one of the 1D space's."""
+    world = World(1024, per_node=8, device="a100-80gb")
+    sp_seq = planner._sequence_parallel_length(gpt3, world.devices)
+    options = Options(global_batch=1536, executable=RUNTIME)
+    got = {}
+    for grid in (None, ("2d", None)):
+        fixed = {"tp": 4, "pp": 8, "micro_batch_size": 4}
+        cands = Search(gpt3, world, planner._narrowed(options, grid, sp_seq), fixed).every()
+        got[grid] = sorted((c.describe(), float(c.step_time).hex(),
+                            float(c.memory_per_device).hex()) for c in cands)
+    assert got[None] and got[None] == got[("2d", None)]

@@ -228,9 +228,11 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
     """The runtime runs one grid per plan (1D layers may join it): search 1D alone and 1D
     with each grid the world can form, and keep the fastest; the union of these spaces is
     exactly what `parallelize` can execute. A grid's search walks only the meshes whose
-    tensor group can form it (elsewhere its space is the 1D one), skips what cannot beat
-    the k best step times found so far and the candidates an earlier search priced alike
-    (`settled`): the same top k as searching each space whole."""
+    tensor group can form it (elsewhere its space is the 1D one) and of those only the
+    placements and micro-batches where its states add one a candidate can take to the 1D
+    search's (`Prepared.adds_nothing`; elsewhere its candidates are the 1D search's), and
+    skips what cannot beat the k best step times found so far and the candidates an earlier
+    search priced alike (`settled`): the same top k as searching each space whole."""
     start = time.perf_counter()
     results, first, errors, times = [], None, [], []
     sp_seq = _sequence_parallel_length(chain, world.devices)
@@ -238,7 +240,7 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
     settled: dict = {}
     for grid in [None] + _grids(world.devices):
         opt = _narrowed(options, grid, sp_seq)
-        search = Search(chain, world, opt, constraints, state_costs, grid_only=grid is not None,
+        search = Search(chain, world, opt, constraints, state_costs, base=first if grid else None,
                         settled=settled)
         first = first or search
         cutoff = times[options.top - 1] if len(times) >= options.top else float("inf")

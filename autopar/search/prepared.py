@@ -59,17 +59,21 @@ class Fast:
 class Prepared:
     """One tp/cp placement and micro-batch: per-layer state costs along the chain."""
 
-    def __init__(self, search, kinds, pl, b, context):  # search: the search.Search
+    def __init__(self, search, kinds, pl, b, context, base=None):  # search: the search.Search
         """``kinds``: (layer kind, its states) in chain-type order; ``context``: the cost
-        Context and its key. The lower bound prices only each layout's state with the least
-        recomputation, its fastest (recomputing adds compute and reruns collectives, never
-        takes any away) and with the same parameters and workspace; `build` the rest."""
+        Context and its key; ``base``: the Prepared of a search whose states of each kind
+        begin these (their costs are its). The lower bound prices only each layout's state
+        with the least recomputation, its fastest (recomputing adds compute and reruns
+        collectives, never takes any away) and with the same parameters and workspace;
+        `build` the rest."""
         order = search.chain.order
         # no reference cycle with the search that caches it: both go by reference counting
         # when the search is dropped, with no collection to walk them
         self.search = weakref.proxy(search)
-        self.kinds, self.context = kinds, context
+        self.kinds, self.context, self.base = kinds, context, base
         self.per_type = [(states, [None] * len(states)) for _, states in kinds]
+        for (_, costs), (_, known) in zip(self.per_type, base.per_type if base else ()):
+            costs[:len(known)] = known
         self.order = order
         self.pl, self.b = pl, b
         least = [self._price(_least_recompute(states), t) for t, (_, states) in
@@ -87,6 +91,7 @@ class Prepared:
         self._stages: dict = {}
         self._layouts: dict = {}
         self._fast_key: tuple | None = None  # `fast_key`, once asked
+        self._adds_nothing: bool | None = None  # `adds_nothing`, once asked
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
 
@@ -193,6 +198,38 @@ class Prepared:
             self._fast_key = tuple((s.mode.name, s.mode.size, s.mode.q, s.mode.d, s.sp,
                                     s.recompute) for s in self.states_of(self.fast))
         return self._fast_key
+
+    def adds_nothing(self) -> bool:
+        """Whether no candidate takes a state past the `base` Prepared's (once built), so each
+        is the base search's: of each kind, every layout of them has a layout of the base's
+        states (two or more, the same first ones; `fit` leaves a kind of one as it is) that
+        beats it state by state: faster, no more activations. The fastest path then takes
+        none of them, nor `fit` (its exact counts per layout find a faster fit in the base
+        layout, whose conversion costs no more; its fallback to the least memory finds a base
+        state first), and they raise no workspace."""
+        if self._adds_nothing is None:
+            self._adds_nothing = self.base is not None and self._beaten(self.base)
+        return self._adds_nothing
+
+    def _beaten(self, base) -> bool:
+        if self.workspace > base.workspace or any(
+                k >= len(had) for k, had in zip(self.fast, base.state_rows)):
+            return False
+        for (states, costs), (had, _) in zip(self.per_type, base.per_type):
+            n = len(had)
+            if len(states) == n:
+                continue
+            layouts: dict = {}
+            for s, c in zip(states, costs):
+                layouts.setdefault(s.layout, []).append(c)
+            own = {s.layout for s in had}
+            new = {s.layout for s in states[n:]}
+            if n < 2 or own & new or not all(any(
+                    all(any(b.time < c.time and b.activations <= c.activations
+                            for b in layouts[lay]) for c in layouts[extra]) for lay in own)
+                    for extra in new):
+                return False
+        return True
 
     def path_time(self, chosen) -> np.ndarray:
         """Each layer's seconds in its chosen state, plus a conversion where its layout is not

@@ -131,14 +131,17 @@ class Search:
     """One search over one model and world; reusable for several questions."""
 
     def __init__(self, chain: LayerChain, world, options: Options, constraints=None,
-                 state_costs: dict | None = None, grid_only: bool = False,
+                 state_costs: dict | None = None, base: Search | None = None,
                  settled: dict | None = None):
         """`state_costs`: layer state costs to share with other searches of this chain and
         world in the same dtype and attention kernel (their capabilities may differ);
-        `grid_only`: only the meshes whose tensor group may take a multi-dimensional mode
-        (the rest of the space is a 1D search's); `settled`: shared with those searches, the
-        leaves (under one ZeRO option) whose fastest states fit as they are, so a search
-        that meets one with the same fastest states skips the candidate already priced."""
+        `base`: the 1D search run before this one, whose space is this one's but for the
+        multi-dimensional modes: only the meshes whose tensor group may take one, and of those
+        no placement or micro-batch where its states add none to `base`'s or none that a
+        candidate can take (`Prepared.adds_nothing`): there the candidates are `base`'s;
+        `settled`: shared with those searches, the leaves (under one ZeRO option) whose
+        fastest states fit as they are, so a search that meets one with the same fastest
+        states skips the candidate already priced."""
         self.chain = chain
         self.world = world
         self.hw: Hardware = world.profile
@@ -155,7 +158,7 @@ class Search:
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
         self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
             chain.param_dtype), self.layers)
-        self.grid_only = grid_only
+        self._base = base
         self._settled = settled
         self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made
         self.candidates = 0
@@ -218,7 +221,7 @@ class Search:
         world = self.world.devices
         heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
         meshes = self.space.meshes(world)
-        if self.grid_only:
+        if self._base is not None:
             meshes = [m for m in meshes if self.space.has_grid(m[TP])]
         if self.opt.executable is not None:
             self.left_out.extend(why.not_executable(self.opt.executable))
@@ -231,6 +234,10 @@ class Search:
             if progress:
                 progress(i, 2 * len(meshes))
             leaves.extend(self._leaves(mesh, heads))
+        if not leaves and self._cutoff < float("inf"):  # (read by no one: the first search's
+            # error is the one raised) cheaper than the sentences below
+            raise PlanError(f"every leaf is bounded above the {self._cutoff:.3f} s of the k "
+                            "best plans other searches found; none of it can enter the top k.")
         if not leaves:
             raise PlanError(why.too_many_devices(self.space, meshes, world, self.opt.global_batch)
                             or why.no_leaf(self.space, meshes, self.opt.global_batch))
@@ -263,7 +270,9 @@ class Search:
                 self._cost_cache[key] = None
                 return None
             per_type.append((lt, states))
-        prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, (ctx, ctx_key))
+        base = _base_of(self, mesh, pl, cp_mode, b, split, per_type)
+        prep = self._cost_cache[key] = None if base is False else \
+            Prepared(self, per_type, pl, b, (ctx, ctx_key), base)
         return prep
 
     def _state_costs_of(self, lt, states, b: int, ctx, ctx_key) -> list:
@@ -374,7 +383,8 @@ class Search:
         return hit
 
     def _evaluate(self, leaf):
-        leaf.prep.build()
+        if leaf.prep.build().adds_nothing():
+            return  # the base search's candidates: priced there, or bounded above its k best
         settled, fast, zeros = self._settled, None, leaf.zeros
         if settled is not None:
             fast = leaf.prep.fast_key()
@@ -514,13 +524,6 @@ class Search:
         experts = leaf.prep.take(leaf.prep.expert_table, chosen)
         return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
 
-    def _bound_candidate(self, leaf) -> Candidate:
-        prep = leaf.prep.build()
-        return Candidate(mesh=dict(leaf.mesh), micro_batch=leaf.b, microbatches=leaf.m,
-                         schedule=leaf.schedule, chunks=leaf.v, zero=0, offload=False,
-                         cp_mode=leaf.cp_mode, states=prep.states_of(prep.fast), stages=[],
-                         step_time=leaf.bound, ep=leaf.split.ep if leaf.split else 1)
-
 
 @contextlib.contextmanager
 def collector_paused():
@@ -549,12 +552,34 @@ def _result(search: Search, per_mesh: dict, bounds: dict, seconds: float) -> Sea
         if len(alternatives) >= search.opt.top:
             break  # the rest would be cut below
         if key not in per_mesh and winner is not None:
-            alternatives.append((search._bound_candidate(leaf),
+            alternatives.append((_bound_candidate(leaf),
                                  f"at least {100 * (leaf.bound / winner.step_time - 1):.1f}% "
                                  "slower (lower bound: never fully priced)"))
     return SearchResult(winner, alternatives[: search.opt.top], search.candidates, seconds,
                         search.left_out, search.opt.attention_kernel, search.precision,
                         search.opt.compile)
+
+
+def _bound_candidate(leaf) -> Candidate:
+    prep = leaf.prep.build()
+    return Candidate(mesh=dict(leaf.mesh), micro_batch=leaf.b, microbatches=leaf.m,
+                     schedule=leaf.schedule, chunks=leaf.v, zero=0, offload=False,
+                     cp_mode=leaf.cp_mode, states=prep.states_of(prep.fast), stages=[],
+                     step_time=leaf.bound, ep=leaf.split.ep if leaf.split else 1)
+
+
+def _base_of(search: Search, mesh, pl, cp_mode, b, split, kinds):
+    """The base search's `Prepared` of this placement and micro-batch where its states of
+    each kind begin this search's and it lacks some (False where it lacks none: its leaves
+    are the base search's own); None without a base search, or where it has no states."""
+    if search._base is None:
+        return None
+    base = search._base._prepared(mesh, pl, cp_mode, b, split)
+    if base is None or any(states[:len(had)] != had for (_, states), (_, had) in
+                           zip(kinds, base.kinds)):
+        return None
+    return base if any(len(s) > len(had) for (_, s), (_, had) in zip(kinds, base.kinds)) \
+        else False
 
 
 def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:

@@ -175,6 +175,7 @@ class Space:
         self.caps = options.executable  # None: everything the planner can price
         self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block)
         self._states: dict = {}
+        self._grids: dict = {}  # tp -> `has_grid`
 
     # ------------------------------------------------------------------ layers
     def tp_modes(self, tp: int, block: bool = True) -> list[TensorMode]:
@@ -195,7 +196,10 @@ class Space:
 
     def has_grid(self, tp: int) -> bool:
         """Whether a tensor group of `tp` ranks may take a multi-dimensional mode here."""
-        return any(m.name != TP_1D for m in self.tp_modes(tp))
+        hit = self._grids.get(tp)
+        if hit is None:
+            hit = self._grids[tp] = any(m.name != TP_1D for m in self.tp_modes(tp))
+        return hit
 
     def refused_tensor_sizes_1d(self) -> dict[int, str]:
         """Tensor size -> why 1d blocks cannot take it, from the chain's refusals."""
