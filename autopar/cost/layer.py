@@ -194,9 +194,7 @@ class LayerChain:
     # the dtype of most parameter elements: what autopar.cost.precision prices states from
     param_dtype: torch.dtype = torch.float32
     chunked_loss: bool = True  # a classifier's cross-entropy priced chunked (cost.chunked_loss)
-    # a kind that leaves out the tensors an earlier layer reads too (`held_once`) -> its
-    # twin that holds them: under a pipeline each stage rebuilds them, its first reader too
-    holding: dict[str, str] = field(default_factory=dict)
+    holding: dict = field(default_factory=dict)  # kind -> twin with `held_once`'s tensors
 
     def layers(self) -> list[LayerType]:
         return [self.types[i] for i in self.order]
@@ -467,11 +465,10 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     group_index = {g: i for i, g in enumerate(types)}
     type_list = list(types.values())
     dtype_bytes = max(t.dtype_bytes for t in type_list)
-    holding = {lt.name: types[(group, False)].name for (group, held), lt in types.items()
-               if held and (group, False) in types}
     return LayerChain(type_list, [group_index[g] for g in order], tokens_per_sample,
                       dtype_bytes, sources=sources, param_dtype=_param_dtype(traced),
-                      holding=holding)
+                      holding={lt.name: types[(g, False)].name for (g, held), lt in types.items()
+                               if held and (g, False) in types})  # (a pipeline's stages)
 
 
 def _param_dtype(traced: TracedGraph) -> torch.dtype:
