@@ -130,6 +130,20 @@ def test_saved_bytes_are_the_plans_under_megatron_sp(pool2):
     _check_saved(by_mode)
 
 
+def test_saved_bytes_are_the_plans_per_block_under_1f1b(pool2):
+    """Two 1F1B stages, 2 micro-batches: the second micro-batch's tensors count where the
+    first's freed storages were; each stage rebuilds the mask and rotary tables before its
+    first block (a recomputed block stays one region) and its first block holds them."""
+    plan = {"pipeline": {"size": 2, "microbatches": 2}}
+    ranks = {mode: pool2.run(_saved_per_block, hf_llama4, {**plan, "recompute": mode})
+             for mode in RECOMPUTE}
+    by_mode = {mode: {**r[0], **r[1]} for mode, r in ranks.items()}
+    assert all(len(blocks) == 4 for blocks in by_mode.values()), by_mode
+    _check_saved(by_mode)
+    for mode, blocks in by_mode.items():  # a stage's first block holds more than its second
+        assert blocks["model.layers.2"][1] > blocks["model.layers.3"][1], (mode, blocks)
+
+
 def test_selective_drops_the_s_by_s_tensors_as_planned():
     for model in (gpt_with_dropout, hf_llama):
         by_mode = {mode: _saved_per_block(model, {"recompute": mode}) for mode in RECOMPUTE}

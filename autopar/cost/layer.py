@@ -194,6 +194,7 @@ class LayerChain:
     # the dtype of most parameter elements: what autopar.cost.precision prices states from
     param_dtype: torch.dtype = torch.float32
     chunked_loss: bool = True  # a classifier's cross-entropy priced chunked (cost.chunked_loss)
+    holding: dict = field(default_factory=dict)  # kind -> twin with `held_once`'s tensors
 
     def layers(self) -> list[LayerType]:
         return [self.types[i] for i in self.order]
@@ -465,7 +466,9 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     type_list = list(types.values())
     dtype_bytes = max(t.dtype_bytes for t in type_list)
     return LayerChain(type_list, [group_index[g] for g in order], tokens_per_sample,
-                      dtype_bytes, sources=sources, param_dtype=_param_dtype(traced))
+                      dtype_bytes, sources=sources, param_dtype=_param_dtype(traced),
+                      holding={lt.name: types[(g, False)].name for (g, held), lt in types.items()
+                               if held and (g, False) in types})  # (a pipeline's stages)
 
 
 def _param_dtype(traced: TracedGraph) -> torch.dtype:

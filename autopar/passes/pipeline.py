@@ -238,9 +238,10 @@ def _build_stage(gm, k, stage, free, receives, sends, output):
         env[a] = new
         return new
 
-    for nd in gm.graph.nodes:
-        if stage.get(nd) != k or nd.op == "placeholder" or nd in free:
-            continue
+    own = [nd for nd in gm.graph.nodes
+           if stage.get(nd) == k and nd.op != "placeholder" and nd not in free]
+    _hoist_free(gm, k, stage, free, own, value)
+    for nd in own:
         env[nd] = graph.node_copy(nd, value)
     if sends is None:
         graph.output(fx.map_arg(output.args[0], value))
@@ -249,6 +250,29 @@ def _build_stage(gm, k, stage, free, receives, sends, output):
     graph.lint()
     module = fx.GraphModule(gm, graph)
     return module, used
+
+
+def _hoist_free(gm, k, stage, free, own, value) -> None:
+    """Build the free nodes stage k's own nodes read before them, in the graph's order (as
+    the whole graph computes a model's mask and rotary tables before its first block): built
+    at their first reader they would cut that block's recomputed region in pieces, whose
+    boundaries the backward keeps. A free node that reads a size of one of the stage's own
+    values stays where it is read."""
+    needed, todo = set(), [a for nd in own for a in nd.all_input_nodes if a in free]
+    while todo:
+        a = todo.pop()
+        if a not in needed:
+            needed.add(a)
+            todo.extend(b for b in a.all_input_nodes if b in free)
+    late: set = set()
+    for nd in gm.graph.nodes:
+        if nd not in needed:
+            continue
+        if any(b in late or (stage.get(b) == k and b.op != "placeholder" and b not in free)
+               for b in nd.all_input_nodes):
+            late.add(nd)
+        else:
+            value(nd)
 
 
 def _size_from_carried(graph: fx.Graph, size_node: fx.Node, env: dict) -> fx.Node:

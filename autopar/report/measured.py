@@ -234,7 +234,7 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
         FP8 in world.profile.peak_flops else BF16
     ctx = pricing_context(plan, world, precision, chain)
     ctx.compile = engine.regions is not None  # priced as it runs, whatever the plan says
-    costs = layer_costs(chain, states, ctx, b)
+    costs = layer_costs(chain, states, ctx, b, stage_of if mesh[PP] > 1 else None)
     out = {"device": world.device, "layers": {}, "axes": {},
            "fusion_s": m * sum(c.effects.get(FUSION, 0.0) for c in costs)}
     for name, c in zip(names, costs):

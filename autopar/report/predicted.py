@@ -81,7 +81,8 @@ def plan_report(plan: Plan, chain: LayerChain) -> dict:
     states = [LayerState(tensor_mode(lp.tp_mode, plan.mesh[TP], plan.tp_depth), lp.sp,
                          lp.recompute) for lp in plan.layers]
     ctx = pricing_context(plan, chain=chain)
-    costs = layer_costs(chain, states, ctx, plan.pipeline.micro_batch_size or 1)
+    costs = layer_costs(chain, states, ctx, plan.pipeline.micro_batch_size or 1,
+                        [lp.stage for lp in plan.layers] if plan.mesh[PP] > 1 else None)
     data["layers"] = [{"name": lp.name, "tp_mode": lp.tp_mode, "sp": lp.sp,
                        "recompute": lp.recompute, "stage": lp.stage, "kind": lt.name,
                        "time_s": c.time, "activation_bytes": int(c.activations),
@@ -151,12 +152,22 @@ def pricing_context(plan: Plan, world=None, dtype: str | None = None,
 
 
 def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,
-                b: int) -> list[StateCost]:
+                b: int, stage_of: list | None = None) -> list[StateCost]:
     """Each layer's cost for one micro-batch of `b` under its state (priced once per kind
-    and state)."""
+    and state). With `stage_of` (each layer's pipeline stage) the first layer of a stage
+    is priced as its kind's twin that holds the tensors several layers read (a mask, rotary
+    tables): each stage rebuilds them, and its first reader keeps them (effect: "each stage
+    holds the shared tensors")."""
     seen: dict = {}
     out = []
-    for index, state in zip(chain.order, states):
+    order = list(chain.order)
+    if stage_of is not None:
+        index_of = {lt.name: i for i, lt in enumerate(chain.types)}
+        for i in range(1, len(order)):
+            twin = chain.holding.get(chain.types[order[i]].name)
+            if stage_of[i] != stage_of[i - 1] and twin in index_of:
+                order[i] = index_of[twin]
+    for index, state in zip(order, states):
         key = (index, state)
         if key not in seen:
             seen[key] = state_cost(chain.types[index], state, b, ctx)

@@ -79,7 +79,7 @@ class Recorder:
         self._log_mark = 0
         self._calls: list[_Call] = []
         self._open: dict[int, _Call] = {}  # graph key -> its call in progress (forward)
-        self._saved_storages: set[int] = set()
+        self._saved_storages: dict[int, weakref.ref] = {}  # address -> its storage
         # storages of the parameters and buffers (the engine's, set each step): a saved view
         # of a weight is no activation, as the plan counts none (cost.memory)
         self.constant: frozenset[int] = frozenset()
@@ -157,8 +157,11 @@ class Recorder:
             if t.device.type != "meta":
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr not in self._saved_storages and ptr not in self.constant:
-                    self._saved_storages.add(ptr)
+                held = self._saved_storages.get(ptr)
+                if (held is None or held() is None) and ptr not in self.constant:
+                    # (a storage freed since, whose address a later micro-batch's
+                    # tensor reuses, counts again: a pipeline calls no next_microbatch)
+                    self._saved_storages[ptr] = weakref.ref(storage)
                     layer = self.layer or "?"
                     self._saved_step[layer] = self._saved_step.get(layer, 0) + storage.nbytes()
             return t if outer_pack is None else _Outer(outer_pack(t))
