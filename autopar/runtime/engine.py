@@ -85,7 +85,7 @@ class Engine(nn.Module):
         super().__init__()
         self.chunked_loss, self.chunked_losses = chunked_loss, 0  # passes.chunked_loss
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.steps = max_grad_norm, 0
         self.check_batches = check_batches  # compare every step's batch across ranks
         self.stage_planner = stage_planner  # layers -> stages when the plan names none
         self.precision = precision  # 16-bit compute on fp32 masters (autopar.passes.precision)
@@ -100,12 +100,10 @@ class Engine(nn.Module):
         # what runs outside the training step's schedule: a pipeline's weight fetch (at the
         # run that finds the stages' shapes, before inference and export) and torch's
         # one-time pipeline handshake (docs/communication.md)
-        self.startup_log = CommLog()
-        self.after_backward: list = []
+        self.startup_log, self.after_backward = CommLog(), []
         self.metrics = None  # a runtime.metrics.StepMetrics: one line per step
         self.checkpointing = Checkpointing()  # saves by itself (parallelize's checkpoint_dir)
         self.watch = Watch(None, 1)  # where this rank is (parallelize's timeout gives it a store)
-        self.steps = 0
         self.model_card = ModelCard(model)  # what export needs once the model is released
         self._tp, self._dp = groups[TP], groups[DP]
         self._cp = groups[CP] if CP in groups else AxisGroup(CP, 1, 0, None, self.comm_log)
