@@ -7,13 +7,14 @@ the graphs nor reduces during the backward does: nothing."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 
 import torch
 from torch import nn
 
 
-class ZeroState:
+class ZeroState(abc.ABC):
     """One rank's ZeRO state: `params` (the local parameters it cuts), `shards` (this rank's
     piece of each, what the optimizer steps) and `optimizer`."""
 
@@ -70,29 +71,35 @@ class ZeroState:
 
     def drain(self) -> None:
         """After an inference forward: nothing left in flight."""
+        return None  # the default: nothing to do
 
     # ------------------------------------------------------------------ reduce
     def microbatch_done(self) -> None:
         """Gradient accumulation: one micro-batch's backward is done (not the last)."""
+        return None  # the default: nothing to do
 
     def end_backward(self) -> None:
         """The step's whole backward is done (every micro-batch's)."""
+        return None  # the default: nothing to do
 
     def after_pipeline(self, microbatches: int, tied) -> None:
         """After a pipeline's schedule: pieces that summed the micro-batches' gradients
         become their mean (none here: the runner averages whole gradients)."""
+        return None  # the default: nothing to do
 
+    @abc.abstractmethod
     def reduce_gradients(self) -> None:
-        raise NotImplementedError
+        """Sum (or reduce-scatter) the step's gradients into the pieces the optimizer steps."""
 
+    @abc.abstractmethod
     def gather_parameters(self) -> None:
-        raise NotImplementedError
+        """Bring every rank's updated pieces back into the local parameters."""
 
     # ------------------------------------------------------------------ bytes
+    @abc.abstractmethod
     def traffic(self, runs: int, units=()) -> tuple[int, int, int]:
         """Bytes of one step's (reduce-scatters, all-gathers, fp8 amax all-reduces) on this
         state's group (`runs`: micro-batches; `units`: ZeRO-3's layers the graphs gather)."""
-        raise NotImplementedError
 
     def tied_bytes(self, param) -> int:
         """Bytes of a tied parameter's gradient as the pipeline members sum it: this rank's
