@@ -92,6 +92,7 @@ PLANS = {
     "ulysses": {"sequence": {"size": 2, "mode": "ulysses"}},
     "selective-tensor": {"tensor": {"size": 2, "mode": "1d"}, "recompute": "selective"},
     "selective-zero2": {"data": 2, "zero": {"stage": 2}, "recompute": "selective"},
+    "full-tensor": {"tensor": {"size": 2, "mode": "1d"}, "recompute": "full"},
 }
 PLANS4 = {"2d": {"tensor": {"size": 4, "mode": "2d"}},
           "2.5d": {"tensor": {"size": 4, "mode": "2.5d", "depth": 1}}}
@@ -190,3 +191,37 @@ def test_planner_prices_fusion():
     assert compiled.search["compile"] and not eager.search["compile"]
     assert compiled.predicted["step_time_s"] < eager.predicted["step_time_s"]
     assert FUSION in compiled.explain() and FUSION not in eager.explain()
+
+
+def test_recomputed_region_replays_without_recompiling():
+    """A fully recomputed layer's regions run again in the backward with the inputs of the
+    forward: its parameters as themselves, not as the plain tensors its saved inputs unpack
+    to, so dynamo does not compile the region a second time (the second graph would save its
+    tensors in another order than the forward's, and the replay would refuse them)."""
+    from torch._dynamo.utils import counters
+
+    from autopar.kernels.recompute import Recomputed
+    from autopar.runtime.compile import CompiledRegions
+
+    torch._dynamo.reset()
+    counters.clear()
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    x, w, b = (graph.placeholder(n) for n in ("x", "w", "b"))
+    h = graph.call_function(aten.gelu.default, (graph.call_function(aten.linear.default,
+                                                                     (x, w, b)),))
+    graph.output((graph.call_function(aten.mul.Tensor, (h, h)),))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    inputs = torch.randn(4, 8, requires_grad=True)
+    regions = CompiledRegions()
+    layer = Recomputed(fx.GraphModule(torch.nn.Module(), graph), "block", "full")
+    assert regions.compile_graph(layer.inner) == 1
+    layer(inputs, lin.weight, lin.bias)[0].sum().backward()
+    got = [t.grad.clone() for t in (inputs, lin.weight, lin.bias)]
+    for t in (inputs, lin.weight, lin.bias):
+        t.grad = None
+    (torch.nn.functional.gelu(lin(inputs)) ** 2).sum().backward()
+    for g, t in zip(got, (inputs, lin.weight, lin.bias)):
+        assert relative(g, t.grad) <= 1e-5
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]

@@ -65,6 +65,11 @@ class _Frame:
         self.positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.grads = [args[i].requires_grad for i in self.positions]
         self.others = list(args)  # the non-tensor arguments, as given
+        # the parameters go in again as themselves: a compiled region guards on its inputs'
+        # types, and a parameter saved (and unpacked) is a plain tensor, which would compile
+        # the region again, saving its tensors in another order
+        self.parameters = {i: args[i] for i in self.positions
+                           if isinstance(args[i], nn.Parameter)}
         for i in self.positions:
             self.others[i] = None
         dummy = torch.empty((0,), requires_grad=True)
@@ -94,6 +99,8 @@ class _Frame:
         args = list(self.others)
         for i, t, grad in zip(self.positions, saved, self.grads):
             args[i] = t.detach().requires_grad_(grad) if grad else t.detach()
+        for i, p in self.parameters.items():
+            args[i] = p
         values: list[torch.Tensor] = []
         devices = [self.cuda] if self.cuda is not None else []
         with torch.random.fork_rng(devices=devices), _streams_at(self.streams), \

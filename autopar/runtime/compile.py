@@ -9,7 +9,8 @@ time does not grow with depth. Every collective stays outside the regions, run a
 
 The seam for what other passes add (recomputation, float8): a region holds only nodes that
 `compilable` accepts, and a pass that wraps nodes in a module of its own keeps them out of
-the regions; a pass that emits plain aten ops gets them compiled with their neighbours.
+the regions; a pass that emits plain aten ops gets them compiled with their neighbours. A
+recomputed layer's inner graph is cut into regions of its own, which its replay calls again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.kernels.modules import StreamDropout
+from autopar.kernels.recompute import Recomputed
 
 PREFIX = "autopar_region"
 
@@ -89,10 +91,14 @@ class Region(nn.Module):
 
 
 def compile_graphs(regions: CompiledRegions | None, graphs) -> None:
-    """Compile the regions of each graph (a pipeline rank: its stages and the loss) with
+    """Compile the regions of each graph (a pipeline rank: its stages and the loss) and of
+    each recomputed layer's inner graph (its replay calls the same compiled functions) with
     `regions`; nothing when the engine runs eagerly (None)."""
     for gm in graphs if regions is not None else ():
         regions.compile_graph(gm)
+        for module in list(gm.modules()):
+            if isinstance(module, Recomputed):
+                regions.compile_graph(module.inner)
 
 
 def compilable(node: fx.Node) -> bool:
