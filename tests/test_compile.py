@@ -2,7 +2,8 @@
 
 Compiled runs equal one device (losses and weights within 1e-4 over 3 AdamW steps) under
 tensor 1D + Megatron-SP, ZeRO-3, a pipeline, ring attention, Ulysses, experts, selective
-recomputation beside tensor 1D and ZeRO-2 at world 2, 2D and 2.5D at world 4; the collectives
+recomputation beside tensor 1D and ZeRO-2, full recomputation beside tensor 1D at world 2,
+2D and 2.5D at world 4; the collectives
 stay autopar's own (comm_log equals the plan's bytes); dynamo breaks no graph and compiles
 each distinct region once, however many blocks repeat it. Inductor's graph cache shares
 the compiled blocks between the tests (the block of a data plan is ZeRO-3's block).
