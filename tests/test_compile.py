@@ -3,7 +3,7 @@
 Compiled runs equal one device (losses and weights within 1e-4 over 3 AdamW steps) under
 tensor 1D + Megatron-SP, ZeRO-3, a pipeline, ring attention, Ulysses, experts, selective
 recomputation beside tensor 1D and ZeRO-2, full recomputation beside tensor 1D at world 2,
-2D and 2.5D at world 4; the collectives
+2D and 2.5D at world 4, 3D at world 8, fp8 beside tensor 1D (against eager fp8); the collectives
 stay autopar's own (comm_log equals the plan's bytes); dynamo breaks no graph and compiles
 each distinct region once, however many blocks repeat it. Inductor's graph cache shares
 the compiled blocks between the tests (the block of a data plan is ZeRO-3's block).
@@ -25,6 +25,7 @@ from autopar.runtime.compile import PREFIX, Region, compilable
 
 pool2 = dist_pool_fixture(2)
 pool4 = dist_pool_fixture(4, timeout_s=900)
+pool8 = dist_pool_fixture(8, timeout_s=900)
 
 
 def _deep_gpt(batch: int):
@@ -132,6 +133,60 @@ def test_compiled_grid_plans_equal_one_device(pool4, plan):
     for r in pool4.run(compiled_against_one_device, "gpt-tiny", PLANS4[plan]):
         assert r["regions"] == r["compiled"] == 0, r
         _check_compiled([r], fused=False)
+
+
+def test_compiled_3d_equals_one_device(pool8):
+    """3D (a 2 x 2 x 2 cube): like the other grids, its kernels stay eager and nothing
+    between them fuses, so compile changes nothing and the run equals one device."""
+    for r in pool8.run(compiled_against_one_device, "gpt-tiny",
+                       {"tensor": {"size": 8, "mode": "3d"}}):
+        assert r["regions"] == r["compiled"] == 0, r
+        _check_compiled([r], fused=False)
+
+
+def compiled_fp8_against_eager_fp8(plan, steps: int = 3, batch: int = 8) -> dict:
+    """Train the fp8 tests' GPT-2 in fp8 compiled under `plan`, and in fp8 eagerly on one
+    device, in this process."""
+    import torch.distributed as dist
+    from test_fp8_runtime import hf_gpt2
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, inputs, target, loss_fn = hf_gpt2(batch)
+    one = copy.deepcopy(model)
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    small = tuple(t[:2] for t in inputs)
+    engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=small,
+                                 loss_fn=loss_fn, optimizer=opt, plan=plan, precision="fp8",
+                                 compile=True)
+    reference = autopar.parallelize(one, 1, example_inputs=small, loss_fn=loss_fn,
+                                    optimizer=opt, plan={}, precision="fp8")
+    engine.comm_log.clear()
+    losses = [engine.train_step(inputs, target)]
+    measured = engine.comm_log.totals(phases=("forward", "backward", "step"))
+    losses += [engine.train_step(inputs, target) for _ in range(steps - 1)]
+    ref = [reference.train_step(inputs, target) for _ in range(steps)]
+    full, exact = engine.full_state_dict(), reference.full_state_dict()
+    keys = [k for k in exact if exact[k].dtype.is_floating_point and exact[k].norm() > 1e-6]
+    flat = lambda state: torch.cat([state[k].reshape(-1).float() for k in keys])  # noqa: E731
+    return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
+            "model": relative(flat(full), flat(exact)), "measured": measured,
+            "predicted": engine.predicted_comm(batch),
+            "breaks": sum(counters["graph_break"].values()), "regions": engine.regions.regions,
+            "converted": len(engine.float8.converted)}
+
+
+def test_compiled_fp8_equals_eager_fp8_on_one_device(pool2):
+    """fp8 under tensor 1D, compiled: the float8 linears are autopar's modules (their casts
+    and scaled GEMMs eager), the norms, activations and residuals between them compiled;
+    losses and weights within the fp8 tests' bounds of the eager fp8 run on one device."""
+    from test_fp8_runtime import LOSS_TOL, MODEL_TOL
+
+    for r in pool2.run(compiled_fp8_against_eager_fp8, {"tensor": {"size": 2, "mode": "1d"}}):
+        assert r["loss"] <= LOSS_TOL and r["model"] <= MODEL_TOL, r
+        assert r["measured"] == r["predicted"]
+        assert r["breaks"] == 0 and r["regions"] > 0 and r["converted"] > 0, r
 
 
 def test_compile_time_does_not_grow_with_depth():
