@@ -278,3 +278,49 @@ def test_the_planner_prices_the_loss_unchunked_when_told():
         with io.StringIO() as out, contextlib.redirect_stdout(out):
             assert main(["explain", spec, "--world", "1", "--seq", "128", *flag]) == 0
             assert ("chunked cross-entropy: peak -" in out.getvalue()) is seen
+
+
+def test_zero_bubble_prices_the_classifier_matmul_its_split_backward_adds(monkeypatch):
+    """Under zero-bubble the split loss makes its logits once more (one more classifier GEMM
+    per micro-batch on the last stage): the search adds its seconds to that stage, so the
+    step grows by (m + (p - 1)/6) of them (ZB-V's closed form), and explain names the effect;
+    1F1B, and zero-bubble with the loss unchunked, have none of it."""
+    import autopar
+    import autopar.cost.layer
+    from autopar.cost.chunked_loss import SPLIT_NAME, loss_logits
+    from autopar.cost.model import gemm_time
+    from autopar.graph.trace import trace
+    from autopar.models.gpt import GPT, GPTConfig
+
+    vocab, seq, hidden, m, p = 8192, 128, 64, 4, 2
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=4, n_head=2, n_embd=hidden,
+                          block_size=seq))
+    x = torch.randint(0, vocab, (8, seq))
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out.reshape(-1, vocab), t.reshape(-1))
+
+    traced = trace(model, (x[:1],), loss_fn=loss_fn, example_target=x[:1], train=True)
+    (one,) = loss_logits(traced, micro_batch=2)
+    assert one.hidden == hidden and one.logits_flops == 2 * (2 * seq) * hidden * vocab
+    world = autopar.World(p, device="a100-80gb")
+
+    def planned(schedule, chunked=True):
+        return autopar.plan(model, (x,), world, global_batch=8, loss_fn=loss_fn,
+                            example_target=x, chunked_loss=chunked,
+                            constraints={"pp": p, "microbatches": m, "micro_batch_size": 2,
+                                         "schedule": schedule, "recompute": "none"})
+
+    def effect(plan):
+        return {e["effect"]: e["seconds"] for e in plan.detail["effects"]}
+
+    zb, ofob, unchunked = planned("zero_bubble"), planned("1f1b"), planned("zero_bubble", False)
+    matmul = gemm_time(one.logits_flops, world.profile, zb.search.get("dtype", "bf16"))
+    assert effect(zb)[SPLIT_NAME] == pytest.approx(m * matmul, rel=1e-6)
+    assert SPLIT_NAME not in effect(ofob) and SPLIT_NAME not in effect(unchunked)
+    assert SPLIT_NAME in zb.explain() and SPLIT_NAME not in ofob.explain()
+    monkeypatch.setattr(autopar.cost.layer, "split_flops", lambda *a: {})
+    unpriced = planned("zero_bubble")
+    assert SPLIT_NAME not in effect(unpriced)
+    grown = zb.predicted["step_time_s"] - unpriced.predicted["step_time_s"]
+    assert grown == pytest.approx((m + (p - 1) / 6) * matmul, rel=1e-6)

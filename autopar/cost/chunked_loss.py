@@ -35,6 +35,11 @@ aten = torch.ops.aten
 NAME = "chunked cross-entropy"
 SOURCE = ("the loss holds one chunk's fp32 logits instead of whole [tokens, vocabulary] "
           "ones (Liger-Kernel's fused linear cross-entropy, arXiv 2410.10989; torchtitan)")
+SPLIT_NAME = "zero-bubble classifier matmul"
+SPLIT_SOURCE = ("a zero-bubble schedule splits the loss's backward into its input and weight "
+                "halves (B and W), and each makes the chunks' logits again: one more "
+                "[tokens x hidden] @ [hidden x vocabulary] GEMM per micro-batch on the last "
+                "stage than the one-node backward (autopar.kernels.chunked_loss)")
 WHOLE_BUFFERS = {"aten": 3, "vocab_parallel": 4}
 """Whole fp32 [tokens, vocabulary] tensors the unchunked loss holds at its peak (docstring)."""
 FP32 = 4
@@ -49,6 +54,12 @@ class LossLogits:
     vocab: int  # this device's classes
     kernel: str  # "aten" or "vocab_parallel": what runs unchunked
     itemsize: int = FP32  # of the logits the traced loss reads (what activation_bytes counts)
+    hidden: int = 0  # the classifier's input width
+
+    @property
+    def logits_flops(self) -> int:
+        """FLOPs of one pass over the classifier's matmul (the chunks' logits made again)."""
+        return 2 * self.tokens * self.hidden * self.vocab
 
     @property
     def whole_bytes(self) -> int:
@@ -88,7 +99,8 @@ def loss_logits(traced, solution=None, micro_batch: int = 1) -> list[LossLogits]
         if kernel == "vocab_parallel":
             vocab //= solution.size
         size = torch.empty((), dtype=logits.meta["autopar"].dtype, device="meta").element_size()
-        out.append(LossLogits(node.meta["autopar"].layer, tokens, vocab, kernel, size))
+        hidden = int(sympy.sympify(linear.args[0].meta["autopar"].shape[-1]))
+        out.append(LossLogits(node.meta["autopar"].layer, tokens, vocab, kernel, size, hidden))
     return out
 
 
@@ -128,6 +140,15 @@ def held_while_running(traced, solution, micro_batch: int, chunked: bool) -> dic
         held = loss.chunk_bytes if chunked else \
             loss.unchunked_peak - loss.tokens * loss.vocab * loss.itemsize
         out[loss.layer] = out.get(loss.layer, 0) + held
+    return out
+
+
+def split_flops(traced, solution, micro_batch: int, chunked: bool) -> dict[str, int]:
+    """Per loss layer, the FLOPs its backward gains when a zero-bubble schedule splits it
+    (SPLIT_SOURCE); nothing unchunked, where the backward reads the saved logits."""
+    out: dict[str, int] = {}
+    for loss in loss_logits(traced, solution, micro_batch) if chunked else ():
+        out[loss.layer] = out.get(loss.layer, 0) + loss.logits_flops
     return out
 
 

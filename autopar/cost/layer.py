@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from autopar.cost.chunked_loss import held_while_running
+from autopar.cost.chunked_loss import held_while_running, split_flops
 from autopar.cost.memory import activation_bytes
 from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
@@ -133,6 +133,8 @@ class Sharded:
     param_vectors: tuple = ()
     # bytes a loss holds while it runs beyond its saved activations (cost.chunked_loss)
     loss_workspace: Lin = ZERO
+    # FLOPs a loss's backward gains split into B and W (zero-bubble: cost.chunked_loss)
+    split_loss_flops: Lin = ZERO
 
 
 @dataclass
@@ -625,6 +627,7 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
     one = {b: at(b, NO_RECOMPUTE, None) for b in (1, 2)}
     local = {(b, r): at(b, r, solution) for b in (1, 2) for r in (NO_RECOMPUTE, SELECTIVE)}
     held = {b: held_while_running(traced, solution, b, chunked_loss) for b in (1, 2)}
+    split = {b: split_flops(traced, solution, b, chunked_loss) for b in (1, 2)}
     for name, lt in by_name.items():
         def lin(table, name=name):
             return Lin(2 * table[1].get(name, 0) - table[2].get(name, 0),
@@ -642,6 +645,7 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
             replicated = rest
         sharded = lt.sharded[size]
         sharded.loss_workspace = lin(held)
+        sharded.split_loss_flops = lin(split)
         sharded.act_attention = attention
         sharded.act_replicated = replicated
         sharded.act_split = rest + replicated.scale(-1)

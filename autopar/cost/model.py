@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import sympy
 
+from autopar.cost import chunked_loss, fp8
 from autopar.cost import experts as moe_cost
-from autopar.cost import fp8
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
@@ -82,6 +82,7 @@ EFFECTS = {
                                 "routing_imbalance x the mean rows (measured on the router "
                                 "at initialisation, autopar.cost.experts); the others wait",
     **fp8.EFFECTS,
+    chunked_loss.SPLIT_NAME: chunked_loss.SPLIT_SOURCE,
 }
 
 ITEMSIZE = {FP8: 1, BF16: 2, FP16: 2, TF32: 4, FP32: 4}  # bytes of a GEMM operand
@@ -210,6 +211,9 @@ class StateCost:
     # the for-loop optimizer step's temporaries over this layer's parameter tensors (bytes
     # of the weights per device, before ZeRO): autopar.cost.state.StepTemps
     step_temps: StepTemps = field(default_factory=StepTemps)
+    # seconds the backward gains where a zero-bubble schedule splits it into B and W (the
+    # chunked loss's logits made once more: cost.chunked_loss.SPLIT_NAME), not in `time`
+    split_backward: float = 0.0
 
     @property
     def time(self) -> float:
@@ -515,9 +519,10 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     # a loss's logits while it runs (its tokens split over cp)
     workspace = max(workspace, sharded.loss_workspace(batch / c))
     acts, params = _held_bytes(lt, state, sharded, batch, c, expert_params)
+    split = gemm_time(sharded.split_loss_flops(batch / c), ctx.hw, ctx.dtype)
     return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
-                     _step_temps(lt, mode, sharded, ep, cut))
+                     _step_temps(lt, mode, sharded, ep, cut), split)
 
 
 def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,

@@ -215,8 +215,9 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
                            held, precision, max((c.workspace for c in costs), default=0.0),
                            experts_dev, split, step)
-    per_rank = np.bincount(device_of, weights=[c.time + t for c, t in zip(costs, conv)],
-                           minlength=pp)
+    split = pp > 1 and pipe.schedule == ZERO_BUBBLE  # (the loss's backward in two)
+    per_rank = np.bincount(device_of, weights=[c.time + t + split * c.split_backward
+                                               for c, t in zip(costs, conv)], minlength=pp)
     ranks = [{"rank": r, "stages": [s["stage"] for s in stages if s["rank"] == r],
               "microbatches_in_flight": float(held[r]),
               "time_per_microbatch_s": float(per_rank[r]),
@@ -231,6 +232,9 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
     capacity = _memory_capacity(plan, world, float(params_dev.max()), precision)
     effects = [{"effect": name, "seconds": m * sum(costs[i].effects.get(name, 0.0) for i in slow),
                 "priced_as": how} for name, how in EFFECTS.items()]
+    if split:
+        effects.append({"effect": chunked_loss.SPLIT_NAME, "priced_as": chunked_loss.SPLIT_SOURCE,
+                        "seconds": m * sum(costs[i].split_backward for i in slow)})
     return {"stages": stages, "ranks": ranks, "comm_by_axis": comm, "memory_capacity": capacity,
             "effects": [e for e in effects if e["seconds"] != 0],  # fusion's: < 0
             "experts": expert_layout(plan, chain, costs, slow, m, b)}

@@ -139,11 +139,12 @@ class Prepared:
         layout_ids: dict = {}
         kinds = []
         for states, costs in per_type:
-            table = np.zeros((11, width))
+            table = np.zeros((12, width))
             for k, c in enumerate(costs):
                 table[:, k] = (c.time, c.activations, c.params, c.forward + c.backward +
                                c.recompute, c.comm, c.comm_bytes, c.expert_params, c.ep_comm,
-                               c.step_temps.peak, c.step_temps.first, c.step_temps.last)
+                               c.step_temps.peak, c.step_temps.first, c.step_temps.last,
+                               c.split_backward)
             layouts = np.full(width, -1)
             layouts[:len(states)] = [layout_ids.setdefault(st.layout, len(layout_ids))
                                      for st in states]
@@ -153,6 +154,7 @@ class Prepared:
             self.comm_table, self.comm_bytes_table, self.expert_table, self.ep_comm_table = (
                 tables[:, q, :] for q in range(8))
         self.temp_tables = tuple(tables[:, q, :] for q in range(8, 11))  # StepTemps' fields
+        self.split_table = tables[:, 11, :]  # zero-bubble's split backward (StateCost)
         self.layout_table = np.stack([kinds[t][1] for t in order])
         self.gather = np.array([0.0] + [float(c.max()) if c.size else 0.0
                                         for c in self.conv[1:]])

@@ -482,8 +482,11 @@ class Search:
         units = int(np.count_nonzero((device_of == heaviest) & (params > 0)))  # holding any
         pipeline = leaf.fast.pipeline if fast else None
         hybrid = hybrid_split(mesh, shard, self.world.per_node)
-        step = step_parts(prep.layer_time if fast else prep.path_time(chosen), device_of,
-                          leaf.stage_of, params_dev, units, transfer=self._transfer(leaf),
+        layer_time = prep.layer_time if fast else prep.path_time(chosen)
+        if leaf.schedule == ZERO_BUBBLE and pp > 1:  # the loss's backward split in two
+            layer_time = layer_time + prep.take(prep.split_table, chosen)
+        step = step_parts(layer_time, device_of, leaf.stage_of, params_dev, units,
+                          transfer=self._transfer(leaf),
                           grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
                           m=leaf.m, zero=zero, offload=offload, precision=self.precision,
                           cache=self._dp_cache(leaf.grad_pl if hybrid is None else
