@@ -93,9 +93,6 @@ CASES = {
                        lambda sp: any(s is not None for _, _, s in sp.expert_zero_options(
                            _mesh(dp=8), sp.zero_options(_mesh(dp=8), 4)))),
 }
-# the planner does not price HSDP beside experts (their state is cut over their expert-data
-# group alone): the search never offers it, whatever the runtime runs
-UNPRICED = {"hybrid_with_ep"}
 
 
 def _without(field: str, value) -> Capabilities:
@@ -117,7 +114,6 @@ def _plan(spec: dict) -> Plan:
 def test_every_field_has_a_row_and_a_case():
     names = {f.name for f in fields(Capabilities)}
     assert set(ROWS) == names and set(CASES) == names
-    assert UNPRICED <= names
 
 
 @pytest.mark.parametrize("field", sorted(CASES))
@@ -127,7 +123,7 @@ def test_the_three_agree_on_each_capability(field):
     # present: accepted by all three
     assert plan.unsupported(FULL) == []
     assert not_executable(FULL) == []
-    assert offered(_space(FULL)) is (field not in UNPRICED)
+    assert offered(_space(FULL)) is True
     # missing: refused by all three, Plan.unsupported and why in the same words
     words = row.words(value if not isinstance(value, bool) else True)
     refused = plan.unsupported(lacks)

@@ -195,3 +195,56 @@ def test_dp_shard_on_the_command_line(capsys):
               "--format", "json"])
     data = json.loads(capsys.readouterr().out)
     assert data["zero"] == {"stage": 2, "offload": False, "shard": 16}
+
+
+def _held_beside_experts(plan_json: dict) -> dict:
+    """This rank's state bytes under the searched plan (transformers' Qwen3-MoE block, 4
+    experts): parameters held and AdamW's moments after a step."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    from test_moe_families import _loss, build
+
+    import autopar
+
+    model, idx, target = build("qwen3_moe")
+    trained = {n for n, _ in model.named_parameters()}
+    engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=(idx[:1],),
+                                 loss_fn=_loss, plan=Plan.from_json(plan_json),
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    engine.train_step((idx,), target)
+    state = [v for per in engine.optimizer.state.values() for v in per.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"parameters": sum(held for n, (held, _) in engine.parameter_bytes().items()
+                              if n in trained),
+            "pieces": sum(s.numel() * s.element_size() for s in engine.zero.shards),
+            "optimizer": sum(v.numel() * v.element_size() for v in state)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_search_offers_hsdp_beside_experts_at_the_bytes_the_runtime_holds(pool4, stage):
+    """The search plans HSDP beside experts (ep 2 inside dp 4 as 2 shard groups of 2; before,
+    it had no ZeRO option with a shard size beside an ep axis) and prices its state as the
+    runtime cuts it: the dense weights over their shard group, the experts over their whole
+    expert-data group."""
+    from test_moe_families import _loss, build
+
+    import autopar
+    from autopar.world import World
+
+    model, idx, target = build("qwen3_moe")
+    constraints = {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "dp_shard": 2, "zero": stage,
+                   "offload": False, "recompute": "none"}
+    plan = autopar.plan(model, (idx[:1],), World(4, device="cpu"), global_batch=4,
+                        constraints=constraints, loss_fn=_loss, example_target=target[:1],
+                        dtype="fp32")
+    assert (plan.ep, plan.dp_shard, plan.zero.stage) == (2, 2, stage)
+    predicted = plan.predicted["memory_breakdown_bytes"]
+    results = pool4.run(_held_beside_experts, plan.to_json())
+    # ZeRO-3 keeps only its pieces of the weights (ZeRO-1 keeps them whole)
+    for kind, measured in (("parameters", "parameters" if stage == 1 else "pieces"),
+                           ("optimizer", "optimizer")):
+        held = max(r[measured] for r in results)
+        # ZeRO pads each flat bucket to a multiple of its group: a few elements at most
+        assert abs(predicted[kind] - held) <= 64 * 4, (kind, predicted[kind], held)

@@ -112,3 +112,17 @@ def test_states_no_candidate_takes_leave_the_candidates_as_they_are(gpt3):
         got[grid] = sorted((c.describe(), float(c.step_time).hex(),
                             float(c.memory_per_device).hex()) for c in cands)
     assert got[None] and got[None] == got[("2d", None)]
+
+
+def test_a_grid_search_reuses_the_base_searchs_placement_caches(small):
+    """The cost contexts, the dp sync's and the in-flight caches depend on placements alone,
+    so each grid's search reads the 1D search's instead of building and pricing them again."""
+    world = World(16, per_node=8)
+    sp_seq = planner._sequence_parallel_length(small, world.devices)
+    options = Options(global_batch=32, executable=RUNTIME)
+    base = Search(small, world, planner._narrowed(options, None, sp_seq))
+    grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
+    base.run()
+    assert base._contexts and grid._contexts is base._contexts
+    pl = placements({PP: 1, DP: 16, CP: 1, TP: 1}, ORDER, world.per_node)[DP]
+    assert grid._dp_cache(pl) is base._dp_cache(pl)

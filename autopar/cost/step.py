@@ -257,7 +257,7 @@ def sync_bytes(worst: float, replicas: int, zero: int, offload: bool, precision,
     host = host_bytes(worst, replicas, zero, offload, precision)
     gather = precision.gather_ratio
     wire = dp_wire_bytes(worst, replicas, zero, gather) + \
-        (replicas_wire_bytes(worst, hybrid) if hybrid is not None else 0.0)
+        (replicas_wire_bytes(worst - experts, hybrid) if hybrid is not None else 0.0)
     if split is not None:
         host += host_bytes(experts, split.replicas, zero, offload, precision) - \
             host_bytes(experts, replicas, zero, offload, precision)

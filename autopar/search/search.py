@@ -151,7 +151,10 @@ class Search:
         self.layers = chain.layers()
         self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
-        self._contexts: dict = {}  # (tp placement, cp placement, cp mode) -> Context
+        # what depends on placements alone (contexts, the dp sync's and in-flight caches),
+        # one for the base search and those after it: their options differ in states only
+        self._shared: dict = base._shared if base is not None else {}
+        self._contexts: dict = self._shared.setdefault("contexts", {})  # per ctx key
         self._state_costs = state_costs
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
@@ -355,7 +358,7 @@ class Search:
 
     def _dp_cache(self, grad_pl) -> dict:
         """Collective seconds by parameter bytes, over one gradient placement."""
-        return self._cost_cache.setdefault((DP, grad_pl), {})
+        return self._shared.setdefault((DP, grad_pl), {})
 
     def _pipeline_time(self, layer_time, device_of, stage_of, pp, v, m, schedule, pl, b):
         """(step seconds of the pipeline, bubble seconds, per-device seconds per micro-batch)."""
@@ -377,9 +380,9 @@ class Search:
 
     def _in_flight(self, schedule, pp, v, m) -> np.ndarray:
         key = ("in flight", schedule, pp, v, m)
-        hit = self._cost_cache.get(key)
+        hit = self._shared.get(key)
         if hit is None:
-            hit = self._cost_cache[key] = in_flight_of(schedule, pp, v, m)
+            hit = self._shared[key] = in_flight_of(schedule, pp, v, m)
         return hit
 
     def _evaluate(self, leaf):

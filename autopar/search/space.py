@@ -345,16 +345,18 @@ class Space:
                 out.append(option)
         return out
 
-    def expert_zero_options(self, mesh: dict, zeros: list) -> list[tuple[int, bool, None]]:
-        """The (ZeRO stage, offload, None) options of `zeros` that run beside an ep axis (the
-        experts' state is cut over their expert-data group: no hybrid shard beside it)."""
+    def expert_zero_options(self, mesh: dict, zeros: list) -> list[tuple[int, bool, int | None]]:
+        """The (ZeRO stage, offload, hybrid shard size) options of `zeros` that run beside an
+        ep axis. Under HSDP the dense weights' state is cut over the shard group and the
+        experts' over their whole expert-data group, as the runtime cuts them
+        (`runtime.zero_experts`; `cost.step.memory_by_kind` prices both)."""
         caps = self.caps
-        zeros = [(z, o, shard) for z, o, shard in zeros if shard is None]
         if caps is None:
             return zeros
         return [(z, o, shard) for z, o, shard in zeros if z in caps.expert_zero and (
             mesh[PP] == 1 or z in caps.expert_zero_with_pp) and (
-            mesh.get(CP, 1) == 1 or z == 0 or caps.expert_cp_extras)]
+            mesh.get(CP, 1) == 1 or z == 0 or caps.expert_cp_extras) and (
+            shard is None or caps.hybrid_with_ep)]
 
     def zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
         """(ZeRO stage, offload, hybrid shard size) options for this mesh: the shard None
