@@ -118,23 +118,19 @@ class Sharded:
     act_replicated: Lin  # ... of replicated values (Megatron-SP splits them)
     act_attention: Lin  # ... inside attention (scores, probabilities): selective drops them
     replicated_ops: list[str] = field(default_factory=list)
-    # why the runtime refuses this layer at this size in 1d (heads or widths that do not
-    # split: autopar.sharding.divisible), None when it splits
+    # why the runtime refuses this layer in 1d at this size (sharding.divisible), or None
     refused: str | None = None
     expert_split: int = 1  # the tp ranks each expert's FFN is split over (1: whole)
     # the experts' all-reduces over tp (as `comm`), which run only where they are split: the
     # engine keeps experts whole beside a cp axis (autopar.plans.Plan.splits_experts)
     expert_comm: list[tuple[str, str, Lin]] = field(default_factory=list)
-    # bytes per device of each parameter tensor outside the experts, in graph order (the
-    # order the engine's optimizer steps them: autopar.cost.state.StepTemps)
-    param_tensors: tuple = ()
+    # bytes per device of each parameter tensor outside the experts, in the optimizer's order
+    param_tensors: tuple = ()  # (the engine's: autopar.cost.state.StepTemps)
     # per tensor of `param_tensors`: whether it has one dim (a bias, a norm's weight), which
     # the 2D, 2.5D and 3D grid kernels split q ways where they split a matrix q^2 or q^3 ways
     param_vectors: tuple = ()
-    # bytes a loss holds while it runs beyond its saved activations (cost.chunked_loss)
-    loss_workspace: Lin = ZERO
-    # FLOPs a loss's backward gains split into B and W (zero-bubble: cost.chunked_loss)
-    split_loss_flops: Lin = ZERO
+    loss_workspace: Lin = ZERO  # bytes a loss holds running, beyond its saved (chunked_loss)
+    split_loss_flops: Lin = ZERO  # FLOPs its backward gains split in B and W (zero-bubble)
 
 
 @dataclass

@@ -151,8 +151,7 @@ class Search:
         self.layers = chain.layers()
         self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
-        # what depends on placements alone (contexts, the dp sync's and in-flight caches),
-        # one for the base search and those after it: their options differ in states only
+        # placement-only caches (contexts, dp sync, in flight), shared with the base search's
         self._shared: dict = base._shared if base is not None else {}
         self._contexts: dict = self._shared.setdefault("contexts", {})  # per ctx key
         self._state_costs = state_costs
@@ -483,25 +482,22 @@ class Search:
         chosen = np.asarray(chosen)
         heaviest = int(np.argmax(params_dev))
         units = int(np.count_nonzero((device_of == heaviest) & (params > 0)))  # holding any
-        pipeline = leaf.fast.pipeline if fast else None
         hybrid = hybrid_split(mesh, shard, self.world.per_node)
         layer_time = prep.layer_time if fast else prep.path_time(chosen)
         if leaf.schedule == ZERO_BUBBLE and pp > 1:  # the loss's backward split in two
             layer_time = layer_time + prep.take(prep.split_table, chosen)
         step = step_parts(layer_time, device_of, leaf.stage_of, params_dev, units,
-                          transfer=self._transfer(leaf),
-                          grad_pl=leaf.grad_pl, hw=self.hw, schedule=leaf.schedule, v=leaf.v,
-                          m=leaf.m, zero=zero, offload=offload, precision=self.precision,
-                          cache=self._dp_cache(leaf.grad_pl if hybrid is None else
-                                               hybrid.shard), pipeline=pipeline,
-                          experts_dev=experts_dev, split=leaf.split, hybrid=hybrid)
+                          transfer=self._transfer(leaf), grad_pl=leaf.grad_pl, hw=self.hw,
+                          schedule=leaf.schedule, v=leaf.v, m=leaf.m, zero=zero, offload=offload,
+                          precision=self.precision, experts_dev=experts_dev, split=leaf.split,
+                          cache=self._dp_cache(leaf.grad_pl if hybrid is None else hybrid.shard),
+                          pipeline=leaf.fast.pipeline if fast else None, hybrid=hybrid)
         if fast:
             leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
         host, wire = sync_bytes(float(params_dev.max()), zero_ranks(mesh, shard), zero, offload,
                                 self.precision, hybrid, leaf.split, float(experts_dev[heaviest])
                                 if leaf.split is not None else 0.0)
-        slow = int(np.argmax(step["per_rank_s"]))
-        on_slow = np.flatnonzero(device_of == slow)
+        on_slow = np.flatnonzero(device_of == int(np.argmax(step["per_rank_s"])))  # slowest
         on_chosen = chosen[on_slow]
 
         def slow_sum(table) -> float:  # in layer order, as a running sum
