@@ -77,9 +77,10 @@ def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
     """The training graph of cp 2 x 3D 8 solved in one process: every linear keeps its input's
     tokens on cp beside the cube's batch and hidden splits, attention runs the sequence
     kernel on the ranks' batch x heads block, and what crosses cp is that kernel's traffic,
-    the weights' gradient sums, the loss's sum and the targets' and position table's
-    gathers; the loss takes the logits' rows where they lie, over cp and the cube's batch
-    axes."""
+    the weights' gradient sums, the loss's sum and the position table's gradient gather;
+    the loss takes the logits' rows where they lie, over cp and the cube's batch axes, and
+    the targets' rows there too (cp's runs kept, a rank's part cut over the batch axes):
+    nothing crosses cp in the forward but the kernel and the loss's sum."""
     from autopar.graph.trace import trace
     from autopar.sharding.solve import solve
 
@@ -103,8 +104,9 @@ def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
     kernel = "p2p" if mode == "ring" else "all_to_all"
     cp_ops = {(c.op, c.where.startswith("scaled_dot")) for c in sol.comm if c.axis == CP}
     assert cp_ops == {(kernel, True), ("all_reduce", False), ("all_gather", False)}
-    gathers = {c.where for c in sol.comm if c.axis == CP and c.op == "all_gather"}
-    assert not [w for w in gathers if w.startswith("reshape")], gathers  # the logits' view
+    gathers = {(c.where, c.phase) for c in sol.comm if c.axis == CP and c.op == "all_gather"}
+    assert not [w for w, _ in gathers if w.startswith("reshape")], gathers  # the logits' view
+    assert {phase for _, phase in gathers} == {"backward"}, gathers  # not the targets
     loss = next(s for s in sol.strategies.values() if s.name == "3d vocab_parallel")
     logits, target = (need.layout.shard_of_dim(0) for need in loss.needs.values())
     assert logits == target and logits.axis in ("cp_tp_ba", "cp_tp_bc") and logits.groups < 0
