@@ -3,7 +3,7 @@
 The grid's mesh holds cp as its outermost dim (pp, dp, cp, then the grid's dims): the grid
 splits weights and the batch and hidden dims of activations, cp the tokens. Grid linears,
 norms and embeddings are per token, so they keep their input's split over cp (their
-weights' gradients summed over cp); attention runs ring (zigzag or contiguous) or Ulysses
+weights' gradients summed over dp x cp after the backward); attention runs ring (zigzag or contiguous) or Ulysses
 over cp on the batch and heads block the grid leaves each rank. At world 8 (cp 2 x a grid
 of 4) each run trains 5 AdamW steps equal to one device (tests/equivalence.py: losses and
 weights within 1e-5) with measured communication equal to the plan's for every (op, axis).
@@ -52,7 +52,8 @@ def test_cp2_beside_a_grid_of_4_equals_one_device(pool8, name, grid, mode, layou
     measured = results[0]["measured"]
     assert measured[("p2p" if mode == "ring" else "all_to_all", CP)] > 0  # the sequence kernel
     assert measured[("broadcast", "tp_i")] > 0 and measured[("broadcast", "tp_j")] > 0  # SUMMA
-    assert measured[("all_reduce", CP)] > 0  # the weights' gradients, whole on cp
+    assert measured[("all_reduce", CP)] > 0  # the loss's sums
+    assert measured[("all_reduce", "dp")] > 0  # the gradients, once over dp x cp
     assert all(r["measured"] == measured for r in results)
 
 
