@@ -7,14 +7,26 @@ every collective, per (op, axis), on every rank equal to `engine.predicted_comm`
 """
 
 import pytest
+import torch
 from distributed import dist_pool_fixture
-from equivalence import assert_equal, compare
+from equivalence import _lm_loss, assert_equal, compare
 from test_cp_combos import hf_llama
 
 from autopar.modes import CP
 
 pool8 = dist_pool_fixture(8, timeout_s=900)
 pool16 = dist_pool_fixture(16, timeout_s=900)
+
+
+def hf_llama8(batch):
+    """transformers' Llama with 8 heads and 4 kv heads: 2 and 1 per rank of a 1D layer over
+    4 tensor ranks, so Ulysses splits a 1D layer's heads over cp 2 too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg), (torch.randint(0, 64, (batch, 16)),), \
+        torch.randint(0, 64, (batch, 16)), _lm_loss
 
 
 def cp_grid(mode="ring", layout=None, grid="2d", **more):
@@ -34,7 +46,7 @@ def test_cp2_beside_mixed_1d_and_2d_layers_equals_one_device(pool8, mode, layout
     """The first decoder layer in 1D over the four tensor ranks, the rest in 2D."""
     plan = cp_grid(mode, layout)
     plan["tensor"]["layers"] = {"model.layers.0": "1d"}
-    results = pool8.run(compare, hf_llama, plan)
+    results = pool8.run(compare, hf_llama8, plan)
     _check(results, "p2p" if mode == "ring" else "all_to_all")
     measured = results[0]["measured"]
     assert measured[("all_reduce", "tp")] > 0 and measured[("broadcast", "tp_j")] > 0
@@ -55,8 +67,6 @@ def _sync(engine) -> dict:
     """The plan's parameter bytes on this rank (engine.explain(): the planner's per layer),
     the bytes the planner's gradient sync sends for them over dp x cp, the parameters the
     training graph still sums over cp in its backward, and the sync's ranks."""
-    import torch
-
     from autopar.cost.precision import mixed
     from autopar.cost.step import sync_bytes
 
