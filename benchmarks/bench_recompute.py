@@ -11,7 +11,9 @@ saves during a step, `measure_saved_activations`); the peak, the state bytes the
 (`autopar.cost.state.state_bytes`) plus the activations, beside the state the engine holds
 (`measure_state_bytes`) plus the most bytes autograd held saved at once
 (`measure_peak_saved_activations`); the mean step time after a warm-up step, and its ratio to
-none's; and whether the comm log equals `engine.predicted_comm`. Prints the table and writes
+none's; and whether the comm log equals `engine.predicted_comm`. Then the 1F1B case: 2
+stages of 2 blocks beside data 2, per block the saved bytes per micro-batch the plan prices
+beside those engine.explain() measures, per mode. Prints both tables and writes
 benchmarks/results/recompute.json.
 """
 
@@ -32,6 +34,10 @@ WORLD = 4
 PLANS = {"data 4": {"data": 4},
          "data 2 x SP 2": {"data": 2, "tensor": {"size": 2, "mode": "1d",
                                                  "sequence_parallel": True}}}
+# 1F1B over two stages of two blocks, 2 micro-batches, beside data 2: per block, the saved
+# bytes the plan prices (each stage's first block holds the mask and position tables it
+# rebuilds) beside those engine.explain() measures
+PIPELINE = {"1F1B pp 2 x data 2": {"pipeline": {"size": 2, "microbatches": 2}, "data": 2}}
 MODEL = "layers=4,hidden=64,heads=4,vocab=256,seq=64"
 
 
@@ -88,16 +94,58 @@ def _one_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> dict:
             "peak_measured": held_total + peak, "step_s": step_s, "comm_exact": exact}
 
 
+def _pipeline_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> list[dict]:
+    """Per block this pipeline rank runs: the saved bytes planned and measured (per
+    micro-batch, engine.explain()), the step time and whether the comm log is the plan's."""
+    import autopar
+
+    model, x, y = _model(spec, batch)
+    engine = autopar.parallelize(model, WORLD, example_inputs=(x[:2],), loss_fn=lm_loss,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                 plan={**PIPELINE[plan], "recompute": mode})
+    engine.train_step(x, y)  # the warm-up step explain() leaves out
+    engine.comm_log.clear()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.train_step(x, y)
+    step_s = (time.perf_counter() - start) / steps
+    measured_comm = engine.comm_log.totals(phases=("forward", "backward", "step"))
+    exact = measured_comm == {k: v * steps for k, v in engine.predicted_comm(batch).items()}
+    return [{"plan": plan, "mode": mode, "rank": dist.get_rank(), "block": r["name"],
+             "planned": r["predicted"]["activation_bytes"],
+             "measured": r["measured"]["activation_bytes"], "step_s": step_s,
+             "comm_exact": exact}
+            for r in engine.explain(format="json")["layers"]
+            if r["here"] and r["measured"] and r["name"][-1].isdigit()]
+
+
 def _rank(rank: int, spec: str, batch: int, steps: int, out: str) -> None:
     from autopar.modes import RECOMPUTE
 
     torch.manual_seed(0)
     mine = [_one_mode(spec, batch, steps, plan, mode) for plan in PLANS for mode in RECOMPUTE]
+    blocks = [row for plan in PIPELINE for mode in RECOMPUTE
+              for row in _pipeline_mode(spec, batch, steps, plan, mode)]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, (mine, blocks))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump([row for rows in gathered for row in rows], f)
+            json.dump({"rows": [row for rows, _ in gathered for row in rows],
+                       "blocks": [row for _, rows in gathered for row in rows]}, f)
+
+
+def _print_blocks(blocks: list[dict]) -> None:
+    """The pipeline's table: per block, saved bytes planned / measured and the error."""
+    print(f"\n{', '.join(PIPELINE)}: saved bytes per block and micro-batch, KiB, "
+          "planned / measured")
+    print(f"{'mode':<10} {'rank':>4} {'block':<10} {'saved':>15} {'error %':>8} "
+          f"{'step ms':>8} {'comm = plan':>11}")
+    order = {mode: i for i, mode in enumerate(("none", "selective", "full"))}
+    for r in sorted(blocks, key=lambda r: (order[r["mode"]], r["rank"], r["block"])):
+        saved = f"{r['planned'] / 1024:.1f} / {r['measured'] / 1024:.1f}"
+        print(f"{r['mode']:<10} {r['rank']:>4} {r['block']:<10} {saved:>15} "
+              f"{r['error_percent']:>8.2f} {1e3 * r['step_s']:>8.1f} {str(r['comm_exact']):>11}")
 
 
 def main() -> int:
@@ -109,8 +157,11 @@ def main() -> int:
     part = results_path("recompute_ranks.json")
     run_world(_rank, (args.model, args.batch, args.steps, part), WORLD)
     with open(part) as f:
-        rows = json.load(f)
+        ranks = json.load(f)
     os.remove(part)
+    rows, blocks = ranks["rows"], ranks["blocks"]
+    for r in blocks:
+        r["error_percent"] = 100 * (r["planned"] / r["measured"] - 1)
     none = {(r["plan"], r["rank"]): r["step_s"] for r in rows if r["mode"] == "none"}
     for r in rows:
         r["step_vs_none"] = r["step_s"] / none[(r["plan"], r["rank"])]
@@ -128,12 +179,14 @@ def main() -> int:
         peak = f"{r['peak_planned'] / 1024:.0f} / {r['peak_measured'] / 1024:.0f}"
         print(f"{r['plan']:<14} {r['mode']:<10} {r['rank']:>4} {acts:>23} {peak:>23} {1e3 * r['step_s']:>8.1f} "
               f"{r['step_vs_none']:>8.3f} {str(r['comm_exact']):>11}")
+    _print_blocks(blocks)
     out = results_path("recompute.json")
     with open(out, "w") as f:
         json.dump({"model": args.model, "batch": args.batch, "plans": PLANS, "world": WORLD,
-                   "device": "cpu (gloo)", "rows": rows}, f, indent=2)
+                   "device": "cpu (gloo)", "rows": rows, "pipeline": PIPELINE,
+                   "pipeline_blocks": blocks}, f, indent=2)
     print(f"written to {os.path.relpath(out, ROOT)}")
-    return 0 if all(r["comm_exact"] for r in rows) else 1
+    return 0 if all(r["comm_exact"] for r in rows + blocks) else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The grid's mesh holds cp as its outermost dim (pp, dp, cp, then the grid's dims): the grid
 splits weights and the batch and hidden dims of activations, cp the tokens. Grid linears,
 norms and embeddings are per token, so they keep their input's split over cp (their
-weights' gradients summed over cp); attention runs ring (zigzag or contiguous) or Ulysses
+weights' gradients summed over dp x cp after the backward); attention runs ring (zigzag or contiguous) or Ulysses
 over cp on the batch and heads block the grid leaves each rank. At world 8 (cp 2 x a grid
 of 4) each run trains 5 AdamW steps equal to one device (tests/equivalence.py: losses and
 weights within 1e-5) with measured communication equal to the plan's for every (op, axis).
@@ -52,7 +52,8 @@ def test_cp2_beside_a_grid_of_4_equals_one_device(pool8, name, grid, mode, layou
     measured = results[0]["measured"]
     assert measured[("p2p" if mode == "ring" else "all_to_all", CP)] > 0  # the sequence kernel
     assert measured[("broadcast", "tp_i")] > 0 and measured[("broadcast", "tp_j")] > 0  # SUMMA
-    assert measured[("all_reduce", CP)] > 0  # the weights' gradients, whole on cp
+    assert measured[("all_reduce", CP)] > 0  # the loss's sums
+    assert measured[("all_reduce", "dp")] > 0  # the gradients, once over dp x cp
     assert all(r["measured"] == measured for r in results)
 
 
@@ -77,9 +78,10 @@ def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
     """The training graph of cp 2 x 3D 8 solved in one process: every linear keeps its input's
     tokens on cp beside the cube's batch and hidden splits, attention runs the sequence
     kernel on the ranks' batch x heads block, and what crosses cp is that kernel's traffic,
-    the weights' gradient sums, the loss's sum and the targets' and position table's
-    gathers; the loss takes the logits' rows where they lie, over cp and the cube's batch
-    axes."""
+    the weights' gradient sums, the loss's sum and the position table's gradient gather;
+    the loss takes the logits' rows where they lie, over cp and the cube's batch axes, and
+    the targets' rows there too (cp's runs kept, a rank's part cut over the batch axes):
+    nothing crosses cp in the forward but the kernel and the loss's sum."""
     from autopar.graph.trace import trace
     from autopar.sharding.solve import solve
 
@@ -103,8 +105,9 @@ def test_cp2_beside_3d_keeps_the_tokens_split_through_every_block(mode):
     kernel = "p2p" if mode == "ring" else "all_to_all"
     cp_ops = {(c.op, c.where.startswith("scaled_dot")) for c in sol.comm if c.axis == CP}
     assert cp_ops == {(kernel, True), ("all_reduce", False), ("all_gather", False)}
-    gathers = {c.where for c in sol.comm if c.axis == CP and c.op == "all_gather"}
-    assert not [w for w in gathers if w.startswith("reshape")], gathers  # the logits' view
+    gathers = {(c.where, c.phase) for c in sol.comm if c.axis == CP and c.op == "all_gather"}
+    assert not [w for w, _ in gathers if w.startswith("reshape")], gathers  # the logits' view
+    assert {phase for _, phase in gathers} == {"backward"}, gathers  # not the targets
     loss = next(s for s in sol.strategies.values() if s.name == "3d vocab_parallel")
     logits, target = (need.layout.shard_of_dim(0) for need in loss.needs.values())
     assert logits == target and logits.axis in ("cp_tp_ba", "cp_tp_bc") and logits.groups < 0

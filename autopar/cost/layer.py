@@ -126,8 +126,8 @@ class Sharded:
     expert_comm: list[tuple[str, str, Lin]] = field(default_factory=list)
     # bytes per device of each parameter tensor outside the experts, in the optimizer's order
     param_tensors: tuple = ()  # (the engine's: autopar.cost.state.StepTemps)
-    # per tensor of `param_tensors`: whether it has one dim (a bias, a norm's weight), which
-    # the 2D, 2.5D and 3D grid kernels split q ways where they split a matrix q^2 or q^3 ways
+    # per tensor of `param_tensors`: whether the 2D, 2.5D and 3D grids split it q ways, not as
+    # a matrix: one dim (a bias, a norm's weight), or an embedding's table (on its hidden dim)
     param_vectors: tuple = ()
     loss_workspace: Lin = ZERO  # bytes a loss holds running, beyond its saved (chunked_loss)
     split_loss_flops: Lin = ZERO  # FLOPs its backward gains split in B and W (zero-bubble)
@@ -665,14 +665,12 @@ def _read_sharded(traced: TracedGraph, layer, solution: Solution, size: int) -> 
                 continue
             nbytes = int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
             layout = solution.params.get(node.target)
-            if layout is not None and layout.shards:
-                param_bytes += nbytes // size
-            else:
-                param_bytes += nbytes
-                param_repl += nbytes
-            tensors.setdefault(node.target, nbytes // size if layout is not None and
-                               layout.shards else nbytes)
-            vectors.setdefault(node.target, len(p.shape) == 1)
+            split = layout is not None and layout.shards
+            param_bytes += nbytes // size if split else nbytes
+            param_repl += 0 if split else nbytes
+            tensors.setdefault(node.target, nbytes // size if split else nbytes)
+            table = any(u.meta["autopar"].kind is OpKind.EMBEDDING for u in node.users)
+            vectors.setdefault(node.target, len(p.shape) == 1 or table)
             continue
         layout = solution.layouts.get(node)
         split = _split(layout) or (solution.strategies.get(node) is not None and any(

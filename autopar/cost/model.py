@@ -550,8 +550,8 @@ def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,
     expert_whole = lt.experts.param_bytes if lt.experts is not None else 0
     if one_d:
         params = sharded.param_bytes - expert_whole / sharded.expert_split
-    else:  # the grid kernels cut a matrix over q^2 (2D, 2.5D) or q^3 (3D) ranks, a bias or a
-        # norm's weight over q (autopar.kernels.multid)
+    else:  # the grid kernels cut a matrix over q^2 (2D, 2.5D) or q^3 (3D) ranks, a bias, a
+        # norm's weight or an embedding's table over q (autopar.kernels.multid)
         vectors = sum(b for b, one in zip(sharded.param_tensors, sharded.param_vectors) if one)
         params = (lt.param_bytes - expert_whole - vectors) / _grid_parts(mode) + \
             vectors / mode.q

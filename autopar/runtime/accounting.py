@@ -122,7 +122,7 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
     """The gradient sync over dp, then the loss's all-reduce. Under HSDP ZeRO's gathers and
     reduce-scatters run on dp_shard, and each reduce-scattered piece is summed over
     dp_replicate (its bytes: the reduce-scatter's over the shard size)."""
-    if engine.groups[DP].size == 1:
+    if engine.grads.sync_ranks == 1:
         return {}
     zero = engine.zero
     hybrid = engine.plan.dp_replicate > 1
@@ -142,7 +142,8 @@ def _data_parallel(engine, runs: int) -> dict[tuple[str, str], int]:
     else:
         grad_bytes = sum(p.numel() * p.element_size() for p in engine.grads.data_parameters()
                          if p.requires_grad)
-        return {("all_reduce", DP): grad_bytes + 4}
+        # (beside cp one all-reduce over dp x cp, logged as dp; the loss's over dp alone)
+        return {("all_reduce", DP): grad_bytes + (4 if engine.groups[DP].size > 1 else 0)}
     if hybrid:
         out[("all_reduce", DP_REPLICATE)] = out[("reduce_scatter", axis)] // zero.dp.size
     return out

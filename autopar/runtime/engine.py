@@ -48,7 +48,6 @@ from autopar.plans import Plan
 from autopar.plans.checks import check_divisible, check_graph
 from autopar.plans.views import views
 from autopar.runtime import accounting, batches
-from autopar.runtime.buckets import GradientBuckets
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.compile import CompiledRegions, compile_graphs
 from autopar.runtime.export import MAX_SHARD_BYTES
@@ -167,7 +166,7 @@ class Engine(nn.Module):
                      default_mode=self.plan.tp_mode, fixed_params=fixed, mesh=mesh,
                      sequence_parallel=self.plan.sequence_parallel_layers(),
                      sequence_mode=(self.plan.sequence_mode or RING) if cp else None,
-                     sequence_layout=self.plan.cp_layout())
+                     sequence_layout=self.plan.cp_layout(), cp_grads=self.grads.cp_grads)
 
     def _note_replicated(self, solution: Solution) -> None:
         """Name in `plan.notes` every module whose ops run replicated, and why."""
@@ -229,8 +228,8 @@ class Engine(nn.Module):
             self.train_units = self.zero.rewrite(self.train_gm)
         self.recompute.apply(self.train_gm)  # (after the marks and gathers: they stay out)
         compile_graphs(self.regions, [self.train_gm])  # after every pass that adds modules
-        if self._dp.size > 1 and self.zero is None:  # the bucketed all-reduce
-            self.grads.buckets = GradientBuckets(self.grads.data_parameters(), self._dp)
+        if self.zero is None:  # the bucketed all-reduce (over dp, or dp x cp)
+            self.grads.buckets = self.grads.make_buckets(self.train_gm, self.train_solution)
 
     def _wire_pipeline(self) -> None:
         """Cut the training graph into stages; ZeRO shards this rank's stages' parameters."""
@@ -564,6 +563,9 @@ def _build_forward(engine: Engine, model: nn.Module, example_inputs: tuple, forw
         engine.params.split_experts({graph.params[t].names[0] for t in expert_weights(graph.gm)},
                                     groups[EP])
         engine.grads.split_experts(groups[EDP], groups[EP].size)
+    if engine._cp.size > 1 and engine.mesh.mode in MULTI_D and engine._pp.size == 1 and \
+            plan.ep == 1 and not zero_sharded(plan.zero, engine._dp.size):
+        engine.grads.sum_over_cp(engine._dp, engine._cp)  # one sync over dp x cp
     check_graph(engine.forward_graph, plan, engine.mesh)
     engine.batches = batches.Batches(example_inputs, engine.forward_graph, plan, engine.mesh,
                                      engine._dp, engine._cp, engine._device)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autopar.kernels.collectives import AxisGroup, CommLog, world_group
-from autopar.runtime.buckets import average_gradients
+from autopar.runtime.buckets import GradientBuckets, average_gradients
 from autopar.runtime.hsdp import ShardGroup
 from autopar.runtime.params import ShardedParams
 from autopar.runtime.zero import ZeroOne, ZeroTwo
@@ -51,6 +51,21 @@ def make_zero(plan_zero, params, dp: AxisGroup, factory, compute_dtype, stages=N
                   **extra)
 
 
+class DataContextSum:
+    """The gradient sync over dp x cp (one all-reduce, runtime.mesh.data_context_group) as
+    a mean over dp: `size`, what the sum is divided by, is dp's; cp's ranks add the partial
+    sums their tokens left."""
+
+    def __init__(self, group: AxisGroup, dp: int):
+        self.group, self.size = group, dp
+
+    def all_reduce(self, t: torch.Tensor, phase: str) -> torch.Tensor:
+        return self.group.all_reduce(t, phase)
+
+    def all_reduce_async(self, t: torch.Tensor, phase: str):
+        return self.group.all_reduce_async(t, phase)
+
+
 class Gradients:
     """The gradient path of one engine, and the owner of its ZeRO state (`zero`, a
     runtime.zero_state.ZeroState) and pipeline runner (`pipeline`), which the engine reads
@@ -66,6 +81,41 @@ class Gradients:
         self.expert_divisor = 1.0  # dp / edp: what the sum over edp is divided by, over edp
         self.world: AxisGroup | None = None  # every rank, as axis "world" (made when used)
         self.replicas = 1  # HSDP: how many shard groups hold the same ZeRO pieces
+        # beside cp (a grid, no ZeRO, pipeline or experts): the sync over dp x cp, and the
+        # parameters whole on cp (each cp rank's gradient the same), divided by cp after it
+        self.sync: AxisGroup | DataContextSum = dp
+        self.cp_size, self.whole_on_cp = 1, []
+
+    def sum_over_cp(self, dp: AxisGroup, cp: AxisGroup) -> None:
+        """Leave the parameters' sums over cp to the step: one all-reduce over dp x cp."""
+        from autopar.runtime.mesh import data_context_group
+
+        self.sync, self.cp_size = DataContextSum(data_context_group(dp, cp), dp.size), cp.size
+
+    @property
+    def cp_grads(self) -> bool:
+        """Whether the graph sums the parameters' gradients over cp (solve's cp_grads)."""
+        return self.cp_size == 1
+
+    @property
+    def sync_ranks(self) -> int:
+        """The ranks the gradient sync spans (dp, or dp x cp)."""
+        return self.sync.group.size if isinstance(self.sync, DataContextSum) else self.dp.size
+
+    def make_buckets(self, gm, solution) -> GradientBuckets | None:
+        """Plain data parallelism's buckets over the sync's ranks (None with one); beside cp,
+        the parameters `solution` read whole on cp are noted first."""
+        if not self.cp_grads:
+            partial = {id(gm.get_parameter(t)) for t in solution.cp_partial}
+            self.whole_on_cp = [p for p in self.data_parameters() if id(p) not in partial]
+        if self.sync_ranks == 1:
+            return None
+        return GradientBuckets(self.data_parameters(), self.sync)
+
+    def _whole_on_cp_mean(self) -> None:
+        for p in self.whole_on_cp:  # summed over cp's equal copies too
+            if p.grad is not None:
+                p.grad /= self.cp_size
 
     def split_experts(self, edp: AxisGroup, ep_size: int) -> None:
         """Expert weights (ShardedParams.is_expert) are averaged over `edp`, the data (x cp)
@@ -107,12 +157,13 @@ class Gradients:
                 average_gradients(experts, self.edp, divisor=self.expert_divisor)
             for p in experts if self.edp.size == 1 and self.dp.size > 1 else ():
                 p.grad /= self.dp.size  # ep = dp x cp: nothing to send
-        if self.dp.size == 1:
+        if self.sync_ranks == 1:
             return
         if self.buckets is not None:
             self.buckets.finish()
-            return
-        average_gradients(self.data_parameters(), self.dp)
+        else:
+            average_gradients(self.data_parameters(), self.sync)
+        self._whole_on_cp_mean()
 
     def drop(self, optimizer) -> None:
         """Forget a skipped step's gradients: the parameters' and the ZeRO pieces'."""

@@ -166,6 +166,23 @@ def expert_groups(dp: AxisGroup, ep: int, cp: AxisGroup | None = None) -> dict[s
     return out
 
 
+def data_context_group(dp: AxisGroup, cp: AxisGroup) -> AxisGroup:
+    """The ranks of this rank's dp group and their cp groups as one group, logged as dp:
+    Megatron's data-and-context group, over which gradients that cp's ranks hold partial
+    sums of are summed in one all-reduce. Collective: every rank learns every dp and cp
+    group, so all create the same groups in the same order."""
+    me = dist.get_rank()
+    mine = (tuple(dist.get_process_group_ranks(dp.group)) if dp.size > 1 else (me,),
+            tuple(dist.get_process_group_ranks(cp.group)) if cp.size > 1 else (me,))
+    pairs = exchange_objects(mine)
+    rows = sorted({tuple(sorted({m for d in dp_row for m in pairs[d][1]}))
+                   for dp_row, _ in pairs})
+    made = shared_group(("data_context", tuple(rows)),
+                        lambda: [dist.new_group(list(r)) for r in rows])
+    row, group = next((r, g) for r, g in zip(rows, made, strict=True) if me in r)
+    return AxisGroup(DP, len(row), row.index(me), group if len(row) > 1 else None, dp.log)
+
+
 def hybrid_groups(dp: AxisGroup, shard: int) -> dict[str, AxisGroup]:
     """The dp_shard groups (runs of `shard` consecutive members of each dp group, dp index
     i // shard) and the dp_replicate groups (the members at the same place of every run, dp

@@ -156,6 +156,18 @@ class TensorMesh:
             out = out * sizes[c] + coords[c]
         return out
 
+    def without_cp(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """`axes` with cp taken out: cp dropped, a `cp_batch` axis replaced by its batch axis
+        (a gradient summed over them, its sum over cp left to the step's sync)."""
+        out = []
+        for a in axes:
+            comps = self.components(a) if a in self.axes else (a,)
+            if comps[0] == CP and len(comps) > 1:
+                out.append(self.composite(comps[1:]))
+            elif a != CP:
+                out.append(a)
+        return tuple(out)
+
     def composite(self, components: tuple[str, ...]) -> str:
         """The axis name of a tuple of physical dims (major first)."""
         if len(components) == 1:

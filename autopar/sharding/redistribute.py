@@ -80,7 +80,8 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
 
     summed = set()
     for shard in sorted(src.shards, key=lambda s: s.dim):
-        if dst.shard_on(shard.axis) == shard or _within(shard, dst.shard_on(CP_TP)):
+        if dst.shard_on(shard.axis) == shard or _within(shard, dst.shard_on(CP_TP)) or \
+                _leads(shard, dst, mesh):
             continue
         del current[shard.axis]
         if shard.axis == CP_TP and _within(dst.shard_on(CP), shard):  # tp's part gathered
@@ -118,6 +119,14 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
             del current[CP]
             current[CP_TP] = shard
             continue
+        if _leads(current.get(CP), dst, mesh) and current[CP].dim == shard.dim:
+            p = parts()  # cp's runs kept: a rank's part split over the rest, one block each
+            for c in mesh.components(shard.axis)[1:]:
+                steps.append(Step("split", c, shard.dim, 1, p))
+                p *= mesh.size(c)
+            del current[CP]
+            current[shard.axis] = shard
+            continue
         steps += _expand("split", shard, parts(), mesh)
         current[shard.axis] = shard
     for a in grad_axes:
@@ -130,6 +139,17 @@ def _within(outer: Shard | None, inner: Shard | None) -> bool:
     """`inner` (over `CP_TP`) splits each block of `outer` (over cp, the same dim) over tp."""
     return outer is not None and inner is not None and outer.axis == CP and \
         inner.axis == CP_TP and (outer.dim, outer.groups) == (inner.dim, inner.groups)
+
+
+def _leads(shard: Shard | None, dst: Layout, mesh: TensorMesh) -> bool:
+    """`shard` (over cp) is the major part of `dst`'s split of the same dim over a `cp_batch`
+    axis with the same blocks: that split keeps cp's runs and cuts a rank's part further."""
+    if shard is None or shard.axis != CP:
+        return False
+    target = dst.shard_of_dim(shard.dim)
+    return target is not None and target.axis not in (CP, CP_TP) and \
+        target.axis in mesh.composites and mesh.components(target.axis)[0] == CP and \
+        target.groups == shard.groups
 
 
 def _in_block(shard: Shard, mesh: TensorMesh) -> int:

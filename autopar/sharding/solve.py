@@ -61,6 +61,9 @@ class Solution:
     seq: int | None = None  # tokens per sample, the size of the sequence dim they split
     sp_failures: dict = field(default_factory=dict)  # layer -> why it is not sequence-split
     sequence_layout: str = CONTIGUOUS  # how tokens split over cp lie ("zigzag" or not)
+    # parameters (get_attr targets) whose gradients the graph leaves partial over cp, for the
+    # step's sync over dp x cp to sum (solve's cp_grads=False); the others are whole on cp
+    cp_partial: frozenset = frozenset()
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -119,7 +122,7 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
           mesh: TensorMesh | None = None,
           sequence_parallel: bool | set | frozenset = False,
           sequence_mode: str | None = None,
-          sequence_layout: str = CONTIGUOUS) -> Solution:
+          sequence_layout: str = CONTIGUOUS, cp_grads: bool = True) -> Solution:
     """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
 
     `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
@@ -137,6 +140,10 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
     chunks r and 2c-1-r of 2c). Layouts say S(cp) either way: a split on cp is always a
     token split, so the layout is one property of the solution, which the run-time
     redistributions over cp and the sequence kernels follow.
+    `cp_grads`: whether the graph sums parameters' gradients over cp; False leaves those
+    sums to the step's sync over dp x cp (Megatron's data-and-context group) and lists the
+    parameters left partial in `Solution.cp_partial`. A parameter read both where tokens
+    split over cp and where they do not keeps its sums in the graph.
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
@@ -148,13 +155,16 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
                         "first input has no sequence dim (it should be [batch, tokens, ...]); "
                         "drop sequence_parallel for this model.")
     hints: dict = {}
+    cp = _CpGrads(cp_grads or mesh.sizes.get(CP, 1) == 1)
     for _ in range(_MAX_PASSES):
         new_hints: dict = {}
         solution = _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params or {},
-                         mesh, sp_layers, seq, sequence_mode)
-        if not new_hints:
+                         mesh, sp_layers, seq, sequence_mode, cp)
+        if not new_hints and not cp.partial & cp.whole:
             break
         hints.update(new_hints)
+        cp.kept |= cp.partial & cp.whole  # read both ways: summed over cp in the graph
+    solution.cp_partial = frozenset(cp.partial - cp.kept)
     solution.hints = hints
     solution.sequence_layout = sequence_layout if mesh.sizes.get(CP, 1) > 1 else CONTIGUOUS
     if solution.sp_failures:
@@ -194,8 +204,36 @@ def cp_sequence_input(shape, seq: int) -> bool:
         sympy.sympify(shape[1]) == seq
 
 
+@dataclass
+class _CpGrads:
+    """Which parameters' gradients the graph sums over cp (`in_graph`: all of them), and,
+    when not, which it left partial and which it read whole on cp; `kept`: parameters read
+    both ways, whose sums stay in the graph."""
+
+    in_graph: bool
+    partial: set = field(default_factory=set)
+    whole: set = field(default_factory=set)
+    kept: set = field(default_factory=set)
+
+    def need(self, producer: fx.Node, need: Need, axis: str, mesh: TensorMesh,
+             requires_grad: bool) -> Need:
+        """A parameter's need, its sum over cp left out unless the graph keeps it."""
+        if self.in_graph or producer.target in self.kept or not requires_grad:
+            return need
+        axes = need.grad_axes(axis)
+        kept = mesh.without_cp(axes)
+        if kept == axes:
+            self.whole.add(producer.target)
+            return need
+        self.partial.add(producer.target)
+        return Need(need.layout, kept or False)
+
+
 def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
-          sp_layers=frozenset(), seq=None, sequence_mode=None) -> Solution:
+          sp_layers=frozenset(), seq=None, sequence_mode=None,
+          cp: _CpGrads | None = None) -> Solution:
+    cp = cp if cp is not None else _CpGrads(True)
+    cp.partial, cp.whole = set(), set()
     layouts: dict[fx.Node, object] = {}
     strategies: dict[fx.Node, Strategy] = {}
     transitions: list[Transition] = []
@@ -231,9 +269,17 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
             ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, TP_1D), layouts, hints,
                               new_hints, mesh=mesh, requires_grad=requires_grad,
                               sp=info.layer in sp_layers, seq=seq, grad_summed=grad_summed,
-                              sp_failures=sp_failures, sequence_mode=sequence_mode)
+                              sp_failures=sp_failures, sequence_mode=sequence_mode,
+                              cp_grads=cp.in_graph)
             strategy = decide(ctx)
-        for producer, need in strategy.needs.items():
+        # a grid norm's kernel sums its parameters' gradients itself (not over cp here)
+        by_kernel = {p.target for p in strategy.args.get("params", ()) if isinstance(p, fx.Node)
+                     and requires_grad.get(p)} if strategy.args.get("params_over_cp") else set()
+        cp.partial |= by_kernel
+        for producer, need in list(strategy.needs.items()):
+            if producer.op == "get_attr" and producer.target not in by_kernel:
+                need = strategy.needs[producer] = cp.need(producer, need, axis, mesh,
+                                                          requires_grad[producer])
             if producer.op == "get_attr" and producer not in layouts:
                 layouts[producer] = _place_param(producer, need.layout, mesh.sizes)
                 params[producer.target] = layouts[producer]

@@ -40,6 +40,9 @@ class RuleContext:
     grad_summed: set = field(default_factory=set)
     sp_failures: dict = field(default_factory=dict)
     sequence_mode: str | None = None  # "ring" | "ulysses" when the mesh has a cp axis
+    # whether the graph sums parameters' gradients over cp (False: the step's data-parallel
+    # sync does, in one all-reduce over dp x cp; rules leave those sums out)
+    cp_grads: bool = True
 
     def seq_dim(self, node: fx.Node | None = None) -> int | None:
         """The sequence dim of a [batch, ..., sequence, ..., hidden] value (of this op's output

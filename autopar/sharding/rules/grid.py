@@ -212,6 +212,9 @@ def grid_norm(ctx: RuleContext) -> Strategy:
         return replicate(ctx, note=f"hidden size {ctx.shape(x)[-1]} does not split over "
                                    f"{ctx.sizes[h]}")
     replicas = tuple(s.axis for s in layout.shards if s.axis != h)
+    over_cp = not ctx.cp_grads and ctx.mesh.without_cp(replicas) != replicas
+    if over_cp:  # the step's sync sums the parameters' gradients over cp
+        replicas = ctx.mesh.without_cp(replicas)
     needs = {x: Need(layout)}
     param_layout = Layout.replicated(1).with_shard(0, h)
     for p in (weight, bias):
@@ -228,7 +231,8 @@ def grid_norm(ctx: RuleContext) -> Strategy:
                                 "backward", wants)
     return Strategy(f"{ctx.mode} norm", needs, layout, comm=comm, rewrite=Rewrite.GRID_NORM,
                     args={"kind": "layer" if is_layer else "rms", "hidden": h,
-                          "replicas": replicas, "eps": eps, "params": (weight, bias)})
+                          "replicas": replicas, "eps": eps, "params": (weight, bias),
+                          "params_over_cp": over_cp})
 
 
 @decides(OpKind.EMBEDDING, grid=True)
