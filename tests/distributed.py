@@ -557,7 +557,12 @@ class DistPool:
     def _start(self) -> None:
         # fork=True: the workers are forked from the test process itself and start with what
         # it holds (e.g. traced graphs, which do not pickle); else from the fork server.
-        ctx = mp.get_context("fork") if self.fork else _context()
+        # A test process that joined a process group itself passes it on to a forked child,
+        # which could not join the pool's: its workers come from the fork server then.
+        dist = sys.modules.get("torch.distributed")
+        joined = dist is not None and dist.is_available() and dist.is_initialized()
+        forked = self.fork and not joined
+        ctx = mp.get_context("fork") if forked else _context()
         self._broken = None
         self.port = find_free_port()
         paths = [REPO_ROOT, TESTS_DIR]
@@ -570,7 +575,7 @@ class DistPool:
                     target=_worker_main,
                     args=(rank, self.world_size, self.port, paths, child_conn,
                           os.getpid(), pg_timeout_s, dict(os.environ), os.getcwd(),
-                          self.fork),
+                          forked),
                     name=f"DistPool-w{self.world_size}-rank{rank}",
                     daemon=False,  # workers may start processes of their own
                 )
