@@ -44,7 +44,8 @@ Rules of the road
   alone within a module; worker state (module globals, process groups created
   by tests) persists from one call to the next. Between modules a reset puts
   back torch's and numpy's generators, the default dtype, grad mode, autopar's
-  module globals, and the test process's environment and directory.
+  module globals, and the test process's environment and directory, and destroys
+  every process group but the world's (autopar's group cache emptied with them).
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def _error_payload(exc: BaseException, tb_text: str) -> bytes:
 
 def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
                  conn, parent_pid: int, pg_timeout_s: float,
-                 environ: dict | None = None, cwd: str | None = None) -> None:
+                 environ: dict | None = None, cwd: str | None = None,
+                 forked_here: bool = False) -> None:
     global _IN_WORKER
     _IN_WORKER = True
     # A forked worker starts with the fork server's environment and directory:
@@ -351,6 +353,8 @@ def _worker_main(rank: int, world_size: int, port: int, paths: list[str],
                 )
         conn.send_bytes(payload)
     conn.close()
+    if forked_here:  # the test process's exit handlers are its own (its pools' finalizers)
+        os._exit(0)
     _fast_exit(0)
 
 
@@ -376,8 +380,9 @@ class _Fresh:
     module a worker as a new one would be: the random generators' states (torch's and numpy's;
     Python's is seeded afresh in every forked process, a new worker's is random), torch's default dtype and grad mode, and the global names of every autopar
     module (a test that sets a module constant or wraps a module function leaves it set:
-    ``losses.CHUNK_BYTES = ...``). Environment and working directory come from the test
-    process at each reset, as at start-up."""
+    ``losses.CHUNK_BYTES = ...``), and no process group but the world's
+    (`_release_groups`). Environment and working directory come from the test process at each
+    reset, as at start-up."""
 
     def __init__(self):
         import torch
@@ -405,6 +410,7 @@ class _Fresh:
             numpy.random.set_state(self.numpy_rng)
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(self.grad)
+        _release_groups()
         for name, names in self.names.items():
             module = sys.modules.get(name)
             if module is None:
@@ -419,6 +425,29 @@ class _Fresh:
 
 
 _MISSING = object()
+
+
+def _release_groups() -> int:
+    """Destroy every process group but the world's, and empty autopar's group cache
+    (`autopar.runtime.mesh._SHARED`, which holds them and the device meshes over them): a
+    gloo group keeps its transport threads, which poll while the worker idles (a world-8
+    worker held some 40 groups after a few modules, and the idle world-8 pool took a fifth
+    of a core for the rest of the run). The next module makes the groups it needs. Every
+    rank does the same at the same reset, so the group names stay in step. The number of
+    groups destroyed."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    mesh = sys.modules.get("autopar.runtime.mesh")
+    if mesh is not None:
+        mesh._SHARED.clear()
+    if not dist.is_initialized():
+        return 0
+    world = dist.group.WORLD
+    groups = [pg for pg in list(distributed_c10d._world.pg_map) if pg is not world]
+    for pg in groups:  # its threads stop with its last reference (restore's gc.collect)
+        dist.destroy_process_group(pg)
+    return len(groups)
 
 
 def _fast_exit(code: int) -> None:
@@ -478,10 +507,15 @@ class DistPool:
     start-up (spawning, importing torch, rendezvous; default
     ``max(timeout_s, 180)`` because up to 8 processes import torch on a
     couple of cores).  Use as a context manager or call :meth:`close`.
+    ``fork=True`` forks the workers from the test process instead of the fork server: they
+    start with what it holds (what it imported, traced or computed), which is how work that
+    does not pickle is done once for every rank (tests/test_families.py traces there). The
+    workers run torch on one thread, as a forked child must once its parent used OpenMP.
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 300.0,
-                 start_timeout_s: float | None = None, pg_timeout_s: float | None = None):
+                 start_timeout_s: float | None = None, pg_timeout_s: float | None = None,
+                 fork: bool = False):
         if _IN_WORKER:
             raise RuntimeError(
                 "DistPool created inside a DistPool worker: a module imported by the "
@@ -494,6 +528,7 @@ class DistPool:
         self.start_timeout_s = float(
             start_timeout_s if start_timeout_s is not None else max(self.timeout_s, 180.0))
         self.pg_timeout_s = pg_timeout_s
+        self.fork = bool(fork)
         self.port: int | None = None
         self._processes: list = []
         self._conns: list = []
@@ -520,7 +555,14 @@ class DistPool:
     # -- lifecycle --------------------------------------------------------
 
     def _start(self) -> None:
-        ctx = _context()
+        # fork=True: the workers are forked from the test process itself and start with what
+        # it holds (e.g. traced graphs, which do not pickle); else from the fork server.
+        # A test process that joined a process group itself passes it on to a forked child,
+        # which could not join the pool's: its workers come from the fork server then.
+        dist = sys.modules.get("torch.distributed")
+        joined = dist is not None and dist.is_available() and dist.is_initialized()
+        forked = self.fork and not joined
+        ctx = mp.get_context("fork") if forked else _context()
         self._broken = None
         self.port = find_free_port()
         paths = [REPO_ROOT, TESTS_DIR]
@@ -532,7 +574,8 @@ class DistPool:
                 p = ctx.Process(
                     target=_worker_main,
                     args=(rank, self.world_size, self.port, paths, child_conn,
-                          os.getpid(), pg_timeout_s, dict(os.environ), os.getcwd()),
+                          os.getpid(), pg_timeout_s, dict(os.environ), os.getcwd(),
+                          forked),
                     name=f"DistPool-w{self.world_size}-rank{rank}",
                     daemon=False,  # workers may start processes of their own
                 )
@@ -645,8 +688,8 @@ class DistPool:
     def reset(self) -> None:
         """Hand the workers to a new test module as new ones: the test process's environment
         and working directory, and the state each worker started with (random generators,
-        default dtype, grad mode, autopar's module globals; see ``_Fresh``). Module globals
-        of test modules and process groups made by tests stay. A failure breaks the pool."""
+        default dtype, grad mode, autopar's module globals, only the world's process group;
+        see ``_Fresh``). Module globals of test modules stay. A failure breaks the pool."""
         with self._lock:
             if self._closed or self._broken is not None:
                 raise DistPoolBrokenError(

@@ -214,6 +214,70 @@ def test_modules_share_one_world_each_module_finds_as_new(pool2, request, tmp_pa
     assert [g[4:6] for g in got] == [("set for the next module", str(tmp_path))] * 2
 
 
+def _groups_held():
+    """This worker's process groups, autopar's cached groups and its threads."""
+    from torch.distributed import distributed_c10d
+
+    from autopar.runtime import mesh
+
+    return (len(distributed_c10d._world.pg_map), len(mesh._SHARED),
+            len(os.listdir("/proc/self/task")))
+
+
+def _make_groups(n):
+    """Leave process groups behind as a module's tests do: `n` made directly (one kept in a
+    module global) and one through autopar's group cache, each used once."""
+    from autopar.runtime.mesh import shared_group
+
+    groups = [dist.new_group([0, 1]) for _ in range(n)]
+    groups.append(shared_group(("probe",), lambda: dist.new_group([0, 1])))
+    for g in groups:
+        dist.all_reduce(torch.ones(1), group=g)
+    _STATE["group"] = groups[0]
+    return _groups_held()
+
+
+def _sum_in_new_group():
+    g = dist.new_group([0, 1])
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=g)
+    return t.item()
+
+
+def test_a_reset_destroys_the_groups_a_module_made(pool2, request):
+    """Each gloo group keeps transport threads that poll while the worker idles: the next
+    module finds only the world's group, autopar's group cache empty and the threads gone,
+    and makes groups of its own as before."""
+    before = pool2.run(_groups_held)
+    made = pool2.run(_make_groups, 4)
+    assert [m[:2] for m in made] == [(before[0][0] + 5, 2)] * 2  # 5 groups; probe + world
+    assert all(m[2] > b[2] for m, b in zip(made, before))
+    next_module = request.getfixturevalue("third_module_pool2")
+    after = next_module.run(_groups_held)
+    assert [a[:2] for a in after] == [(1, 0)] * 2
+    assert all(a[2] < m[2] for a, m in zip(after, made))
+    assert next_module.run(_sum_in_new_group) == [1.0, 1.0]
+
+
+third_module_pool2 = dist_pool_fixture(2, timeout_s=60)
+
+
+def _held_here(key):
+    return _STATE[key](), torch.get_num_threads(), _all_reduce_sum(0.0), os.getppid()
+
+
+def test_a_forked_pool_starts_with_what_the_test_process_holds():
+    """fork=True: the workers are the test process's own children and hold what it held when
+    the pool started (here a function, which does not pickle), with torch on one thread."""
+    _STATE["made here"] = lambda: "made in the test process"
+    try:
+        with DistPool(2, timeout_s=60, fork=True) as pool:
+            got = pool.run(_held_here, "made here")
+    finally:
+        del _STATE["made here"]
+    assert got == [("made in the test process", 1, [1.0, 1.0], os.getpid())] * 2
+
+
 def test_unpicklable_fn_fails_in_parent_and_pool_survives(pool2):
     with pytest.raises(TypeError, match="module-level function"):
         pool2.run(lambda: 1)

@@ -23,11 +23,14 @@ vocabulary 128, sequence 8; no weights are downloaded) and trained for `STEPS` A
 No (family, mode) is skipped: a raw error (not autopar's, or more than one sentence) or a
 divergence fails the test that names the family and the mode.
 
-Speed: the cases of one world run in one call of a shared pool (one world-2 and one world-4
-pool for the module), the one-device reference of each family is computed once per rank,
-and each family is traced once per world and kind of graph (the tracer sees only shapes:
-`_traced` below hands a later case of the same family the first trace, its parameters rebound
-to that case's model, which is what tracing the new model would give).
+Speed: the cases of one world run in one call of a pool (one world-2 and one world-4 pool
+for the module). Both are forked from the test process after it traced every selected family
+once per kind of graph and computed its one-device reference (`pretraced`: traced graphs do not
+pickle, forked workers inherit them), so no rank traces what another already did; the tracer
+sees only shapes, and the trace cache (`_install_trace_cache`) hands every case of a family the
+one trace, its parameters rebound to that case's model, which is what tracing the new model
+would give. A graph the one-device start did not trace (e.g. an expert plan's) is traced by
+the ranks, once per world.
 docs/families.md is generated from `FAMILIES`, `MODES` and `EXPECTED`
 (`python tests/test_families.py` writes it), and a test checks it is current.
 """
@@ -44,7 +47,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import dist_pool_fixture
+from distributed import DistPool
 
 STEPS = 3
 BATCH = 8
@@ -421,10 +424,66 @@ def run_cases(todo: list[tuple[str, str]]) -> list[dict]:
 # The tests
 # --------------------------------------------------------------------------------------
 
-pool2 = dist_pool_fixture(2, timeout_s=3600)
-pool4 = dist_pool_fixture(4, timeout_s=3600)
-
 _RESULTS: dict = {}
+
+
+def _pretrace(name: str) -> None:
+    """Trace `name` here, in the test process, as an engine does (its inference graph at the
+    start, its training graph at the first step: a one-device start and step fill the cache),
+    and compute its one-device reference: the worlds' workers are forked after this and find
+    both (traced graphs do not pickle). A family whose one-device start fails is left to the
+    workers, which trace it themselves and report each case as before."""
+    import autopar
+
+    _CURRENT["family"] = name
+    try:
+        reference(name)
+        model, inputs, target = build(name)
+        engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
+                                     loss_fn=_lm_loss, optimizer=_optimizer(),
+                                     plan={"data": 1})
+        engine.train_step(inputs, target)
+    except Exception:  # noqa: BLE001 - the workers meet it again and report it per case
+        pass
+    finally:
+        _CURRENT["family"] = None
+
+
+@pytest.fixture(scope="module")
+def pretraced(request):
+    """Every selected family traced once for both worlds and all their ranks (a rank traced
+    each family itself: 2 + 4 traces of each graph where 1 does), the test process's trace
+    functions and random state put back after."""
+    from autopar.runtime import engine
+    from autopar.search import planner
+
+    names = {f: None for world in (2, 4) for f, _ in _selected(request, world)}
+    saved = engine.trace, planner.trace
+    with torch.random.fork_rng():
+        _install_trace_cache()
+        try:
+            for name in names:
+                _pretrace(name)
+        finally:
+            engine.trace, planner.trace = saved
+    yield
+    _TRACES.clear()
+    _REFERENCE.clear()
+
+
+def _forked_pool(world: int):
+    """A world forked from the test process once `pretraced` filled its caches."""
+
+    @pytest.fixture(scope="module")
+    def pool(pretraced):
+        with DistPool(world, timeout_s=3600, fork=True) as forked:
+            yield forked
+
+    return pool
+
+
+pool2 = _forked_pool(2)
+pool4 = _forked_pool(4)
 
 
 def _selected(request, world: int) -> list[tuple[str, str]]:
