@@ -258,3 +258,48 @@ def test_an_fp32_model_keeps_its_own_optimizer():
     engine.train_step(inputs, target)
     assert type(engine.optimizer) is torch.optim.AdamW
     assert all("master" not in s for s in engine.optimizer.state.values())
+
+
+# ------------------------------------------------------------------ fp8's scaling recipe
+
+def _fp8_tp2(recipe: str) -> dict:
+    """A bf16 GPT-2 planned and run at fp8 with `recipe` over tp 2: the plan's tp bytes and
+    amax effect, and the bytes the step's comm log holds."""
+    from test_fp8_runtime import hf_gpt2
+
+    from autopar.world import World
+
+    model, inputs, target, loss_fn = hf_gpt2(BATCH)
+    model = model.to(torch.bfloat16)
+    small = tuple(t[:2] for t in inputs)
+    constraints = {"tp": 2, "dp": 1, "pp": 1, "tp_mode": "1d", "sp": "none",
+                   "recompute": "none", "zero": 0}
+    plan = autopar.plan(model, small, World(2, per_node=2, device="h100-80gb"),
+                        global_batch=BATCH, loss_fn=loss_fn, example_target=target[:2],
+                        precision="fp8", fp8_recipe=recipe, constraints=constraints)
+    engine = autopar.parallelize(model, 2, example_inputs=small, loss_fn=loss_fn, plan=plan,
+                                 precision="fp8", fp8_recipe=recipe,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    engine.train_step(inputs, target)
+    engine.comm_log.clear()
+    engine.train_step(inputs, target)
+    return {"planned": plan.detail["comm_by_axis"]["tp"]["bytes"],
+            "per_device": plan.predicted["comm_bytes_per_device"],
+            "measured": engine.comm_log.totals(phases=("forward", "backward", "step")),
+            "effects": {e["effect"] for e in plan.detail["effects"]},
+            "recipe": plan.search["fp8_recipe"]}
+
+
+def test_the_rowwise_fp8_plan_prices_the_tp_bytes_the_runtime_sends(pool2):
+    """Rowwise scales come from each rank's piece of a row, so no amax is all-reduced over
+    tp: the plan prices none (it priced tensorwise's), and its tp bytes are the comm log's
+    (at tp 2 a ring all-reduce sends its tensor's bytes once; the cross-entropy's three
+    statistics per token travel in fp32 whatever the logits' dtype). Tensorwise prices
+    its amaxes on top."""
+    rowwise, tensorwise = pool2.run(_fp8_tp2, "rowwise")[0], pool2.run(_fp8_tp2, "tensorwise")[0]
+    assert rowwise["recipe"] == "rowwise" and tensorwise["recipe"] == "tensorwise"
+    assert rowwise["measured"] == {("all_reduce", "tp"): rowwise["planned"]}
+    assert rowwise["per_device"] == rowwise["planned"]
+    assert "fp8 amax all-reduce (tp)" not in rowwise["effects"]
+    assert "fp8 amax all-reduce (tp)" in tensorwise["effects"]
+    assert tensorwise["planned"] > rowwise["planned"]
