@@ -87,8 +87,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         _check_process_group(size)
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
         chosen, traced, failure = _plan_and_trace(model, size, world, example_inputs, loss_fn,
-                                                  (precision, fp8_recipe), chunked_loss, chosen,
-                                                  traced)
+            (precision, fp8_recipe), chunked_loss, chosen, traced)
     watch = Watch(seconds, size)
     watch.bound([])
     with watch.guard(-1, "parallelize"):
