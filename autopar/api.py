@@ -87,7 +87,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         _check_process_group(size)
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
         chosen, traced, failure = _plan_and_trace(model, size, world, example_inputs, loss_fn,
-                                                  precision, chunked_loss, chosen, traced)
+            (precision, fp8_recipe), chunked_loss, chosen, traced)
     watch = Watch(seconds, size)
     watch.bound([])
     with watch.guard(-1, "parallelize"):
@@ -111,14 +111,15 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     return engine
 
 
-def _plan_and_trace(model, size: int, world, example_inputs: tuple, loss_fn, precision: str,
+def _plan_and_trace(model, size: int, world, example_inputs: tuple, loss_fn, precision: tuple,
                     chunked_loss: bool, chosen, traced):
-    """(plan, its traced graph, None), searching the plan when none was given; a failure
-    comes back as the third item, for every rank to learn of it together."""
+    """(plan, its traced graph, None), searching the plan when none was given (`precision`:
+    parallelize's precision and fp8_recipe); a failure comes back as the third item, for
+    every rank to learn of it together."""
     try:
         if chosen is None:
-            chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision,
-                                  chunked_loss)
+            chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision[0],
+                                  chunked_loss, fp8_recipe=precision[1])
             _check_executable(chosen)
         return chosen, traced or Engine.trace_for(model, tuple(example_inputs), chosen), None
     except Exception as e:  # noqa: BLE001 - shared, so no other rank waits for this one
@@ -299,7 +300,8 @@ def _check_process_group(size: int) -> None:
 
 
 def _search_plan(model, size: int, world, example_inputs, loss_fn,
-                 precision: str = FP32, chunked_loss: bool = True) -> Plan:
+                 precision: str = FP32, chunked_loss: bool = True,
+                 fp8_recipe: str = ROWWISE) -> Plan:
     """plan=None: search among the modes the runtime executes (and say what was left out),
     timing the compute at `precision`'s rate (the planner's `dtype`, same names; fp32
     leaves it to the parameters' dtype, as before)."""
@@ -321,7 +323,7 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
         dtype = BF16
     chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
                        example_target=target, executable=True, top=3, dtype=dtype,
-                       chunked_loss=chunked_loss)
+                       chunked_loss=chunked_loss, fp8_recipe=fp8_recipe)
     if dtype != precision and precision == FP8:
         chosen.notes.append(f"fp8: the '{world.device}' profile has no fp8 peak, so the "
                             "search priced the GEMMs at bf16's rate")

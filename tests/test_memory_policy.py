@@ -161,15 +161,16 @@ def test_an_fp32_op_in_the_graph_does_not_change_the_state_bytes():
 def test_state_bytes_counts_what_the_runtimes_adamw_holds():
     """`state_bytes` applies torch's AdamW per tensor (checked against a real step in
     test_memory.py): fp32 parameters (what precision="bf16" trains: fp32 masters) hold
-    4 + 4 + 8; bf16 parameters keep AdamW's moments in bf16 and no master: 2 + 2 + 4."""
-    for dtype, per_param in ((torch.float32, (4, 4, 0, 8)), (torch.bfloat16, (2, 2, 0, 4))):
+    4 + 4 + 8; bf16 parameters 2 + 2 and an fp32 master and moments, 4 + 8
+    (autopar.runtime.master; tests/test_precision_master.py measures it)."""
+    for dtype, per_param in ((torch.float32, (4, 4, 0, 8)), (torch.bfloat16, (2, 2, 4, 8))):
         chain, count = _chain("gpt", dtype)
         held = state_bytes(chain.traced)
         n_tensors = sum(1 for p in chain.traced.params.values() if p.is_parameter)
         moments = (held.optimizer - 4 * n_tensors) / held.parameters  # less AdamW's `step`
         assert held.gradients / held.parameters == per_param[1] / per_param[0]
-        assert moments == per_param[3] / per_param[0]
-    assert runtime(torch.bfloat16).total == 8 and mixed(torch.bfloat16).total == 16
+        assert moments == (per_param[2] + per_param[3]) / per_param[0]
+    assert runtime(torch.bfloat16).total == mixed(torch.bfloat16).total == 16
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bf16"), (torch.float32, "fp32")])

@@ -30,6 +30,7 @@ from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import Attention, Gemm, LayerType
 from autopar.cost.state import StepTemps
+from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
     BF16,
     CONTIGUOUS,
@@ -161,6 +162,10 @@ class Context:
     # under fp8, the layer kinds whose GEMMs stay in bf16 (autopar.cost.fp8.kept_high)
     kept_high: frozenset = frozenset()
     compile: bool = False  # inductor fuses each layer's memory-bound ops (parallelize's)
+    # under fp8, the scaling recipe: only tensorwise scales all-reduce the amax of a tensor
+    # tensor parallelism splits (Transformer Engine's, the published runs'); rowwise
+    # (parallelize's default fp8_recipe) scales each row from the rank's piece of it
+    fp8_recipe: str = TENSORWISE
     # collective and layer-layout prices already worked out under this context: the states
     # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -561,8 +566,9 @@ def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,
 
 def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) -> float:
     """Seconds (or wire bytes) of the fp8 amax all-reduces over tp of one micro-batch: one
-    forward (twice under full recompute) and one backward, each of the layer's amaxes."""
-    if t <= 1:
+    forward (twice under full recompute) and one backward, each of the layer's amaxes. The
+    rowwise recipe scales each row from the rank's own piece of it: nothing to reduce."""
+    if t <= 1 or ctx.fp8_recipe != TENSORWISE:
         return 0.0
     nbytes = fp8.amax_bytes(gemms)
     runs = 3 if full else 2

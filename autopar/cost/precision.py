@@ -1,9 +1,10 @@
 """Bytes per parameter that training holds, from the parameters' dtype (never an op's): the
 one rule the planner prices state and the optimizer step with. ``mixed``: Megatron-LM and
 ZeRO's fp32 master and moments for 16-bit weights (Rajbhandari et al. 2019, §3.1, K = 12);
-``runtime``: torch's optimizer, moments in the parameters' dtype and no master (fp32 under
-`precision="bf16"`, so AdamW is 16 bytes per parameter under both), which `state_bytes`
-counts per tensor. The free and the executable search both price ``mixed``.
+``runtime``: what `parallelize` holds with a torch optimizer of any number of moments,
+which `state_bytes` counts per tensor: 16-bit parameters get an fp32 master and fp32 moments
+(autopar.runtime.master), wider ones are their own master with moments of their dtype. For
+AdamW the two are the same bytes. The free and the executable search both price ``mixed``.
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def mixed(param_dtype: torch.dtype) -> Precision:
 
 
 def runtime(param_dtype: torch.dtype, moments: int = ADAM_MOMENTS) -> Precision:
-    """A torch optimizer on the parameters as they are: `moments` states of their dtype."""
+    """What the engine holds with a torch optimizer of `moments` states: a 16-bit parameter
+    and gradient, an fp32 master and fp32 states (autopar.runtime.master); a parameter of
+    fp32 or wider is its own master, its states of its dtype."""
     e = itemsize(param_dtype)
-    return Precision(e, e, 0, moments * e, "runtime")
+    return Precision(e, e, FP32 if e < FP32 else 0, moments * max(e, FP32), "runtime")
 
 
 def precision_of(param_dtype: torch.dtype) -> Precision:

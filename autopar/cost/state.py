@@ -95,20 +95,17 @@ def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", ze
     also the gradients (stage 2), also the parameters (stage 3); each rank's share is
     rounded up, as a flat buffer padded to `dp` equal parts would be.
 
-    Mixed precision: `parallelize(precision="bf16" | "fp16")` keeps the model's fp32
-    parameters as the optimizer's masters and gives them fp32 gradients
+    Mixed precision: `parallelize(precision="bf16" | "fp16")` on an fp32 model keeps its
+    fp32 parameters as the optimizer's masters and gives them fp32 gradients
     (autopar.passes.precision), so this function on the fp32 trace is what such a run
     holds across steps (4 + 4 bytes a parameter, plus fp32 moments); the 16-bit casts of
-    the weights live from their layer's forward to its backward, like activations, and
-    the activations are 16-bit. This is `autopar.cost.precision.runtime` per parameter.
-    The planner's `dtype` (the CLI's `--dtype`) is the same compute dtype. The CLI traces
-    its zoo models in that dtype: bf16 parameters and gradients (2 + 2 bytes) and 12 bytes
-    of fp32 master and moments (`autopar.cost.precision.mixed`), the runtime's 16 bytes a
-    parameter split differently, and 16-bit activations as at run time. `autopar.plan` on
-    an fp32 model prices the masters exactly and the activations at fp32 (twice what a
-    bf16 run saves). Either way the search
-    prices the data-parallel gradient all-reduce at the trace's dtype, where the runtime
-    all-reduces fp32 gradients (twice a bf16 trace's bytes).
+    the weights live from their layer's forward to its backward, like activations. A model
+    whose parameters are bf16 or fp16 (what the CLI's `--dtype bf16` traces) holds them
+    and their gradients in 16 bits, and the optimizer an fp32 master and fp32 moments
+    (autopar.runtime.master): 2 + 2 + 4 + 8 bytes a parameter under AdamW, the planner's
+    `autopar.cost.precision.mixed`. This is `autopar.cost.precision.runtime` per
+    parameter. Either way the gradients are reduced in the parameters' dtype, as the
+    search prices the data-parallel traffic.
     """
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer {optimizer!r} is unknown to the memory model; use one of "
@@ -135,7 +132,7 @@ def state_bytes(traced: TracedGraph, solution=None, optimizer: str = "adamw", ze
         if _trainable(traced, target, pinfo):
             held = runtime(pinfo.dtype, moments=opt.buffers)
             grads += numel * (_itemsize(grad_dtype) if grad_dtype else held.gradients)
-            states += numel * held.optimizer + opt.scalar_bytes
+            states += numel * (held.master + held.optimizer) + opt.scalar_bytes
     split = {stage: dp if zero_stage >= stage else 1 for stage in (1, 2, 3)}
     return StateBytes(parameters=math.ceil(params / split[3]),
                       gradients=math.ceil(grads / split[2]),

@@ -43,6 +43,7 @@ from autopar.cost.step import (
     step_temps_dev,
     sync_bytes,
 )
+from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
     BF16,
     CP,
@@ -148,7 +149,8 @@ def pricing_context(plan: Plan, world=None, dtype: str | None = None,
     kept = fp8.kept_high(chain.layers()) if dtype == FP8 and chain is not None else frozenset()
     return Context(world.profile, dtype, pl[TP], pl[CP], plan.sequence_mode,
                    plan.search.get("attention_kernel", "flash"), ep=ep, kept_high=kept,
-                   compile=plan.search.get("compile", False))
+                   compile=plan.search.get("compile", False),
+                   fp8_recipe=plan.search.get("fp8_recipe", TENSORWISE))
 
 
 def layer_costs(chain: LayerChain, states: list[LayerState], ctx: Context,

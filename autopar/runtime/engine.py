@@ -53,6 +53,7 @@ from autopar.runtime.compile import CompiledRegions, compile_graphs
 from autopar.runtime.export import MAX_SHARD_BYTES
 from autopar.runtime.gradients import Gradients, make_zero, zero_sharded
 from autopar.runtime.hsdp import ShardGroup
+from autopar.runtime.master import master_weights
 from autopar.runtime.measure import Recorder, instrument
 from autopar.runtime.metrics import PHASE as METRICS_PHASE
 from autopar.runtime.params import ShardedParams
@@ -134,7 +135,8 @@ class Engine(nn.Module):
         self.train_solution: Solution | None = None
         self.train_gm: fx.GraphModule | None = None
         self.global_batch: int | None = None  # of the training graph's first step
-        self._optimizer_factory = optimizer
+        # 16-bit parameters: the optimizer steps fp32 masters (runtime.master), as priced
+        self._optimizer_factory = optimizer = master_weights(optimizer)
         self.stage_of_layer: dict[str, int] = {}
         self._weights: PipelineWeights | None = None
         self.train_units: list[int] = []  # ZeRO-3: the layers the training graph gathers

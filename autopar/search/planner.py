@@ -22,6 +22,7 @@ from autopar.cost.precision import precision_of
 from autopar.cost.step import chain_of
 from autopar.errors import PlanError
 from autopar.graph.trace import trace
+from autopar.kernels.float8 import TENSORWISE, check_recipe
 from autopar.kernels.moe_layers import opaque_moe, priced_layers
 from autopar.modes import (
     BF16,
@@ -171,10 +172,12 @@ def _scale_blocks(traced, traced_count: int, real_count: int) -> dict[str, int]:
 
 def search(chain: LayerChain, world: World, *, global_batch: int, constraints=None,
            dtype: str = BF16, attention_kernel: str = "flash", executable: bool = False,
-           top: int = 5, progress=None, compile: bool = False) -> SearchResult:
+           top: int = 5, progress=None, compile: bool = False,
+           fp8_recipe: str = TENSORWISE) -> SearchResult:
     _check_top(top)
     options = Options(global_batch=global_batch, dtype=dtype, attention_kernel=attention_kernel,
-                      executable=RUNTIME if executable else None, top=top, compile=compile)
+                      executable=RUNTIME if executable else None, top=top, compile=compile,
+                      fp8_recipe=check_recipe(fp8_recipe))
     # paused here, not only inside run: the searches' caches are freed before the collector
     # resumes, so its first collection has nothing of theirs to walk
     with collector_paused():
@@ -263,7 +266,8 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
             alternatives.append((cand, first._reason(cand, best)))
     return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
                         time.perf_counter() - start, why.not_executable(options.executable),
-                        options.attention_kernel, results[0].precision, options.compile)
+                        options.attention_kernel, results[0].precision, options.compile,
+                        options.fp8_recipe)
 
 
 def executable_candidates(chain: LayerChain, world: World, *, global_batch: int,
@@ -308,13 +312,15 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
          attention_kernel: str = "flash", executable: bool = False, top: int = 5,
          repeat: dict[str, int] | None = None, progress=None, seq: int | None = None,
          precision: str | None = None, compile: bool = False,
-         chunked_loss: bool = True) -> Plan:
+         chunked_loss: bool = True, fp8_recipe: str = TENSORWISE) -> Plan:
     """The fastest plan for `model` (a module, or a transformers config path with
     example_inputs None and `seq` tokens) on `world` (devices, or a World) that fits memory;
     `constraints` fix any of `Constraints`' fields, `executable=True` plans what runs today;
     `repeat` {layer: copies} counts a traced layer as that many; `top` best plans are kept;
     `precision` (parallelize's name for it) or `dtype`: fp32, bf16, fp16 or fp8. `compile`
-    prices the plan as parallelize(compile=True) runs it (inductor's fusion);
+    prices the plan as parallelize(compile=True) runs it (inductor's fusion); `fp8_recipe`
+    under fp8: "tensorwise" (Transformer Engine's, whose amaxes are all-reduced over tp) or
+    "rowwise" (parallelize's default, no amax all-reduce; plan=None prices its own);
     `chunked_loss=False` prices the loss as `parallelize(..., chunked_loss=False)` runs it."""
     _check_top(top)
     dtype = _precision_of(dtype, precision)
@@ -347,7 +353,7 @@ def plan(model, example_inputs, world, *, global_batch: int | None = None, const
                     repeat=repeat, tp_sizes=sizes, layers=layers, chunked_loss=chunked_loss)
     result = search(chain, world, global_batch=global_batch, constraints=c, dtype=dtype,
                     attention_kernel=attention_kernel, executable=executable, top=top,
-                    progress=progress, compile=compile)
+                    progress=progress, compile=compile, fp8_recipe=fp8_recipe)
     return to_plan(chain, world, result, global_batch, dtype, time.perf_counter() - start)
 
 
@@ -412,6 +418,7 @@ def _plan_of(best: Candidate, chain: LayerChain, world: World, result: SearchRes
                    "alternatives": alternatives, "left_out": result.left_out,
                    "winner": best.describe(), "dtype": dtype, "global_batch": global_batch,
                    "attention_kernel": result.attention_kernel, "compile": result.compile,
+                   "fp8_recipe": result.fp8_recipe,
                    "precision": result.precision.to_json() if result.precision else None}
     sequence_mode = best.cp_mode if mesh[CP] > 1 else None
     # ring attention's zigzag layout needs 2 x cp chunks; else the contiguous one

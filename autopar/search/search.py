@@ -44,6 +44,7 @@ from autopar.cost.step import (
     sync_time,
 )
 from autopar.errors import PlanError
+from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
     CP,
     DP,
@@ -125,6 +126,7 @@ class SearchResult:
     attention_kernel: str = "flash"
     precision: Precision | None = None  # the state bytes per parameter it priced
     compile: bool = False  # priced as parallelize(compile=True) runs it
+    fp8_recipe: str = TENSORWISE  # under fp8, the scaling recipe it priced
 
 
 class Search:
@@ -262,7 +264,8 @@ class Search:
             ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl[TP], pl[CP],
                                                     cp_mode, self.opt.attention_kernel,
                                                     ep=ep_pl, kept_high=self.kept_high,
-                                                    compile=self.opt.compile)
+                                                    compile=self.opt.compile,
+                                                    fp8_recipe=self.opt.fp8_recipe)
         per_type = []
         beside_cp = mesh[CP] > 1
         for lt in self.chain.types:
@@ -559,7 +562,7 @@ def _result(search: Search, per_mesh: dict, bounds: dict, seconds: float) -> Sea
                                  "slower (lower bound: never fully priced)"))
     return SearchResult(winner, alternatives[: search.opt.top], search.candidates, seconds,
                         search.left_out, search.opt.attention_kernel, search.precision,
-                        search.opt.compile)
+                        search.opt.compile, search.opt.fp8_recipe)
 
 
 def _bound_candidate(leaf) -> Candidate:

@@ -13,6 +13,7 @@ from autopar.cost.hybrid import shard_sizes
 from autopar.cost.model import LayerState, TensorMode, tensor_modes
 from autopar.cost.schedule import check_microbatches
 from autopar.errors import PlanError
+from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
     AXES,
     BF16,
@@ -129,6 +130,7 @@ class Options:
     dtype: str = BF16
     attention_kernel: str = "flash"
     compile: bool = False  # price parallelize(compile=True): inductor's fused regions
+    fp8_recipe: str = TENSORWISE  # under fp8, the scaling recipe (cost.model.Context's)
     executable: Capabilities | None = None  # restrict to what a runtime runs (modes.RUNTIME)
     top: int = 5
     max_micro_batch: int = 16

@@ -9,11 +9,12 @@ import torch.fx as fx
 from autopar.graph.analysis import OpKind
 from autopar.modes import TP_1D
 from autopar.sharding.layout import Layout, divisible
-from autopar.sharding.rules.context import RuleContext, itemsize, rep, replicate, shard_dim
+from autopar.sharding.rules.context import RuleContext, rep, replicate, shard_dim
 from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import CommOp, Need, Rewrite, Strategy
 
 aten = torch.ops.aten
+FP32_BYTES = 4  # the dtype of the cross-entropy's statistics
 
 
 @decides(OpKind.EMBEDDING)
@@ -55,7 +56,9 @@ def loss(ctx: RuleContext) -> Strategy:
     if shard_dim(ctx, logits) != 1 or len(ctx.shape(logits)) != 2 or weight is not None \
             or smoothing:
         return replicate(ctx)
-    rows = ctx.shape(logits)[0] * itemsize(logits.meta["autopar"].dtype)
+    # one fp32 value per row whatever the logits' dtype: the kernels take the softmax's
+    # statistics in fp32 (kernels.modules.VocabParallelCE, kernels.chunked_loss)
+    rows = ctx.shape(logits)[0] * FP32_BYTES
     comm = [CommOp("all_reduce", ctx.axis, "forward", rows, node.name) for _ in range(3)]
     needs = {logits: Need(ctx.layout(logits)), target: Need(rep(target))}
     return Strategy("vocab_parallel", needs, Layout.replicated(len(ctx.info.shape)), comm=comm,
