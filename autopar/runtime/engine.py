@@ -135,8 +135,7 @@ class Engine(nn.Module):
         self.train_solution: Solution | None = None
         self.train_gm: fx.GraphModule | None = None
         self.global_batch: int | None = None  # of the training graph's first step
-        # 16-bit parameters: the optimizer steps fp32 masters (runtime.master), as priced
-        self._optimizer_factory = optimizer = master_weights(optimizer)
+        self._optimizer_factory = optimizer = master_weights(optimizer)  # 16-bit: fp32 masters
         self.stage_of_layer: dict[str, int] = {}
         self._weights: PipelineWeights | None = None
         self.train_units: list[int] = []  # ZeRO-3: the layers the training graph gathers
