@@ -60,12 +60,12 @@ def _adamw(params):
 class _Reference:
     """One device, plain torch: bf16 model, fp32 masters stepped by AdamW, written back."""
 
-    def __init__(self, model):
+    def __init__(self, model, factory=_adamw):
         self.model = copy.deepcopy(model)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.masters = [p.detach().float().clone().requires_grad_()
                         for p in self.model.parameters()]
-        self.opt = _adamw(self.masters)
+        self.opt = factory(self.masters)
 
     def step(self, inputs, target, loss_fn) -> float:
         for p in self.model.parameters():
@@ -212,6 +212,40 @@ def test_dp2_trains_equal_to_one_device_under_every_zero_stage(pool2, tmp_path):
         if z in (1, 2):  # the same two bf16 gradients reduced: masters equal ZeRO-0's
             assert _relative(r["masters"], runs[0]["masters"]) <= 1e-4, z
         assert all(m.dtype == torch.float32 for m in r["masters"].values())
+
+
+def _lamb(zero: int, path: str) -> dict:
+    """A bf16 model stepped by autopar.optim's LAMB under ZeRO `zero` at dp 2 (the ranks
+    hold pieces, whose trust ratios need the whole parameters' norms), and plain torch on
+    one device; masters of both, and the comm log beside the plan's."""
+    import torch.distributed as dist
+
+    from autopar.optim import LAMB
+
+    factory = functools.partial(LAMB, lr=LR, weight_decay=0.01)
+    model, inputs, target, loss_fn = _bf16_model()
+    reference = _Reference(model, factory)
+    plan = {"data": dist.get_world_size(), "zero": {"stage": zero}}
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 plan=plan, precision="bf16", optimizer=factory)
+    engine.comm_log.clear()
+    for _ in range(STEPS):
+        engine.train_step(inputs, target)
+        reference.step(inputs, target, loss_fn)
+    comm = engine.comm_log.totals(phases=("forward", "backward", "step"))
+    return {"comm": comm, "predicted": {k: v * STEPS
+                                        for k, v in engine.predicted_comm(BATCH).items()},
+            "masters": _masters(engine, path),
+            "ref_masters": reference.master_state()}
+
+
+def test_lamb_on_a_bf16_model_takes_the_whole_parameters_norms(pool2, tmp_path):
+    """The engine gives LAMB the whole parameters' norms through the masters' optimizer:
+    its norm all-reduces run as priced, and the masters follow one device's."""
+    r = pool2.run(_lamb, 1, str(tmp_path / "lamb"))[0]
+    assert r["comm"] == r["predicted"]
+    assert _relative(r["masters"], r["ref_masters"]) <= MASTER_TOL
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -112,8 +112,22 @@ class MasterWeights(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
 
+    @property
+    def whole_norms(self):
+        """The norm function of an inner optimizer that takes one (autopar.optim's LAMB and
+        LARS); absent when the inner optimizer has none."""
+        return self.__dict__.get("_whole_norms") or self.inner.whole_norms
+
+    @whole_norms.setter
+    def whole_norms(self, norms) -> None:
+        # the inner optimizer asks by masters; the engine's function knows the parameters
+        low_of = {id(m): p for p, m in zip(self.low, self.masters)}
+        self.__dict__["_whole_norms"] = norms
+        self.inner.whole_norms = lambda params, tensors: norms(
+            [low_of.get(id(m), m) for m in params], tensors)
+
     def __getattr__(self, name):
-        # what the inner optimizer adds (autopar.optim's whole_norms, a step count)
+        # what the inner optimizer adds (a step count, ...)
         if name in ("inner", "_master_of"):
             raise AttributeError(name)
         return getattr(self.inner, name)
