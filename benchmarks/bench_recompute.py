@@ -73,14 +73,7 @@ def _one_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> dict:
                                       inputs=(x, y))
     peak = measure_peak_saved_activations(lambda: engine.train_step(x, y), exclude=params,
                                           inputs=(x, y))
-    engine.comm_log.clear()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.train_step(x, y)
-    step_s = (time.perf_counter() - start) / steps
-    measured_comm = engine.comm_log.totals(phases=("forward", "backward", "step"))
-    exact = measured_comm == {k: v * steps for k, v in engine.predicted_comm(batch).items()}
+    step_s, exact = _timed_steps(engine, x, y, batch, steps)
     rows = engine.explain(format="json")["layers"]
     planned = sum(r["predicted"].get("activation_bytes", 0) for r in rows if r["here"])
     held = measure_state_bytes(engine)
@@ -94,6 +87,19 @@ def _one_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> dict:
             "peak_measured": held_total + peak, "step_s": step_s, "comm_exact": exact}
 
 
+def _timed_steps(engine, x, y, batch: int, steps: int) -> tuple[float, bool]:
+    """Seconds a step over `steps` steps, and whether their comm log is the plan's."""
+    engine.comm_log.clear()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.train_step(x, y)
+    step_s = (time.perf_counter() - start) / steps
+    measured_comm = engine.comm_log.totals(phases=("forward", "backward", "step"))
+    return step_s, measured_comm == {k: v * steps
+                                     for k, v in engine.predicted_comm(batch).items()}
+
+
 def _pipeline_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> list[dict]:
     """Per block this pipeline rank runs: the saved bytes planned and measured (per
     micro-batch, engine.explain()), the step time and whether the comm log is the plan's."""
@@ -104,14 +110,7 @@ def _pipeline_mode(spec: str, batch: int, steps: int, plan: str, mode: str) -> l
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                  plan={**PIPELINE[plan], "recompute": mode})
     engine.train_step(x, y)  # the warm-up step explain() leaves out
-    engine.comm_log.clear()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.train_step(x, y)
-    step_s = (time.perf_counter() - start) / steps
-    measured_comm = engine.comm_log.totals(phases=("forward", "backward", "step"))
-    exact = measured_comm == {k: v * steps for k, v in engine.predicted_comm(batch).items()}
+    step_s, exact = _timed_steps(engine, x, y, batch, steps)
     return [{"plan": plan, "mode": mode, "rank": dist.get_rank(), "block": r["name"],
              "planned": r["predicted"]["activation_bytes"],
              "measured": r["measured"]["activation_bytes"], "step_s": step_s,
