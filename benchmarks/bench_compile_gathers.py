@@ -90,8 +90,6 @@ def worker(rank, world, hidden, tokens, steps, out_path):
             dist.barrier()
             start = time.perf_counter()
             _, grads[name] = run(compiled, shards, x)
-            if os.environ.get("BENCH_TRACE"):
-                print(rank, step, name, time.perf_counter() - start, file=sys.stderr, flush=True)
             dist.barrier()
             seconds = time.perf_counter() - start
             if step:
