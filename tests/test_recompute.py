@@ -130,6 +130,16 @@ def test_saved_bytes_are_the_plans_under_megatron_sp(pool2):
     _check_saved(by_mode)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_saved_bytes_are_the_plans_under_tensor_with_attention_dropout(pool2, sequence_parallel):
+    """The dropout GPT under tensor 2 (Megatron-SP and plain): the CPU's attention saves
+    each tensor rank's probabilities and dropout mask for its heads, which selective drops."""
+    plan = {"tensor": {"size": 2, "mode": "1d", "sequence_parallel": sequence_parallel}}
+    by_mode = {mode: pool2.run(_saved_per_block, gpt_with_dropout, {**plan, "recompute": mode})[0]
+               for mode in RECOMPUTE}
+    _check_saved(by_mode)
+
+
 def test_saved_bytes_are_the_plans_per_block_under_1f1b(pool2):
     """Two 1F1B stages, 2 micro-batches: the second micro-batch's tensors count where the
     first's freed storages were; each stage rebuilds the mask and rotary tables before its

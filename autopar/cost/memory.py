@@ -70,6 +70,7 @@ key/value head), so the prediction is within a few percent, not exact.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -422,8 +423,10 @@ def _views(traced: TracedGraph, solution) -> set[tuple[fx.Node, fx.Node]]:
 
 def _internal_layout(saved: SavedTensor, solution, copies) -> Layout | None:
     """An internal storage's layout: the shards of the op's output or first input that split
-    a dim it shares (every size up to that dim equal): a norm's [b, s, 1] statistics keep the
-    batch split of its [b, s, h] input, not the hidden one."""
+    a dim it shares (every size up to that dim equal, or their product: a math-path attention
+    kernel's [b * heads, s, d] copies keep the heads split of its [b, heads, s, d] output): a
+    norm's [b, s, 1] statistics keep the batch split of its [b, s, h] input, not the hidden
+    one."""
     op = saved.node
     candidates = [(op, solution.layouts.get(op))]
     candidates += [(i, copies.get((i, op), solution.layouts.get(i))) for i in op.all_input_nodes]
@@ -432,13 +435,25 @@ def _internal_layout(saved: SavedTensor, solution, copies) -> Layout | None:
         shape = node.meta["autopar"].shape
         if not isinstance(layout, Layout) or not layout.shards or shape is None:
             continue
-        kept = tuple(s for s in layout.shards if s.dim < len(saved.shape) and
-                     tuple(saved.shape[:s.dim + 1]) == tuple(shape[:s.dim + 1]))
+        kept = tuple(k for k in (_folded_shard(saved.shape, shape, s) for s in layout.shards)
+                     if k is not None)
         if len(kept) == len(layout.shards):
-            return layout
+            return Layout(len(saved.shape), kept)
         if kept and best is None:
             best = Layout(len(saved.shape), kept)
     return best
+
+
+def _folded_shard(saved_shape: tuple, shape: tuple, shard):
+    """`shard` of a tensor of `shape` as a split of the saved storage's dim that ends where
+    its dim ends (the saved sizes before it multiply to the same), or None if none does."""
+    if shard.dim >= len(shape):
+        return None
+    whole = sympy.Mul(*shape[:shard.dim + 1])
+    for k in range(len(saved_shape)):
+        if sympy.expand(sympy.Mul(*saved_shape[:k + 1]) - whole) == 0:
+            return dataclasses.replace(shard, dim=k)
+    return None
 
 
 def _layer_saves(traced: TracedGraph, solution, micro_batch: int) -> dict[str, dict]:
