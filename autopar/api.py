@@ -87,7 +87,7 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
         _check_process_group(size)
         example_inputs = _place_on_rank_device(model, tuple(example_inputs))
         chosen, traced, failure = _plan_and_trace(model, size, world, example_inputs, loss_fn,
-            (precision, fp8_recipe), chunked_loss, chosen, traced)
+            precision, fp8_recipe, chunked_loss, chosen, traced)
     watch = Watch(seconds, size)
     watch.bound([])
     with watch.guard(-1, "parallelize"):
@@ -111,15 +111,14 @@ def parallelize(model: nn.Module, world, *, example_inputs, loss_fn=None, optimi
     return engine
 
 
-def _plan_and_trace(model, size: int, world, example_inputs: tuple, loss_fn, precision: tuple,
-                    chunked_loss: bool, chosen, traced):
-    """(plan, its traced graph, None), searching the plan when none was given (`precision`:
-    parallelize's precision and fp8_recipe); a failure comes back as the third item, for
-    every rank to learn of it together."""
+def _plan_and_trace(model, size: int, world, example_inputs: tuple, loss_fn, precision: str,
+                    fp8_recipe: str, chunked_loss: bool, chosen, traced):
+    """(plan, its traced graph, None), searching the plan when none was given; a failure
+    comes back as the third item, for every rank to learn of it together."""
     try:
         if chosen is None:
-            chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision[0],
-                                  chunked_loss, fp8_recipe=precision[1])
+            chosen = _search_plan(model, size, world, example_inputs, loss_fn, precision,
+                                  chunked_loss, fp8_recipe=fp8_recipe)
             _check_executable(chosen)
         return chosen, traced or Engine.trace_for(model, tuple(example_inputs), chosen), None
     except Exception as e:  # noqa: BLE001 - shared, so no other rank waits for this one
