@@ -425,3 +425,40 @@ def test_zero_bubble_stages_hold_the_classifier_matmul():
     assert stages.count(3) < by_time.count(3), (stages, by_time)
     stages, by_time = _zero_bubble_stages(1024)
     assert stages == by_time
+
+
+def _explained_zero_bubble() -> dict:
+    """A ZB-V pipeline over two ranks trained three steps; this rank's explain()."""
+    import autopar
+
+    vocab = 2048
+    torch.manual_seed(0)
+    model, loss_fn = _gpt_lm(vocab, 32, 32, 4)
+    x, y = torch.randint(0, vocab, (4, 32)), torch.randint(0, vocab, (4, 32))
+    engine = autopar.parallelize(
+        model, 2, example_inputs=(x,), loss_fn=loss_fn,
+        plan={"pipeline": {"size": 2, "schedule": "zero_bubble", "microbatches": 4}},
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    for _ in range(3):
+        engine.train_step(x, y)
+    return {"json": engine.explain(format="json"), "text": engine.explain(),
+            "loss_here": "loss" in engine.pipeline_layers()}
+
+
+def test_explain_measures_the_logits_remade_beside_their_price(pool2):
+    """Under zero-bubble the rank holding the loss runs its logits twice more per micro-batch
+    (once in B, once more in W): explain() puts the seconds the kernel timed making them
+    beside the plan's two named effects; the other rank has none."""
+    from autopar.cost.chunked_loss import REMADE_NAME, SPLIT_NAME
+
+    results = pool2.run(_explained_zero_bubble)
+    assert sorted(r["loss_here"] for r in results) == [False, True]
+    for r in results:
+        rows = {e["effect"]: e for e in r["json"]["logits_remade"]}
+        if not r["loss_here"]:
+            assert rows == {}
+            continue
+        assert set(rows) == {REMADE_NAME, SPLIT_NAME}, rows
+        for e in rows.values():
+            assert e["predicted_s"] > 0 and e["measured_s"] > 0, e
+        assert "logits made again" in r["text"] and SPLIT_NAME in r["text"], r["text"]
