@@ -8,11 +8,11 @@ beyond that is priced as the named physical effects of :data:`EFFECTS` (fused at
 rate at short sequences, causal imbalance and exposed hops of ring attention, collectives'
 SM contention, the per-kernel launch floor, a chunked loss's logits made again), each
 reported per layer in ``StateCost.effects``. Communication is priced by ``autopar.cost.comm``
-(alpha-beta per link class). Memory per device is parameters + gradients + optimizer states (by ZeRO stage and offload, bytes per
-parameter from ``autopar.cost.precision``) + the larger of activations (by recompute, sequence
-parallelism and micro-batches in flight) + buffers, during the backward, and the optimizer
-step's temporaries after it (``autopar.cost.state.step_workspace``, by the profile's
-``optimizer_implementation``).
+(alpha-beta per link class). Memory per device is parameters + gradients + optimizer states
+(by ZeRO stage and offload, bytes per parameter from ``autopar.cost.precision``) + the larger
+of activations (by recompute, sequence parallelism and micro-batches in flight) + buffers,
+during the backward, and the optimizer step's temporaries after it
+(``autopar.cost.state.step_workspace``, by the profile's ``optimizer_implementation``).
 """
 
 from __future__ import annotations

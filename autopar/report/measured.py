@@ -131,7 +131,7 @@ def measured_report(engine, world: World | None = None) -> dict:
 def _remade(engine, pred: dict | None, mine, steps: int) -> list[dict]:
     """The chunked loss's logits its backward makes again on this rank, per step: the
     seconds the plan prices (REMADE_NAME; SPLIT_NAME once more under zero-bubble) beside the
-    seconds the kernel timed making them (`Recorder.span`), and the loss layers' backward."""
+    seconds the kernel timed making them (`Recorder.span`)."""
     if not engine.chunked_losses:
         return []
     rec, planned = engine.recorder, pred["layers"] if pred else {}
