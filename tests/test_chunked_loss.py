@@ -462,3 +462,23 @@ def test_explain_measures_the_logits_remade_beside_their_price(pool2):
         for e in rows.values():
             assert e["predicted_s"] > 0 and e["measured_s"] > 0, e
         assert "logits made again" in r["text"] and SPLIT_NAME in r["text"], r["text"]
+
+
+def test_a_compiled_engine_times_the_logits_remade():
+    """compile=True leaves the chunked loss eager (autopar's own module): explain() still
+    puts the kernel's time making the logits again beside the plan's effect."""
+    import autopar
+    from autopar.cost.chunked_loss import REMADE_NAME
+
+    vocab = 1000
+    torch.manual_seed(0)
+    model, loss_fn = _gpt_lm(vocab, 64, 32, 1)
+    x, y = torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))
+    engine = autopar.parallelize(model, 1, example_inputs=(x,), loss_fn=loss_fn,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                 compile=True)
+    for _ in range(3):
+        engine.train_step(x, y)
+    assert engine.chunked_losses == 1 and engine.regions.compiled >= 1
+    (row,) = engine.explain(format="json")["logits_remade"]
+    assert row["effect"] == REMADE_NAME and row["predicted_s"] > 0 and row["measured_s"] > 0
