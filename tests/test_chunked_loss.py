@@ -280,26 +280,47 @@ def test_the_planner_prices_the_loss_unchunked_when_told():
             assert ("chunked cross-entropy: peak -" in out.getvalue()) is seen
 
 
-def test_zero_bubble_prices_the_classifier_matmul_its_split_backward_adds(monkeypatch):
-    """Under zero-bubble the split loss makes its logits once more (one more classifier GEMM
-    per micro-batch on the last stage): the search adds its seconds to that stage, so the
-    step grows by (m + (p - 1)/6) of them (ZB-V's closed form), and explain names the effect;
-    1F1B, and zero-bubble with the loss unchunked, have none of it."""
-    import autopar
-    import autopar.cost.layer
-    from autopar.cost.chunked_loss import SPLIT_NAME, loss_logits
-    from autopar.cost.model import gemm_time
-    from autopar.graph.trace import trace
+def _gpt_lm(vocab: int, seq: int, hidden: int, layers: int):
     from autopar.models.gpt import GPT, GPTConfig
 
-    vocab, seq, hidden, m, p = 8192, 128, 64, 4, 2
-    model = GPT(GPTConfig(vocab_size=vocab, n_layer=4, n_head=2, n_embd=hidden,
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=2, n_embd=hidden,
                           block_size=seq))
-    x = torch.randint(0, vocab, (8, seq))
 
     def loss_fn(out, t):
         return F.cross_entropy(out.reshape(-1, vocab), t.reshape(-1))
 
+    return model, loss_fn
+
+
+def _remade_s(flops: int, chunk: tuple, hw, dtype: str) -> float:
+    """Seconds of logits made again: GEMMs of the chunk's shape, each moving its operands,
+    and the upcast and log-sum-exp subtraction's bytes (cost.chunked_loss.REMADE_SOURCE)."""
+    from autopar.cost.chunked_loss import remade_work
+    from autopar.cost.model import ITEMSIZE, gemm_time, memory_time
+
+    n, (rows, k, v), moved = remade_work(flops, chunk, ITEMSIZE[dtype])
+    return n * gemm_time(2 * rows * k * v, hw, dtype, (rows, k, v), ITEMSIZE[dtype]) + \
+        memory_time(moved, hw)
+
+
+def _effects(plan) -> dict:
+    return {e["effect"]: e["seconds"] for e in plan.detail["effects"]}
+
+
+def test_zero_bubble_prices_the_classifier_matmul_its_split_backward_adds(monkeypatch):
+    """Under zero-bubble the split loss makes its logits once more (one more classifier GEMM
+    per micro-batch on the last stage, in chunks as the backward makes them): the search
+    adds its seconds to that stage, so the step grows by (m + (p - 1)/6) of them (ZB-V's
+    closed form), and explain names the effect; 1F1B, and zero-bubble with the loss
+    unchunked, have none of it (1F1B has the logits remade once, as every schedule)."""
+    import autopar
+    import autopar.search.prepared
+    from autopar.cost.chunked_loss import REMADE_NAME, SPLIT_NAME, loss_logits
+    from autopar.graph.trace import trace
+
+    vocab, seq, hidden, m, p = 8192, 128, 64, 4, 2
+    model, loss_fn = _gpt_lm(vocab, seq, hidden, 4)
+    x = torch.randint(0, vocab, (8, seq))
     traced = trace(model, (x[:1],), loss_fn=loss_fn, example_target=x[:1], train=True)
     (one,) = loss_logits(traced, micro_batch=2)
     assert one.hidden == hidden and one.logits_flops == 2 * (2 * seq) * hidden * vocab
@@ -311,16 +332,153 @@ def test_zero_bubble_prices_the_classifier_matmul_its_split_backward_adds(monkey
                             constraints={"pp": p, "microbatches": m, "micro_batch_size": 2,
                                          "schedule": schedule, "recompute": "none"})
 
-    def effect(plan):
-        return {e["effect"]: e["seconds"] for e in plan.detail["effects"]}
-
     zb, ofob, unchunked = planned("zero_bubble"), planned("1f1b"), planned("zero_bubble", False)
-    matmul = gemm_time(one.logits_flops, world.profile, zb.search.get("dtype", "bf16"))
-    assert effect(zb)[SPLIT_NAME] == pytest.approx(m * matmul, rel=1e-6)
-    assert SPLIT_NAME not in effect(ofob) and SPLIT_NAME not in effect(unchunked)
+    matmul = _remade_s(one.logits_flops, (losses.chunk_rows(vocab), hidden, vocab),
+                       world.profile, zb.search.get("dtype", "bf16"))
+    assert _effects(zb)[SPLIT_NAME] == pytest.approx(m * matmul, rel=1e-6)
+    assert _effects(zb)[REMADE_NAME] == pytest.approx(m * matmul, rel=1e-6)
+    assert SPLIT_NAME not in _effects(ofob) and SPLIT_NAME not in _effects(unchunked)
+    assert REMADE_NAME in _effects(ofob) and REMADE_NAME not in _effects(unchunked)
     assert SPLIT_NAME in zb.explain() and SPLIT_NAME not in ofob.explain()
-    monkeypatch.setattr(autopar.cost.layer, "split_flops", lambda *a: {})
+    split_table = autopar.search.prepared.Prepared._tables
+
+    def unsplit(self, search):  # the split's seconds left out of the search's tables
+        split_table(self, search)
+        self.split_table = self.split_table * 0
+    monkeypatch.setattr(autopar.search.prepared.Prepared, "_tables", unsplit)
     unpriced = planned("zero_bubble")
-    assert SPLIT_NAME not in effect(unpriced)
+    assert [lp.stage for lp in unpriced.layers] == [lp.stage for lp in zb.layers]
     grown = zb.predicted["step_time_s"] - unpriced.predicted["step_time_s"]
     assert grown == pytest.approx((m + (p - 1) / 6) * matmul, rel=1e-6)
+
+
+def _step_flops(engine, x, y) -> int:
+    """GEMM FLOPs of one train_step, counted by torch's FLOP counter over the ops that run;
+    the counter has no formula for the in-place addmm_ the chunked backward folds each
+    chunk's weight gradient with, so it is given one (2 M K N, as addmm's)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def addmm_(out, a, b, *_, **__):
+        return 2 * a[0] * a[1] * b[1]
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as c:
+        engine.train_step(x, y)
+    return c.get_total_flops()
+
+
+def test_the_backward_remakes_the_logits_priced_as_counted():
+    """The chunked loss keeps no logits: its backward makes each chunk's again, one more
+    classifier GEMM per step than the unchunked loss, which the FLOP counter sees over the
+    real kernels and the plan names (REMADE_NAME, its FLOPs and seconds in the step) under
+    every schedule; unchunked, none of it."""
+    import autopar
+    from autopar.cost.chunked_loss import REMADE_NAME
+
+    vocab, seq, hidden = 1000, 64, 32
+    x, y = torch.randint(0, vocab, (2, seq)), torch.randint(0, vocab, (2, seq))
+    flops = {}
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model, loss_fn = _gpt_lm(vocab, seq, hidden, 1)
+        engine = autopar.parallelize(model, 1, example_inputs=(x,), loss_fn=loss_fn,
+                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                     chunked_loss=chunked)
+        engine.train_step(x, y)
+        flops[chunked] = _step_flops(engine, x, y)
+    world = autopar.World(1, device="a100-80gb")
+    plans = {c: autopar.plan(model, (x,), world, global_batch=2, loss_fn=loss_fn,
+                             example_target=y, chunked_loss=c) for c in (True, False)}
+    said = plans[True].detail["chunked_loss"]["remade_flops"]
+    assert said == 2 * (2 * seq) * hidden * vocab
+    assert flops[True] - flops[False] == said, flops
+    seconds = _remade_s(said, (losses.chunk_rows(vocab), hidden, vocab), world.profile,
+                       plans[True].search.get("dtype", "bf16"))
+    assert _effects(plans[True])[REMADE_NAME] == pytest.approx(seconds, rel=1e-9)
+    assert REMADE_NAME not in _effects(plans[False])
+    grown = plans[True].predicted["step_time_s"] - plans[False].predicted["step_time_s"]
+    assert grown == pytest.approx(seconds, rel=1e-6)
+    text = plans[True].explain()
+    assert REMADE_NAME in text and "autopar.kernels.chunked_loss" in text, text
+
+
+def _zero_bubble_stages(vocab: int) -> tuple[list[int], list[int]]:
+    """A ZB-V plan's stage per layer, and the stages its layers' times alone would give."""
+    import autopar
+    from autopar.search.partition import balance
+
+    model, loss_fn = _gpt_lm(vocab, 128, 64, 6)
+    x = torch.randint(0, vocab, (8, 128))
+    plan = autopar.plan(model, (x,), autopar.World(2, device="a100-80gb"), global_batch=8,
+                        loss_fn=loss_fn, example_target=x,
+                        constraints={"pp": 2, "microbatches": 4, "micro_batch_size": 2,
+                                     "schedule": "zero_bubble", "recompute": "none"})
+    rows = plan.detail["layers"]
+    return [r["stage"] for r in rows], balance([r["time_s"] for r in rows], 4)
+
+
+def test_zero_bubble_stages_hold_the_classifier_matmul():
+    """The stage split balances the time zero-bubble adds to the last stage (the classifier's
+    logits made once more): at a large vocabulary that stage takes fewer layers than the
+    layers' times alone would give it; at a small one the split is theirs."""
+    stages, by_time = _zero_bubble_stages(32768)
+    assert stages != by_time
+    assert stages.count(3) < by_time.count(3), (stages, by_time)
+    stages, by_time = _zero_bubble_stages(1024)
+    assert stages == by_time
+
+
+def _explained_zero_bubble() -> dict:
+    """A ZB-V pipeline over two ranks trained three steps; this rank's explain()."""
+    import autopar
+
+    vocab = 2048
+    torch.manual_seed(0)
+    model, loss_fn = _gpt_lm(vocab, 32, 32, 4)
+    x, y = torch.randint(0, vocab, (4, 32)), torch.randint(0, vocab, (4, 32))
+    engine = autopar.parallelize(
+        model, 2, example_inputs=(x,), loss_fn=loss_fn,
+        plan={"pipeline": {"size": 2, "schedule": "zero_bubble", "microbatches": 4}},
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    for _ in range(3):
+        engine.train_step(x, y)
+    return {"json": engine.explain(format="json"), "text": engine.explain(),
+            "loss_here": "loss" in engine.pipeline_layers()}
+
+
+def test_explain_measures_the_logits_remade_beside_their_price(pool2):
+    """Under zero-bubble the rank holding the loss runs its logits twice more per micro-batch
+    (once in B, once more in W): explain() puts the seconds the kernel timed making them
+    beside the plan's two named effects; the other rank has none."""
+    from autopar.cost.chunked_loss import REMADE_NAME, SPLIT_NAME
+
+    results = pool2.run(_explained_zero_bubble)
+    assert sorted(r["loss_here"] for r in results) == [False, True]
+    for r in results:
+        rows = {e["effect"]: e for e in r["json"]["logits_remade"]}
+        if not r["loss_here"]:
+            assert rows == {}
+            continue
+        assert set(rows) == {REMADE_NAME, SPLIT_NAME}, rows
+        for e in rows.values():
+            assert e["predicted_s"] > 0 and e["measured_s"] > 0, e
+        assert "logits made again" in r["text"] and SPLIT_NAME in r["text"], r["text"]
+
+
+def test_a_compiled_engine_times_the_logits_remade():
+    """compile=True leaves the chunked loss eager (autopar's own module): explain() still
+    puts the kernel's time making the logits again beside the plan's effect."""
+    import autopar
+    from autopar.cost.chunked_loss import REMADE_NAME
+
+    vocab = 1000
+    torch.manual_seed(0)
+    model, loss_fn = _gpt_lm(vocab, 64, 32, 1)
+    x, y = torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))
+    engine = autopar.parallelize(model, 1, example_inputs=(x,), loss_fn=loss_fn,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                 compile=True)
+    for _ in range(3):
+        engine.train_step(x, y)
+    assert engine.chunked_losses == 1 and engine.regions.compiled >= 1
+    (row,) = engine.explain(format="json")["logits_remade"]
+    assert row["effect"] == REMADE_NAME and row["predicted_s"] > 0 and row["measured_s"] > 0

@@ -14,7 +14,9 @@ the ops named above, checked by tests/test_chunked_loss.py against the live tens
 fuse them; `activation_bytes` (autopar.cost.memory) takes `chunked_activations` off its
 per-layer figures; `held_while_running` is the rest of the loss's peak (one chunk's logits,
 or the unchunked buffers beyond the saved one), a layer workspace in the plan's memory;
-`effect` is what a plan's `predicted["chunked_loss"]` and explain show.
+`effect` is what a plan's `predicted["chunked_loss"]` and explain show; `remade` and
+`remade_work` price the logits its backward makes again (REMADE_NAME, and SPLIT_NAME once more
+under zero-bubble).
 """
 
 from __future__ import annotations
@@ -35,11 +37,19 @@ aten = torch.ops.aten
 NAME = "chunked cross-entropy"
 SOURCE = ("the loss holds one chunk's fp32 logits instead of whole [tokens, vocabulary] "
           "ones (Liger-Kernel's fused linear cross-entropy, arXiv 2410.10989; torchtitan)")
+REMADE_NAME = "chunked loss logits remade"
+REMADE_SOURCE = ("the chunked loss keeps no logits for its backward, which makes each chunk's "
+                 "again: one more [tokens x hidden] @ [hidden x vocabulary] GEMM per "
+                 "micro-batch, chunk by chunk (the weight read per chunk), upcast to fp32 "
+                 "where 16-bit, less the log-sum-exp before the softmax's exponential (one "
+                 "more fp32 read and write than the unchunked backward; "
+                 "autopar.kernels.chunked_loss)")
 SPLIT_NAME = "zero-bubble classifier matmul"
 SPLIT_SOURCE = ("a zero-bubble schedule splits the loss's backward into its input and weight "
                 "halves (B and W), and each makes the chunks' logits again: one more "
                 "[tokens x hidden] @ [hidden x vocabulary] GEMM per micro-batch on the last "
                 "stage than the one-node backward (autopar.kernels.chunked_loss)")
+EFFECTS = {REMADE_NAME: REMADE_SOURCE, SPLIT_NAME: SPLIT_SOURCE}  # (cost.model.EFFECTS)
 WHOLE_BUFFERS = {"aten": 3, "vocab_parallel": 4}
 """Whole fp32 [tokens, vocabulary] tensors the unchunked loss holds at its peak (docstring)."""
 FP32 = 4
@@ -62,12 +72,17 @@ class LossLogits:
         return 2 * self.tokens * self.hidden * self.vocab
 
     @property
+    def rows(self) -> int:
+        """Tokens per chunk."""
+        return min(self.tokens, chunk_rows(self.vocab))
+
+    @property
     def whole_bytes(self) -> int:
         return self.tokens * self.vocab * FP32
 
     @property
     def chunk_bytes(self) -> int:
-        return min(self.tokens, chunk_rows(self.vocab)) * self.vocab * FP32
+        return self.rows * self.vocab * FP32
 
     @property
     def unchunked_peak(self) -> int:
@@ -143,13 +158,29 @@ def held_while_running(traced, solution, micro_batch: int, chunked: bool) -> dic
     return out
 
 
-def split_flops(traced, solution, micro_batch: int, chunked: bool) -> dict[str, int]:
-    """Per loss layer, the FLOPs its backward gains when a zero-bubble schedule splits it
-    (SPLIT_SOURCE); nothing unchunked, where the backward reads the saved logits."""
-    out: dict[str, int] = {}
+def remade(traced, solution, micro_batch: int, chunked: bool) -> dict[str, tuple]:
+    """Per loss layer, the FLOPs of the logits its backward makes again (REMADE_SOURCE; as
+    many again when zero-bubble splits it, SPLIT_SOURCE) and its chunk's GEMM shape (most
+    rows, hidden, vocabulary); nothing unchunked, where the backward reads the saved logits."""
+    out: dict[str, tuple] = {}
     for loss in loss_logits(traced, solution, micro_batch) if chunked else ():
-        out[loss.layer] = out.get(loss.layer, 0) + loss.logits_flops
+        flops = out.get(loss.layer, (0, None))[0] + loss.logits_flops
+        out[loss.layer] = (flops, (chunk_rows(loss.vocab), loss.hidden, loss.vocab))
     return out
+
+
+def remade_work(flops: float, chunk: tuple, itemsize: int) -> tuple[float, tuple, float]:
+    """What making `flops` of logits again takes (REMADE_SOURCE): (how many GEMMs, each's
+    (M, K, N), the bytes its upcast to fp32 from `itemsize` and the subtraction of the
+    log-sum-exp move); `chunk` is `remade`'s shape."""
+    if flops <= 0 or not chunk:
+        return 0.0, (0, 0, 0), 0.0
+    most, hidden, vocab = chunk
+    logits = flops / (2 * hidden)  # tokens x vocabulary
+    rows = min(most, logits / vocab)
+    upcast = itemsize + FP32 if itemsize < FP32 else 0
+    return flops / (2 * rows * hidden * vocab), (rows, hidden, vocab), \
+        logits * (2 * FP32 + upcast)
 
 
 def effect(traced, solution, micro_batch: int) -> dict | None:
@@ -161,6 +192,7 @@ def effect(traced, solution, micro_batch: int) -> dict | None:
             "unchunked_peak_bytes": sum(c.unchunked_peak for c in losses),
             "chunk_bytes": sum(c.chunk_bytes for c in losses),
             "saving_bytes": sum(c.saving for c in losses),
+            "remade_flops": sum(c.logits_flops for c in losses),
             "losses": [{"layer": c.layer, "tokens": c.tokens, "vocab": c.vocab,
                         "kernel": c.kernel, "whole_buffers": WHOLE_BUFFERS[c.kernel]}
                        for c in losses]}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from autopar.cost.chunked_loss import held_while_running, split_flops
+from autopar.cost.chunked_loss import held_while_running, remade
 from autopar.cost.memory import activation_bytes
 from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
@@ -130,7 +130,7 @@ class Sharded:
     # a matrix: one dim (a bias, a norm's weight), or an embedding's table (on its hidden dim)
     param_vectors: tuple = ()
     loss_workspace: Lin = ZERO  # bytes a loss holds running, beyond its saved (chunked_loss)
-    split_loss_flops: Lin = ZERO  # FLOPs its backward gains split in B and W (zero-bubble)
+    loss_remade: tuple = ()  # (FLOPs Lin, chunk GEMM shape) of logits remade (chunked_loss)
 
 
 @dataclass
@@ -623,7 +623,7 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
     one = {b: at(b, NO_RECOMPUTE, None) for b in (1, 2)}
     local = {(b, r): at(b, r, solution) for b in (1, 2) for r in (NO_RECOMPUTE, SELECTIVE)}
     held = {b: held_while_running(traced, solution, b, chunked_loss) for b in (1, 2)}
-    split = {b: split_flops(traced, solution, b, chunked_loss) for b in (1, 2)}
+    again = {b: remade(traced, solution, b, chunked_loss) for b in (1, 2)}
     for name, lt in by_name.items():
         def lin(table, name=name):
             return Lin(2 * table[1].get(name, 0) - table[2].get(name, 0),
@@ -641,7 +641,9 @@ def _add_activations(traced: TracedGraph, by_name, solution: Solution, size: int
             replicated = rest
         sharded = lt.sharded[size]
         sharded.loss_workspace = lin(held)
-        sharded.split_loss_flops = lin(split)
+        if name in again[1]:  # the backward's logits made again (per pass)
+            sharded.loss_remade = (lin({b: {name: again[b][name][0]} for b in (1, 2)}),
+                                   again[1][name][1])
         sharded.act_attention = attention
         sharded.act_replicated = replicated
         sharded.act_split = rest + replicated.scale(-1)

@@ -3,17 +3,16 @@
 Compute is a roofline: a matrix multiplication of F FLOPs runs at
 ``peak * gemm_efficiency * F / (F + gemm_half_flops)`` (small problems fill the device
 less) and also moves its operands through HBM (:func:`gemm_traffic_s`), memory-bound ops
-move their bytes at ``memory_bandwidth * memory_efficiency``,
-and what limits real runs beyond that is priced as the named physical effects of
-:data:`EFFECTS` (fused attention's rate at short sequences, causal imbalance and exposed
-hops of ring attention, collectives' SM contention, the per-kernel launch floor), each
-reported per layer in ``StateCost.effects``. Communication is priced by
-``autopar.cost.comm`` (alpha-beta per link class). Memory per
-device is parameters + gradients + optimizer states (by ZeRO stage and offload, bytes per
-parameter from ``autopar.cost.precision``) + the larger of activations (by recompute, sequence
-parallelism and micro-batches in flight) + buffers, during the backward, and the optimizer
-step's temporaries after it (``autopar.cost.state.step_workspace``, by the profile's
-``optimizer_implementation``).
+move their bytes at ``memory_bandwidth * memory_efficiency``, and what limits real runs
+beyond that is priced as the named physical effects of :data:`EFFECTS` (fused attention's
+rate at short sequences, causal imbalance and exposed hops of ring attention, collectives'
+SM contention, the per-kernel launch floor, a chunked loss's logits made again), each
+reported per layer in ``StateCost.effects``. Communication is priced by ``autopar.cost.comm``
+(alpha-beta per link class). Memory per device is parameters + gradients + optimizer states
+(by ZeRO stage and offload, bytes per parameter from ``autopar.cost.precision``) + the larger
+of activations (by recompute, sequence parallelism and micro-batches in flight) + buffers,
+during the backward, and the optimizer step's temporaries after it
+(``autopar.cost.state.step_workspace``, by the profile's ``optimizer_implementation``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from autopar.cost import chunked_loss, fp8
 from autopar.cost import experts as moe_cost
 from autopar.cost.comm import Placement, collective_time
 from autopar.cost.hardware import Hardware
-from autopar.cost.layer import Attention, Gemm, LayerType
+from autopar.cost.layer import ZERO, Attention, Gemm, LayerType
 from autopar.cost.state import StepTemps
 from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
@@ -83,7 +82,7 @@ EFFECTS = {
                                 "routing_imbalance x the mean rows (measured on the router "
                                 "at initialisation, autopar.cost.experts); the others wait",
     **fp8.EFFECTS,
-    chunked_loss.SPLIT_NAME: chunked_loss.SPLIT_SOURCE,
+    **chunked_loss.EFFECTS,
 }
 
 ITEMSIZE = {FP8: 1, BF16: 2, FP16: 2, TF32: 4, FP32: 4}  # bytes of a GEMM operand
@@ -216,8 +215,7 @@ class StateCost:
     # the for-loop optimizer step's temporaries over this layer's parameter tensors (bytes
     # of the weights per device, before ZeRO): autopar.cost.state.StepTemps
     step_temps: StepTemps = field(default_factory=StepTemps)
-    # seconds the backward gains where a zero-bubble schedule splits it into B and W (the
-    # chunked loss's logits made once more: cost.chunked_loss.SPLIT_NAME), not in `time`
+    # seconds a zero-bubble split backward adds (chunked_loss.SPLIT_NAME), not in `time`
     split_backward: float = 0.0
 
     @property
@@ -338,6 +336,7 @@ class _LayoutCost:
     expert_even: float  # ... were the routing balanced
     fp8_casts: tuple = (0.0, 0.0)  # (forward, backward) seconds of fp8 casts and amax passes
     fp8_gemms: int = 0  # GEMMs that run in float8 (each scales its operands)
+    remade: float = 0.0  # seconds of a chunked loss's logits its backward makes again
 
 
 def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
@@ -443,9 +442,13 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
             else:
                 sec = ctx.coll(op, n, ctx.tp)
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
+    flops, chunk = sharded.loss_remade or (ZERO, ())  # the chunked loss's logits made again
+    n, shape, moved = chunked_loss.remade_work(flops(batch / c), chunk, itemsize)
+    remade = memory_time(moved, hw) + n * gemm_time(2 * math.prod(shape), hw, dtype, shape,
+                                                    itemsize)
     return _LayoutCost(gemm_fwd, gemm_traffic, attn_each, attn_fwd, attn_ideal,
                        attn_even, mem_roof, mem_fwd, fused_fwd, forward, tuple(tp_comm), ep,
-                       imbalance, expert_fwd, expert_even, tuple(casts), fp8_gemms)
+                       imbalance, expert_fwd, expert_even, tuple(casts), fp8_gemms, remade)
 
 
 def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
@@ -524,8 +527,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     # a loss's logits while it runs (its tokens split over cp)
     workspace = max(workspace, sharded.loss_workspace(batch / c))
     acts, params = _held_bytes(lt, state, sharded, batch, c, expert_params)
-    split = gemm_time(sharded.split_loss_flops(batch / c), ctx.hw, ctx.dtype)
-    return StateCost(forward, backward, recompute, comm, comm_bytes, acts, params,
+    split = effects[chunked_loss.REMADE_NAME] = lay.remade  # as many again split (zero-bubble)
+    return StateCost(forward, backward + split, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
                      _step_temps(lt, mode, sharded, ep, cut), split)
 

@@ -32,9 +32,14 @@ def _logits(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return z.float()
 
 
+REMADE, SPLIT = "remade", "split"
+"""What a timer's spans are tagged with: the backward's logits made again, in the one-node
+backward or the input half (B), and once more in the weight half (W) of a split loss."""
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, target, g: AxisGroup | None, spec: tuple):
+    def forward(ctx, x, weight, bias, target, g: AxisGroup | None, spec: tuple, timer=None):
         reduction, ignore_index, rows = spec
         vl = weight.shape[0]
         start = g.rank * vl if g is not None else 0
@@ -64,7 +69,7 @@ class _ChunkedCE(torch.autograd.Function):
         losses = (lse - picked) * valid
         count = valid.sum().float()
         ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
-        ctx.spec = spec
+        ctx.spec, ctx.timer = spec, timer
         ctx.mark_non_differentiable(lse, local_t, inside, valid, count)
         loss = losses.sum() if reduction == 2 else losses.sum() / count
         return loss, lse, local_t, inside, valid, count
@@ -73,8 +78,9 @@ class _ChunkedCE(torch.autograd.Function):
     def backward(ctx, grad, *_):
         x, weight, bias, lse, local_t, inside, valid, count = ctx.saved_tensors
         dx, dw, db = _gradients(x, weight, bias, (lse, local_t, inside, valid, count), grad,
-                                ctx.spec, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, db, None, None, None
+                                ctx.spec, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                (ctx.timer, REMADE))
+        return dx, dw, db, None, None, None, None
 
 
 class _WeightHalf(torch.autograd.Function):
@@ -83,21 +89,25 @@ class _WeightHalf(torch.autograd.Function):
     saved; a zero-bubble stage runs it in its W pass, apart from the input gradient (B)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lse, local_t, inside, valid, count, spec):
+    def forward(ctx, x, weight, bias, lse, local_t, inside, valid, count, spec, timer=None):
         ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
-        ctx.spec = spec
+        ctx.spec, ctx.timer = spec, timer
         return lse.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, *stats = ctx.saved_tensors
-        _, dw, db = _gradients(x, weight, bias, stats, grad, ctx.spec, False, True)
-        return None, dw, db, None, None, None, None, None, None
+        _, dw, db = _gradients(x, weight, bias, stats, grad, ctx.spec, False, True,
+                               (ctx.timer, SPLIT))
+        return None, dw, db, None, None, None, None, None, None, None
 
 
-def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool):
+def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool,
+               timed: tuple = (None, REMADE)):
     """dx, dW, db of the chunked loss (None where not wanted), chunk by chunk: each
-    chunk's logits are made again, turned into their gradient in place and folded in."""
+    chunk's logits are made again, turned into their gradient in place and folded in.
+    `timed`: (a timer, or None; the tag its spans of the logits made again take)."""
+    timer, tag = timed
     lse, local_t, inside, valid, count = stats
     reduction, _, rows = spec
     scale = grad * valid if reduction == 2 else grad * valid / count
@@ -106,7 +116,11 @@ def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool):
     dw = torch.zeros_like(weight) if want_w else None
     db = torch.zeros_like(bias) if want_w and bias is not None else None
     for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
-        dz = _logits(xf[a:a + rows], weight, bias).sub_(lse[a:a + rows, None]).exp_()
+        start = timer.now() if timer is not None else None
+        dz = _logits(xf[a:a + rows], weight, bias)
+        if timer is not None:
+            timer.span(tag, start)
+        dz = dz.sub_(lse[a:a + rows, None]).exp_()
         hit = torch.arange(dz.shape[0], device=dz.device)
         dz[hit, local_t[a:a + rows]] -= inside[a:a + rows].to(dz.dtype)
         dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)
@@ -134,6 +148,9 @@ class ChunkedCrossEntropy(Bound):
         super().__init__(axis)
         self.reduction, self.ignore_index = reduction, ignore_index
         self.chunk_bytes, self.split = chunk_bytes, split
+        # what times the logits the backward makes again (`now()`, `span(tag, start)`: the
+        # engine's recorder, for explain), or None
+        self.timer = None
 
     def extra_repr(self) -> str:
         return f"axis={self.axis}, chunk_bytes={self.chunk_bytes}, split={self.split}"
@@ -147,7 +164,8 @@ class ChunkedCrossEntropy(Bound):
         g = self._g() if self.axis is not None else None
         spec = (self.reduction, self.ignore_index, chunk_rows(weight.shape[0], self.chunk_bytes))
         if not self.split:
-            return _ChunkedCE.apply(x, weight, bias, target, g, spec)[0]
+            return _ChunkedCE.apply(x, weight, bias, target, g, spec, self.timer)[0]
         detached = None if bias is None else bias.detach()
-        loss, *stats = _ChunkedCE.apply(x, weight.detach(), detached, target, g, spec)
-        return loss + _WeightHalf.apply(x.detach(), weight, bias, *stats, spec)
+        loss, *stats = _ChunkedCE.apply(x, weight.detach(), detached, target, g, spec,
+                                        self.timer)
+        return loss + _WeightHalf.apply(x.detach(), weight, bias, *stats, spec, self.timer)

@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 
+from autopar.cost.chunked_loss import REMADE_NAME, SPLIT_NAME
 from autopar.cost.comm import placements
 from autopar.cost.experts import imbalance_of, tokens_per_expert
 from autopar.cost.hybrid import hybrid_split
@@ -17,6 +18,7 @@ from autopar.cost.model import FUSION, LayerState
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import chain_of, grad_placement, stage_transfer, step_parts
 from autopar.errors import PlanError
+from autopar.kernels.chunked_loss import REMADE, SPLIT
 from autopar.modes import (
     AXES,
     BF16,
@@ -31,6 +33,7 @@ from autopar.modes import (
     PP,
     STEP,
     TP,
+    ZERO_BUBBLE,
 )
 from autopar.report.predicted import (
     conversions,
@@ -121,7 +124,26 @@ def measured_report(engine, world: World | None = None) -> dict:
             "regions": engine.regions.regions, "compiled_functions": engine.regions.compiled,
             "predicted_fusion_s": pred.get("fusion_s") if pred else None},
         "float8": engine.float8.to_json() if engine.float8 is not None else None,
+        "logits_remade": _remade(engine, pred, mine, steps),
     }
+
+
+def _remade(engine, pred: dict | None, mine, steps: int) -> list[dict]:
+    """The chunked loss's logits its backward makes again on this rank, per step: the
+    seconds the plan prices (REMADE_NAME; SPLIT_NAME once more under zero-bubble) beside the
+    seconds the kernel timed making them (`Recorder.span`)."""
+    if not engine.chunked_losses:
+        return []
+    rec, planned = engine.recorder, pred["layers"] if pred else {}
+    here = [name for name in planned if mine is None or name in mine]
+    out = []
+    for name, tag in ((REMADE_NAME, REMADE), (SPLIT_NAME, SPLIT)):
+        priced = sum(planned[n].get("effects", {}).get(name, 0.0) for n in here)
+        timed = rec.kernels.get(tag, 0.0) / steps
+        if priced or timed:
+            out.append({"effect": name, "predicted_s": priced if pred else None,
+                        "measured_s": timed})
+    return out
 
 
 def step_prediction(engine, world: World | None = None) -> dict:
@@ -235,15 +257,18 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
     ctx = pricing_context(plan, world, precision, chain)
     ctx.compile = engine.regions is not None  # priced as it runs, whatever the plan says
     costs = layer_costs(chain, states, ctx, b, stage_of if mesh[PP] > 1 else None)
+    split = mesh[PP] > 1 and pipe.schedule == ZERO_BUBBLE  # the loss's backward in two
     out = {"device": world.device, "layers": {}, "axes": {},
            "fusion_s": m * sum(c.effects.get(FUSION, 0.0) for c in costs)}
     for name, c in zip(names, costs):
         out["layers"][name] = {
             "forward_s": m * (c.forward + c.comm / 2),
-            "backward_s": m * (c.backward + c.recompute + c.comm / 2),
+            "backward_s": m * (c.backward + c.recompute + c.comm / 2 + split * c.split_backward),
             "comm_s": m * c.comm,
             "activation_bytes": int(c.activations),
             "param_bytes": int(c.params),
+            "effects": {REMADE_NAME: m * c.effects.get(REMADE_NAME, 0.0),
+                        SPLIT_NAME: m * split * c.split_backward},
         }
     pp = mesh[PP]
     schedule = pipe.schedule if pp > 1 else NO_PIPELINE
@@ -253,7 +278,7 @@ def _priced(engine, world: World | None, global_batch: int, m: int) -> dict | No
     params_dev = np.bincount(device_of, weights=[c.params for c in costs], minlength=pp)
     heaviest = int(np.argmax(params_dev))
     units = sum(1 for d, c in zip(device_of, costs) if d == heaviest and c.params > 0)
-    layer_time = np.array([c.time for c in costs]) + \
+    layer_time = np.array([c.time + split * c.split_backward for c in costs]) + \
         np.array(conversions(chain.layers(), states, b, pl, world.profile))
     try:
         transfer = stage_transfer(chain.layers(), stage_of, b, pl, world.profile)[0] \
@@ -359,6 +384,12 @@ def measured_text(data: dict) -> str:
                   f"{c['compiled_functions']} compiled functions (repeated blocks share one); "
                   f"fused memory-bound ops save {_t(-(c['predicted_fusion_s'] or 0.0))} ms "
                   "of the predicted step (the layers' times above are measured compiled)"]
+    if data.get("logits_remade"):
+        lines += ["", "the chunked loss's logits made again in its backward, one step on this "
+                  "rank (ms; measured: the kernel's own time making them)"]
+        lines += [f"  {e['effect']:<34} predicted {_t(e['predicted_s']):>8}  measured "
+                  f"{_t(e['measured_s']):>8} ({_ratio(e['measured_s'], e['predicted_s'])})"
+                  for e in data["logits_remade"]]
     if data.get("experts"):
         lines += ["", "per MoE layer, one step on this rank (rows each expert computed: predicted"
                   " for balanced routing, and for the busiest ep rank at the planner's "

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autopar.cost.state import StateBytes
+from autopar.kernels.chunked_loss import ChunkedCrossEntropy
 from autopar.modes import DP, EDP, PP, STEP
 
 _COMPUTE = ("call_function", "call_module", "call_method")
@@ -85,6 +86,8 @@ class Recorder:
         self.constant: frozenset[int] = frozenset()
         self._saved_step: dict[str, int] = {}  # layer -> bytes saved in this step
         self._backward_end: float | None = None
+        self.kernels: dict[str, float] = {}  # tag -> seconds kernels timed themselves (`span`)
+        self._spans: list = []  # (tag, start, end) of this step
 
     def reset(self) -> None:
         """Forget the totals (the next step is counted: no second warm-up)."""
@@ -92,11 +95,22 @@ class Recorder:
         self.step_s = 0.0
         self.layers.clear()
         self.axes.clear()
+        self.kernels.clear()
 
     def _now(self):
         if self.device is not None and self.device.type == "cuda":
             return _GpuStamp()
         return time.perf_counter()
+
+    def now(self):
+        """A time stamp for `span` (a kernel timing part of its own work)."""
+        return self._now()
+
+    def span(self, tag: str, start) -> None:
+        """Part of a kernel's work, tagged `tag`, ran from `start` (`now()`) until now: the
+        chunked loss's logits its backward makes again (kernels.chunked_loss.REMADE)."""
+        if self.enabled:
+            self._spans.append((tag, start, self._now()))
 
     def begin_step(self, log) -> None:
         if not self.enabled:
@@ -192,6 +206,8 @@ class Recorder:
             if counted:
                 self._fold(call)
         if counted:
+            for tag, start, stop in self._spans:
+                self.kernels[tag] = self.kernels.get(tag, 0.0) + (stop - start)
             for name, nbytes in self._saved_step.items():
                 self.layers.setdefault(name, LayerFigures()).saved_bytes += nbytes
         if counted:
@@ -214,6 +230,7 @@ class Recorder:
         self._open.clear()
         self._saved_storages.clear()
         self._saved_step.clear()
+        self._spans.clear()
         self._backward_end = None
         self._start = None
         self.layer = None
@@ -312,6 +329,9 @@ def instrument(gm: fx.GraphModule, recorder: Recorder, key: int,
     if not starts:
         return 0
     layers = [layer for _, layer in starts] + [None]
+    for module in gm.modules():  # its backward's logits made again, timed for explain
+        if isinstance(module, ChunkedCrossEntropy):
+            module.timer = recorder
     for k, (first, _) in enumerate(starts):
         probe = next((a for a in first.all_input_nodes
                       if a.op in _COMPUTE + ("placeholder",) and _floating(a)

@@ -242,10 +242,15 @@ class Prepared:
         out[1:] += np.where(layouts[1:] != layouts[:-1], self.gather[1:], 0.0)
         return out
 
-    def stages(self, k: int) -> list[int]:
-        hit = self._stages.get(k)
+    def stages(self, k: int, split: bool = False) -> list[int]:
+        """``k`` stages balanced by the fastest path's time; `split`: with the seconds a
+        zero-bubble schedule adds where it splits a backward (`split_table`: the chunked
+        loss's logits made once more), as `Search._priced` times that stage."""
+        hit = self._stages.get((k, split))
         if hit is None:
-            hit = self._stages[k] = balance(self.layer_time, k)
+            time = self.layer_time + self.take(self.split_table, self.fast) if split else \
+                self.layer_time
+            hit = self._stages[(k, split)] = balance(time, k)
         return hit
 
     def fit(self, chosen, idx, budget) -> None:

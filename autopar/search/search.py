@@ -400,7 +400,8 @@ class Search:
             if not zeros:
                 return
         if leaf.stage_of is None:
-            leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v)
+            leaf.stage_of = leaf.prep.stages(leaf.mesh[PP] * leaf.v, leaf.mesh[PP] > 1 and
+                                             leaf.schedule == ZERO_BUBBLE)
             leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
         for zero, offload, shard in zeros:
