@@ -17,12 +17,14 @@ import traceback
 from typing import TYPE_CHECKING
 
 from autopar.errors import AutoparError
+from autopar.kernels.float8 import RECIPES, TENSORWISE
 from autopar.modes import (
     BF16,
     CP,
     DP,
     DP_SHARD,
     EP,
+    FP8,
     GRID_MODES,
     LAYER_SP,
     MEGATRON_SP,
@@ -242,7 +244,8 @@ def _plan(args, world_size: int | None = None):
         result = planner.search(chain, world, global_batch=args.batch, constraints=constraints,
                                 dtype=args.dtype, attention_kernel=args.attention,
                                 executable=args.executable, top=args.top_alternatives,
-                                progress=progress, compile=args.compile)
+                                progress=progress, compile=args.compile,
+                                fp8_recipe=args.fp8_recipe)
     finally:
         progress.close()
     plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
@@ -312,7 +315,8 @@ def min_devices(args) -> int:
             result = planner.search(chain, world, global_batch=args.batch,
                                     constraints=constraints, dtype=args.dtype,
                                     attention_kernel=args.attention, compile=args.compile,
-                                    executable=args.executable, top=args.top_alternatives)
+                                    executable=args.executable, top=args.top_alternatives,
+                                    fp8_recipe=args.fp8_recipe)
             plan = planner.to_plan(chain, world, result, args.batch, args.dtype,
                                    time.perf_counter() - start)
         except AutoparError as e:
@@ -334,7 +338,8 @@ def min_devices(args) -> int:
                        + f" (largest tried: {last}); raise --world or relax the request.")
 
 
-DEFAULTS = {"world": 8, "per_node": 8, "device": "a100-80gb", "batch": 8, "dtype": BF16}
+DEFAULTS = {"world": 8, "per_node": 8, "device": "a100-80gb", "batch": 8, "dtype": BF16,
+            "fp8_recipe": TENSORWISE}
 
 
 def fill_defaults(args) -> None:
@@ -342,6 +347,7 @@ def fill_defaults(args) -> None:
     file where it records them (so `autopar explain MODEL --plan plan.json` prices the plan
     on what it was searched for), else from DEFAULTS."""
     recorded = {}
+    args.recipe_given = args.fp8_recipe  # (a recipe of the user's, checked against the dtype)
     if args.plan:
         from autopar.plans import Plan
 
@@ -349,7 +355,8 @@ def fill_defaults(args) -> None:
         if fixed.world is not None:
             recorded.update(world=fixed.world.devices, per_node=fixed.world.per_node,
                             device=fixed.world.device)
-        for name, key in (("batch", "global_batch"), ("dtype", "dtype")):
+        for name, key in (("batch", "global_batch"), ("dtype", "dtype"),
+                          ("fp8_recipe", "fp8_recipe")):
             if fixed.search.get(key) is not None:
                 recorded[name] = fixed.search[key]
     for name, default in DEFAULTS.items():
@@ -386,6 +393,10 @@ def add_plan_arguments(p) -> None:
                    help="micro-batches per data-parallel replica per step: the pipeline's, or "
                         "with --pp 1 gradient accumulation (one gradient sync per step)")
     p.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--fp8-recipe", choices=RECIPES,
+                   help="with --dtype fp8, the scaling recipe to price: tensorwise (one scale a "
+                        "tensor, the published fp8 runs') or rowwise (parallelize's default); "
+                        "default tensorwise, or the --plan file's")
     p.add_argument("--attention", choices=("flash", "flash1", "unfused"), default="flash",
                    help="attention kernel to price: FlashAttention-2, FlashAttention v1, or "
                         "scores in memory")
@@ -470,6 +481,10 @@ def _validate_seq(args) -> None:
 
 
 def _validate_combinations(args) -> None:
+    recipe, dtype = getattr(args, "recipe_given", None), getattr(args, "dtype", None)
+    if recipe is not None and dtype != FP8:
+        raise AutoparError(f"--fp8-recipe {recipe} scales fp8 matmuls, but --dtype is {dtype}; "
+                           "give --dtype fp8, or leave --fp8-recipe out.")
     tp, cp, sp = getattr(args, TP, None), getattr(args, CP, None), getattr(args, "sp", None)
     if sp == MEGATRON_SP and tp == 1:
         raise AutoparError("--sp megatron splits the sequence over the tensor axis, but --tp is "

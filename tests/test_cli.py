@@ -144,6 +144,35 @@ def test_explain_with_a_plan_file_takes_its_world_batch_and_dtype(tmp_path, caps
     assert data["search"]["global_batch"] == 24
 
 
+def test_the_fp8_recipe_is_priced_recorded_and_read_back(tmp_path, capsys):
+    """--fp8-recipe picks the scaling the planner prices: tensorwise sends one amax
+    all-reduce over tp per fp8 matmul input, rowwise none (its scales are per row of the
+    rank's own piece); the plan file records it and `explain --plan` prices it again."""
+    fixed = ["--world", "4", "--device", "h100-80gb", "--batch", "8", "--dtype", "fp8",
+             "--tp", "2", "--dp", "2", "--format", "json"]
+    tensorwise = _json(capsys, ["explain", SMALL, *fixed])
+    rowwise = _json(capsys, ["explain", SMALL, *fixed, "--fp8-recipe", "rowwise"])
+    assert tensorwise["search"]["fp8_recipe"] == "tensorwise"  # the default
+    assert rowwise["search"]["fp8_recipe"] == "rowwise"
+    assert rowwise["mesh"] == tensorwise["mesh"]
+    assert "per tensor" in tensorwise["fp8"]["gemms"] and "per row" in rowwise["fp8"]["gemms"]
+    sent = [d["predicted"]["comm_bytes_per_device"] for d in (rowwise, tensorwise)]
+    assert sent[0] < sent[1]  # the amax all-reduces, priced only under tensorwise
+    out = tmp_path / "plan.json"
+    assert main(["search", SMALL, *fixed, "--fp8-recipe", "rowwise", "-o", str(out)]) == 0
+    capsys.readouterr()
+    again = _json(capsys, ["explain", SMALL, "--plan", str(out), "--format", "json"])
+    assert again["search"]["fp8_recipe"] == "rowwise"
+    assert again["predicted"]["comm_bytes_per_device"] == sent[0]
+
+
+def test_an_fp8_recipe_without_fp8_is_refused_before_work(capsys):
+    assert main(["explain", SMALL, "--fp8-recipe", "rowwise"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: --fp8-recipe rowwise scales fp8 matmuls, but --dtype is "
+                          "bf16;")
+
+
 def test_defaults_without_a_plan_file(capsys):
     data = _json(capsys, ["explain", SMALL, "--format", "json"])
     assert data["world"] == {"devices": 8, "per_node": 8, "device": "a100-80gb"}

@@ -41,6 +41,10 @@ EFFECTS = {
 GEMMS = ("linear layers' GEMMs inside the blocks in float8 (e4m3 x e4m3 -> bf16, one fp32 "
          "scale per tensor) at the profile's fp8 dense rate with the bf16 shape-efficiency "
          "curve (Micikevicius et al. 2022; NVIDIA Transformer Engine)")
+GEMMS_ROWWISE = ("linear layers' GEMMs inside the blocks in float8 (e4m3 x e4m3 -> bf16, one "
+                 "fp32 scale per row of each operand, taken from the rank's own piece: no amax "
+                 "collective) at the profile's fp8 dense rate with the bf16 shape-efficiency "
+                 "curve (Micikevicius et al. 2022; torchao's rowwise float8 recipe)")
 KEPT = ("attention, norms, activations, embedding, the output projection and the loss in "
         "bf16 (torchtitan float8 filter_fqns ['output']; Megatron-LM's output_layer is no "
         "Transformer Engine module)")

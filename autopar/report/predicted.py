@@ -108,7 +108,9 @@ def fp8_detail(chain: LayerChain, ctx: Context, zero: int) -> dict:
              for lt in chain.layers() for g in lt.gemms if g.weight and not g.expert]
     return {"fp8_gemms": sum(on for _, on in gemms), "weight_gemms": len(gemms),
             "kept_bf16": sorted({name for name, on in gemms if not on}),
-            "fp8_flops": ctx.hw.flops(FP8), "gemms": fp8.GEMMS, "kept": fp8.KEPT,
+            "fp8_flops": ctx.hw.flops(FP8), "recipe": ctx.fp8_recipe,
+            "gemms": fp8.GEMMS if ctx.fp8_recipe == TENSORWISE else fp8.GEMMS_ROWWISE,
+            "kept": fp8.KEPT,
             "gather": fp8.GATHER if zero == 3 else None, "mfu_peak": fp8.MFU_SOURCE}
 
 
