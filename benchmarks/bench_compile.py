@@ -1,10 +1,12 @@
 """Step time compiled against eager, and against torch's engines compiled: FSDP2 and DTensor.
 
-    python benchmarks/bench_compile.py [--quick] [--world 4] [--batch 8] [--steps 5]
+    python benchmarks/bench_compile.py [--quick] [--world 4] [--batch 8] [--steps 4]
+                                       [--optimizer sgd|adamw] [--groups data ...]
 
 One gloo world on this machine. Every rank builds the same model from one seed and trains
-it on the same global batch with AdamW under each engine of a group, eager and with
-`compile=True` (inductor, one compiled region per repeated block, collectives outside):
+it on the same global batch with the same optimizer (plain SGD unless --optimizer adamw)
+under each engine of a group, eager and with `compile=True` (inductor, one compiled region
+per repeated block, collectives outside):
 
     data      autopar data, eager and compiled    beside FSDP2 + torch.compile per block
     zero3     autopar ZeRO-3, eager and compiled  beside FSDP2 + torch.compile per block
@@ -15,11 +17,19 @@ The peers compile each block as torchtitan does (torch.compile(block, fullgraph=
 before sharding). The GPT groups run a GPT of 110M parameters (--quick: 4 small blocks);
 the tensor group runs a LLaMA of the same width, whose separate q, k, v projections
 DTensor's ColwiseParallel splits by heads (a fused QKV weight would be split across q, k
-and v). Engines take turns step by step; each row reports its first step (compile
-included), the median of the measured steps, the ratio to eager autopar and to the
-compiled peer (median over rounds of the pair's step-time ratio), and the peak resident
-memory a step adds on rank 0 (VmHWM after the step minus VmRSS before it). Prints a table;
-writes benchmarks/results/compile_world<N>.json.
+and v).
+
+At most two engines are alive at once (at 110M about 2 GiB a rank by count: two replicas
+of the weights, one step's gradients, the process itself): first eager and compiled
+autopar, then (the eager one freed) compiled autopar and the compiled peer. Each pair takes turns step by step for --steps rounds after every
+engine's first step (compile included); a ratio is the median over rounds of the pair's
+step-time ratio, and the peer's ratio to eager goes through compiled autopar, the engine
+both pairs share. Every rank compiles in its own process with one compile thread, into a
+cache of this run's own (so first steps are cold compiles). Each row reports its first
+step, its median step, the ratios, the peak resident memory a step adds on rank 0 (VmHWM
+after the step minus VmRSS before it) and the group's peak resident memory over all ranks.
+Prints progress per group as it goes, writes benchmarks/results/compile_world<N>.json after
+each group (a run stopped early keeps what it measured) and a table at the end.
 """
 
 import argparse
@@ -78,11 +88,21 @@ def _model(spec: str, batch: int):
         torch.randint(0, vocab, x.shape, generator=gen)
 
 
-def _autopar(model, world, plan, x, y, compile, optimizer):
+def _autopar(spec, world, plan, batch, compile, optimizer):
     import autopar
+    from autopar.models import build
 
-    engine = autopar.parallelize(model, world, example_inputs=(x[:2],), loss_fn=lm_loss,
-                                 plan=plan, compile=compile, optimizer=OPTIMIZERS[optimizer])
+    model, x, y = _model(spec, batch)
+    # the model on the meta device and its weights handed over as a mapping: an engine
+    # given a real model keeps it whole in its traced graphs beside its own slices (a
+    # second replica of 110M parameters per rank); this way the traced graphs hold meta
+    # tensors and only the engine's slices are real
+    weights = dict(model.state_dict())
+    del model
+    meta, _ = build(spec, batch=batch, device="meta", seed=0)
+    engine = autopar.parallelize(meta, world, example_inputs=(x[:2],), loss_fn=lm_loss,
+                                 plan=plan, compile=compile, optimizer=OPTIMIZERS[optimizer],
+                                 weights=weights)
     return functools.partial(engine.train_step, x, y)
 
 
@@ -118,8 +138,7 @@ def _engines(group: str, specs, world: int, batch: int, optimizer: str):
     plan = PLANS[group](world)
 
     def autopar_engine(compile):
-        model, x, y = _model(spec, batch)
-        return _autopar(model, world, plan, x, y, compile, optimizer)
+        return _autopar(spec, world, plan, batch, compile, optimizer)
 
     def peer_engine():
         model, x, y = _model(spec, batch)
@@ -132,11 +151,15 @@ def _engines(group: str, specs, world: int, batch: int, optimizer: str):
 def _step_memory(run) -> int:
     """Bytes of resident memory one step adds at its peak on this process."""
     _release()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
+    _reset_peak()
     before = _status("VmRSS")
     run()
     return _status("VmHWM") - before
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
 
 
 def _release() -> None:
@@ -178,8 +201,8 @@ def _ratio(a: list, b: list) -> float:
 
 
 def _resident_mib() -> float:
-    """Resident memory of every rank together, MiB."""
-    value = torch.tensor([_status("VmRSS") / 2**20], dtype=torch.float64)
+    """The peak resident memory of every rank together since the last reset, MiB."""
+    value = torch.tensor([_status("VmHWM") / 2**20], dtype=torch.float64)
     dist.all_reduce(value)
     return float(value)
 
@@ -196,12 +219,13 @@ def _group(rank, world, group, specs, batch, steps, optimizer) -> list[dict]:
     make_eager, make_compiled, make_peer = _engines(group, specs, world, batch, optimizer)
     eager_row, compiled_row = f"autopar {group} eager", f"autopar {group} compiled"
     rows, resident = {}, []
+    _reset_peak()
 
     def first(row, run):
         seconds, loss = _timed_step(run)
         rows[row] = {"group": group, "engine": row, "first_step_s": seconds, "loss": loss}
         resident.append(_resident_mib())
-        _say(rank, f"{group}: {row}, first step {seconds:.1f} s, all ranks resident "
+        _say(rank, f"{group}: {row}, first step {seconds:.1f} s, all ranks' peak resident "
                    f"{resident[-1] / 1024:.2f} GiB")
 
     eager = make_eager()
@@ -209,6 +233,7 @@ def _group(rank, world, group, specs, batch, steps, optimizer) -> list[dict]:
     compiled = make_compiled()
     first(compiled_row, compiled)
     e_times, c_times, e_loss, c_loss = _pair(eager, compiled, steps)
+    resident.append(_resident_mib())  # (before _step_memory resets the peak)
     rows[eager_row].update(times_s=e_times, loss=e_loss, vs_eager=1.0, vs_peer=None,
                            step_memory_bytes=_step_memory(eager))
     rows[compiled_row].update(times_s=c_times, loss=c_loss, vs_eager=_ratio(c_times, e_times),
@@ -223,6 +248,7 @@ def _group(rank, world, group, specs, batch, steps, optimizer) -> list[dict]:
         peer = make_peer()
         first(peer_row, peer)
         c2_times, p_times, _, p_loss = _pair(compiled, peer, steps)
+        resident.append(_resident_mib())
         to_peer = _ratio(c2_times, p_times)
         rows[compiled_row].update(vs_peer=to_peer, times_beside_peer_s=c2_times)
         rows[peer_row].update(times_s=p_times, loss=p_loss, vs_peer=1.0,
@@ -293,6 +319,9 @@ def main():
         print(f"{r['engine']:<26} {r['first_step_s']:>10.2f} {r['median_s']:>8.3f} "
               f"{next(cols):>7} {next(cols):>7} {r['step_memory_bytes'] / 2**20:>9.1f} "
               f"{r['loss']:>10.5f}")
+    peaks = {r["group"]: r["peak_resident_all_ranks_mib"] for r in result["rows"]}
+    print("peak resident memory over all ranks: " + ", ".join(
+        f"{group} {mib / 1024:.2f} GiB" for group, mib in peaks.items()))
     print(f"written to {out_path}")
 
 
