@@ -402,7 +402,7 @@ class _Fingerprint:
             return ("type", x.__qualname__, self.ident(x))
         if _by_content(x):  # a transformers config or a dataclass: its fields, recursively
             if id(x) not in self._walked:
-                self._walked[id(x)] = ("cycle", self.ident(x))
+                self._walked[id(x)] = ("cycle", len(self._walked))  # (by content: no ident)
                 fields = {k: v for k, v in vars(x).items() if k not in _UNREAD} \
                     if not dataclasses.is_dataclass(x) else \
                     {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
