@@ -16,6 +16,7 @@ copied). `AUTOPAR_TRACE_CACHE=0` turns the cache off; `clear()` empties it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -178,7 +179,7 @@ def _copy_graph_module(gm: fx.GraphModule, substitute: dict):
         nodes[old].meta = dict(old.meta)
     for old, new in nodes.items():
         new.meta = {k: _shallow(v) for k, v in old.meta.items()}
-    graph._codegen = gm.graph._codegen
+    graph._codegen = copy.copy(gm.graph._codegen)  # (its specs are read only)
     clones: dict = {}
     res = type(gm).__new__(type(gm))
     _copy_module_state(gm, res, substitute, clones)
