@@ -86,6 +86,7 @@ def _structure(traced) -> list:
         out.append((n.op, n.name, str(n.target), str(torch.fx.node.map_arg(n.args, arg)),
                     str(torch.fx.node.map_arg(n.kwargs, arg)), sorted(n.meta),
                     n.meta.get("autopar"), n.meta.get("autopar_module"),
+                    str(n.meta.get("nn_module_stack")),
                     str(val.shape) if isinstance(val, torch.Tensor) else None))
     return out
 
@@ -177,6 +178,20 @@ def test_a_hit_is_its_own_graph():
     again = trace(_Net(), (_X,), train=False)
     assert trace_cache.info().hits == 2
     _assert_same_graph(again, _fresh(_Net(), (_X,), train=False))
+
+
+def test_a_hit_leaves_the_model_as_a_trace_does():
+    """Tracing sets every module's mode to the root's as it ends; so does a hit."""
+    def mixed():
+        model = _Net()
+        model.drop.eval()
+        return model
+
+    trace(mixed(), (_X,), train=False)
+    model = mixed()
+    trace(model, (_X,), train=False)
+    assert trace_cache.info().hits == 1
+    assert model.drop.training and all(m.training for m in model.modules())
 
 
 def test_lifted_constants_are_cloned_for_each_hit():
