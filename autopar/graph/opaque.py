@@ -26,3 +26,14 @@ def register(description: object) -> int:
 def described(key: int) -> object:
     """The description registered under `key`."""
     return _DESCRIPTIONS[key]
+
+
+STANDS_FOR = "autopar_stands_for"
+"""The attribute naming the description's key on a module's stand-in forward (set while
+tracing): the trace cache keys such a forward by what it stands for, not by its identity."""
+
+
+def stand_in(forward, key: int):
+    """`forward`, marked as standing for the module that `key` describes."""
+    setattr(forward, STANDS_FOR, key)
+    return forward

@@ -20,6 +20,7 @@ from torch import nn
 from torch.export import Dim
 
 from autopar.errors import TraceError
+from autopar.graph import trace_cache
 from autopar.graph.analysis import analyse
 from autopar.graph.inplace import out_of_place
 from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
@@ -105,6 +106,11 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
     if batch < 2:  # export specialises sizes 0 and 1, which would bake the batch in
         inputs = tuple(t.expand(2, *t.shape[1:]).contiguous() if batch == 1 else t for t in inputs)
         batch = 2
+    key = trace_cache.key(model, inputs, loss_fn, train)
+    cached = trace_cache.lookup(key, model) if key is not None else None
+    if cached is not None:
+        model.train(model.training)  # as a trace leaves it: every module as the root
+        return cached
     wrapper = _wrap(model, loss_fn, len(inputs))
     was_training = model.training
     caching = _caching_configs(model)
@@ -123,6 +129,8 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
     traced = TracedGraph(gm=gm, tracer=tracer, example_batch=batch, params=params,
                          with_loss=with_loss, fallback_reason=reason)
     analyse(traced)
+    if key is not None:
+        trace_cache.store(key, model, traced)
     return traced
 
 

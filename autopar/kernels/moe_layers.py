@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import PlanError
-from autopar.graph.opaque import MOE_OP_NAME, described, register
+from autopar.graph.opaque import MOE_OP_NAME, described, register, stand_in
 from autopar.kernels.collectives import AxisGroup, Bound
 from autopar.kernels.moe import MoE
 from autopar.kernels.recompute import replaying
@@ -585,7 +585,7 @@ def _stand_in(module: nn.Module, spec: MoESpec, key: int):
     else:
         def forward(x):
             return moe_op(x, *spec.op_args(module), key, False)[0]
-    return forward
+    return stand_in(forward, key)  # (the trace cache keys it by `key`)
 
 
 class ExpertLayer(Bound):
