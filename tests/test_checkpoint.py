@@ -26,7 +26,6 @@ pool2 = dist_pool_fixture(2)
 pool4 = dist_pool_fixture(4)
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
-GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 BATCH = 8
 
 
@@ -133,9 +132,10 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
 
 
 def _reshard(tmp_path, save_pool, save_plan, load_pool, load_plan, name=GPT,
-             before: int = 3, after: int = 3) -> None:
+             before: int = 2, after: int = 1) -> None:
     """Train `before` steps under one plan and save; load under another, save again, train
-    `after` more: states, losses and final weights as one uninterrupted device."""
+    `after` more: states, losses and final weights as one uninterrupted device (the step
+    after the load runs on the loaded AdamW moments, a wrong one moves every weight)."""
     root, resaved = str(tmp_path / "ckpt"), str(tmp_path / "resaved")
     ref = _reference(name, before + after)
     saved = save_pool.run(_train_and_save, name, save_plan, before, root)
@@ -177,9 +177,9 @@ def test_zero1_pieces_of_tensor_slices_load_under_zero2(tmp_path, pool4, pool2):
              pool2, {"data": 2, "zero": {"stage": 2}})
 
 
-def test_zero_checkpoint_loads_under_tensor_parallelism(tmp_path, pool4):
+def test_zero_checkpoint_loads_under_tensor_parallelism(tmp_path, pool4, pool2):
     _reshard(tmp_path, pool4, {"data": 4, "zero": {"stage": 1}},
-             pool4, {"tensor": {"size": 2, "mode": "1d"}})
+             pool2, {"tensor": {"size": 2, "mode": "1d"}})
 
 
 def test_pipeline_with_zero_pieces_loads_into_a_pipeline_of_whole_slices(tmp_path, pool4,
@@ -189,15 +189,14 @@ def test_pipeline_with_zero_pieces_loads_into_a_pipeline_of_whole_slices(tmp_pat
     the state loaded before then is held and handed over there."""
     _reshard(tmp_path, pool4, {"pipeline": {"size": 2, "microbatches": 2}, "data": 2,
                                "zero": {"stage": 1}},
-             pool2, {"pipeline": {"size": 2, "microbatches": 2}}, name=GPT8, before=2,
-             after=2)
+             pool2, {"pipeline": {"size": 2, "microbatches": 2}})
 
 
 def test_pipeline_checkpoint_loads_into_zero_pieces_of_a_pipeline(tmp_path, pool2, pool4):
     """The held state is cut to the ZeRO pieces the pipeline's optimizer is built for."""
     _reshard(tmp_path, pool2, {"pipeline": {"size": 2, "microbatches": 2}},
              pool4, {"pipeline": {"size": 2, "microbatches": 2}, "data": 2,
-                     "zero": {"stage": 2}}, name=GPT8, before=2, after=2)
+                     "zero": {"stage": 2}})
 
 
 def _boxes_hold(full, region) -> bool:

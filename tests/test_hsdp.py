@@ -67,7 +67,7 @@ def test_hsdp_checkpoint_loads_under_another_plan(tmp_path, pool4):
     """Saved from ZeRO-3 pieces cut over shard groups of 2 (each piece written by both
     replicas), loaded under tensor x data parallelism, then saved again from there."""
     _reshard(tmp_path, pool4, {"data": {"size": 4, "shard": 2}, "zero": {"stage": 3}},
-             pool4, {"data": 2, "tensor": {"size": 2, "mode": "1d"}}, before=2, after=2)
+             pool4, {"data": 2, "tensor": {"size": 2, "mode": "1d"}})
 
 
 def test_the_plan_dict_and_json_carry_the_shard_size():
@@ -197,8 +197,8 @@ def test_dp_shard_on_the_command_line(capsys):
     assert data["zero"] == {"stage": 2, "offload": False, "shard": 16}
 
 
-def _held_beside_experts(plan_json: dict) -> dict:
-    """This rank's state bytes under the searched plan (transformers' Qwen3-MoE block, 4
+def _held_beside_experts(plan_jsons: list[dict]) -> list[dict]:
+    """Per plan, this rank's state bytes under it (transformers' Qwen3-MoE block, 4
     experts): parameters held and AdamW's moments after a step."""
     import functools
 
@@ -208,43 +208,52 @@ def _held_beside_experts(plan_json: dict) -> dict:
 
     import autopar
 
-    model, idx, target = build("qwen3_moe")
-    trained = {n for n, _ in model.named_parameters()}
-    engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=(idx[:1],),
-                                 loss_fn=_loss, plan=Plan.from_json(plan_json),
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    engine.train_step((idx,), target)
-    state = [v for per in engine.optimizer.state.values() for v in per.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"parameters": sum(held for n, (held, _) in engine.parameter_bytes().items()
-                              if n in trained),
-            "pieces": sum(s.numel() * s.element_size() for s in engine.zero.shards),
-            "optimizer": sum(v.numel() * v.element_size() for v in state)}
+    out = []
+    for plan_json in plan_jsons:
+        model, idx, target = build("qwen3_moe")
+        trained = {n for n, _ in model.named_parameters()}
+        engine = autopar.parallelize(model, dist.get_world_size(), example_inputs=(idx[:1],),
+                                     loss_fn=_loss, plan=Plan.from_json(plan_json),
+                                     optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+        engine.train_step((idx,), target)
+        state = [v for per in engine.optimizer.state.values() for v in per.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        out.append({"parameters": sum(held for n, (held, _) in engine.parameter_bytes().items()
+                                      if n in trained),
+                    "pieces": sum(s.numel() * s.element_size() for s in engine.zero.shards),
+                    "optimizer": sum(v.numel() * v.element_size() for v in state)})
+    return out
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_the_search_offers_hsdp_beside_experts_at_the_bytes_the_runtime_holds(pool4, stage):
+def test_the_search_offers_hsdp_beside_experts_at_the_bytes_the_runtime_holds(pool4):
     """The search plans HSDP beside experts (ep 2 inside dp 4 as 2 shard groups of 2; before,
     it had no ZeRO option with a shard size beside an ep axis) and prices its state as the
     runtime cuts it: the dense weights over their shard group, the experts over their whole
-    expert-data group."""
+    expert-data group. ZeRO-1 and ZeRO-3 searched on one prepared model, run in one call."""
     from test_moe_families import _loss, build
 
-    import autopar
+    from autopar.search import planner
     from autopar.world import World
 
     model, idx, target = build("qwen3_moe")
-    constraints = {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "dp_shard": 2, "zero": stage,
-                   "offload": False, "recompute": "none"}
-    plan = autopar.plan(model, (idx[:1],), World(4, device="cpu"), global_batch=4,
-                        constraints=constraints, loss_fn=_loss, example_target=target[:1],
-                        dtype="fp32")
-    assert (plan.ep, plan.dp_shard, plan.zero.stage) == (2, 2, stage)
-    predicted = plan.predicted["memory_breakdown_bytes"]
-    results = pool4.run(_held_beside_experts, plan.to_json())
-    # ZeRO-3 keeps only its pieces of the weights (ZeRO-1 keeps them whole)
-    for kind, measured in (("parameters", "parameters" if stage == 1 else "pieces"),
-                           ("optimizer", "optimizer")):
-        held = max(r[measured] for r in results)
-        # ZeRO pads each flat bucket to a multiple of its group: a few elements at most
-        assert abs(predicted[kind] - held) <= 64 * 4, (kind, predicted[kind], held)
+    world = World(4, device="cpu")
+    chain = planner.prepare(model, (idx[:1],), loss_fn=_loss, example_target=target[:1],
+                            tp_sizes=[1])
+    plans = {}
+    for stage in (1, 3):
+        constraints = {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "dp_shard": 2, "zero": stage,
+                       "offload": False, "recompute": "none"}
+        result = planner.search(chain, world, global_batch=4, constraints=constraints,
+                                dtype="fp32")
+        plans[stage] = planner.to_plan(chain, world, result, 4, "fp32", 0.0)
+        assert (plans[stage].ep, plans[stage].dp_shard, plans[stage].zero.stage) == \
+            (2, 2, stage)
+    results = pool4.run(_held_beside_experts, [p.to_json() for p in plans.values()])
+    for i, (stage, plan) in enumerate(plans.items()):
+        predicted = plan.predicted["memory_breakdown_bytes"]
+        # ZeRO-3 keeps only its pieces of the weights (ZeRO-1 keeps them whole)
+        for kind, measured in (("parameters", "parameters" if stage == 1 else "pieces"),
+                               ("optimizer", "optimizer")):
+            held = max(r[i][measured] for r in results)
+            # ZeRO pads each flat bucket to a multiple of its group: a few elements at most
+            assert abs(predicted[kind] - held) <= 64 * 4, (stage, kind, predicted[kind], held)

@@ -8,7 +8,7 @@ gradients against the block on random weights and inputs (autopar.kernels.moe_la
 Under expert=2 at world 2, DeepSeek-V3 (sigmoid, correction bias, grouped top-k, scaling,
 a shared expert with no gate, a dense first layer), DeepSeek-V2 (softmax, group-limited
 greedy, scaling), Qwen3-MoE, OLMoE and HunYuan-MoE (a router `wg`, a shared `shared_mlp`)
-train equal to one device over 4 AdamW steps (fp32, losses and weights within 1e-4),
+train equal to one device over 3 AdamW steps (fp32, losses and weights within 1e-4),
 every collective's bytes as predicted, and the engine's explain lists each layer's experts
 over ep; DeepSeek-V3 also under tensor=2, and the planner prices its experts split. Other
 families' blocks are checked equal to the op on one process (output and gradients), a
@@ -105,7 +105,7 @@ def _loss(out, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def _train(family: str, plan: dict, steps: int = 4) -> dict:
+def _train(family: str, plan: dict, steps: int = 3) -> dict:
     """On each rank: autopar under `plan` beside the same model on one device
     (equivalence.compare), with the first step's expert load and the last step's explain."""
     def built(batch: int):

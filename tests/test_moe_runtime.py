@@ -2,7 +2,7 @@
 
 The zoo's moe-tiny (with its balance loss in the objective; also with a dense first block
 and a shared expert, as DeepSeek-V3's) and transformers' Mixtral and
-Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 5
+Qwen2-MoE (shared expert) train equal to one device, losses and weights within 1e-5 over 3
 AdamW steps, at expert 2 and 4 with data and tensor parallelism, ZeRO 1-3, pipelines (the
 balance loss under gpipe) and beside context parallelism (ep inside dp x cp); the
 all-to-alls are logged
@@ -32,6 +32,7 @@ from autopar.kernels.moe_layers import find_moe_layers, moe_op, opaque_moe, run,
 from autopar.models import build as zoo_build
 from autopar.plans import Plan
 
+pool2 = dist_pool_fixture(2, timeout_s=300)  # where the world's size is not the point
 pool4 = dist_pool_fixture(4, timeout_s=300)
 TOL = 1e-5
 BATCH = 8
@@ -100,7 +101,7 @@ def _relative(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _train(name: str, plan: dict, steps: int = 5, precision: str = "fp32",
+def _train(name: str, plan: dict, steps: int = 3, precision: str = "fp32",
            layers: int = 2) -> dict:
     """On every rank: autopar under `plan` (and `precision`) and one device in fp32, side by
     side (equivalence.compare), with the first step's log and expert load."""
@@ -174,9 +175,10 @@ def _check(results: list[dict], hidden: int, ep: int, tp: int = 1) -> None:
         assert torch.equal(routed, computed)
 
 
-@pytest.mark.parametrize("plan", [dict(expert=2), dict(expert=4)])
-def test_zoo_moe_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "moe-tiny", plan), 64, plan["expert"])
+# (moe-tiny at expert 2: the dense-first model below is moe-tiny's MoE blocks at expert 2,
+# with a dense block and a shared expert besides; its ZeRO stages are trained further down)
+def test_zoo_moe_equals_one_device(pool4):
+    _check(pool4.run(_train, "moe-tiny", dict(expert=4)), 64, 4)
 
 
 def test_zoo_moe_with_a_dense_first_layer_equals_one_device(pool4):
@@ -187,9 +189,11 @@ def test_zoo_moe_with_a_dense_first_layer_equals_one_device(pool4):
         assert sorted(name.rpartition("blocks.")[2] for name in r["load"]) == ["1.moe", "2.moe"]
 
 
-@pytest.mark.parametrize("plan", [dict(expert=2), dict(expert=2, tensor=2)])
-def test_mixtral_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"], plan.get("tensor", 1))
+# (Mixtral at plain expert 2 over edp 2: the same dispatch and edp sums as the zoo's
+# dense-first model at expert 2; Mixtral's own blocks at expert 2 train below under ZeRO-3,
+# a pipeline, bf16 and beside cp, and reload from checkpoints under expert 2)
+def test_mixtral_equals_one_device(pool4):
+    _check(pool4.run(_train, "hf-mixtral", dict(expert=2, tensor=2)), 32, 2, 2)
 
 
 def test_mixtral_expert_4_equals_one_device(pool4):
@@ -205,29 +209,31 @@ def test_zoo_moe_with_tensor_2_equals_one_device(pool4):
     _check(pool4.run(_train, "moe-tiny", dict(expert=2, tensor=2)), 64, 2, 2)
 
 
-# ep beside cp: the ep groups lie inside dp x cp (at expert 2 beside cp 2, one dp rank's cp
-# pair; at 4, all four; beside cp 4, no dp, two ep groups averaged over edp), each rank
-# routes its own tokens of the sequence, the balance loss's statistics are summed over
-# dp x cp
-@pytest.mark.parametrize("plan", [dict(expert=2, sequence=dict(size=2, mode="ring")),
-                                  dict(expert=2, sequence=dict(size=2, mode="ulysses")),
-                                  dict(expert=4, sequence=dict(size=2, mode="ring")),
-                                  dict(expert=2, sequence=dict(size=4, mode="ring"))])
-def test_zoo_moe_beside_cp_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "moe-tiny", plan), 64, plan["expert"])
+# ep beside cp: the ep groups lie inside dp x cp (at expert 2 beside cp 2 on 2 ranks, the cp
+# pair; at 4, all four of dp 2 x cp 2; beside cp 4, no dp, two ep groups averaged over edp),
+# each rank routes its own tokens of the sequence, the balance loss's statistics are summed
+# over dp x cp (Ulysses beside ep: Mixtral's expert 4 case below)
+@pytest.mark.parametrize("plan, world", [(dict(expert=2, sequence=dict(size=2, mode="ring")), 2),
+                                         (dict(expert=4, sequence=dict(size=2, mode="ring")), 4),
+                                         (dict(expert=2, sequence=dict(size=4, mode="ring")), 4)])
+def test_zoo_moe_beside_cp_equals_one_device(request, plan, world):
+    pool = request.getfixturevalue(f"pool{world}")
+    _check(pool.run(_train, "moe-tiny", plan), 64, plan["expert"])
 
 
-@pytest.mark.parametrize("plan", [dict(expert=2, sequence=dict(size=2, mode="ring")),
-                                  dict(expert=4, sequence=dict(size=2, mode="ulysses"))])
-def test_mixtral_beside_cp_equals_one_device(pool4, plan):
-    _check(pool4.run(_train, "hf-mixtral", plan), 32, plan["expert"])
+@pytest.mark.parametrize("plan, world", [
+    (dict(expert=2, sequence=dict(size=2, mode="ring")), 2),
+    (dict(expert=4, sequence=dict(size=2, mode="ulysses")), 4)])
+def test_mixtral_beside_cp_equals_one_device(request, plan, world):
+    pool = request.getfixturevalue(f"pool{world}")
+    _check(pool.run(_train, "hf-mixtral", plan), 32, plan["expert"])
 
 
-# experts split over tp alone (no ep axis): the same kernel, nothing dispatched
-@pytest.mark.parametrize("name,hidden", [("moe-tiny", 64), ("hf-mixtral", 32),
-                                         ("hf-qwen2-moe", 32)])
-def test_tensor_parallel_experts_equal_one_device(pool4, name, hidden):
-    _check(pool4.run(_train, name, dict(tensor=2)), hidden, 1, 2)
+# experts split over tp alone (no ep axis): the same kernel, nothing dispatched; on 2 ranks,
+# as a dp axis beside it adds nothing to the experts (moe-tiny: at tensor 4 below)
+@pytest.mark.parametrize("name,hidden", [("hf-mixtral", 32), ("hf-qwen2-moe", 32)])
+def test_tensor_parallel_experts_equal_one_device(pool2, name, hidden):
+    _check(pool2.run(_train, name, dict(tensor=2)), hidden, 1, 2)
 
 
 def test_tensor_parallel_experts_in_a_pipeline_equal_one_device(pool4):
@@ -266,17 +272,20 @@ def test_mixtral_with_zero_3_equals_one_device(pool4):
     assert {("reduce_scatter", "edp"), ("all_gather", "edp"), ("reduce_scatter", "dp")} <= axes
 
 
-def test_qwen2_moe_with_pipeline_2_equals_one_device(pool4):
-    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2))
-    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
+# (Qwen2-MoE at expert 2 in a plain pipeline: Mixtral's above is the same plan; Qwen2-MoE's
+# shared expert in a pipeline trains under tensor 2 and under ZeRO-3 with expert 2)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# (stage 3: test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device, same axes checked)
+@pytest.mark.parametrize("stage", [1, 2])
 def test_mixtral_with_zero_and_pipeline_2_equals_one_device(pool4, stage):
     # pp 2 x dp 2, ep 2 inside dp: the experts' pieces over edp (one rank, divided by ep),
     # the rest over dp; stage 2 reduce-scatters per micro-batch, stage 3 gathers per stage
     plan = dict(expert=2, pipeline=dict(size=2, microbatches=2), zero=dict(stage=stage))
-    results = pool4.run(_train, "hf-mixtral", plan)
+    _check_zero_beside_pp(pool4.run(_train, "hf-mixtral", plan))
+
+
+def _check_zero_beside_pp(results: list[dict]) -> None:
     _check(results, 32, 2)
     for r in results:
         axes = {(op, axis) for op, axis, _, _ in r["log"]}
@@ -291,17 +300,18 @@ def test_mixtral_with_zero_beside_two_stages_per_rank_equals_one_device(pool4, p
     # 4 stages on 2 pipeline ranks (4 layers): ZB-V's split backward, interleaved's chunks
     plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, **pipeline),
                 zero=dict(stage=stage))
-    _check(pool4.run(_train, "hf-mixtral", plan, 5, "fp32", 4), 32, 2)
+    _check(pool4.run(_train, "hf-mixtral", plan, 3, "fp32", 4), 32, 2)
 
 
 def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
+    # pp 2 x dp 2 as Mixtral's above at stage 3, the shared expert's pieces over dp
     plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="1f1b"),
                 zero=dict(stage=3))
-    _check(pool4.run(_train, "hf-qwen2-moe", plan), 32, 2)
+    _check_zero_beside_pp(pool4.run(_train, "hf-qwen2-moe", plan))
 
 
+# (without ZeRO: the correction is the runner's, whatever ZeRO does to the gradients after)
 @pytest.mark.parametrize("plan", [
-    dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe")),
     dict(expert=2, pipeline=dict(size=2, microbatches=4, schedule="gpipe"), zero=dict(stage=1)),
     dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="gpipe"), zero=dict(stage=3)),
 ])
@@ -416,18 +426,15 @@ def _experts_save(plan: dict, steps: int, root: str) -> list[float]:
     return losses
 
 
-def _experts_load(plans: list[dict], root: str, steps: int, resaved: str) -> list[dict]:
-    """Per plan: an engine from other weights loads the checkpoint, saves it again at once
+def _experts_load(plan: dict, root: str, steps: int, resaved: str) -> dict:
+    """An engine from other weights under `plan` loads the checkpoint, saves it again at once
     (the round trip through this plan) and trains on from the loaded step."""
-    out = []
-    for i, plan in enumerate(plans):
-        engine = _mixtral_engine(plan, seed=1)
-        engine.load(root)
-        start = engine.steps
-        engine.save(f"{resaved}-{i}")
-        losses = [engine.train_step(*_batch(s)) for s in range(start, start + steps)]
-        out.append({"start": start, "losses": losses, "full": engine.full_state_dict()})
-    return out
+    engine = _mixtral_engine(plan, seed=1)
+    engine.load(root)
+    start = engine.steps
+    engine.save(resaved)
+    losses = [engine.train_step(*_batch(s)) for s in range(start, start + steps)]
+    return {"start": start, "losses": losses, "full": engine.full_state_dict()}
 
 
 def _same_checkpoint(a: str, b: str) -> None:
@@ -444,23 +451,31 @@ def _same_checkpoint(a: str, b: str) -> None:
                 else v == sb[name][key], (name, key)
 
 
-@pytest.mark.parametrize("saved, loaded", [
-    (dict(expert=2), [dict(expert=4), {}, dict(expert=2, tensor=2)]),
-    (dict(expert=2, zero=dict(stage=3)), [dict(expert=4, zero=dict(stage=1)), dict(tensor=2)]),
-    (dict(expert=4, zero=dict(stage=2)), [dict(expert=2, tensor=2, zero=dict(stage=3))]),
-    (dict(expert=2, pipeline=dict(size=2, microbatches=2)),
-     [dict(expert=4, zero=dict(stage=3)), dict(expert=2, pipeline=dict(size=2, microbatches=2))]),
-])
-def test_expert_checkpoint_loads_under_another_plan(pool4, tmp_path, saved, loaded):
+# Saved by a pipeline that trained (each stage's experts over ep 2); then each plan loads
+# the checkpoint the plan before it saved again, so every layout is both read and written:
+# experts split over ep 2 and 4, whole (no ep), cut over tp beside ep and alone, their ZeRO-1
+# and ZeRO-3 pieces over edp (ZeRO-2 saves ZeRO-1's layout: its gradient pieces are not
+# state), a pipeline's stages before their first step (the state held for them).
+SAVED = dict(expert=2, pipeline=dict(size=2, microbatches=2))
+# (Plain ep 2 and ep 4 hold the experts as ep 2 inside the pipeline's stages and ep 4 under
+# ZeRO-1 do, their moments whole as beside tp 2.)
+RELOADED = [dict(expert=4, zero=dict(stage=3)), {}, dict(expert=2, tensor=2),
+            dict(expert=2, zero=dict(stage=3)), dict(expert=4, zero=dict(stage=1)),
+            dict(tensor=2), dict(expert=2, tensor=2, zero=dict(stage=3)), SAVED]
+
+
+def test_expert_checkpoint_loads_under_another_plan(pool4, tmp_path):
     """Experts split over ep (each rank's block of dim 0, their ZeRO pieces over edp) are
     saved as boxes of the whole stacked weights: the checkpoint holds one device's weights,
-    reloads bit-equal under every plan, and training continues as one uninterrupted run."""
+    reloads bit-equal under every plan, and training continues as one uninterrupted run.
+    A meta model started from it (weights=) under expert 4 and ZeRO-3 holds only its pieces
+    of the experts and trains as one device."""
     from autopar.runtime.checkpoint import load_full_state_dict
 
-    before, after = 2, 2
-    root, resaved = str(tmp_path / "ckpt"), str(tmp_path / "resaved")
+    before, after = 2, 1  # the step after the load runs on the loaded AdamW moments
+    root = str(tmp_path / "ckpt")
     ref = _mixtral_reference(before + after)
-    for losses in pool4.run(_experts_save, saved, before, root):
+    for losses in pool4.run(_experts_save, SAVED, before, root):
         for got, want in zip(losses, ref):
             assert abs(got - want["loss"]) <= TOL * abs(want["loss"])
     weights = load_full_state_dict(root)
@@ -468,21 +483,22 @@ def test_expert_checkpoint_loads_under_another_plan(pool4, tmp_path, saved, load
     assert [k for k in weights if k in ref[0]["weights"]] == list(ref[0]["weights"])
     assert max(_relative(weights[k], v) for k, v in ref[before - 1]["weights"].items()
                if v.dtype.is_floating_point) <= TOL
-    results = pool4.run(_experts_load, loaded, root, after, resaved)
-    for i in range(len(loaded)):
-        _same_checkpoint(root, f"{resaved}-{i}")
-    final = ref[-1]["weights"]
-    for per_rank in results:
-        for r in per_rank:
-            assert r["start"] == before
+    final, source = ref[-1]["weights"], root
+    for i, plan in enumerate(RELOADED):
+        resaved = str(tmp_path / f"resaved-{i}")
+        for r in pool4.run(_experts_load, plan, source, after, resaved):
+            assert r["start"] == before, plan
             for got, want in zip(r["losses"], ref[before:]):
-                assert abs(got - want["loss"]) <= TOL * abs(want["loss"]), (got, want)
+                assert abs(got - want["loss"]) <= TOL * abs(want["loss"]), (plan, got, want)
             assert list(r["full"]) == list(final)
             assert max(_relative(r["full"][k], v) for k, v in final.items()
-                       if v.dtype.is_floating_point) <= TOL
+                       if v.dtype.is_floating_point) <= TOL, plan
+        _same_checkpoint(root, resaved)
+        source = resaved
+    _check_meta_start(pool4.run(_meta_start, dict(expert=4, zero=dict(stage=3)), root))
 
 
-def _meta_start(plan: dict, weights: str | None, seed: int = 3, steps: int = 3) -> dict:
+def _meta_start(plan: dict, weights: str | None, seed: int = 3, steps: int = 2) -> dict:
     """Mixtral built on meta and started under `plan` from `weights` (a save_pretrained
     directory) or, without, from its own initialization under `seed`, beside one device
     (from_pretrained, or the same construction seeded alike) over AdamW steps."""
@@ -556,14 +572,12 @@ def test_zero_3_from_pretrained_weights_equals_from_pretrained(pool4, tmp_path):
                                 str(tmp_path / "pretrained")))
 
 
-def test_zero_3_from_a_checkpoint_of_split_experts_equals_its_weights(pool4, tmp_path):
-    root = str(tmp_path / "ckpt")
-    pool4.run(_experts_save, dict(expert=2, zero=dict(stage=1)), 1, root)
-    _check_meta_start(pool4.run(_meta_start, dict(expert=4, zero=dict(stage=3)), root))
+# (a meta model started from a checkpoint of split experts: test_expert_checkpoint_loads_under_another_plan)
 
 
+# (expert 2 under ZeRO-3 alone: the seeded pieces as under tensor 2 below; pieces over an edp
+# of 2 started from weights in the two tests above)
 @pytest.mark.parametrize("plan, pieces", [
-    (dict(expert=2, zero=dict(stage=3)), 4),
     (dict(expert=2, tensor=2, zero=dict(stage=3)), 4),  # ep 2 x tp 2 (FFN), edp 1
     (dict(expert=2, pipeline=dict(size=2, microbatches=2)), None),
 ])
@@ -579,39 +593,42 @@ def test_exported_experts_start_another_expert_plan(pool4, tmp_path):
 def _tensor_experts_round_trip(directory: str) -> dict:
     """Qwen2-MoE (fused gate_up_proj, shared expert) trained a step with its experts split
     over ep and tp, exported, started again from the export with weights= under tensor=2
-    (experts split over tp alone), saved as a checkpoint and loaded into a third engine."""
-    again, state, trained, (idx, target), loss_fn, opt = _export_then_start(
+    (experts split over tp alone), saved as a checkpoint, stepped on and loaded back (its
+    weights moved by the step after the save: the load puts every one back)."""
+    again, state, trained, (idx, target), _, _ = _export_then_start(
         "hf-qwen2-moe", dict(expert=2, tensor=2), dict(tensor=2), directory)
     again.train_step((idx,), target)
     stepped = again.full_state_dict()
     again.save(directory + "-checkpoint")
-    third = autopar.parallelize(build("hf-qwen2-moe", seed=1)[0], 4, example_inputs=(idx[:2],),
-                                loss_fn=loss_fn, optimizer=opt, plan=dict(tensor=2))
-    third.load(directory + "-checkpoint")
-    loaded = third.full_state_dict()
+    again.train_step((idx,), target)
+    moved = again.full_state_dict()
+    again.load(directory + "-checkpoint")
+    loaded = again.full_state_dict()
     return {"keys": list(state) == list(trained) == list(loaded),
             "shares": _expert_shares(again.parameter_bytes()),
             "error": max(float((state[k] - trained[k]).abs().max()) for k in trained),
-            "loaded": max(float((loaded[k] - stepped[k]).abs().max()) for k in stepped)}
+            "loaded": max(float((loaded[k] - stepped[k]).abs().max()) for k in stepped),
+            "moved": min(float((moved[k] - stepped[k]).abs().max()) for k in stepped
+                         if stepped[k].dtype.is_floating_point and ".experts." in k)}
 
 
 def test_split_experts_export_start_and_checkpoint_whole_weights(pool4, tmp_path):
     for r in pool4.run(_tensor_experts_round_trip, str(tmp_path / "export")):
-        assert r["keys"] and r["error"] == 0.0 and r["loaded"] == 0.0
+        assert r["keys"] and r["error"] == 0.0 and r["loaded"] == 0.0 and r["moved"] > 0
         assert r["shares"] and all(share == 0.5 for share in r["shares"].values())
 
 
-def test_mixtral_in_bf16_dispatches_bf16_rows(pool4):
+def test_mixtral_in_bf16_dispatches_bf16_rows(pool2):
     # bf16 compute on fp32 masters against fp32 on one device: bf16's rounding apart
-    for r in pool4.run(_train, "hf-mixtral", dict(expert=2), 5, "bf16"):
+    for r in pool2.run(_train, "hf-mixtral", dict(expert=2), 3, "bf16"):
         assert r["loss"] <= 1e-3 and r["weights"] <= 1e-2, (r["loss"], r["weights"])
         forward = sum(b for op, axis, phase, b in r["log"]
                       if (op, axis, phase) == ("all_to_all", "ep", "forward"))
         assert forward == _ep_rows_bytes(r["load"], 32, itemsize=2) + 2 * 4 * 8
 
 
-def test_tensor_parallel_experts_in_bf16_all_reduce_bf16_rows(pool4):
-    for r in pool4.run(_train, "hf-mixtral", dict(tensor=2), 5, "bf16"):
+def test_tensor_parallel_experts_in_bf16_all_reduce_bf16_rows(pool2):
+    for r in pool2.run(_train, "hf-mixtral", dict(tensor=2), 3, "bf16"):
         assert r["loss"] <= 1e-3 and r["weights"] <= 1e-2, (r["loss"], r["weights"])
         assert r["measured"] == r["predicted"]  # the experts' rows all-reduced in 16 bits
         assert r["measured"][("all_reduce", "tp")] > 0

@@ -5,9 +5,10 @@ the pipeline runs its stages under a torch.distributed.pipelining schedule, and 
 steps give the single-device run's losses and final weights (1e-5 relative), for GPipe,
 1F1B, interleaved 1F1B (2 virtual stages per rank) and zero-bubble (ZBV, V-shaped) at 2 and
 4 ranks. The GPT ties its embedding to the classifier, so the first and last stages share a
-parameter whose gradient is summed between their ranks. Through `parallelize`: pp 2 with
-every schedule, pp 4, pp2 x dp2, pp2 x tp2 and pp2 x tp2 x dp2 (world 8), with the bytes
-each rank's stages move equal to the plan's.
+parameter whose gradient is summed between their ranks. Through `parallelize` (three steps:
+Adam's moments in play from the second): pp 2 with every schedule, pp 4, pp2 x dp2,
+pp2 x tp2 and pp2 x tp2 x dp2 (world 8), with the bytes each rank's stages move equal to
+the plan's.
 """
 
 import copy
@@ -23,9 +24,12 @@ from autopar.errors import PlanError
 pool2 = dist_pool_fixture(2)
 pool4 = dist_pool_fixture(4)
 pool8 = dist_pool_fixture(8)
+pool16 = dist_pool_fixture(16, timeout_s=900)
 
 GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 GPT2 = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage: pp2 x more axes
+GPT4 = "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage at pp 4
+STEPS = 3  # parallelize's runs beside one device
 LLAMA4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 
 
@@ -49,7 +53,7 @@ def _runner(model, inputs, target, loss_fn, schedule: str, chunks: int, microbat
 
 
 def _pp_run(spec: str, schedule: str, chunks: int = 1, microbatches: int = 4,
-            steps: int = 3) -> dict:
+            steps: int = 2) -> dict:
     model, inputs, target, loss_fn = build(spec, 8)
     reference = copy.deepcopy(model)
     runner, traced, stages = _runner(model, inputs, target, loss_fn, schedule, chunks,
@@ -128,14 +132,14 @@ PP = lambda size, schedule="1f1b", **more: {  # noqa: E731
 
 
 # 1f1b: test_pipeline_ranks_hold_only_their_stages_weights trains that very plan (PP(2)) the
-# same 5 steps through assert_equal, and checks what each rank holds besides.
+# same steps through assert_equal, and checks what each rank holds besides.
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zero_bubble"])
 def test_parallelize_pp2_equals_single_device(pool2, schedule):
     """The one-liner with a pipeline plan: losses, final weights (gathered from the ranks
     that train them), and the bytes each rank's stages move equal the plan's."""
     from equivalence import assert_equal, compare
 
-    assert_equal(pool2.run(compare, GPT8, PP(2, schedule)))
+    assert_equal(pool2.run(compare, GPT8, PP(2, schedule), STEPS))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
@@ -145,7 +149,7 @@ def test_parallelize_pp2_with_data_parallelism(pool4, schedule):
     schedule under zero-bubble, whose weight pass bypasses the accumulation hooks."""
     from equivalence import assert_equal, compare
 
-    assert_equal(pool4.run(compare, GPT8, PP(2, schedule, data=2)))
+    assert_equal(pool4.run(compare, GPT8, PP(2, schedule, data=2), STEPS))
 
 
 def test_parallelize_pp2_with_tensor_parallelism(pool4):
@@ -154,7 +158,7 @@ def test_parallelize_pp2_with_tensor_parallelism(pool4):
     moves 4 x its bytes with 4 micro-batches, and the plan predicts that."""
     from equivalence import assert_equal, compare
 
-    assert_equal(pool4.run(compare, GPT8, PP(2, tensor={"size": 2, "mode": "1d"})))
+    assert_equal(pool4.run(compare, GPT8, PP(2, tensor={"size": 2, "mode": "1d"}), STEPS))
 
 
 def _bad_pipeline(spec: str, plan: dict, batch: int) -> str:
@@ -180,62 +184,32 @@ def test_bad_pipeline_plans_get_one_sentence(pool2):
                             PP(2), 8)
     assert all("a 2-stage pipeline needs at least 2 blocks; the model has 1" in m
                for m in more_stages), more_stages
-    uneven = pool2.run(_bad_pipeline, GPT8, PP(2), 6)
+    uneven = pool2.run(_bad_pipeline, GPT2, PP(2), 6)
     assert all("a batch of 6 does not split into 4 micro-batches" in m for m in uneven), uneven
-    few = pool2.run(_bad_pipeline, GPT8, {"pipeline": {"size": 2, "microbatches": 1}}, 8)
+    few = pool2.run(_bad_pipeline, GPT2, {"pipeline": {"size": 2, "microbatches": 1}}, 8)
     assert all(m == "" for m in few)  # microbatches 1 means "choose": one per stage
     one = {"pipeline": {"size": 2, "schedule": "gpipe", "microbatches": 1}}
-    assert all(m == "" for m in pool2.run(_bad_pipeline, GPT8, one, 8))
+    assert all(m == "" for m in pool2.run(_bad_pipeline, GPT2, one, 8))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_parallelize_pp4_equals_single_device(pool4, schedule):
     from equivalence import assert_equal, compare
 
-    assert_equal(pool4.run(compare, GPT8, PP(4, schedule)))
+    assert_equal(pool4.run(compare, GPT8, PP(4, schedule), STEPS))
 
 
 def test_parallelize_pp2_tp2_dp2_equals_single_device(pool8):
     from equivalence import assert_equal, compare
 
-    assert_equal(pool8.run(compare, GPT2, PP(2, tensor={"size": 2, "mode": "1d"}, data=2)))
+    assert_equal(pool8.run(compare, GPT2, PP(2, tensor={"size": 2, "mode": "1d"}, data=2),
+                           STEPS))
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_is_refused(pool4):
-    said = pool4.run(_bad_pipeline, GPT8, {"pipeline": {"size": 4, "microbatches": 2}}, 8)
+    said = pool4.run(_bad_pipeline, GPT4, {"pipeline": {"size": 4, "microbatches": 2}}, 8)
     assert all("the 1f1b schedule over 4 stages needs at least 4 micro-batches, not 2" in m
                for m in said), said
-
-
-def _pp_inference(steps: int = 2) -> float:
-    """Largest relative difference between the pipeline engine's inference (called twice,
-    after `steps` train steps) and the single-device model trained alike."""
-    import torch.distributed as dist
-
-    import autopar
-
-    model, inputs, target, loss_fn = build(GPT8, 8)
-    reference = copy.deepcopy(model)
-    opt = functools.partial(torch.optim.AdamW, lr=1e-3, eps=1e-5)
-    engine = autopar.parallelize(model, dist.get_world_size(),
-                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
-                                 optimizer=opt, plan=PP(2))
-    ref_opt = opt(reference.parameters())
-    for _ in range(steps):
-        engine.train_step(inputs, target)
-        ref_opt.zero_grad()
-        loss_fn(reference(*inputs), target).backward()
-        ref_opt.step()
-    with torch.no_grad():
-        want = reference(*inputs)
-        got = [engine(*inputs), engine(*inputs)]
-    return max(relative(g, want) for g in got)
-
-
-def test_inference_after_pipeline_training_uses_every_stage_weights(pool2):
-    """Each rank trains only its stages' weights; inference runs the whole model on every
-    rank, so the weights other ranks trained are shared first (once per step)."""
-    assert all(err < 1e-5 for err in pool2.run(_pp_inference))
 
 
 # ---------------------------------------------------------------- the schedule model
@@ -267,9 +241,10 @@ def test_parallelize_pp2_with_context_parallelism(pool4):
     each rank's own tokens."""
     from equivalence import assert_equal, compare
 
-    assert_equal(pool4.run(compare, GPT2, PP(2, sequence={"size": 2, "mode": "ring"})))
+    assert_equal(pool4.run(compare, GPT2, PP(2, sequence={"size": 2, "mode": "ring"}), STEPS))
     assert_equal(pool4.run(compare, LLAMA4, PP(2, "zero_bubble",
-                                               sequence={"size": 2, "mode": "ulysses"})))
+                                               sequence={"size": 2, "mode": "ulysses"}),
+                           STEPS))
 
 
 def test_parallelize_pp2_with_2d_tensor_and_with_cp_tp(pool8):
@@ -285,14 +260,12 @@ def test_parallelize_pp2_with_2d_tensor_and_with_cp_tp(pool8):
                                                tensor={"size": 2, "mode": "1d"}), 3, 16))
 
 
-def test_parallelize_pp2_with_3d_tensor():
-    """pp2 x 3D (tp 8 as 2 x 2 x 2): world 16."""
-    from distributed import DistPool
+def test_parallelize_pp2_with_3d_tensor(pool16):
+    """pp2 x 3D (tp 8 as 2 x 2 x 2): world 16 (the session's, shared with test_cp_grid*)."""
     from equivalence import assert_equal, compare
 
-    with DistPool(16, timeout_s=900) as pool:
-        assert_equal(pool.run(compare, GPT2, {"pipeline": {"size": 2, "microbatches": 2},
-                                              "tensor": {"size": 8, "mode": "3d"}}, 2, 16))
+    assert_equal(pool16.run(compare, GPT2, {"pipeline": {"size": 2, "microbatches": 2},
+                                            "tensor": {"size": 8, "mode": "3d"}}, 2, 16))
 
 
 # ---------------------------------------------------------------- planner's stages
@@ -347,8 +320,8 @@ def test_parallelize_runs_the_planners_stages(pool2):
     assert not [n for n in plan.search.get("left_out", []) if "pipeline parallelism" in n]
 
 
-def _held_weights(engine, inputs, target) -> dict:
-    """Bytes of parameters this rank holds after a step, and those its stages read."""
+def _held_weights(engine) -> dict:
+    """Bytes of parameters this rank holds, and those its stages read."""
     held = sum(p.untyped_storage().nbytes() for p in engine.parameters())
     mine = sum(p.numel() * p.element_size() for p in engine.pipeline.parameters())
     whole = sum(p.numel() * p.element_size()
@@ -356,36 +329,41 @@ def _held_weights(engine, inputs, target) -> dict:
     return {"held": held, "mine": mine, "whole": whole}
 
 
-def test_pipeline_ranks_hold_only_their_stages_weights(pool2):
-    """While it trains, a pipeline rank holds the weights its stages read and no others
-    (the tied embedding on both ranks); full_state_dict and inference fetch the rest from
-    their owners, and training goes on equal to one device."""
-    from equivalence import assert_equal, compare
-
-    results = pool2.run(compare, GPT8, PP(2), 5, 8, _held_weights)
-    assert_equal(results)
-    for r in results:
-        probe = r["probe"]
-        assert probe["held"] == probe["mine"] < probe["whole"], probe
-    assert sum(r["probe"]["held"] for r in results) < 1.3 * results[0]["probe"]["whole"]
-
-
-def _held_after_shapes(engine, inputs, target) -> dict:
-    """`_held_weights` right after the run that finds the stages' shapes (made again here,
-    as a new micro-batch shape would): every weight was fetched for it."""
+def _held_shapes_inference(engine, inputs, target) -> dict:
+    """After the first step: `_held_weights`; again right after the run that finds the
+    stages' shapes (made again here, as a new micro-batch shape would: every weight is
+    fetched for it); then the largest relative difference between the engine's inference
+    (called twice) and the model given the engine's full_state_dict (checked against one
+    device's by compare, at the end)."""
+    after_step = _held_weights(engine)
     runner = engine.pipeline
     runner._shapes = None
     runner._prepare(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
-    return _held_weights(engine, inputs, target)
+    after_shapes = _held_weights(engine)
+    with torch.no_grad():
+        got = [engine(*inputs), engine(*inputs)]
+    model = build(GPT8, 8)[0]
+    model.load_state_dict(engine.full_state_dict())
+    with torch.no_grad():
+        want = model(*inputs)
+    return {"step": after_step, "shapes": after_shapes,
+            "inference": max(relative(g, want) for g in got)}
 
 
-def test_the_shape_run_gives_back_the_weights_it_fetched(pool2):
-    """The schedule starts holding only this rank's stages' weights, the first step's too:
-    the other stages' weights fetched to find the shapes are given back before it."""
+def test_pipeline_ranks_hold_only_their_stages_weights(pool2):
+    """While it trains, a pipeline rank holds the weights its stages read and no others
+    (the tied embedding on both ranks); full_state_dict and inference fetch the rest from
+    their owners, and training goes on equal to one device. The schedule starts holding
+    only this rank's stages' weights: the other stages' weights fetched to find the shapes
+    are given back before it. Inference after training runs the whole model on every rank
+    with the weights the other ranks trained (shared first, once per step)."""
     from equivalence import assert_equal, compare
 
-    results = pool2.run(compare, GPT8, PP(2), 3, 8, _held_after_shapes)
+    results = pool2.run(compare, GPT8, PP(2), STEPS, 8, _held_shapes_inference)
     assert_equal(results)
     for r in results:
-        probe = r["probe"]
-        assert probe["held"] == probe["mine"] < probe["whole"], probe
+        for probe in (r["probe"]["step"], r["probe"]["shapes"]):
+            assert probe["held"] == probe["mine"] < probe["whole"], probe
+        assert r["probe"]["inference"] < 1e-5, r["probe"]["inference"]
+    held = [r["probe"]["step"]["held"] for r in results]
+    assert sum(held) < 1.3 * results[0]["probe"]["step"]["whole"]
