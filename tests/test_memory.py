@@ -13,6 +13,7 @@ within 10% of what autograd saves during its train_step (benchmarks/bench_memory
 the same at world 8 for 2.5D and 3D).
 """
 
+import copy
 import functools
 import math
 import time
@@ -358,3 +359,38 @@ def test_context_parallel_activations_match_the_engine(pool4, mode):
     for rank, r in enumerate(pool4.run(_cp_rank_memory, "gpt-tiny", mode)):
         assert r["copies"] == 2, (rank, r)  # the two blocks' attention-output copies
         assert abs(r["predicted"] - r["measured"]) <= 0.01 * r["measured"], (rank, r)
+
+
+def test_an_engine_lets_go_of_the_models_weights_once_built():
+    """The traced graphs an engine keeps hold meta stand-ins, not the model's tensors: once
+    the user drops the model, its whole weights are freed (before, the inference and the
+    training graph each kept them alive beside the engine's own copies), and the engine
+    trains on as before. The user's model, while kept, keeps its real weights."""
+    import gc
+    import weakref
+
+    import autopar
+    from equivalence import build
+
+    model, inputs, target, loss_fn = build("gpt-tiny", 4)
+    reference = copy.deepcopy(model)
+    engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
+                                 loss_fn=loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                 plan={"data": 1})
+    first = engine.train_step(inputs, target)
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the model is the user's
+    held = [weakref.ref(p) for p in model.parameters()]
+    del model
+    gc.collect()
+    assert not [r for r in held if r() is not None]
+    graphs = [engine.forward_graph, engine.train_graph]
+    assert {getattr(g.gm.get_submodule(".".join(t.split(".")[:-1])), t.split(".")[-1]).device.type
+            for g in graphs for t in g.params} == {"meta"}
+    second = engine.train_step(inputs, target)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for expected in (first, second):
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(*inputs), target)
+        loss.backward()
+        ref_opt.step()
+        assert abs(loss.item() - expected) <= 1e-5 * abs(loss.item())

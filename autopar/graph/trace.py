@@ -26,7 +26,7 @@ from autopar.graph.inplace import out_of_place
 from autopar.graph.ir import BATCH, LOSS_MODULE, ParamInfo, TracedGraph
 from autopar.graph.linear_forms import canonical_linears
 
-__all__ = ["BATCH", "TracedGraph", "trace"]  # BATCH and TracedGraph live in autopar.graph.ir
+__all__ = ["BATCH", "TracedGraph", "release_tensors", "trace"]  # BATCH and TracedGraph live in autopar.graph.ir
 
 _WRAPPED = "model"
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -132,6 +132,28 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
     if key is not None:
         trace_cache.store(key, model, traced)
     return traced
+
+
+def release_tensors(traced: TracedGraph) -> None:
+    """Let go of the model's tensors a traced graph holds (its parameters, buffers and
+    constants become meta tensors of the same kind, shape and dtype), once the engine has cut
+    its own slices from them: else the graph keeps a whole copy of the weights alive for the
+    engine's life, after the user dropped the model. Every tensor of its module tree goes,
+    read or not (a tied weight's second name stays an attribute nothing reads). The graph's
+    modules are its own (export's and the trace cache's), never the model's."""
+    for module in traced.gm.modules():
+        for table in (module._parameters, module._buffers):
+            for name, value in table.items():
+                if value is not None and value.device.type != "meta":
+                    table[name] = _meta_like(value)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                setattr(module, name, _meta_like(value))
+
+
+def _meta_like(value: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return nn.Parameter(meta, value.requires_grad) if isinstance(value, nn.Parameter) else meta
 
 
 def _caching_configs(model: nn.Module) -> list:

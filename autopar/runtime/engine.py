@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import PlanError
-from autopar.graph.trace import trace
+from autopar.graph.trace import release_tensors, trace
 from autopar.kernels.collectives import AxisGroup, CommLog, bind
 from autopar.kernels.float8 import ROWWISE, check_recipe
 from autopar.kernels.modules import RandomStreams, bind_streams
@@ -193,6 +193,7 @@ class Engine(nn.Module):
                               for t, p in traced.params.items()})
         bind(gm, self.groups)
         bind_streams(gm, self.streams)
+        release_tensors(traced)  # (this rank's slices are cut: the whole weights may go)
         return gm
 
     def parameters(self, recurse: bool = True):
