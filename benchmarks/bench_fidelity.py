@@ -31,7 +31,10 @@ setting of the communication closes both: see docs/fidelity.md.
 (b) Optimism. The free search (no constraint beyond world, global batch and sequence) for
 Llama-3 8B and 70B at sequence 8192 with a global batch of 512 sequences (4M tokens) on
 64 and 512 A100-80GB and H100-80GB: the chosen plan's predicted MFU beside the best
-published MFU, and HFU, of a dense model of that class on that GPU, and their ratios.
+published MFU, and HFU, of a dense model of that class on that GPU (and the run it comes
+from), and their ratios; for a winner over 1.15x, the evidence-adjusted bar (`evidence`):
+what the winner has that the run had not, each priced on the winner's search and counted
+up to the speed-up its source measured (`INGREDIENTS`).
 
 (c) FP8. Published FP8 runs on H100 (NVIDIA NeMo 24.12's performance summary, torchtitan's
 float8 benchmarks) priced with --dtype fp8 on their published layouts (autopar.cost.fp8;
