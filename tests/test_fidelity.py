@@ -104,3 +104,36 @@ def test_the_optimism_check_holds_gpt3_175b_to_its_own_published_run():
     mfu, hfu, _ = BEST_PUBLISHED[("gpt3-175b", "a100-80gb")]
     (run,) = [r for r in RUNS if r.name == "GPT 175B (Korthikanti)"]
     assert mfu == run.published and mfu < hfu
+
+
+def test_the_evidence_adjusted_bar_counts_each_ingredient_up_to_its_measured_speed_up(
+        monkeypatch):
+    """`evidence` fixes the best run's choices one after another on the winner's search: the
+    priced factors chain from the winner's MFU to the last search's, each counts at most what
+    its source measured, and the bar is the published MFU times what counts."""
+    import bench_fidelity
+
+    from autopar.models import workload
+    from autopar.search import planner
+    from autopar.world import World
+
+    w = workload("gpt:layers=2,hidden=256,heads=8,vocab=512,seq=1024", max_layers=None)
+    chain = planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                            tokens_per_sample=w.tokens_per_sample, tp_sizes=[1, 2, 4, 8])
+    world = World(16, per_node=8, device="a100-80gb")
+    monkeypatch.setitem(bench_fidelity.INGREDIENTS, "tiny", (
+        ("attention", {"attention_kernel": "unfused"}, 1.01, "a"),
+        ("recompute", {"recompute": "full"}, 2.0, "b")))
+    best = planner.search(chain, world, global_batch=32).best
+    ideal = planner.model_flops(chain, 32) / (16 * world.profile.flops("bf16"))
+    mfu = ideal / best.step_time
+    got = bench_fidelity.evidence("tiny", chain, world, 32, ideal, mfu, 0.4)
+    rows = got["ingredients"]
+    assert [r["ingredient"] for r in rows] == ["attention", "recompute"]
+    assert all(r["priced"] > 1 for r in rows)  # unfused scores and full recompute cost time
+    assert rows[0]["counted"] == 1.01 < rows[0]["priced"]  # capped at what was measured
+    assert rows[1]["counted"] == rows[1]["priced"] < 2.0  # all of it: measured more
+    assert rows[0]["priced"] * rows[1]["priced"] == pytest.approx(mfu / got["mfu_all_fixed"])
+    assert got["evidence"] == pytest.approx(rows[0]["counted"] * rows[1]["counted"])
+    assert got["adjusted_mfu"] == pytest.approx(0.4 * got["evidence"])
+    assert got["ratio_to_adjusted"] == pytest.approx(mfu / got["adjusted_mfu"])

@@ -126,3 +126,24 @@ def test_a_grid_search_reuses_the_base_searchs_placement_caches(small):
     assert base._contexts and grid._contexts is base._contexts
     pl = placements({PP: 1, DP: 16, CP: 1, TP: 1}, ORDER, world.per_node)[DP]
     assert grid._dp_cache(pl) is base._dp_cache(pl)
+
+
+def test_a_grid_search_finds_the_base_searchs_states_and_placements_by_identity(small):
+    """The grid searches share the 1D search's state costs and contexts, keyed by states and
+    placements: the same objects (not equal copies, which every lookup would compare field by
+    field) for each state value and each mesh, whichever search made them first."""
+    world = World(16, per_node=8)
+    sp_seq = planner._sequence_parallel_length(small, world.devices)
+    options = Options(global_batch=32, executable=RUNTIME)
+    base = Search(small, world, planner._narrowed(options, None, sp_seq))
+    grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
+    for lt in small.types:
+        had = base.space.states(lt, 4)
+        got = grid.space.states(lt, 4)
+        assert had and len(got) >= len(had)
+        assert all(a is b for a, b in zip(had, got))
+    mesh = {PP: 1, DP: 4, CP: 1, TP: 4}
+    heads = min(a.heads for lt in small.types for a in lt.attention)
+    had, got = base._leaves(mesh, heads), grid._leaves(mesh, heads)
+    assert had and got and all(leaf.pl is had[0].pl and leaf.grad_pl is had[0].grad_pl
+                               for leaf in had + got)

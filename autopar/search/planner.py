@@ -12,6 +12,7 @@ import math
 import os
 import re
 import time
+import weakref
 
 import torch
 
@@ -220,11 +221,19 @@ def _sequence_parallel_length(chain: LayerChain, world: int) -> int | None:
     sizes = [t for t in divisors(world) if t > 1 and seq and seq % t == 0]
     if not sizes:
         return None
-    try:
-        solve(chain.traced, axis=TP, size=sizes[0], sequence_parallel=True)
-    except PlanError:
-        return None
-    return seq
+    # solved once per traced graph and size: a model searched again (other worlds, other
+    # constraints, --min-devices) reads it back
+    known = _SP_SOLVED.setdefault(chain.traced.gm, {})
+    if sizes[0] not in known:
+        try:
+            solve(chain.traced, axis=TP, size=sizes[0], sequence_parallel=True)
+            known[sizes[0]] = True
+        except PlanError:
+            known[sizes[0]] = False
+    return seq if known[sizes[0]] else None
+
+
+_SP_SOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _executable_search(chain, world, options, constraints, progress) -> SearchResult:

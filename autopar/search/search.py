@@ -295,14 +295,21 @@ class Search:
         return out
 
     def _leaves(self, mesh, heads):
-        pl = placements(mesh, ORDER, self.world.per_node)
         gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
         if gb % dp:
             return []
+        # one object per mesh for every search sharing this one's caches: their keys hold
+        # them, and the same object is found by identity where an equal one compares field
+        # by field
+        key = ("placements", _mesh_key(mesh))
+        hit = self._shared.get(key)
+        if hit is None:
+            hit = self._shared[key] = (placements(mesh, ORDER, self.world.per_node),
+                                       grad_placement(mesh, self.world.per_node))
+        pl, grad_pl = hit
         per_replica = gb // dp
         micro = self.space.micro_batches(per_replica, pp)
         zeros = self.space.zero_options(mesh, self.world.per_node)
-        grad_pl = grad_placement(mesh, self.world.per_node)
         dp_cache = self._dp_cache(grad_pl)
         out = []
         splits = [expert_split(mesh, e, self.world.per_node) if e > 1 else None

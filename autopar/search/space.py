@@ -169,6 +169,20 @@ def factorisations(world: int, c: Constraints, n_blocks: int, seq_ok) -> list[di
     return out
 
 
+# every search's states of one value are one object: searches that share state costs (the
+# executable search's, one per tensor grid) then find them by identity, where equal but
+# distinct states would compare field by field on every lookup
+_STATES: dict = {}
+
+
+def _state(mode: TensorMode, sp: str, recompute: str) -> LayerState:
+    key = (mode.name, mode.size, mode.q, mode.d, sp, recompute)
+    hit = _STATES.get(key)
+    if hit is None:
+        hit = _STATES[key] = LayerState(mode, sp, recompute)
+    return hit
+
+
 class Space:
     """The filters of one search's space: its chain, constraints, options and capabilities."""
 
@@ -247,9 +261,9 @@ class Space:
                 continue  # heads or widths 1d does not split: the runtime refuses them
             for sp in self.sp_modes(mode):
                 if lt.is_block:
-                    out.extend(LayerState(mode, sp, r) for r in self.recompute())
+                    out.extend(_state(mode, sp, r) for r in self.recompute())
                 elif mode.name == TP_1D:
-                    out.append(LayerState(mode, sp, NO_RECOMPUTE))
+                    out.append(_state(mode, sp, NO_RECOMPUTE))
         return out
 
     def beside_cp(self, state: LayerState) -> bool:
