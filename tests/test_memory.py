@@ -369,8 +369,9 @@ def test_an_engine_lets_go_of_the_models_weights_once_built():
     import gc
     import weakref
 
-    import autopar
     from equivalence import build
+
+    import autopar
 
     model, inputs, target, loss_fn = build("gpt-tiny", 4)
     reference = copy.deepcopy(model)

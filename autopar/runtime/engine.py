@@ -169,13 +169,6 @@ class Engine(nn.Module):
                      sequence_mode=(self.plan.sequence_mode or RING) if cp else None,
                      sequence_layout=self.plan.cp_layout(), cp_grads=self.grads.cp_grads)
 
-    def _note_replicated(self, solution: Solution) -> None:
-        """Name in `plan.notes` every module whose ops run replicated, and why."""
-        for region in solution.replicated_regions():
-            note = f"ran replicated: {region}"
-            if note not in self.plan.notes:
-                self.plan.notes.append(note)
-
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
         gm = apply_solution(traced.gm, solution)
@@ -214,7 +207,7 @@ class Engine(nn.Module):
         fixed = {t: self.params.layout_for(p) for t, p in self.forward_graph.params.items()
                  if t in self.train_graph.params}
         self.train_solution = self._solve(self.train_graph, fixed=fixed)
-        self._note_replicated(self.train_solution)
+        _note_replicated(self.plan, self.train_solution)
         self.train_gm = self._build(self.train_graph, self.train_solution)
         self.recompute = Recompute(self.plan, self.train_graph)
         self.batches.traced(inputs, target)
@@ -572,7 +565,7 @@ def _build_forward(engine: Engine, model: nn.Module, example_inputs: tuple, forw
     engine.batches = batches.Batches(example_inputs, engine.forward_graph, plan, engine.mesh,
                                      engine._dp, engine._cp, engine._device)
     engine.forward_solution = engine._solve(engine.forward_graph, fixed=None)
-    engine._note_replicated(engine.forward_solution)
+    _note_replicated(engine.plan, engine.forward_solution)
     check_divisible(engine.forward_graph, engine.forward_solution)
     engine.forward_gm = engine._build(engine.forward_graph, engine.forward_solution)
 
@@ -625,3 +618,11 @@ def _blank(tensors: tuple, device: torch.device) -> tuple:
     """Zero tensors shaped like the examples, on the model's device (tracing reads no values)."""
     return tuple(torch.zeros(t.shape, dtype=t.dtype, device=device)
                  if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def _note_replicated(plan: Plan, solution: Solution) -> None:
+    """Name in `plan.notes` every module whose ops run replicated, and why."""
+    for region in solution.replicated_regions():
+        note = f"ran replicated: {region}"
+        if note not in plan.notes:
+            plan.notes.append(note)

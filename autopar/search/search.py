@@ -298,15 +298,7 @@ class Search:
         gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
         if gb % dp:
             return []
-        # one object per mesh for every search sharing this one's caches: their keys hold
-        # them, and the same object is found by identity where an equal one compares field
-        # by field
-        key = ("placements", _mesh_key(mesh))
-        hit = self._shared.get(key)
-        if hit is None:
-            hit = self._shared[key] = (placements(mesh, ORDER, self.world.per_node),
-                                       grad_placement(mesh, self.world.per_node))
-        pl, grad_pl = hit
+        pl, grad_pl = _shared_placements(self._shared, mesh, self.world.per_node)
         per_replica = gb // dp
         micro = self.space.micro_batches(per_replica, pp)
         zeros = self.space.zero_options(mesh, self.world.per_node)
@@ -614,6 +606,17 @@ def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:
                         "of this world with these constraints has dp x cp divisible by "
                         f"{ep}; fix dp (or cp) to a multiple of {ep}.")
 
+
+
+def _shared_placements(shared: dict, mesh, per_node: int):
+    """(placements, gradient placement) of `mesh`, one object per mesh for every search
+    sharing these caches: their keys hold them, and the same object is found by identity
+    where an equal one compares field by field."""
+    key = ("placements", _mesh_key(mesh))
+    hit = shared.get(key)
+    if hit is None:
+        hit = shared[key] = (placements(mesh, ORDER, per_node), grad_placement(mesh, per_node))
+    return hit
 
 
 def _mesh_key(mesh) -> tuple:
