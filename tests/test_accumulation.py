@@ -1,7 +1,7 @@
 """Gradient accumulation without a pipeline: a plan with pp 1 and `microbatches` m runs each
 data-parallel replica's batch as m micro-batches, forward and backward each, the gradients
 summed and reduced over dp once per step (ZeRO-2/3: reduce-scattered per micro-batch, as
-`autopar.cost.step.dp_time` prices them). Each case trains 4 AdamW steps equal to one device
+`autopar.cost.step.dp_time` prices them). Each case trains 2 AdamW steps equal to one device
 on the whole batch (losses and weights within 1e-4 relative, fp32) with every collective's
 bytes as `engine.predicted_comm` says; a micro-batch saves about 1/m of the batch's
 activations."""
@@ -25,7 +25,22 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 
 
 def _equal_after(model: str, plan: dict, batch: int = 8) -> dict:
-    return compare(model, plan, 4, batch)
+    """Two steps (the second runs Adam on the first's state) beside one device; under
+    "last", the last step's collectives counted per (op, axis) and the micro-batch count."""
+    return compare(model, plan, 2, batch, last=lambda engine: _last_step(engine, batch))
+
+
+STEP = ("forward", "backward", "step")  # not "state": compare's full_state_dict after it
+
+
+def _last_step(engine, batch: int) -> dict:
+    counts = {}
+    for r in engine.comm_log.records:  # compare clears the log before each step
+        if r.phase in STEP:
+            counts[(r.op, r.axis)] = counts.get((r.op, r.axis), 0) + 1
+    return {"microbatches": engine.microbatches, "counts": counts,
+            "measured": engine.comm_log.totals(phases=STEP),
+            "predicted": engine.predicted_comm(batch)}
 
 
 def _counts(model: str, plan: dict, batch: int = 8) -> dict:
@@ -40,16 +55,14 @@ def _counts(model: str, plan: dict, batch: int = 8) -> dict:
     engine.train_step(inputs, target)
     engine.comm_log.clear()
     engine.train_step(inputs, target)
-    counts = {}
-    for r in engine.comm_log.records:
-        counts[(r.op, r.axis)] = counts.get((r.op, r.axis), 0) + 1
-    return {"microbatches": engine.microbatches, "counts": counts,
-            "measured": engine.comm_log.totals(), "predicted": engine.predicted_comm(batch)}
+    return _last_step(engine, batch)
 
 
 def test_data_parallel_with_four_micro_batches_equals_one_device(pool2):
-    assert_equal_to_one_device(pool2.run(_equal_after, GPT, {"data": 2, "microbatches": 4}))
-    for r in pool2.run(_counts, GPT, {"data": 2, "microbatches": 4}):
+    """One run: equal to one device, and its second step's collectives counted."""
+    results = pool2.run(_equal_after, GPT, {"data": 2, "microbatches": 4})
+    assert_equal_to_one_device(results)
+    for r in (r["last"] for r in results):
         assert r["microbatches"] == 4
         assert r["measured"] == r["predicted"]
         # the gradients' all-reduce once per step, however many micro-batches
@@ -71,10 +84,10 @@ def test_megatron_sp_with_micro_batches_equals_one_device(pool2):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_with_micro_batches_equals_one_device(pool2, stage):
     plan = {"data": 2, "zero": {"stage": stage}, "microbatches": 4}
-    assert_equal_to_one_device(pool2.run(_equal_after, GPT, plan))
+    results = pool2.run(_equal_after, GPT, plan)  # also counts its last step's collectives
+    assert_equal_to_one_device(results)
     one = pool2.run(_counts, GPT, {"data": 2, "zero": {"stage": stage}})
-    four = pool2.run(_counts, GPT, plan)
-    for a, b in zip(one, four):
+    for a, b in zip(one, (r["last"] for r in results)):
         assert b["measured"] == b["predicted"]
         rs = ("reduce_scatter", "dp")
         # ZeRO-1 reduce-scatters the summed gradients once a step; ZeRO-2 and 3 each
@@ -83,25 +96,35 @@ def test_zero_with_micro_batches_equals_one_device(pool2, stage):
         assert b["counts"][rs] == (4 if stage >= 2 else 1) * a["counts"][rs]
 
 
-def _peak_saved(m: int) -> dict:
-    model, inputs, target, loss_fn = build(GPT, 8)
-    engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
-                                 loss_fn=loss_fn, optimizer=None,
-                                 plan={"microbatches": m} if m > 1 else {})
-    engine.train_step(inputs, target)  # traces and builds the training graph
-    params = list(engine.parameters())
-    return {"peak": measure_peak_saved_activations(lambda: engine.train_step(inputs, target),
-                                                   exclude=params, inputs=inputs),
-            "microbatches": engine.microbatches}
+# One engine per micro-batch count serves both tests below (they measure the same
+# engines two ways); a test run alone builds its own.
+_MICRO: dict[int, dict] = {}
+
+
+def _micro(m: int) -> dict:
+    """GPT on one process with `m` micro-batches: the most bytes autograd holds saved in its
+    second step, and engine.explain()'s report after it."""
+    if m not in _MICRO:
+        model, inputs, target, loss_fn = build(GPT, 8)
+        engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
+                                     loss_fn=loss_fn, optimizer=None,
+                                     plan={"microbatches": m})
+        engine.train_step(inputs, target)  # traces and builds the training graph
+        params = list(engine.parameters())
+        peak = measure_peak_saved_activations(lambda: engine.train_step(inputs, target),
+                                              exclude=params, inputs=inputs)
+        _MICRO[m] = {"peak": peak, "microbatches": engine.microbatches,
+                     "explain": engine.explain(format="json")}
+    return _MICRO[m]
 
 
 def test_a_micro_batch_saves_about_one_mth_of_the_batch():
-    whole = _peak_saved(1)
+    whole = _micro(1)
     assert whole["microbatches"] == 1
     for m in (2, 4):
-        part = _peak_saved(m)
+        part = _micro(m)
         assert part["microbatches"] == m
-        assert abs(part["peak"] * m / whole["peak"] - 1) <= 0.1, (m, part, whole)
+        assert abs(part["peak"] * m / whole["peak"] - 1) <= 0.1, (m, part["peak"], whole["peak"])
 
 
 def test_explain_measures_activations_per_micro_batch():
@@ -109,13 +132,7 @@ def test_explain_measures_activations_per_micro_batch():
     prices them, and names the micro-batches."""
     rows = {}
     for m in (1, 4):
-        model, inputs, target, loss_fn = build(GPT, 8)
-        engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
-                                     loss_fn=loss_fn, optimizer=None,
-                                     plan={"microbatches": m})
-        for _ in range(2):
-            engine.train_step(inputs, target)
-        data = engine.explain(format="json")
+        data = _micro(m)["explain"]
         assert data["microbatches"] == m
         rows[m] = {r["name"]: r for r in data["layers"]}
     blocks = [n for n in rows[1] if n.startswith("blocks.")]
@@ -175,8 +192,8 @@ def test_the_executable_search_offers_micro_batches_without_a_pipeline():
 
 
 def _experts(name: str, plan: dict) -> dict:
-    """A transformers MoE model (tests/test_moe_runtime.py's) at world 2 under `plan`, 4
-    AdamW steps beside one device; or the refusal's message."""
+    """A transformers MoE model (tests/test_moe_runtime.py's) under `plan`, 2 AdamW steps
+    (the second on the first's state) beside one device; or the refusal's message."""
     import copy
     import functools
 
@@ -191,7 +208,7 @@ def _experts(name: str, plan: dict) -> dict:
                                  loss_fn=loss_fn, optimizer=opt, plan=plan)
     ref_opt = opt(reference.parameters())
     losses, measured, predicted = [], {}, {}
-    for step in range(4):
+    for step in range(2):
         engine.comm_log.clear()
         try:
             loss = engine.train_step((idx,), target)
@@ -221,15 +238,12 @@ def test_experts_over_ep_with_micro_batches_equal_one_device(pool2):
         assert_equal_to_one_device([r])
 
 
-def test_a_balance_loss_with_micro_batches_is_refused():
+def test_a_balance_loss_with_micro_batches_is_refused(pool2):
     """The MoE balance loss is a sum over the whole batch's routing: each micro-batch's
-    backward, right after its own forward, cannot know it, so the engine says so (a pool of
-    its own: every rank refuses)."""
-    from distributed import DistPool
-
-    with DistPool(2) as pool:
-        for r in pool.run(_experts, "moe-tiny", {"expert": 2, "microbatches": 2}):
-            assert "balance loss" in r["refused"] and "microbatches=1" in r["refused"], r
+    backward, right after its own forward, cannot know it, so the engine says so (the
+    shared pool: every rank refuses alike, and `_experts` returns the sentence)."""
+    for r in pool2.run(_experts, "moe-tiny", {"expert": 2, "microbatches": 2}):
+        assert "balance loss" in r["refused"] and "microbatches=1" in r["refused"], r
 
 
 def test_context_parallel_with_micro_batches_equals_one_device(pool2):

@@ -49,7 +49,9 @@ def hf_llama4(batch: int):
 
 
 def _equal_after(model, plan: dict, batch: int = 8) -> dict:
-    return compare(model, plan, 3, batch)
+    """Two steps: the second runs Adam on the first's state, its recomputed forward on the
+    weights the first step wrote."""
+    return compare(model, plan, 2, batch)
 
 
 CASES = {

@@ -151,13 +151,13 @@ def test_a_process_that_ends_while_its_liveness_thread_is_in_the_store_exits_cle
     """The liveness thread is stopped and joined at exit: before, a daemon thread caught
     inside a store call at finalization aborted the process ("terminate called without an
     active exception"; 20 of 20 runs of this script), so a rank that had finished its job
-    was reported to torchrun as failed."""
+    was reported to torchrun as failed. One fresh interpreter: the abort came every time, and
+    its exit is what is tested, so the pools' forked workers cannot stand in for it."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_STAMPING], env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_STAMPING], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 class _CountingStore:
