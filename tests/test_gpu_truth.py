@@ -1,40 +1,29 @@
 """benchmarks/gpu_truth.py off the GPU: its refusals, its table, and every section run end to
 end on the CPU on tiny models (`--device cpu --quick`), so the script that a GPU session
-runs first has run here before.
-
-The driver (main) runs in this process; each section it starts as `python gpu_truth.py
---section NAME` runs as that command in a child forked from the test pools' preloaded
-server (tests/forked.py) instead of a fresh interpreter importing torch and autopar again;
-the ranks section spawns its two ranks itself, as on a GPU machine."""
+runs first has run here before."""
 
 import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
-from forked import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_truth.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu_truth  # noqa: E402
 
 
-def _forked_run(cmd, *, cwd, timeout, env, capture_output=True, text=True):
-    """subprocess.run for the driver's `python gpu_truth.py --section ...` commands: the
-    command forked from the preloaded server."""
-    assert cmd[0] == sys.executable and capture_output and text, cmd
-    try:
-        done = run_script(cmd[1], cmd[2:], cwd=cwd, timeout=timeout, environ=env)
-    except TimeoutError:
-        raise subprocess.TimeoutExpired(cmd, timeout) from None
-    return subprocess.CompletedProcess(cmd, done.returncode, done.stdout, done.stderr)
+def _run(*args, env=None, timeout=900):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
 
 
 def _main(capsys, *args) -> subprocess.CompletedProcess:
-    """The script's main in this process (the driver needs no interpreter of its own; the
-    sections it starts do, forked: `_forked_run`)."""
+    """The script's main in this process (what it decides before its first section needs
+    no interpreter of its own; test_every_section_runs_on_the_cpu runs it as a command)."""
     code = gpu_truth.main(list(args))
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
@@ -93,17 +82,14 @@ def test_the_table_puts_each_prediction_beside_its_measurement():
     assert rows["tensor 2 on cuda vs one device (loss)"]["ratio"] == pytest.approx(1.0099)
 
 
-def test_every_section_runs_on_the_cpu(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(gpu_truth, "subprocess", types.SimpleNamespace(
-        run=_forked_run, TimeoutExpired=subprocess.TimeoutExpired))
-    out = _main(capsys, "--device", "cpu", "--quick", "--compile-backend", "eager",
-                "--budget-s", "900", "--out", str(tmp_path))
+def test_every_section_runs_on_the_cpu(tmp_path):
+    out = _run("--device", "cpu", "--quick", "--compile-backend", "eager", "--budget-s",
+               "900", "--out", str(tmp_path), timeout=1200)
     assert out.returncode == 0, out.stdout + out.stderr
     with open(tmp_path / "gpu_truth.json") as f:
         result = json.load(f)
     sections = result["sections"]
-    failed = {s: r["error"] for s, r in sections.items() if "error" in r}
-    assert failed == {}, out.stdout + out.stderr
+    assert [s for s, r in sections.items() if "error" in r] == []
     assert {s for s in sections} == set(gpu_truth.SECTIONS)
     # calibration wrote a profile the planner accepts, with the attention fit in it
     from autopar.world import World
