@@ -16,11 +16,12 @@ import runpy
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from distributed import fork_context
+from distributed import find_free_port, fork_context
 
 _STARTING = threading.Lock()  # the server starts in tests/: chdir is process-wide
 
@@ -33,7 +34,7 @@ class Done:
 
 
 def _child(script: str, args: list[str], cwd: str, environ: dict, out: str,
-           err: str) -> None:
+           err: str, module: bool = False) -> None:
     os.environ.clear()
     os.environ.update(environ)
     for fd, path in ((1, out), (2, err)):
@@ -42,10 +43,14 @@ def _child(script: str, args: list[str], cwd: str, environ: dict, out: str,
         os.close(handle)
     os.chdir(cwd)
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # `python -m` puts the working directory first on sys.path, `python script` its folder
+    sys.path.insert(0, cwd if module else os.path.dirname(os.path.abspath(script)))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
@@ -59,10 +64,12 @@ def _child(script: str, args: list[str], cwd: str, environ: dict, out: str,
 
 
 def start_script(script: str | Path, args: list[str], cwd: str | Path, *,
-                 environ: dict | None = None, out: str = os.devnull, err: str = os.devnull):
-    """Start `python script *args` in `cwd` with `environ` (default: this process's), forked
-    from the preloaded server, its stdout and stderr written to `out` and `err`; the started
-    multiprocessing Process (join, is_alive, kill, exitcode)."""
+                 environ: dict | None = None, out: str = os.devnull, err: str = os.devnull,
+                 module: bool = False):
+    """Start `python script *args` (`python -m script *args` with `module`) in `cwd` with
+    `environ` (default: this process's), forked from the preloaded server, its stdout and
+    stderr written to `out` and `err`; the started multiprocessing Process (join, is_alive,
+    kill, exitcode)."""
     with _STARTING:
         here = os.getcwd()
         os.chdir(os.path.dirname(os.path.abspath(__file__)))  # not a test's scratch
@@ -72,20 +79,93 @@ def start_script(script: str | Path, args: list[str], cwd: str | Path, *,
             os.chdir(here)
     child = context.Process(target=_child, args=(str(script), list(args), str(cwd),
                                                  dict(os.environ if environ is None else environ),
-                                                 out, err))
+                                                 out, err, module))
     child.start()
     return child
 
 
-def run_script(script: str | Path, args: list[str], cwd: str | Path, timeout: float) -> Done:
-    """`python script *args` in `cwd`, forked from the preloaded server; its exit status and
-    what it printed. A child still running after `timeout` seconds is killed and fails."""
+def run_script(script: str | Path, args: list[str], cwd: str | Path, timeout: float, *,
+               environ: dict | None = None, module: bool = False) -> Done:
+    """`python script *args` (`python -m script *args` with `module`) in `cwd`, forked from
+    the preloaded server; its exit status and what it printed. A child still running after
+    `timeout` seconds is killed and fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        child = start_script(script, args, cwd, out=out, err=err)
+        child = start_script(script, args, cwd, out=out, err=err, environ=environ,
+                             module=module)
         child.join(timeout)
         if child.is_alive():
             child.kill()
             child.join()
             raise TimeoutError(f"`python {script} {' '.join(args)}` ran past {timeout} s")
         return Done(child.exitcode, Path(out).read_text(), Path(err).read_text())
+
+
+# What a stand-in for torchrun gives its ranks otherwise than torchrun does, by design: the
+# workers host the store themselves at a port of their own, on the loopback address, and
+# write an error file (torch's @record) where the stand-in says.
+TORCHRUN_OWN = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+
+
+def torchrun_env(nproc: int, rank: int, port: int, error_file: str,
+                 max_restarts: int = 0) -> dict[str, str]:
+    """The variables torchrun gives worker `rank` of a one-node job of `nproc` processes
+    (its launcher's and its local agent's), the workers hosting the store themselves (rank 0
+    at MASTER_PORT). tests/test_readme.py's test_the_torchrun_stand_in_sets_what_torchrun_sets
+    checks them against a real torchrun."""
+    env = {"RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "ROLE_RANK": rank,
+           "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": nproc, "WORLD_SIZE": nproc,
+           "GROUP_WORLD_SIZE": 1, "ROLE_WORLD_SIZE": nproc, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": 0,
+           "TORCHELASTIC_MAX_RESTARTS": max_restarts, "TORCHELASTIC_RUN_ID": "stand-in",
+           "TORCHELASTIC_USE_AGENT_STORE": False, "TORCHELASTIC_ERROR_FILE": error_file,
+           "TORCHELASTIC_SIGNALS_TO_HANDLE": os.environ.get(
+               "TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING", 1)}
+    if nproc > 1 or "OMP_NUM_THREADS" in os.environ:  # torchrun's default: one thread each
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", 1)
+    return {k: str(v) for k, v in env.items()}
+
+
+def run_torchrun(args: list[str], cwd: str | Path, timeout: float,
+                 environ: dict | None = None) -> Done:
+    """`torchrun *args` for a one-node (`--standalone`) job: the arguments read by torchrun's
+    own parser, then one child per process forked from the preloaded server with the
+    variables torchrun gives its workers (`torchrun_env`), where torchrun starts a launcher
+    and `--nproc-per-node` fresh interpreters that each import torch and autopar again. The
+    stdout of the ranks in rank order, as torchrun passes them through; the first failing
+    rank's exit status (a job that fails here fails, restarts or not)."""
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(args)
+    nproc = int(parsed.nproc_per_node)
+    assert parsed.standalone and nproc >= 1, f"`torchrun {' '.join(args)}`: one node only"
+    port = find_free_port()
+    base = dict(os.environ if environ is None else environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        children = []
+        for rank in range(nproc):
+            out, err = os.path.join(tmp, f"out{rank}"), os.path.join(tmp, f"err{rank}")
+            env = {**base, **torchrun_env(nproc, rank, port, os.path.join(tmp, f"error{rank}"),
+                                          parsed.max_restarts)}
+            children.append((start_script(parsed.training_script, parsed.training_script_args,
+                                          cwd, environ=env, out=out, err=err,
+                                          module=parsed.module), out, err))
+        deadline = time.monotonic() + timeout
+        # as torchrun's agent: a rank that fails ends the others (they may wait on it)
+        while any(c.is_alive() for c, _, _ in children) and time.monotonic() < deadline \
+                and not any(c.exitcode for c, _, _ in children):
+            time.sleep(0.05)
+        late = [c for c, _, _ in children if c.is_alive()]
+        failed = any(c.exitcode for c, _, _ in children)
+        for child in late:
+            child.kill()
+            child.join()
+        if late and not failed:
+            raise TimeoutError(f"`torchrun {' '.join(args)}` ran past {timeout} s")
+        codes = [child.exitcode for child, _, _ in children]
+        return Done(next((c for c in codes if c), 0),
+                    "".join(Path(out).read_text() for _, out, _ in children),
+                    "".join(Path(err).read_text() for _, _, err in children))

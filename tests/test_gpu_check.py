@@ -1,10 +1,17 @@
 """benchmarks/gpu_check.py off the GPU: its command line, its no-GPU note, its judging
-helpers, and the same checks run end to end on CPU processes over gloo at world 2."""
+helpers, and the same checks run end to end on CPU processes over gloo at world 2.
+
+The command line and the no-GPU note are its main() in this process (no interpreter of its
+own); the world-2 run is the command, whose two ranks the script spawns (a rank's memory
+check counts every tensor its process holds, so it needs a process of its own)."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
@@ -12,23 +19,20 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu_check  # noqa: E402
 
 
-def _run(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
-
-
-def test_help_names_the_options():
-    out = _run("--help")
-    assert out.returncode == 0, out.stderr
+def test_help_names_the_options(capsys):
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
     for flag in ("--world", "--device", "--backend", "--quick"):
-        assert flag in out.stdout
+        assert flag in out
 
 
-def test_without_a_gpu_it_says_so_and_succeeds():
-    out = _run(env={"CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr
-    assert "no GPU" in out.stdout
+def test_without_a_gpu_it_says_so_and_succeeds(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert gpu_check.main([]) == 0
+    assert "no GPU" in capsys.readouterr().out
 
 
 def test_plans_fit_the_world():
@@ -55,8 +59,10 @@ def test_judging_names_each_mismatch_and_ignores_times():
 
 
 def test_the_checks_run_on_cpu_over_gloo():
-    out = _run("--device", "cpu", "--backend", "gloo", "--world", "2", "--quick",
-               "--steps", "2", "--timing-steps", "1")
+    out = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--backend", "gloo",
+                          "--world", "2", "--quick", "--steps", "2", "--timing-steps", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stdout + out.stderr
     with open(os.path.join(ROOT, "benchmarks", "results", "gpu_check.json")) as f:
         result = json.load(f)

@@ -6,10 +6,12 @@ run here. Each line of a ```bash block is a command (`&&` separates more than on
 ```python block is a script; each ```text block under Troubleshooting is an error message.
 Commands run in a scratch directory that links the repository's examples/, benchmarks/ and
 docs/, so they read the repository's scripts and write nothing into it: `autopar` is
-autopar.cli.main (what the console script calls), `torchrun` is torch.distributed.run,
-`python` this interpreter (Python scripts run in children forked from the test pools'
-preloaded fork server: tests/forked.py). Each run is checked on what it prints or writes,
-not only its exit status.
+autopar.cli.main (what the console script calls), `python` this interpreter (Python
+scripts run in children forked from the test pools' preloaded fork server: tests/forked.py),
+`torchrun --standalone` one such child per rank with the variables torchrun gives its
+workers (tests/forked.py's stand-in, checked against a real torchrun by
+test_the_torchrun_stand_in_sets_what_torchrun_sets). Each run is checked on what it prints
+or writes, not only its exit status.
 
 The exceptions, each with its own test: the install lines (pip, apt-get) must be the ones
 .ci/run executes, since CI runs .ci/run from a bare Python; `python -m pytest -q` must be
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from forked import run_script
+from forked import TORCHRUN_OWN, run_script, run_torchrun, torchrun_env
 
 import autopar
 from autopar.cli import main as autopar_main
@@ -426,12 +428,6 @@ def _check_profile(path: str, ranks: int) -> None:
     assert profile["peak_flops"]["fp32"] > 0 and profile["memory_bandwidth"] > 0
 
 
-def _subprocess(argv: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
-    assert done.returncode == 0, f"`{shlex.join(argv)}` failed:\n{done.stdout}\n{done.stderr}"
-    return done
-
-
 def _losses(text: str) -> list[float]:
     """Per-step losses from `step N: loss X` lines or `N  X  Y` table rows (first number)."""
     found = re.findall(r"^step \d+: loss ([\d.]+)$", text, re.MULTILINE) or \
@@ -440,8 +436,12 @@ def _losses(text: str) -> list[float]:
 
 
 def _run_torchrun(argv: list[str]) -> None:
+    """`torchrun --standalone ...` run by tests/forked.py's stand-in: its ranks forked from
+    the preloaded server with torchrun's variables (test_the_torchrun_stand_in_sets_what_
+    torchrun_sets), not a launcher and N interpreters importing torch and autopar again."""
     nproc = int(_option(argv, "--nproc-per-node"))
-    done = _subprocess([sys.executable, "-m", "torch.distributed.run", *argv[1:]])
+    done = run_torchrun(argv[1:], os.getcwd(), TIMEOUT, environ=_env())
+    assert done.returncode == 0, f"`{shlex.join(argv)}` failed:\n{done.stdout}\n{done.stderr}"
     out = done.stdout
     if "-m" in argv and argv[argv.index("-m") + 1] == "autopar.cli":
         assert argv[argv.index("-m") + 2] == "calibrate", argv
@@ -465,7 +465,11 @@ def _run_torchrun(argv: list[str]) -> None:
 
 
 def _run_calibrate(argv: list[str]) -> None:
-    _subprocess([sys.executable, "-m", "autopar.cli", *argv[1:]])
+    """`autopar calibrate ...` as `python -m autopar.cli`, forked from the preloaded server
+    (with --world N it spawns its N processes itself, as the command does)."""
+    done = run_script("autopar.cli", argv[1:], os.getcwd(), TIMEOUT, environ=_env(),
+                      module=True)
+    assert done.returncode == 0, f"`{shlex.join(argv)}` failed:\n{done.stdout}\n{done.stderr}"
     _check_profile(_option(argv, "-o"), int(_option(argv, "--world") or 1))
 
 
@@ -493,6 +497,31 @@ def test_bash_block(block, scratch, capsys):
             assert EXAMPLE_CHECKS[argv[1]](done.stdout), done.stdout
         else:
             assert kind in ("pip", "apt", "pytest", "long"), shlex.join(argv)
+
+
+ENV_SCRIPT = ("import json, os\nwith open(os.environ['OUT'] + os.environ['RANK'], 'w') as f:\n"
+              "    json.dump(dict(os.environ), f)\n")
+
+
+def test_the_torchrun_stand_in_sets_what_torchrun_sets(scratch):
+    """The pages' torchrun lines run under tests/forked.py's stand-in; a real torchrun (its
+    workers import nothing) sets, on each rank, the same variables to the same values, but
+    the store's address and port, the run's id and the error file (TORCHRUN_OWN)."""
+    (scratch / "env.py").write_text(ENV_SCRIPT)
+    args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "env.py"]
+    env = {**_env(), "OUT": str(scratch / "real")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], env=env,
+                   check=True, capture_output=True, timeout=TIMEOUT)
+    ours = run_torchrun(args, scratch, TIMEOUT, environ={**env, "OUT": str(scratch / "ours")})
+    assert ours.returncode == 0, ours.stderr
+    real_ranks, our_ranks = ([json.loads((scratch / f"{who}{rank}").read_text())
+                              for rank in range(2)] for who in ("real", "ours"))
+    for rank, (theirs, mine) in enumerate(zip(real_ranks, our_ranks)):
+        added = {k: v for k, v in theirs.items() if env.get(k) != v and k != "PWD"}
+        assert set(added) == set(torchrun_env(2, rank, 0, "")), added
+        assert all(k in mine for k in added), (added, mine)
+        shared = sorted(set(added) - set(TORCHRUN_OWN))
+        assert {k: mine[k] for k in shared} == {k: added[k] for k in shared}, (added, mine)
 
 
 # ---------------------------------------------------------------- python snippets
