@@ -330,7 +330,11 @@ def chain_for(model, seq: int, tp_sizes, fp32_loss: bool = False):
                                        example_target=w.target,
                                        repeat={"blocks.1": w.layers - 1},
                                        tokens_per_sample=w.tokens_per_sample,
-                                       tp_sizes=list(tp_sizes))
+                                       tp_sizes=list(tp_sizes),
+                                       # the published runs computed the loss over whole
+                                       # logits (Megatron-LM's vocab-parallel cross-entropy,
+                                       # NeMo's, torchtitan's): no chunked loss to price
+                                       chunked_loss=False)
     return _CHAINS[key]
 
 

@@ -138,17 +138,16 @@ def release_tensors(traced: TracedGraph) -> None:
     """Let go of the model's tensors a traced graph holds (its parameters, buffers and
     constants become meta tensors of the same kind, shape and dtype), once the engine has cut
     its own slices from them: else the graph keeps a whole copy of the weights alive for the
-    engine's life, after the user dropped the model. Every tensor of its module tree goes,
-    read or not (a tied weight's second name stays an attribute nothing reads). The graph's
-    modules are its own (export's and the trace cache's), never the model's."""
+    engine's life, after the user dropped the model. Every parameter and buffer of its module
+    tree goes, read or not (a tied weight's second name stays an attribute nothing reads);
+    constants export lifted (masks, rotary tables: small, and shared by copies of one trace)
+    stay. The graph's modules are its own (export's and the trace cache's), never the
+    model's."""
     for module in traced.gm.modules():
         for table in (module._parameters, module._buffers):
             for name, value in table.items():
                 if value is not None and value.device.type != "meta":
                     table[name] = _meta_like(value)
-        for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                setattr(module, name, _meta_like(value))
 
 
 def _meta_like(value: torch.Tensor) -> torch.Tensor:
