@@ -462,7 +462,7 @@ def _best_of_split(search, chain, priced, mesh, pl, grad_pl, b, m, schedule, v, 
     for zero, offload in zeros:
         leaf = SimpleNamespace(mesh=mesh, prep=SimpleNamespace(workspace=priced.workspace),
                                split=None)  # dense models: no expert axis
-        total, _ = search._memory(leaf, params_dev, acts_dev, biggest, zero, offload, in_flight)
+        total, *_ = search._memory(leaf, params_dev, acts_dev, biggest, zero, offload, in_flight)
         peak = total.max(axis=1)
         sync = np.array([search._dp_time(float(w), zero, m, grad_pl) + optimizer_time(
             float(w), replicas, zero, offload, search.precision, hw) for w in loads])
@@ -551,8 +551,8 @@ def any_cut(chain, world: World, global_batch: int):
             for cuts in itertools.combinations(range(1, n), k - 1):
                 leaf.stage_of = [sum(i >= c for c in cuts) for i in range(n)]
                 leaf.device_of = [s % mesh["pp"] for s in leaf.stage_of]
-                for zero, offload in leaf.zeros:
-                    cand = search._price(leaf, zero, offload)
+                for zero, offload, shard in leaf.zeros:
+                    cand = search._price(leaf, zero, offload, shard)
                     if cand.fits and (best is None or cand.step_time < best.step_time):
                         best = cand
     return best
