@@ -147,12 +147,7 @@ def release_tensors(traced: TracedGraph) -> None:
         for table in (module._parameters, module._buffers):
             for name, value in table.items():
                 if value is not None and value.device.type != "meta":
-                    table[name] = _meta_like(value)
-
-
-def _meta_like(value: torch.Tensor) -> torch.Tensor:
-    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return nn.Parameter(meta, value.requires_grad) if isinstance(value, nn.Parameter) else meta
+                    table[name] = trace_cache.stand_in_for(value)
 
 
 def _caching_configs(model: nn.Module) -> list:

@@ -34,7 +34,8 @@ from autopar.graph.analysis import Layer
 from autopar.graph.ir import TracedGraph
 from autopar.graph.opaque import STANDS_FOR
 
-__all__ = ["MAX_ENTRIES", "CacheInfo", "clear", "enabled", "info", "key", "lookup", "store"]
+__all__ = ["MAX_ENTRIES", "CacheInfo", "clear", "enabled", "info", "key", "lookup", "stand_in_for",
+           "store"]
 
 MAX_ENTRIES = 16
 """Graphs kept, least recently used dropped first."""
@@ -131,7 +132,7 @@ def store(k: _Key, model: nn.Module, traced: TracedGraph) -> None:
     for t in _graph_tensors(traced.gm):
         if id(t) in names:
             if id(t) not in substitute:
-                stand_in = _stand_in(t)
+                stand_in = stand_in_for(t)
                 substitute[id(t)] = stand_in
                 stand_ins.append((stand_in, names[id(t)]))
         elif _storage(t) in storages or type(t) not in (torch.Tensor, nn.Parameter):
@@ -232,7 +233,7 @@ def _shallow(value):
     return type(value)(value) if type(value) in (dict, list, OrderedDict) else value
 
 
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
+def stand_in_for(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor of `t`'s kind (a parameter or not, requires_grad) holding its place."""
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
