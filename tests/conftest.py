@@ -7,8 +7,9 @@ Only two things happen here:
   ``from distributed import DistPool, dist_pool_fixture`` whatever pytest's
   import mode;
 * :func:`dist_pool_fixture` (defined in ``tests/distributed.py``) is
-  re-exported for discoverability.  No fixtures, hooks or plugins are
-  registered globally.
+  re-exported for discoverability.  No fixtures are registered globally, and
+  no plugin unless ``AUTOPAR_TEST_CPU`` names a file: then
+  ``tests/cpu_accounting.py`` writes each test's CPU seconds there.
 
 Multi-process (gloo) tests share one world of each size for the session, reset for each
 module (tests/distributed.py: ``shared_pool``)::
@@ -52,3 +53,12 @@ for _path in (_TESTS_DIR, _REPO_ROOT):
         sys.path.insert(0, _path)
 
 from distributed import dist_pool_fixture  # noqa: E402,F401  (re-export)
+
+
+def pytest_configure(config):
+    """`AUTOPAR_TEST_CPU=FILE`: write each test's CPU seconds to FILE (tests/cpu_accounting.py)."""
+    path = os.environ.get("AUTOPAR_TEST_CPU")
+    if path:
+        from cpu_accounting import CpuAccounting
+
+        config.pluginmanager.register(CpuAccounting(path), "autopar-cpu-accounting")
