@@ -191,10 +191,11 @@ class ZeroThree(ZeroState):
         if unit.float8 is not None:
             self._start_float8(u, phase)
             return
-        send = torch.zeros(unit.chunk, dtype=self.gather_dtype, device=self.device)
+        send = torch.empty(unit.chunk, dtype=self.gather_dtype, device=self.device)
         off = 0
-        for i in unit.members:
+        for i in unit.members:  # each piece, then zeros where it pads (not zeroed whole)
             send[off:off + self.lengths[i]] = self.shards[i].detach()
+            send[off + self.lengths[i]:off + self.chunks[i]].zero_()
             off += self.chunks[i]
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
