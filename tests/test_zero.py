@@ -257,6 +257,65 @@ def test_zero3_data_parallel_equals_single_device(pool2):
         assert 0 < probe["regathered"] < probe["train_units"], probe
 
 
+def _zero3_writes(name: str, plan: dict) -> dict:
+    """Elements written by the ops (views and collectives aside) of ZeRO-3's gathers
+    (each unit's pieces into its whole parameters) and of its gradient reduce-scatters
+    (each unit's gradients into their padded buffer), against what each must write."""
+    import torch
+    import torch.distributed as dist
+    from equivalence import build
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(name, 8)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=plan)
+    engine.train_step(inputs, target)
+    zero, written = engine.zero, {}
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            kind = func.overloadpacket.__name__.rstrip("_")
+            if isinstance(out, torch.Tensor) and not func.is_view:
+                written[kind] = written.get(kind, 0) + out.numel()
+            return out
+
+    values = sum(u.numel for u in zero.units)
+    with Writes():
+        for u in range(len(zero.units)):
+            zero._finish(u, "forward")
+    gathered, written = written, {}
+    with Writes():
+        for u, unit in enumerate(zero.units):
+            zero.reduce(u, tuple(torch.ones(zero.shapes[i]) for i in unit.members))
+    zero._land_reduced()
+    padding = sum(zero.chunks[i] * zero.dp.size - zero.numels[i]
+                  for unit in zero.units for i in unit.members)
+    sent = sum(zero.lengths[i] for unit in zero.units for i in unit.members)
+    unsent = sum(zero.chunks[i] - zero.lengths[i] for unit in zero.units for i in unit.members)
+    return {"values": values, "sent": sent, "unsent": unsent, "padding": padding,
+            "gathered": gathered, "reduced": written}
+
+
+def test_zero3_gathers_and_reduces_write_each_value_once(pool2):
+    """A gather copies each parameter's gathered values into the whole buffer once (no
+    flattened copy of the strided columns first), its send buffer is written once, and a
+    reduce-scatter's buffer is written
+    once: the gradients, and zeros only where they pad (not the whole buffer zeroed
+    first)."""
+    for r in pool2.run(_zero3_writes, GPT8, {"data": 2, "zero": {"stage": 3}}):
+        # the values into the whole buffers, this rank's pieces into the send buffers
+        assert r["gathered"]["copy"] == r["values"] + r["sent"], r
+        assert "clone" not in r["gathered"], r
+        assert sum(r["gathered"].get(k, 0) for k in ("fill", "zero", "zeros")) \
+            == r["unsent"], r
+        assert sum(r["reduced"].get(k, 0) for k in ("fill", "zero", "zeros")) \
+            == r["padding"], r
+
+
 def test_zero3_with_tensor_parallelism(pool4):
     assert_equal(pool4.run(compare, LLAMA, {"data": 2, "tensor": {"size": 2, "mode": "1d"},
                                             "zero": {"stage": 3}}, 2))

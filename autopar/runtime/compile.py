@@ -52,7 +52,7 @@ class CompiledRegions:
             sub, inputs, outputs = _extract(run)
             name = f"{PREFIX}_{self.regions}"
             gm.add_submodule(name, Region(self.function_for(sub), len(outputs)))
-            with gm.graph.inserting_before(run[0]):
+            with gm.graph.inserting_after(run[-1]):  # after the weight reads among the run
                 call = gm.graph.call_module(name, tuple(inputs))
             call.meta.update({k: v for k, v in run[0].meta.items() if k != "val"})
             for i, out in enumerate(outputs):
@@ -137,11 +137,16 @@ def _layer(node: fx.Node):
 
 def _runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """Maximal runs of compilable nodes of one layer, consecutive in graph order (a
-    consecutive run of a topological order is convex: it can become one call). A run with
+    consecutive run of a topological order is convex: it can become one call). The weight
+    reads a pipeline stage's graph holds between its ops (get_attr nodes, which read
+    nothing of the graph) do not cut a run: they become the region's inputs, defined
+    before the call, which takes the run's last place. A run with
     fewer than two ops that compute (views and getitems aside) stays eager: there is
     nothing to fuse, and a compile would cost seconds for no launch saved."""
     runs, current, layer = [], [], None
     for node in gm.graph.nodes:
+        if node.op == "get_attr":  # a weight read (a pipeline stage's): an input, no cut
+            continue
         if compilable(node) and (not current or _layer(node) == layer):
             current.append(node)
             layer = _layer(node)

@@ -191,10 +191,11 @@ class ZeroThree(ZeroState):
         if unit.float8 is not None:
             self._start_float8(u, phase)
             return
-        send = torch.zeros(unit.chunk, dtype=self.gather_dtype, device=self.device)
+        send = torch.empty(unit.chunk, dtype=self.gather_dtype, device=self.device)
         off = 0
-        for i in unit.members:
+        for i in unit.members:  # each piece, then zeros where it pads (not zeroed whole)
             send[off:off + self.lengths[i]] = self.shards[i].detach()
+            send[off + self.lengths[i]:off + self.chunks[i]].zero_()
             off += self.chunks[i]
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
@@ -232,7 +233,8 @@ class ZeroThree(ZeroState):
         col = 0
         for i, off in zip(unit.members, unit.offsets):
             k, n = self.chunks[i], self.numels[i]
-            whole[off:off + n] = pieces[:, col:col + k].reshape(-1)[:n]
+            if n:
+                _unpad(whole[off:off + n], pieces[:, col:col + k])
             col += k
         return whole
 
@@ -301,11 +303,16 @@ class ZeroThree(ZeroState):
         reduce-scatter); drops the unit's re-gathered buffer, whose uses are all done."""
         self._cache.pop(u, None)
         unit = self.units[u]
-        buf = torch.zeros(self.dp.size, unit.chunk, dtype=self.dtype, device=self.device)
+        # not zeroed whole: each member's columns are written, only their padding zeroed
+        buf = torch.empty(self.dp.size, unit.chunk, dtype=self.dtype, device=self.device)
         col = 0
         for i, g in zip(unit.members, grads):
-            if g is not None:
-                write_padded(buf[:, col:col + self.chunks[i]], g)
+            dst = buf[:, col:col + self.chunks[i]]
+            if g is None:
+                dst.zero_()
+            else:
+                write_padded(dst, g)
+                _zero_padding(dst, self.numels[i])
             col += self.chunks[i]
         which = [g is not None for g in grads]
         if self.overlap and self.dp.size > 1:  # sent while the backward goes on
@@ -540,3 +547,24 @@ def _layer(node: fx.Node) -> str:
 def _copy_layer_meta(new: fx.Node, like: fx.Node) -> None:
     if "autopar" in like.meta:
         new.meta["autopar"] = like.meta["autopar"]
+
+
+def _unpad(dst: torch.Tensor, pieces: torch.Tensor) -> None:
+    """Copy one parameter's gathered pieces ([dp, k], row r rank r's, the last rows'
+    tails padding) into its `dst` (n values, flat) in one copy per part: no flattened
+    intermediate (a reshape of the strided columns copies once more)."""
+    n, k = dst.numel(), pieces.shape[1]
+    full = n // k
+    dst[:full * k].view(full, k).copy_(pieces[:full])
+    if n > full * k:
+        dst[full * k:].copy_(pieces[full, :n - full * k])
+
+
+def _zero_padding(dst: torch.Tensor, n: int) -> None:
+    """Zero what follows a parameter's n values in its [dp, k] columns of an unzeroed
+    buffer (write_padded wrote the values and left the rest as it was)."""
+    rows, k = dst.shape
+    full = n // k
+    if full < rows:
+        dst[full, n - full * k:].zero_()
+        dst[full + 1:].zero_()
