@@ -191,12 +191,9 @@ class ZeroThree(ZeroState):
         if unit.float8 is not None:
             self._start_float8(u, phase)
             return
-        send = torch.empty(unit.chunk, dtype=self.gather_dtype, device=self.device)
-        off = 0
-        for i in unit.members:  # each piece, then zeros where it pads (not zeroed whole)
-            send[off:off + self.lengths[i]] = self.shards[i].detach()
-            send[off + self.lengths[i]:off + self.chunks[i]].zero_()
-            off += self.chunks[i]
+        send = _send_buffer([self.shards[i] for i in unit.members],
+                            [self.chunks[i] for i in unit.members], self.gather_dtype,
+                            self.device)
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
         self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
@@ -303,17 +300,9 @@ class ZeroThree(ZeroState):
         reduce-scatter); drops the unit's re-gathered buffer, whose uses are all done."""
         self._cache.pop(u, None)
         unit = self.units[u]
-        # not zeroed whole: each member's columns are written, only their padding zeroed
-        buf = torch.empty(self.dp.size, unit.chunk, dtype=self.dtype, device=self.device)
-        col = 0
-        for i, g in zip(unit.members, grads):
-            dst = buf[:, col:col + self.chunks[i]]
-            if g is None:
-                dst.zero_()
-            else:
-                write_padded(dst, g)
-                _zero_padding(dst, self.numels[i])
-            col += self.chunks[i]
+        buf = _reduce_buffer(grads, [self.chunks[i] for i in unit.members],
+                             [self.numels[i] for i in unit.members], self.dp.size,
+                             self.dtype, self.device)
         which = [g is not None for g in grads]
         if self.overlap and self.dp.size > 1:  # sent while the backward goes on
             self._reducing.append((u, which, self.dp.reduce_scatter_async(buf.reshape(-1),
@@ -568,3 +557,33 @@ def _zero_padding(dst: torch.Tensor, n: int) -> None:
     if full < rows:
         dst[full, n - full * k:].zero_()
         dst[full + 1:].zero_()
+
+
+def _send_buffer(shards: list, chunks: list[int], dtype: torch.dtype,
+                 device) -> torch.Tensor:
+    """A unit's all-gather input: each piece in its chunk, zeros where it pads (written
+    once, not zeroed whole first)."""
+    send = torch.empty(sum(chunks), dtype=dtype, device=device)
+    off = 0
+    for shard, chunk in zip(shards, chunks):
+        send[off:off + shard.numel()] = shard.detach()
+        send[off + shard.numel():off + chunk].zero_()
+        off += chunk
+    return send
+
+
+def _reduce_buffer(grads, chunks: list[int], numels: list[int], ranks: int,
+                   dtype: torch.dtype, device) -> torch.Tensor:
+    """A unit's reduce-scatter input, [ranks, sum(chunks)]: each gradient padded into its
+    columns (zeros for a missing one); not zeroed whole, only each member's padding."""
+    buf = torch.empty(ranks, sum(chunks), dtype=dtype, device=device)
+    col = 0
+    for g, chunk, n in zip(grads, chunks, numels):
+        dst = buf[:, col:col + chunk]
+        if g is None:
+            dst.zero_()
+        else:
+            write_padded(dst, g)
+            _zero_padding(dst, n)
+        col += chunk
+    return buf
