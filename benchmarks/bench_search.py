@@ -24,7 +24,8 @@ fit), not the cost model. The space, as ``autopar.search.space`` defines it:
   dividing the per-replica batch; every schedule (gpipe, 1f1b, ZB-V zero_bubble with two
   stages per rank, interleaved with 2 or 4 chunks when there are as many blocks as stages
   and the micro-batches divide by pp), pipelines only with at least pp micro-batches;
-- every ZeRO stage (1-3 only with replicas) with and without offload (ZeRO >= 1 only);
+- every ZeRO stage (1-3 only with replicas) with and without offload (ZeRO >= 1 only), and
+  ZeRO-3 without offload over each HSDP shard group ``cost.hybrid.shard_sizes`` names;
 - stages: the search's ``balance`` of the fastest path's per-layer times into pp x chunks
   stages (``Search._evaluate``), and for pipelines of one stage per rank, under each ZeRO
   option, ``balance_within``: the same balance under each stage's memory limit for the
@@ -34,7 +35,12 @@ fit), not the cost model. The space, as ``autopar.search.space`` defines it:
   rule (``Prepared.fit``, search/prepared.py): on one device, the layers of one kind share one layout (tensor
   mode and sequence parallelism) and each chooses its recompute freely;
 - parameters, gradient sync, buffers, activations and times are priced from the chosen
-  states, as ``Search._price`` does.
+  states, as ``Search._price`` does: ZeRO-3's sync one gather and reduce-scatter per layer
+  holding parameters on the rank holding most, HSDP's over its shard and replica groups,
+  ZB-V's layer times (and its balanced split) with the split backward's seconds.
+
+Where the search's best is slower, the search's own best on the optimum's leaf and ZeRO
+option (``at_optimum_leaf``) says whether its state choice under memory misses there.
 
 Device memory is made tight (a copy of the A100-80GB profile with a small
 ``memory_bytes``, a fraction of what the unconstrained winner needs) so that recompute,
