@@ -254,6 +254,9 @@ class Search:
     def _prepared(self, mesh, pl, cp_mode, b, split=None):
         """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
         all pp x dp); None where some layer has no state."""
+        per_type = self.space.kinds(mesh[TP], b, mesh[CP] > 1)
+        if per_type is None or _base_known(self, per_type) is False:
+            return None  # some layer has no state, or the base search's leaves are these
         ep_pl = split.dispatch if split is not None else None
         key = (mesh[TP], pl[TP], pl[CP], cp_mode, b, ep_pl)
         if key in self._cost_cache:
@@ -266,15 +269,6 @@ class Search:
                                                     ep=ep_pl, kept_high=self.kept_high,
                                                     compile=self.opt.compile,
                                                     fp8_recipe=self.opt.fp8_recipe)
-        per_type = []
-        beside_cp = mesh[CP] > 1
-        for lt in self.chain.types:
-            states = [s for s in self.space.states(lt, mesh[TP]) if b % s.mode.batch_split == 0
-                      and (not beside_cp or self.space.beside_cp(s))]
-            if not states:
-                self._cost_cache[key] = None
-                return None
-            per_type.append((lt, states))
         base = _base_of(self, mesh, pl, cp_mode, b, split, per_type)
         prep = self._cost_cache[key] = None if base is False else \
             Prepared(self, per_type, pl, b, (ctx, ctx_key), base)
@@ -573,18 +567,35 @@ def _bound_candidate(leaf) -> Candidate:
                      step_time=leaf.bound, ep=leaf.split.ep if leaf.split else 1)
 
 
+def _base_known(search: Search, kinds):
+    """False where the base search's states of each kind are known to be `kinds` (`_base_of`
+    decided it for this list): every leaf there is the base search's; else None."""
+    if search._base is None:
+        return None
+    known = search._cost_cache.get(("base of", id(kinds)))
+    return False if known is not None and known[0] and not known[1] else None
+
+
 def _base_of(search: Search, mesh, pl, cp_mode, b, split, kinds):
     """The base search's `Prepared` of this placement and micro-batch where its states of
     each kind begin this search's and it lacks some (False where it lacks none: its leaves
     are the base search's own); None without a base search, or where it has no states."""
     if search._base is None:
         return None
-    base = search._base._prepared(mesh, pl, cp_mode, b, split)
-    if base is None or any(states[:len(had)] != had for (_, states), (_, had) in
-                           zip(kinds, base.kinds)):
+    # whether the base's states begin these and lack some follows from the two state lists
+    # alone (`Space.kinds`: one per tensor size and micro-batch): decided once per list, the
+    # base's Prepared asked for only where its leaves are to be priced
+    known = search._cost_cache.get(("base of", id(kinds)))
+    if known is None:
+        base = search._base._prepared(mesh, pl, cp_mode, b, split)
+        use = base is not None and not any(states[:len(had)] != had for (_, states), (_, had)
+                                           in zip(kinds, base.kinds))
+        known = search._cost_cache[("base of", id(kinds))] = (use, use and any(
+            len(s) > len(had) for (_, s), (_, had) in zip(kinds, base.kinds)))
+    use, adds = known
+    if not use:
         return None
-    return base if any(len(s) > len(had) for (_, s), (_, had) in zip(kinds, base.kinds)) \
-        else False
+    return search._base._prepared(mesh, pl, cp_mode, b, split) if adds else False
 
 
 def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:

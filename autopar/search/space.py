@@ -191,6 +191,8 @@ class Space:
         self.caps = options.executable  # None: everything the planner can price
         self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block)
         self._states: dict = {}
+        self._kinds: dict = {}  # (tp, micro-batch, beside cp) -> `kinds`
+        self._asked: dict = {}  # `micro_batches` and `zero_options` by their arguments
         self._grids: dict = {}  # tp -> `has_grid`
 
     # ------------------------------------------------------------------ layers
@@ -253,6 +255,25 @@ class Space:
         if hit is None:
             hit = self._states[key] = self._make_states(lt, tp)
         return hit
+
+    def kinds(self, tp: int, b: int, beside_cp: bool) -> list | None:
+        """(kind, its states) per kind of layer at tensor size `tp` and micro-batch `b` (the
+        states whose batch split divides it; `beside_cp`: those a cp axis allows), in chain-type
+        order; None where some kind has none. One list per arguments, shared by every leaf
+        asking (the placements and meshes of a tensor size differ only in their prices)."""
+        key = (tp, b, beside_cp)
+        if key in self._kinds:
+            return self._kinds[key]
+        out = []
+        for lt in self.chain.types:
+            states = [s for s in self.states(lt, tp) if b % s.mode.batch_split == 0
+                      and (not beside_cp or self.beside_cp(s))]
+            if not states:
+                out = None
+                break
+            out.append((lt, states))
+        self._kinds[key] = out
+        return out
 
     def _make_states(self, lt, tp: int) -> list[LayerState]:
         out = []
@@ -321,7 +342,14 @@ class Space:
         return [m for m in modes if m != ULYSSES or heads % (mesh[CP] * mesh[TP]) == 0]
 
     def micro_batches(self, per_replica: int, pp: int) -> list[int]:
-        """Micro-batch sizes for a replica's `per_replica` samples."""
+        """Micro-batch sizes for a replica's `per_replica` samples (one list per arguments)."""
+        key = ("micro", per_replica, pp)
+        hit = self._asked.get(key)
+        if hit is None:
+            hit = self._asked[key] = self._micro_batches(per_replica, pp)
+        return hit
+
+    def _micro_batches(self, per_replica: int, pp: int) -> list[int]:
         c = self.c
         micro = [b for b in divisors(per_replica) if b <= self.opt.max_micro_batch]
         if c.micro_batch_size is not None:
@@ -377,7 +405,14 @@ class Space:
     def zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
         """(ZeRO stage, offload, hybrid shard size) options for this mesh: the shard None
         cuts over all of dp; a size (`cost.hybrid.shard_sizes`) is HSDP, tried without offload,
-        for ZeRO-3 (any stage when the constraint dp_shard fixes it)."""
+        for ZeRO-3 (any stage when the constraint dp_shard fixes it). One list per mesh."""
+        key = ("zero", mesh[PP], mesh[DP], mesh[CP], mesh[TP], per_node)
+        hit = self._asked.get(key)
+        if hit is None:
+            hit = self._asked[key] = self._zero_options(mesh, per_node)
+        return hit
+
+    def _zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
         out = []
         replicas = mesh[DP] * mesh[CP]
         caps = self.caps
