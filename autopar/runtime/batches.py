@@ -42,6 +42,9 @@ def checked_inputs(inputs, where: str, count: int, traced_like) -> tuple:
         kinds = ", ".join(kind(t) for t in inputs) or "nothing"
         raise BatchError(f"{where} takes tensors (or a tuple of them) with the global batch "
                          f"on dimension 0, not {kinds}.")
+    if any(t.is_meta for t in inputs):
+        raise BatchError(f"{where} got an input on the meta device, which holds no values; "
+                         "a model may start on meta, but its batches must be real tensors.")
     if len(inputs) != count:
         raise BatchError(f"{where} got {len(inputs)} input tensor(s) but the engine was "
                          f"built for {count} (its example_inputs); pass the same number.")
@@ -64,6 +67,9 @@ def check_targets(targets, inputs: tuple, traced_like) -> None:
     if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
         raise BatchError(f"train_step's targets must be a tensor with the global batch on "
                          f"dimension 0, not {kind(targets)}.")
+    if targets.is_meta:
+        raise BatchError("train_step's targets are on the meta device, which holds no values; "
+                         "pass real tensors.")
     if targets.shape[0] != inputs[0].shape[0]:
         raise BatchError(f"train_step got a batch of {inputs[0].shape[0]} inputs but "
                          f"{targets.shape[0]} targets; pass the same global batch of both.")
