@@ -225,14 +225,31 @@ class ZeroTwo(ZeroOne):
         self._land_reduced()
 
 
-def write_padded(dst: torch.Tensor, grad: torch.Tensor) -> None:
-    """Write a gradient, flattened, into `dst` ([dp, k] columns of a zeroed buffer: row r
-    is rank r's piece), the last piece's tail left as the zero padding."""
+def write_padded(dst: torch.Tensor, grad: torch.Tensor, zero_padding: bool = False) -> None:
+    """Write a gradient, flattened, into `dst` ([dp, k] columns: row r is rank r's piece).
+    The last piece's tail is the padding: left as it is (a zeroed buffer's zeros), or
+    zeroed here with `zero_padding` (a buffer not zeroed whole first)."""
     flat, (rows, k) = grad.reshape(-1), dst.shape
     full = flat.numel() // k
     dst[:full].copy_(flat[:full * k].view(full, k))
-    if full < rows and flat.numel() > full * k:
-        dst[full, :flat.numel() - full * k].copy_(flat[full * k:])
+    if full < rows:
+        tail = flat.numel() - full * k
+        if tail:
+            dst[full, :tail].copy_(flat[full * k:])
+        if zero_padding:
+            dst[full, tail:].zero_()
+            dst[full + 1:].zero_()
+
+
+def read_padded(dst: torch.Tensor, pieces: torch.Tensor) -> None:
+    """The inverse of `write_padded`: one parameter's gathered `pieces` ([dp, k], the last
+    rows' tails padding) into `dst` (its values, flat), one copy per part (no flattened
+    intermediate: a reshape of strided columns copies once more)."""
+    n, k = dst.numel(), pieces.shape[1]
+    full = n // k
+    dst[:full * k].view(full, k).copy_(pieces[:full])
+    if n > full * k:
+        dst[full * k:].copy_(pieces[full, :n - full * k])
 
 
 def pieces_after_pipeline(zero, microbatches: int, tied) -> None:

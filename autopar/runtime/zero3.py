@@ -16,7 +16,7 @@ from torch import nn
 
 from autopar.kernels.collectives import AxisGroup, Pending
 from autopar.kernels.float8 import E4M3, Float8Linear, quantize, scale_for
-from autopar.runtime.zero import host_copy, pieces_after_pipeline, write_padded
+from autopar.runtime.zero import host_copy, pieces_after_pipeline, read_padded, write_padded
 from autopar.runtime.zero_state import ZeroState
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
@@ -34,7 +34,8 @@ class _Unit:
             self.offsets.append(off)
             off += numels[i]
         self.numel = off
-        self.chunk = sum(chunks[i] for i in members)  # one rank's piece of the unit
+        self.chunks = [chunks[i] for i in members]  # each member's piece, padded
+        self.chunk = sum(self.chunks)  # one rank's piece of the unit
         # fp8: the members gathered as e4m3 (1 byte each, the weights of float8 linears)
         self.float8 = float8 if float8 is not None and any(float8) else None
 
@@ -191,9 +192,8 @@ class ZeroThree(ZeroState):
         if unit.float8 is not None:
             self._start_float8(u, phase)
             return
-        send = _send_buffer([self.shards[i] for i in unit.members],
-                            [self.chunks[i] for i in unit.members], self.gather_dtype,
-                            self.device)
+        send = _send_buffer([self.shards[i] for i in unit.members], unit.chunks,
+                            self.gather_dtype, self.device)
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
         self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
@@ -231,7 +231,7 @@ class ZeroThree(ZeroState):
         for i, off in zip(unit.members, unit.offsets):
             k, n = self.chunks[i], self.numels[i]
             if n:
-                _unpad(whole[off:off + n], pieces[:, col:col + k])
+                read_padded(whole[off:off + n], pieces[:, col:col + k])
             col += k
         return whole
 
@@ -300,9 +300,7 @@ class ZeroThree(ZeroState):
         reduce-scatter); drops the unit's re-gathered buffer, whose uses are all done."""
         self._cache.pop(u, None)
         unit = self.units[u]
-        buf = _reduce_buffer(grads, [self.chunks[i] for i in unit.members],
-                             [self.numels[i] for i in unit.members], self.dp.size,
-                             self.dtype, self.device)
+        buf = _reduce_buffer(grads, unit.chunks, self.dp.size, self.dtype, self.device)
         which = [g is not None for g in grads]
         if self.overlap and self.dp.size > 1:  # sent while the backward goes on
             self._reducing.append((u, which, self.dp.reduce_scatter_async(buf.reshape(-1),
@@ -538,27 +536,6 @@ def _copy_layer_meta(new: fx.Node, like: fx.Node) -> None:
         new.meta["autopar"] = like.meta["autopar"]
 
 
-def _unpad(dst: torch.Tensor, pieces: torch.Tensor) -> None:
-    """Copy one parameter's gathered pieces ([dp, k], row r rank r's, the last rows'
-    tails padding) into its `dst` (n values, flat) in one copy per part: no flattened
-    intermediate (a reshape of the strided columns copies once more)."""
-    n, k = dst.numel(), pieces.shape[1]
-    full = n // k
-    dst[:full * k].view(full, k).copy_(pieces[:full])
-    if n > full * k:
-        dst[full * k:].copy_(pieces[full, :n - full * k])
-
-
-def _zero_padding(dst: torch.Tensor, n: int) -> None:
-    """Zero what follows a parameter's n values in its [dp, k] columns of an unzeroed
-    buffer (write_padded wrote the values and left the rest as it was)."""
-    rows, k = dst.shape
-    full = n // k
-    if full < rows:
-        dst[full, n - full * k:].zero_()
-        dst[full + 1:].zero_()
-
-
 def _send_buffer(shards: list, chunks: list[int], dtype: torch.dtype,
                  device) -> torch.Tensor:
     """A unit's all-gather input: each piece in its chunk, zeros where it pads (written
@@ -572,18 +549,17 @@ def _send_buffer(shards: list, chunks: list[int], dtype: torch.dtype,
     return send
 
 
-def _reduce_buffer(grads, chunks: list[int], numels: list[int], ranks: int,
-                   dtype: torch.dtype, device) -> torch.Tensor:
+def _reduce_buffer(grads, chunks: list[int], ranks: int, dtype: torch.dtype,
+                   device) -> torch.Tensor:
     """A unit's reduce-scatter input, [ranks, sum(chunks)]: each gradient padded into its
     columns (zeros for a missing one); not zeroed whole, only each member's padding."""
     buf = torch.empty(ranks, sum(chunks), dtype=dtype, device=device)
     col = 0
-    for g, chunk, n in zip(grads, chunks, numels):
+    for g, chunk in zip(grads, chunks):
         dst = buf[:, col:col + chunk]
         if g is None:
             dst.zero_()
         else:
-            write_padded(dst, g)
-            _zero_padding(dst, n)
+            write_padded(dst, g, zero_padding=True)
         col += chunk
     return buf

@@ -76,7 +76,7 @@ class Prepared:
             costs[:len(known)] = known
         self.order = order
         self.pl, self.b = pl, b
-        least = [self._price(_least_of(search._cost_cache, states), t) for t, (_, states) in
+        least = [self._price(_least_recompute(states), t) for t, (_, states) in
                  enumerate(kinds)]
         counts = np.bincount(order, minlength=len(kinds))
         fastest = [min(c.time for c in costs) for costs in least]
@@ -289,15 +289,6 @@ class Prepared:
             for i, k in zip(members, best[2]):
                 chosen[i] = k
             spare = used + spare - best[1]
-
-
-def _least_of(cache: dict, states) -> list[int]:
-    """`_least_recompute` of a state list the search keeps (`Space.kinds`), once per list."""
-    key = ("least", id(states))
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = _least_recompute(states)
-    return hit
 
 
 def _least_recompute(states) -> list[int]:

@@ -192,7 +192,6 @@ class Space:
         self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block)
         self._states: dict = {}
         self._kinds: dict = {}  # (tp, micro-batch, beside cp) -> `kinds`
-        self._asked: dict = {}  # `micro_batches` and `zero_options` by their arguments
         self._grids: dict = {}  # tp -> `has_grid`
 
     # ------------------------------------------------------------------ layers
@@ -342,14 +341,7 @@ class Space:
         return [m for m in modes if m != ULYSSES or heads % (mesh[CP] * mesh[TP]) == 0]
 
     def micro_batches(self, per_replica: int, pp: int) -> list[int]:
-        """Micro-batch sizes for a replica's `per_replica` samples (one list per arguments)."""
-        key = ("micro", per_replica, pp)
-        hit = self._asked.get(key)
-        if hit is None:
-            hit = self._asked[key] = self._micro_batches(per_replica, pp)
-        return hit
-
-    def _micro_batches(self, per_replica: int, pp: int) -> list[int]:
+        """Micro-batch sizes for a replica's `per_replica` samples."""
         c = self.c
         micro = [b for b in divisors(per_replica) if b <= self.opt.max_micro_batch]
         if c.micro_batch_size is not None:
@@ -405,14 +397,7 @@ class Space:
     def zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
         """(ZeRO stage, offload, hybrid shard size) options for this mesh: the shard None
         cuts over all of dp; a size (`cost.hybrid.shard_sizes`) is HSDP, tried without offload,
-        for ZeRO-3 (any stage when the constraint dp_shard fixes it). One list per mesh."""
-        key = ("zero", mesh[PP], mesh[DP], mesh[CP], mesh[TP], per_node)
-        hit = self._asked.get(key)
-        if hit is None:
-            hit = self._asked[key] = self._zero_options(mesh, per_node)
-        return hit
-
-    def _zero_options(self, mesh: dict, per_node: int) -> list[tuple[int, bool, int | None]]:
+        for ZeRO-3 (any stage when the constraint dp_shard fixes it)."""
         out = []
         replicas = mesh[DP] * mesh[CP]
         caps = self.caps
