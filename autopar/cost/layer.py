@@ -156,6 +156,9 @@ class LayerType:
     # reads the group's inputs and writes its outputs once (`_fused`)
     fused_traffic: Lin = ZERO
     fused_kernels: int = 0
+    # bytes of its parameters a later layer reads too (a tied embedding, read again by the
+    # classifier): ZeRO-3 gathers them once and holds them to that layer's backward
+    held_bytes: int = 0
 
     def fused_share(self, batch: float) -> float:
         """The share of the memory-bound bytes a compiled layer still moves."""
@@ -505,7 +508,7 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
     gemms, attention = [], []
     traffic = sympy.Integer(0)
     boundary = sympy.Integer(0)
-    param_bytes = params = kernels = 0
+    param_bytes = params = kernels = held_bytes = 0
     dtype_bytes = 0
     grouped = []
     moe = None
@@ -514,9 +517,11 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
         if node.op == "get_attr":
             p = traced.params.get(node.target)
             if p is not None and p.is_parameter:
-                n = int(_numel(p.shape))
-                params += n
-                param_bytes += n * torch.empty((), dtype=p.dtype).element_size()
+                n = int(_numel(p.shape)) * torch.empty((), dtype=p.dtype).element_size()
+                params += int(_numel(p.shape))
+                param_bytes += n
+                if any(owner.get(u, layer.name) != layer.name for u in node.users):
+                    held_bytes += n
             continue
         if info.dtype is not None and info.dtype.is_floating_point:
             dtype_bytes = max(dtype_bytes, torch.empty((), dtype=info.dtype).element_size())
@@ -542,7 +547,7 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
                      params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels,
                      experts=moe or _experts(traced, grouped), fused_traffic=Lin.of(fused),
-                     fused_kernels=groups)
+                     fused_kernels=groups, held_bytes=held_bytes)
 
 
 def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes,

@@ -217,6 +217,8 @@ class StateCost:
     step_temps: StepTemps = field(default_factory=StepTemps)
     # seconds a zero-bubble split backward adds (chunked_loss.SPLIT_NAME), not in `time`
     split_backward: float = 0.0
+    # bytes of `params` a later layer reads too (LayerType.held_bytes' share on a device)
+    held: float = 0.0
 
     @property
     def time(self) -> float:
@@ -530,7 +532,8 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     split = effects[chunked_loss.REMADE_NAME] = lay.remade  # as many again split (zero-bubble)
     return StateCost(forward, backward + split, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
-                     _step_temps(lt, mode, sharded, ep, cut), split)
+                     _step_temps(lt, mode, sharded, ep, cut), split,
+                     params * lt.held_bytes / lt.param_bytes if lt.param_bytes else 0.0)
 
 
 def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,

@@ -42,6 +42,7 @@ from autopar.cost.step import (
     step_temps_dev,
     sync_bytes,
     sync_time,
+    zero3_held,
 )
 from autopar.errors import PlanError
 from autopar.kernels.float8 import TENSORWISE
@@ -422,14 +423,14 @@ class Search:
         return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
-                experts_dev=None, temps_dev=None, shard=None):
+                experts_dev=None, temps_dev=None, shard=None, held=None):
         replicas = zero_ranks(leaf.mesh, shard)
         step = optimizer_step_dev(params_dev, temps_dev, replicas, zero, offload,
                                   self.precision, self.hw.optimizer_implementation,
                                   experts_dev, leaf.split)
         parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero, offload,
                                in_flight, self.precision, leaf.prep.workspace, experts_dev,
-                               leaf.split, step)
+                               leaf.split, step, held)
         return sum(parts.values()), parts, step
 
     def _price(self, leaf, zero, offload, shard=None) -> Candidate:
@@ -451,9 +452,11 @@ class Search:
         device_of, params_dev, acts_dev = leaf.fast.device_of, leaf.fast.params_dev, \
             leaf.fast.acts_dev
         experts_dev = self._experts_dev(leaf, chosen, device_of)
+        # ZeRO-3's weights held across layers (a tied embedding), with their gradients
+        held = zero3_held(prep.params, prep.held, self.precision, pp) if zero == 3 else None
         total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero,
                                               offload, in_flight, experts_dev,
-                                              leaf.fast.temps_dev, shard)
+                                              leaf.fast.temps_dev, shard, held)
         params, moved = prep.params, False
         if total.max() > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
@@ -468,12 +471,15 @@ class Search:
             params = prep.take(prep.param_table, chosen)
             params_dev = np.bincount(device_of, weights=params, minlength=pp)
             biggest = float(params.max()) if len(params) else 0.0
+            if held is not None:
+                held = zero3_held(params, prep.take(prep.held_table, chosen), self.precision,
+                                  pp)
             experts_dev = self._experts_dev(leaf, chosen, device_of)
             temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
                                        device_of, pp)
             total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, biggest, zero,
                                                   offload, in_flight, experts_dev, temps_dev,
-                                                  shard)
+                                                  shard, held)
             moved = chosen != prep.fast
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
