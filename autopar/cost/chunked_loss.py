@@ -204,6 +204,12 @@ def remade_work(flops: float, chunk: tuple, itemsize: int,
         logits * (2 * FP32 + upcast)
 
 
+def remade_both(flops: float, chunk: tuple, itemsize: int) -> list[tuple]:
+    """`remade_work` of the one-node backward (a single chunk kept) and of a zero-bubble
+    weight half (which makes even a single chunk again)."""
+    return [remade_work(flops, chunk, itemsize, kept) for kept in (True, False)]
+
+
 def effect(traced, solution, micro_batch: int) -> dict | None:
     """The named effect for a plan's prediction and explain: None where nothing fuses."""
     losses = loss_logits(traced, solution, micro_batch)

@@ -102,7 +102,7 @@ def buffer_bytes(biggest: float, replicas: int, zero: int,
 
 def zero3_held(params, held, precision: Precision, pp: int) -> tuple[float, float] | None:
     """What ZeRO-3 holds across layers (`buffer_bytes`' `held`), from each layer's parameter
-    bytes on a device and those of them a later layer reads too (`StateCost.held`): a
+    bytes on a device and those of them a later layer reads too (`LayerType.held_bytes`): a
     tied embedding is gathered once, at the embedding, and held to the classifier's
     backward, and its two uses' gradients are summed whole to the embedding's backward
     before one reduce-scatter; so its gathered bytes and its whole gradient are held beside

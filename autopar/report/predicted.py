@@ -217,8 +217,9 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                                   for c in costs)), device_of, pp) if costs else np.zeros(pp)
     step = optimizer_step_dev(params_dev, temps, replicas, zero.stage, zero.offload, precision,
                               hw.optimizer_implementation, experts_dev, split)
-    kept = zero3_held([c.params for c in costs], [c.held for c in costs], precision, pp) \
-        if zero.stage == 3 else None  # (a tied embedding, gathered once)
+    kept = zero3_held([c.params for c in costs], [
+        c.params * lt.held_bytes / lt.param_bytes if lt.param_bytes else 0.0
+        for c, lt in zip(costs, layers)], precision, pp) if zero.stage == 3 else None
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
                            held, precision, max((c.workspace for c in costs), default=0.0),
                            experts_dev, split, step, kept)

@@ -452,11 +452,9 @@ class Search:
         device_of, params_dev, acts_dev = leaf.fast.device_of, leaf.fast.params_dev, \
             leaf.fast.acts_dev
         experts_dev = self._experts_dev(leaf, chosen, device_of)
-        # ZeRO-3's weights held across layers (a tied embedding), with their gradients
-        held = zero3_held(prep.params, prep.held, self.precision, pp) if zero == 3 else None
         total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero,
-                                              offload, in_flight, experts_dev,
-                                              leaf.fast.temps_dev, shard, held)
+                                              offload, in_flight, experts_dev, leaf.fast.temps_dev,
+                                              shard, _held(leaf, zero, self.precision))
         params, moved = prep.params, False
         if total.max() > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
@@ -471,15 +469,12 @@ class Search:
             params = prep.take(prep.param_table, chosen)
             params_dev = np.bincount(device_of, weights=params, minlength=pp)
             biggest = float(params.max()) if len(params) else 0.0
-            if held is not None:
-                held = zero3_held(params, prep.take(prep.held_table, chosen), self.precision,
-                                  pp)
             experts_dev = self._experts_dev(leaf, chosen, device_of)
             temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
                                        device_of, pp)
             total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, biggest, zero,
                                                   offload, in_flight, experts_dev, temps_dev,
-                                                  shard, held)
+                                                  shard, _held(leaf, zero, self.precision, chosen))
             moved = chosen != prep.fast
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
@@ -646,3 +641,15 @@ def _better(a: Candidate, b: Candidate) -> bool:
     if a.fits:
         return a.step_time < b.step_time
     return a.memory_per_device < b.memory_per_device
+
+
+def _held(leaf, zero: int, precision, chosen=None) -> tuple[float, float] | None:
+    """ZeRO-3's weights held across layers (a tied embedding) with their gradients, at the
+    leaf's fastest states or at `chosen` (`cost.step.zero3_held`)."""
+    if zero != 3:
+        return None
+    prep, pp = leaf.prep, leaf.mesh[PP]
+    if chosen is None:
+        return zero3_held(prep.params, prep.held, precision, pp)
+    return zero3_held(prep.take(prep.param_table, chosen), prep.take(prep.held_table, chosen),
+                      precision, pp)
