@@ -54,7 +54,7 @@ class _ChunkedCE(torch.autograd.Function):
         row_max, sums, picked = (torch.empty(n, device=x.device) for _ in range(3))
         inside = (t >= start) & (t < start + vl)
         local_t = (t - start).masked_fill(~inside, 0)
-        kept = None  # (exp(z - m), m) of the one chunk, where the logits are a single chunk
+        kept = (None, None)  # (exp(z - m), m) of the chunk, where the logits are a single one
         for a in range(0, n, rows):  # one chunk's logits alive at a time, reduced in place
             z = _logits(xf[a:a + rows], weight, bias)  # (rows, vocab slice)
             m = z.max(-1).values
@@ -74,19 +74,20 @@ class _ChunkedCE(torch.autograd.Function):
         valid = t != ignore_index
         losses = (lse - picked) * valid
         count = valid.sum().float()
-        ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
-        ctx.spec, ctx.timer, ctx.kept = spec, timer, kept
+        # (the kept chunk saved as autograd saves tensors: what measures activations sees it,
+        # and a second backward through it, which found it consumed, is refused by autograd)
+        ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count, *kept)
+        ctx.spec, ctx.timer = spec, timer
         ctx.mark_non_differentiable(lse, local_t, inside, valid, count)
         loss = losses.sum() if reduction == 2 else losses.sum() / count
         return loss, lse, local_t, inside, valid, count
 
     @staticmethod
     def backward(ctx, grad, *_):
-        x, weight, bias, lse, local_t, inside, valid, count = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
+        x, weight, bias, lse, local_t, inside, valid, count, z, m = ctx.saved_tensors
         dx, dw, db = _gradients(x, weight, bias, (lse, local_t, inside, valid, count), grad,
                                 ctx.spec, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                (ctx.timer, REMADE), kept)
+                                (ctx.timer, REMADE), None if z is None else (z, m))
         return dx, dw, db, None, None, None, None
 
 
