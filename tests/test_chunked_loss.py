@@ -77,6 +77,41 @@ def test_kernel_equals_aten_in_many_chunks():
             assert torch.allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_keeps_a_single_chunk_and_makes_no_logits_again(split):
+    """Where the tokens fit one chunk the forward keeps its logits and the backward turns
+    them into the gradient: its GEMMs are the input's and the weight's gradients alone (two
+    of 2 x tokens x hidden x classes FLOPs each), three in several chunks (the logits made
+    again); a split loss's weight half still makes them (its input half keeps them). The
+    loss and gradients equal aten's either way."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 13, 8).requires_grad_()
+    w = torch.randn(40, 8).requires_grad_()
+    b = torch.randn(40).requires_grad_()
+    t = torch.randint(0, 40, (26,))
+    t[3] = -100
+    gemm = 2 * 26 * 8 * 40
+
+    def addmm_(out, a, b_, *_, **__):  # (the counter has no formula for the in-place one)
+        return 2 * a[0] * a[1] * b_[1]
+
+    for rows, again in ((26, 0), (3, 1)):
+        module = ChunkedCrossEntropy(None, 1, -100, chunk_bytes=rows * 40 * 4, split=split)
+        got = module(x, w, t, b)
+        with FlopCounterMode(display=False,
+                             custom_mapping={torch.ops.aten.addmm_: addmm_}) as counter:
+            grads = torch.autograd.grad(got, (x, w, b))
+        remade = again + split  # (the weight half makes them once more, from one chunk too)
+        assert counter.get_total_flops() == (2 + remade) * gemm, (rows, split)
+        want = F.cross_entropy((x @ w.t() + b).reshape(-1, 40), t)
+        expected = torch.autograd.grad(want, (x, w, b))
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        for g, e in zip(grads, expected):
+            assert torch.allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
 def _chunked_run(name, plan, chunked: bool) -> dict:
     """compare() with small chunks (several per local batch), plus how many losses fused."""
     losses.CHUNK_BYTES = SMALL_CHUNKS
@@ -225,11 +260,18 @@ def test_peak_falls_by_what_the_plan_says():
     assert abs(measured - said) <= 0.10 * said, (measured, said)
 
 
-def test_activations_lose_the_saved_logits():
+@pytest.mark.parametrize("chunks", ["many", "one"])
+def test_activations_lose_the_saved_logits(monkeypatch, chunks):
+    """The saved fp32 logits leave the loss's activations for their log-sum-exp; where they
+    are a single chunk (128 tokens under the default chunk), the forward keeps that chunk
+    and its row max instead, and holds nothing more while it runs."""
+    from autopar.cost.chunked_loss import held_while_running
     from autopar.cost.memory import activation_bytes
     from autopar.graph.trace import trace
     from autopar.models.gpt import GPT, GPTConfig
 
+    if chunks == "many":
+        monkeypatch.setattr(losses, "CHUNK_BYTES", 16 * 1000 * 4)  # 16 tokens a chunk
     model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
     x = torch.randint(0, 1000, (2, 64))
     traced = trace(model, (x,), loss_fn=lambda out, t: F.cross_entropy(
@@ -237,7 +279,13 @@ def test_activations_lose_the_saved_logits():
     whole = activation_bytes(traced, micro_batch=2, chunked_loss=False)
     chunked = activation_bytes(traced, micro_batch=2)
     tokens = 2 * 64
-    assert whole["loss"] - chunked["loss"] == tokens * 1000 * 4 - tokens * 4
+    running = held_while_running(traced, None, 2, True)["loss"]
+    if chunks == "many":
+        assert whole["loss"] - chunked["loss"] == tokens * 1000 * 4 - tokens * 4
+        assert running == 16 * 1000 * 4
+    else:  # the chunk (as many bytes as the fp32 logits), its row max and the lse
+        assert chunked["loss"] - whole["loss"] == 2 * tokens * 4
+        assert running == 0
     assert {k: v for k, v in whole.items() if k != "loss"} == \
         {k: v for k, v in chunked.items() if k != "loss"}
 
@@ -257,11 +305,14 @@ def test_explain_names_the_effect():
     assert effect["losses"][0]["vocab"] == 500 and effect["losses"][0]["whole_buffers"] == 4
 
 
-def test_the_planner_prices_the_loss_unchunked_when_told():
+def test_the_planner_prices_the_loss_unchunked_when_told(monkeypatch):
     import autopar
     from autopar.cli import main
     from autopar.models.gpt import GPT, GPTConfig
 
+    # 16 tokens a chunk: the 256 tokens' logits in several chunks, none kept (a single chunk
+    # would be kept for the backward, as many bytes as the unchunked loss saves)
+    monkeypatch.setattr(losses, "CHUNK_BYTES", 16 * 1000 * 4)
     model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
     x = torch.randint(0, 1000, (4, 64))
     plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
@@ -292,13 +343,14 @@ def _gpt_lm(vocab: int, seq: int, hidden: int, layers: int):
     return model, loss_fn
 
 
-def _remade_s(flops: int, chunk: tuple, hw, dtype: str) -> float:
+def _remade_s(flops: int, chunk: tuple, hw, dtype: str, kept: bool = True) -> float:
     """Seconds of logits made again: GEMMs of the chunk's shape, each moving its operands,
-    and the upcast and log-sum-exp subtraction's bytes (cost.chunked_loss.REMADE_SOURCE)."""
+    and the upcast and log-sum-exp subtraction's bytes (cost.chunked_loss.REMADE_SOURCE);
+    `kept` as remade_work's (False: a zero-bubble weight half, which makes one chunk too)."""
     from autopar.cost.chunked_loss import remade_work
     from autopar.cost.model import ITEMSIZE, gemm_time, memory_time
 
-    n, (rows, k, v), moved = remade_work(flops, chunk, ITEMSIZE[dtype])
+    n, (rows, k, v), moved = remade_work(flops, chunk, ITEMSIZE[dtype], kept)
     return n * gemm_time(2 * rows * k * v, hw, dtype, (rows, k, v), ITEMSIZE[dtype]) + \
         memory_time(moved, hw)
 
@@ -312,7 +364,9 @@ def test_zero_bubble_prices_the_classifier_matmul_its_split_backward_adds(monkey
     per micro-batch on the last stage, in chunks as the backward makes them): the search
     adds its seconds to that stage, so the step grows by (m + (p - 1)/6) of them (ZB-V's
     closed form), and explain names the effect; 1F1B, and zero-bubble with the loss
-    unchunked, have none of it (1F1B has the logits remade once, as every schedule)."""
+    unchunked, have none of it (1F1B has the logits remade once, as every schedule). At 256
+    tokens of 8192 classes the logits are a single chunk: the input half (and 1F1B's
+    one-node backward) keeps it, nothing remade there; the weight half makes them again."""
     import autopar
     import autopar.search.prepared
     from autopar.cost.chunked_loss import REMADE_NAME, SPLIT_NAME, loss_logits
@@ -334,11 +388,13 @@ def test_zero_bubble_prices_the_classifier_matmul_its_split_backward_adds(monkey
 
     zb, ofob, unchunked = planned("zero_bubble"), planned("1f1b"), planned("zero_bubble", False)
     matmul = _remade_s(one.logits_flops, (losses.chunk_rows(vocab), hidden, vocab),
-                       world.profile, zb.search.get("dtype", "bf16"))
+                       world.profile, zb.search.get("dtype", "bf16"), kept=False)
     assert _effects(zb)[SPLIT_NAME] == pytest.approx(m * matmul, rel=1e-6)
-    assert _effects(zb)[REMADE_NAME] == pytest.approx(m * matmul, rel=1e-6)
+    # (was m * matmul before a single chunk was kept)
+    assert _effects(zb).get(REMADE_NAME, 0.0) == 0.0
     assert SPLIT_NAME not in _effects(ofob) and SPLIT_NAME not in _effects(unchunked)
-    assert REMADE_NAME in _effects(ofob) and REMADE_NAME not in _effects(unchunked)
+    assert _effects(ofob).get(REMADE_NAME, 0.0) == 0.0 and \
+        REMADE_NAME not in _effects(unchunked)
     assert SPLIT_NAME in zb.explain() and SPLIT_NAME not in ofob.explain()
     split_table = autopar.search.prepared.Prepared._tables
 
@@ -366,15 +422,20 @@ def _step_flops(engine, x, y) -> int:
     return c.get_total_flops()
 
 
-def test_the_backward_remakes_the_logits_priced_as_counted():
+@pytest.mark.parametrize("chunks", ["many", "one"])
+def test_the_backward_remakes_the_logits_priced_as_counted(monkeypatch, chunks):
     """The chunked loss keeps no logits: its backward makes each chunk's again, one more
     classifier GEMM per step than the unchunked loss, which the FLOP counter sees over the
     real kernels and the plan names (REMADE_NAME, its FLOPs and seconds in the step) under
-    every schedule; unchunked, none of it."""
+    every schedule; unchunked, none of it. Where the logits are a single chunk (here the
+    128 tokens under the default 16 MiB chunk) the forward keeps it: no GEMM more than the
+    unchunked loss, and the plan prices none."""
     import autopar
     from autopar.cost.chunked_loss import REMADE_NAME
 
     vocab, seq, hidden = 1000, 64, 32
+    if chunks == "many":
+        monkeypatch.setattr(losses, "CHUNK_BYTES", 16 * vocab * 4)  # 8 chunks of 16 tokens
     x, y = torch.randint(0, vocab, (2, seq)), torch.randint(0, vocab, (2, seq))
     flops = {}
     for chunked in (False, True):
@@ -389,8 +450,13 @@ def test_the_backward_remakes_the_logits_priced_as_counted():
     plans = {c: autopar.plan(model, (x,), world, global_batch=2, loss_fn=loss_fn,
                              example_target=y, chunked_loss=c) for c in (True, False)}
     said = plans[True].detail["chunked_loss"]["remade_flops"]
-    assert said == 2 * (2 * seq) * hidden * vocab
+    assert said == (2 * (2 * seq) * hidden * vocab if chunks == "many" else 0)
     assert flops[True] - flops[False] == said, flops
+    if chunks == "one":
+        assert _effects(plans[True]).get(REMADE_NAME, 0.0) == 0.0
+        assert plans[True].predicted["step_time_s"] == \
+            pytest.approx(plans[False].predicted["step_time_s"], rel=1e-9)
+        return
     seconds = _remade_s(said, (losses.chunk_rows(vocab), hidden, vocab), world.profile,
                        plans[True].search.get("dtype", "bf16"))
     assert _effects(plans[True])[REMADE_NAME] == pytest.approx(seconds, rel=1e-9)
@@ -428,9 +494,12 @@ def test_zero_bubble_stages_hold_the_classifier_matmul():
 
 
 def _explained_zero_bubble() -> dict:
-    """A ZB-V pipeline over two ranks trained three steps; this rank's explain()."""
+    """A ZB-V pipeline over two ranks trained three steps, its logits in several chunks (as
+    `_chunked_run` leaves them; a single chunk would be kept, not made again in B); this
+    rank's explain()."""
     import autopar
 
+    losses.CHUNK_BYTES = SMALL_CHUNKS
     vocab = 2048
     torch.manual_seed(0)
     model, loss_fn = _gpt_lm(vocab, 32, 32, 4)
@@ -464,13 +533,15 @@ def test_explain_measures_the_logits_remade_beside_their_price(pool2):
         assert "logits made again" in r["text"] and SPLIT_NAME in r["text"], r["text"]
 
 
-def test_a_compiled_engine_times_the_logits_remade():
+def test_a_compiled_engine_times_the_logits_remade(monkeypatch):
     """compile=True leaves the chunked loss eager (autopar's own module): explain() still
-    puts the kernel's time making the logits again beside the plan's effect."""
+    puts the kernel's time making the logits again beside the plan's effect (the logits in
+    8 chunks: a single one would be kept, not made again)."""
     import autopar
     from autopar.cost.chunked_loss import REMADE_NAME
 
     vocab = 1000
+    monkeypatch.setattr(losses, "CHUNK_BYTES", 16 * vocab * 4)
     torch.manual_seed(0)
     model, loss_fn = _gpt_lm(vocab, 64, 32, 1)
     x, y = torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))

@@ -4,7 +4,10 @@ GPT-3 175B on 1024 A100-80GB (batch 1536, the case `benchmarks/bench_search.py` 
 free and under constraints: each winner and runner-up, its states, stages, step time and
 memory (floats as hex), must equal the record in tests/search_winners.json, which was
 written from the search before its speed-ups. AUTOPAR_RECORD_WINNERS=1 rewrites the record
-(only for a change that is meant to move the results).
+(only for a change that is meant to move the results). Re-recorded once when ZeRO-3 began
+holding GPT-3's tied embedding table (gathered once, kept to the classifier's backward, its
+gradient summed whole): the ZeRO-3 plans' memory grew by those bytes, no plan or step time
+moved.
 """
 
 from __future__ import annotations

@@ -257,6 +257,94 @@ def test_zero3_data_parallel_equals_single_device(pool2):
         assert 0 < probe["regathered"] < probe["train_units"], probe
 
 
+def _zero3_per_parameter(name: str, plan: dict, compile: bool = False) -> dict:
+    """During a second step: how many times each parameter was all-gathered for the
+    forward, for the backward, and reduce-scattered; and the bytes the step logged beside
+    the plan's prediction."""
+    import torch
+    import torch.distributed as dist
+    from equivalence import build
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(name, 8)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=plan,
+                                 compile=compile)
+    engine.train_step(inputs, target)
+    zero, counts = engine.zero, {}
+
+    def counted(kind, fn):
+        def run(u, *args):
+            key = kind if kind == "reduced" else args[0]  # (_finish's phase)
+            for i in zero.units[u].members:
+                counts.setdefault(key, [0] * len(zero.params))[i] += 1
+            return fn(u, *args)
+        return run
+
+    zero._finish = counted("gathered", zero._finish)
+    zero.reduce = counted("reduced", zero.reduce)
+    engine.comm_log.clear()
+    engine.train_step(inputs, target)
+    vocab = (model.config.vocab_size, model.config.n_embd)  # the embedding's = classifier's
+    tied = [i for i, shape in enumerate(zero.shapes) if tuple(shape) == vocab]
+    return {"counts": counts, "tied": tied, "n": len(zero.params),
+            "measured": engine.comm_log.totals(phases=("forward", "backward", "step")),
+            "predicted": engine.predicted_comm(8)}
+
+
+def test_zero3_tied_weight_gathered_and_reduced_once(pool2):
+    """The GPT's embedding and classifier share one weight: it belongs to the embedding's
+    unit, whose gathered buffer serves the classifier too and stays saved for the
+    classifier's backward (no gather again), and the two uses' gradients are summed before
+    one reduce-scatter. Every parameter is gathered once a forward and reduce-scattered once
+    a step, eager and compiled, and the plan predicts the bytes."""
+    for compiled in (False, True):
+        for r in pool2.run(_zero3_per_parameter, GPT, {"data": 2, "zero": {"stage": 3}},
+                           compiled):
+            assert len(r["tied"]) == 1, r
+            assert r["counts"]["forward"] == [1] * r["n"], (compiled, r)
+            assert r["counts"]["reduced"] == [1] * r["n"], (compiled, r)
+            assert r["counts"]["backward"][r["tied"][0]] == 0, (compiled, r)
+            assert r["measured"] == r["predicted"], (compiled, r)
+
+
+def test_zero3_plan_holds_the_tied_weight_and_its_gradient():
+    """The planner prices ZeRO-3's buffers as the runtime holds them: a tied embedding's
+    weight gathered once and held to the classifier's backward, with its whole gradient
+    summed there, beside the two layers gathered in turn (a block, the biggest of the rest);
+    untied, the embedding and the classifier are two layers gathered in turn. (Beside both,
+    the data-parallel sync's two flat buffers of the biggest layer.)"""
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.search import planner
+    from autopar.search.search import Constraints, Options, Search
+    from autopar.world import World
+
+    def lm_loss(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    buffers = {}
+    x = torch.zeros(2, 16, dtype=torch.long)
+    for tie in (True, False):
+        cfg = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, block_size=16,
+                        tie_embeddings=tie)
+        chain = planner.prepare(GPT(cfg), (x,), loss_fn=lm_loss, example_target=x,
+                                tp_sizes=[1])
+        block = max(lt.param_bytes for lt in chain.layers() if lt.name.startswith("blocks."))
+        table = cfg.vocab_size * cfg.n_embd * 4  # fp32: the gradient as many bytes again
+        cand = Search(chain, World(2, per_node=2, device="cpu"), Options(global_batch=4),
+                      Constraints(tp=1, pp=1, zero=3)).every()[0]
+        buffers[tie] = (cand.memory["buffers"], table, block)
+    got, table, block = buffers[True]
+    assert got == 2 * table + 2 * table + 2 * block
+    got, table, block = buffers[False]
+    assert got == 2 * table + 2 * table
+
+
 def _zero3_writes(name: str, plan: dict) -> dict:
     """Elements written by the ops (views and collectives aside) of ZeRO-3's gathers
     (each unit's pieces into its whole parameters) and of its gradient reduce-scatters

@@ -43,7 +43,8 @@ REMADE_SOURCE = ("the chunked loss keeps no logits for its backward, which makes
                  "micro-batch, chunk by chunk (the weight read per chunk), upcast to fp32 "
                  "where 16-bit, less the log-sum-exp before the softmax's exponential (one "
                  "more fp32 read and write than the unchunked backward; "
-                 "autopar.kernels.chunked_loss)")
+                 "autopar.kernels.chunked_loss); none where the logits are a single chunk, "
+                 "which the forward keeps")
 SPLIT_NAME = "zero-bubble classifier matmul"
 SPLIT_SOURCE = ("a zero-bubble schedule splits the loss's backward into its input and weight "
                 "halves (B and W), and each makes the chunks' logits again: one more "
@@ -75,6 +76,19 @@ class LossLogits:
     def rows(self) -> int:
         """Tokens per chunk."""
         return min(self.tokens, chunk_rows(self.vocab))
+
+    @property
+    def one_chunk(self) -> bool:
+        """Whether the logits are a single chunk, which the forward keeps for the backward
+        (exp(z - max) and the max: 4 bytes per logit and per token) instead of making
+        them again."""
+        return self.tokens <= chunk_rows(self.vocab)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes kept for the backward: the log-sum-exp, and the one chunk where it is kept."""
+        return self.tokens * FP32 + (self.chunk_bytes + self.tokens * FP32
+                                     if self.one_chunk else 0)
 
     @property
     def whole_bytes(self) -> int:
@@ -137,22 +151,24 @@ def _kernel(solution, loss: fx.Node, linear: fx.Node) -> str | None:
 
 def chunked_activations(traced, solution, micro_batch: int, per_layer: dict) -> dict:
     """`per_layer` (activation_bytes' result) with each fused loss's saved whole logits
-    replaced by its per-token log-sum-exp."""
+    replaced by its per-token log-sum-exp (and, where the logits are a single chunk, that
+    chunk: `LossLogits.kept_bytes`)."""
     out = dict(per_layer)
     for loss in loss_logits(traced, solution, micro_batch):
         if loss.layer in out:
             saved = loss.tokens * loss.vocab * loss.itemsize
-            out[loss.layer] = max(0, out[loss.layer] - saved + loss.tokens * FP32)
+            out[loss.layer] = max(0, out[loss.layer] - saved + loss.kept_bytes)
     return out
 
 
 def held_while_running(traced, solution, micro_batch: int, chunked: bool) -> dict[str, int]:
     """Per loss layer, the bytes its loss holds while it runs beyond what `activation_bytes`
-    keeps for the backward: one chunk's fp32 logits chunked; unchunked, the whole buffers of
-    its peak less the saved logits."""
+    keeps for the backward: one chunk's fp32 logits chunked (none more where that chunk is
+    all the logits, kept for the backward); unchunked, the whole buffers of its peak less
+    the saved logits."""
     out: dict[str, int] = {}
     for loss in loss_logits(traced, solution, micro_batch):
-        held = loss.chunk_bytes if chunked else \
+        held = (0 if loss.one_chunk else loss.chunk_bytes) if chunked else \
             loss.unchunked_peak - loss.tokens * loss.vocab * loss.itemsize
         out[loss.layer] = out.get(loss.layer, 0) + held
     return out
@@ -169,18 +185,29 @@ def remade(traced, solution, micro_batch: int, chunked: bool) -> dict[str, tuple
     return out
 
 
-def remade_work(flops: float, chunk: tuple, itemsize: int) -> tuple[float, tuple, float]:
+def remade_work(flops: float, chunk: tuple, itemsize: int,
+                kept: bool = True) -> tuple[float, tuple, float]:
     """What making `flops` of logits again takes (REMADE_SOURCE): (how many GEMMs, each's
     (M, K, N), the bytes its upcast to fp32 from `itemsize` and the subtraction of the
-    log-sum-exp move); `chunk` is `remade`'s shape."""
+    log-sum-exp move); `chunk` is `remade`'s shape. `kept`: nothing where the logits are a
+    single chunk, which the forward keeps for the one-node backward (and a split loss's input
+    half); a zero-bubble weight half makes them again all the same (kept=False)."""
     if flops <= 0 or not chunk:
         return 0.0, (0, 0, 0), 0.0
     most, hidden, vocab = chunk
     logits = flops / (2 * hidden)  # tokens x vocabulary
+    if kept and logits / vocab <= most:
+        return 0.0, (0, 0, 0), 0.0
     rows = min(most, logits / vocab)
     upcast = itemsize + FP32 if itemsize < FP32 else 0
     return flops / (2 * rows * hidden * vocab), (rows, hidden, vocab), \
         logits * (2 * FP32 + upcast)
+
+
+def remade_both(flops: float, chunk: tuple, itemsize: int) -> list[tuple]:
+    """`remade_work` of the one-node backward (a single chunk kept) and of a zero-bubble
+    weight half (which makes even a single chunk again)."""
+    return [remade_work(flops, chunk, itemsize, kept) for kept in (True, False)]
 
 
 def effect(traced, solution, micro_batch: int) -> dict | None:
@@ -192,7 +219,7 @@ def effect(traced, solution, micro_batch: int) -> dict | None:
             "unchunked_peak_bytes": sum(c.unchunked_peak for c in losses),
             "chunk_bytes": sum(c.chunk_bytes for c in losses),
             "saving_bytes": sum(c.saving for c in losses),
-            "remade_flops": sum(c.logits_flops for c in losses),
+            "remade_flops": sum(c.logits_flops for c in losses if not c.one_chunk),
             "losses": [{"layer": c.layer, "tokens": c.tokens, "vocab": c.vocab,
                         "kernel": c.kernel, "whole_buffers": WHOLE_BUFFERS[c.kernel]}
                        for c in losses]}

@@ -18,6 +18,7 @@ import torch
 
 from autopar.cost.chunked_loss import held_while_running, remade
 from autopar.cost.memory import activation_bytes
+from autopar.cost.state import param_dtype
 from autopar.graph.analysis import OpKind
 from autopar.graph.opaque import MOE_KEY_ARG, described
 from autopar.graph.trace import BATCH, TracedGraph
@@ -156,6 +157,7 @@ class LayerType:
     # reads the group's inputs and writes its outputs once (`_fused`)
     fused_traffic: Lin = ZERO
     fused_kernels: int = 0
+    held_bytes: int = 0  # of param_bytes, what a later layer reads too (ZeRO-3 holds it)
 
     def fused_share(self, batch: float) -> float:
         """The share of the memory-bound bytes a compiled layer still moves."""
@@ -464,18 +466,9 @@ def layer_chain(traced: TracedGraph, *, repeat: dict[str, int] | None = None,
     type_list = list(types.values())
     dtype_bytes = max(t.dtype_bytes for t in type_list)
     return LayerChain(type_list, [group_index[g] for g in order], tokens_per_sample,
-                      dtype_bytes, sources=sources, param_dtype=_param_dtype(traced),
+                      dtype_bytes, sources=sources, param_dtype=param_dtype(traced),
                       holding={lt.name: types[(g, False)].name for (g, held), lt in types.items()
                                if held and (g, False) in types})  # (a pipeline's stages)
-
-
-def _param_dtype(traced: TracedGraph) -> torch.dtype:
-    """The floating dtype holding the most parameter elements (fp32 for a model without)."""
-    count: dict[torch.dtype, int] = {}
-    for p in traced.params.values():
-        if p.is_parameter and p.dtype.is_floating_point:
-            count[p.dtype] = count.get(p.dtype, 0) + int(_numel(p.shape))
-    return max(count, key=count.__getitem__, default=torch.float32)
 
 
 def _outside_inputs(layer, owner) -> list:
@@ -505,7 +498,7 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
     gemms, attention = [], []
     traffic = sympy.Integer(0)
     boundary = sympy.Integer(0)
-    param_bytes = params = kernels = 0
+    param_bytes = params = kernels = held_bytes = 0
     dtype_bytes = 0
     grouped = []
     moe = None
@@ -517,6 +510,8 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
                 n = int(_numel(p.shape))
                 params += n
                 param_bytes += n * torch.empty((), dtype=p.dtype).element_size()
+                if any(owner.get(u, layer.name) != layer.name for u in node.users):  # (tied)
+                    held_bytes += n * torch.empty((), dtype=p.dtype).element_size()
             continue
         if info.dtype is not None and info.dtype.is_floating_point:
             dtype_bytes = max(dtype_bytes, torch.empty((), dtype=info.dtype).element_size())
@@ -542,7 +537,7 @@ def _read_layer(traced: TracedGraph, layer, owner, held: set = frozenset()) -> L
     return LayerType(layer.name, [layer.name], gemms, attention, Lin.of(traffic), param_bytes,
                      params, Lin.of(boundary), Lin.of(inputs), dtype_bytes or 4, kernels=kernels,
                      experts=moe or _experts(traced, grouped), fused_traffic=Lin.of(fused),
-                     fused_kernels=groups)
+                     fused_kernels=groups, held_bytes=held_bytes)
 
 
 def add_tensor_parallel(traced: TracedGraph, chain: LayerChain, sizes,

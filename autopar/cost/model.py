@@ -337,6 +337,7 @@ class _LayoutCost:
     fp8_casts: tuple = (0.0, 0.0)  # (forward, backward) seconds of fp8 casts and amax passes
     fp8_gemms: int = 0  # GEMMs that run in float8 (each scales its operands)
     remade: float = 0.0  # seconds of a chunked loss's logits its backward makes again
+    remade_split: float = 0.0  # ... a zero-bubble weight half's (from a single chunk too)
 
 
 def _layout_cost(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
@@ -443,12 +444,11 @@ def _price_layout(lt: LayerType, mode: TensorMode, sp: bool, batch: float,
                 sec = ctx.coll(op, n, ctx.tp)
             tp_comm.append((phase == "forward", sec, _wire_bytes(op, n, t)))
     flops, chunk = sharded.loss_remade or (ZERO, ())  # the chunked loss's logits made again
-    n, shape, moved = chunked_loss.remade_work(flops(batch / c), chunk, itemsize)
-    remade = memory_time(moved, hw) + n * gemm_time(2 * math.prod(shape), hw, dtype, shape,
-                                                    itemsize)
+    remade = [memory_time(moved, hw) + n * gemm_time(2 * math.prod(s), hw, dtype, s, itemsize)
+              for n, s, moved in chunked_loss.remade_both(flops(batch / c), chunk, itemsize)]
     return _LayoutCost(gemm_fwd, gemm_traffic, attn_each, attn_fwd, attn_ideal,
                        attn_even, mem_roof, mem_fwd, fused_fwd, forward, tuple(tp_comm), ep,
-                       imbalance, expert_fwd, expert_even, tuple(casts), fp8_gemms, remade)
+                       imbalance, expert_fwd, expert_even, tuple(casts), fp8_gemms, *remade)
 
 
 def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> StateCost:
@@ -527,10 +527,10 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     # a loss's logits while it runs (its tokens split over cp)
     workspace = max(workspace, sharded.loss_workspace(batch / c))
     acts, params = _held_bytes(lt, state, sharded, batch, c, expert_params)
-    split = effects[chunked_loss.REMADE_NAME] = lay.remade  # as many again split (zero-bubble)
-    return StateCost(forward, backward + split, recompute, comm, comm_bytes, acts, params,
+    effects[chunked_loss.REMADE_NAME] = lay.remade  # (split: remade_split once more, zero-bubble)
+    return StateCost(forward, backward + lay.remade, recompute, comm, comm_bytes, acts, params,
                      cp_comm, cp_bytes, effects, workspace, ep_comm, ep_bytes, expert_params,
-                     _step_temps(lt, mode, sharded, ep, cut), split)
+                     _step_temps(lt, mode, sharded, ep, cut), lay.remade_split)
 
 
 def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,

@@ -23,6 +23,15 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def param_dtype(traced: TracedGraph) -> torch.dtype:
+    """The floating dtype holding the most parameter elements (fp32 for a model without)."""
+    count: dict[torch.dtype, int] = {}
+    for p in traced.params.values():
+        if p.is_parameter and p.dtype.is_floating_point:
+            count[p.dtype] = count.get(p.dtype, 0) + int(math.prod(p.shape))
+    return max(count, key=count.__getitem__, default=torch.float32)
+
+
 def axis_sizes(solution) -> dict[str, int]:
     """Ranks per mesh axis of a solution (several axes under 2D, 2.5D and 3D)."""
     if solution is None:

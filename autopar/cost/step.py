@@ -89,10 +89,30 @@ def expert_split(mesh: dict, ep: int, per_node: int) -> ExpertSplit:
     return ExpertSplit(ep, pl[EP], pl[DP])
 
 
-def buffer_bytes(biggest: float, replicas: int, zero: int) -> float:
+def buffer_bytes(biggest: float, replicas: int, zero: int,
+                 held: tuple[float, float] | None = None) -> float:
     """The flat buffers of the biggest layer (`biggest` parameter bytes on a device): twice
-    for data-parallel sync where there are replicas, twice more for ZeRO-3's gathers."""
-    return (2 * biggest if replicas > 1 else 0.0) + (2 * biggest if zero == 3 else 0.0)
+    for data-parallel sync where there are replicas, twice more for ZeRO-3's gathers. `held`
+    (`zero3_held`): ZeRO-3's weights held across layers with their gradient, beside which
+    the gathers take turns over the biggest layer's other bytes."""
+    held_bytes, turn = (0.0, biggest) if held is None else held
+    return (2 * biggest if replicas > 1 else 0.0) + \
+        (held_bytes + 2 * turn if zero == 3 else 0.0)
+
+
+def zero3_held(params, held, precision: Precision, pp: int) -> tuple[float, float] | None:
+    """What ZeRO-3 holds across layers (`buffer_bytes`' `held`), from each layer's parameter
+    bytes on a device and those of them a later layer reads too (`LayerType.held_bytes`): a
+    tied embedding is gathered once, at the embedding, and held to the classifier's
+    backward, and its two uses' gradients are summed whole to the embedding's backward
+    before one reduce-scatter; so its gathered bytes and its whole gradient are held beside
+    the layers gathered in turn. (None beside nothing held.) Under a pipeline the two uses
+    lie on different stages, each gathering its own copy: nothing is held."""
+    held = np.asarray(held, dtype=float)
+    if pp > 1 or not held.any():
+        return None
+    rest = np.asarray(params, dtype=float) - held
+    return float(held.sum()) * (1 + precision.gradients / precision.weights), float(rest.max())
 
 
 def stage_memory(params, acts, in_flight, biggest: float, capacity: float,
@@ -110,10 +130,11 @@ def stage_memory(params, acts, in_flight, biggest: float, capacity: float,
 def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: int,
                    offload: bool, in_flight, precision: Precision, workspace: float = 0.0,
                    experts_dev=None, split: ExpertSplit | None = None,
-                   step_dev=None) -> dict:
+                   step_dev=None, held: tuple[float, float] | None = None) -> dict:
     """Bytes per device by kind (arrays over the pipeline ranks), which add up to its peak.
     Buffers: the biggest layer's flat buffers, twice for data-parallel sync and twice more
-    for ZeRO-3's gathers, plus the largest transient `workspace` of one layer. Under expert
+    for ZeRO-3's gathers (beside what it holds across layers, `held`: `zero3_held`), plus
+    the largest transient `workspace` of one layer. Under expert
     parallelism (`split`) the `experts_dev` bytes among `params_dev` take ZeRO's factors
     over the expert-data group instead of every replica.
 
@@ -122,7 +143,7 @@ def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: in
     temporaries `step_dev` (`optimizer_step_dev`)); `optimizer_step` is what the step adds
     over the backward's peak, max(0, step_dev - activations - buffers)."""
     weights, grads, optim = state_factors(precision, replicas, zero, offload)
-    buffers = np.full_like(params_dev, buffer_bytes(biggest, replicas, zero) + workspace)
+    buffers = np.full_like(params_dev, buffer_bytes(biggest, replicas, zero, held) + workspace)
     if split is None or experts_dev is None:
         dense, experts, factors = params_dev, 0.0, (0.0, 0.0, 0.0)
     else:

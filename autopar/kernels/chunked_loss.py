@@ -6,7 +6,10 @@ numbers per token (row max, sum of exponentials under that max, target logit) an
 The backward recomputes each chunk's logits from the saved hidden states and weight, turns
 them into that chunk's gradient and folds it into the hidden-state and weight gradients
 at once, so the peak holds one chunk's logits and gradient (the technique of Liger-Kernel's
-fused linear cross-entropy and torchtitan's chunked loss).
+fused linear cross-entropy and torchtitan's chunked loss). Where the logits are a single
+chunk there is nothing to save by making them again: the forward keeps that chunk (as
+exp(z - max)) and the backward turns it into the gradient in place, with no second
+classifier matmul (a zero-bubble weight half still makes it again).
 
 Under vocabulary parallelism (Megatron's 1D split of the classifier, Shoeybi et al. 2019)
 each rank holds a vocabulary slice. The per-token triples of every chunk are gathered
@@ -51,12 +54,15 @@ class _ChunkedCE(torch.autograd.Function):
         row_max, sums, picked = (torch.empty(n, device=x.device) for _ in range(3))
         inside = (t >= start) & (t < start + vl)
         local_t = (t - start).masked_fill(~inside, 0)
+        kept = (None, None)  # (exp(z - m), m) of the chunk, where the logits are a single one
         for a in range(0, n, rows):  # one chunk's logits alive at a time, reduced in place
             z = _logits(xf[a:a + rows], weight, bias)  # (rows, vocab slice)
             m = z.max(-1).values
             row_max[a:a + rows] = m
             picked[a:a + rows] = z.gather(1, local_t[a:a + rows, None]).squeeze(1)
             sums[a:a + rows] = z.sub_(m[:, None]).exp_().sum(-1)
+            if n <= rows:  # nothing to save by making them again: kept for the backward
+                kept = (z, m)
             del z
         picked = picked * inside
         if g is not None:  # the three per-token all-reduces of the unchunked kernel
@@ -68,7 +74,9 @@ class _ChunkedCE(torch.autograd.Function):
         valid = t != ignore_index
         losses = (lse - picked) * valid
         count = valid.sum().float()
-        ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count)
+        # (the kept chunk saved as autograd saves tensors: what measures activations sees it,
+        # and a second backward through it, which found it consumed, is refused by autograd)
+        ctx.save_for_backward(x, weight, bias, lse, local_t, inside, valid, count, *kept)
         ctx.spec, ctx.timer = spec, timer
         ctx.mark_non_differentiable(lse, local_t, inside, valid, count)
         loss = losses.sum() if reduction == 2 else losses.sum() / count
@@ -76,10 +84,10 @@ class _ChunkedCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_):
-        x, weight, bias, lse, local_t, inside, valid, count = ctx.saved_tensors
+        x, weight, bias, lse, local_t, inside, valid, count, z, m = ctx.saved_tensors
         dx, dw, db = _gradients(x, weight, bias, (lse, local_t, inside, valid, count), grad,
                                 ctx.spec, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                (ctx.timer, REMADE))
+                                (ctx.timer, REMADE), None if z is None else (z, m))
         return dx, dw, db, None, None, None, None
 
 
@@ -103,10 +111,12 @@ class _WeightHalf(torch.autograd.Function):
 
 
 def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool,
-               timed: tuple = (None, REMADE)):
+               timed: tuple = (None, REMADE), kept: tuple | None = None):
     """dx, dW, db of the chunked loss (None where not wanted), chunk by chunk: each
     chunk's logits are made again, turned into their gradient in place and folded in.
-    `timed`: (a timer, or None; the tag its spans of the logits made again take)."""
+    `timed`: (a timer, or None; the tag its spans of the logits made again take); `kept`:
+    the forward's (exp(z - m), m) where the logits were a single chunk, turned into the
+    softmax in place instead of made again."""
     timer, tag = timed
     lse, local_t, inside, valid, count = stats
     reduction, _, rows = spec
@@ -116,11 +126,14 @@ def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool,
     dw = torch.zeros_like(weight) if want_w else None
     db = torch.zeros_like(bias) if want_w and bias is not None else None
     for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
-        start = timer.now() if timer is not None else None
-        dz = _logits(xf[a:a + rows], weight, bias)
-        if timer is not None:
-            timer.span(tag, start)
-        dz = dz.sub_(lse[a:a + rows, None]).exp_()
+        if kept is not None:  # exp(z - m) exp(m - lse): (this rank's m, the global lse)
+            dz = kept[0].mul_((kept[1] - lse).exp()[:, None])
+        else:
+            start = timer.now() if timer is not None else None
+            dz = _logits(xf[a:a + rows], weight, bias)
+            if timer is not None:
+                timer.span(tag, start)
+            dz = dz.sub_(lse[a:a + rows, None]).exp_()
         hit = torch.arange(dz.shape[0], device=dz.device)
         dz[hit, local_t[a:a + rows]] -= inside[a:a + rows].to(dz.dtype)
         dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)

@@ -42,6 +42,7 @@ from autopar.cost.step import (
     stage_transfer,
     step_temps_dev,
     sync_bytes,
+    zero3_held,
 )
 from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
@@ -216,9 +217,12 @@ def pipeline_detail(plan: Plan, chain: LayerChain, states: list[LayerState],
                                   for c in costs)), device_of, pp) if costs else np.zeros(pp)
     step = optimizer_step_dev(params_dev, temps, replicas, zero.stage, zero.offload, precision,
                               hw.optimizer_implementation, experts_dev, split)
+    kept = zero3_held([c.params for c in costs], [
+        c.params * lt.held_bytes / lt.param_bytes if lt.param_bytes else 0.0
+        for c, lt in zip(costs, layers)], precision, pp) if zero.stage == 3 else None
     parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero.stage, zero.offload,
                            held, precision, max((c.workspace for c in costs), default=0.0),
-                           experts_dev, split, step)
+                           experts_dev, split, step, kept)
     split = pp > 1 and pipe.schedule == ZERO_BUBBLE  # (the loss's backward in two)
     per_rank = np.bincount(device_of, weights=[c.time + t + split * c.split_backward
                                                for c, t in zip(costs, conv)], minlength=pp)

@@ -38,6 +38,9 @@ class _Unit:
         self.chunk = sum(self.chunks)  # one rank's piece of the unit
         # fp8: the members gathered as e4m3 (1 byte each, the weights of float8 linears)
         self.float8 = float8 if float8 is not None and any(float8) else None
+        # a later layer reads a member too (a tied weight): the gathered buffer lives from
+        # this layer to that one, and what it saves keeps it to that one's backward
+        self.held = False
 
 
 class ZeroThree(ZeroState):
@@ -138,18 +141,12 @@ class ZeroThree(ZeroState):
                     reads[node] = i
         if not reads:
             return []
-        # the layers reading sharded parameters, in graph order, with what each reads
-        uses: dict[str, dict[int, list[fx.Node]]] = {}
-        first: dict[str, fx.Node] = {}
-        for node in graph.nodes:
-            for arg in node.all_input_nodes:
-                if arg in reads:
-                    layer = _layer(node)
-                    uses.setdefault(layer, {}).setdefault(reads[arg], []).append(node)
-                    first.setdefault(layer, node)
+        uses, first, spans = _layer_uses(graph, reads)
         order = [self._unit(layer, sorted(per_param), [
             self.float8 and all(_float8_weight(gm, user) for user in per_param[i])
             for i in sorted(per_param)]) for layer, per_param in uses.items()]
+        for layer, u in zip(uses, order):
+            self.units[u].held = layer in spans
         for k, (layer, per_param) in enumerate(uses.items()):
             members, u = sorted(per_param), order[k]
             name = f"{self.prefix}_{u}"
@@ -351,7 +348,7 @@ class ZeroThree(ZeroState):
         def pack(t: torch.Tensor):
             entry = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" \
                 else None
-            if entry is None or entry[1]() is None:
+            if entry is None or entry[1]() is None or self.units[entry[0]].held:
                 return t if outer_pack is None else _Outer(outer_pack(t))
             return _Saved(entry[0], t.shape, t.stride(), t.storage_offset(), t.requires_grad)
 
@@ -524,6 +521,27 @@ def _casts_to(node: fx.Node, dtype: torch.dtype) -> bool:
     return node.op == "call_function" and \
         node.target is torch.ops.aten._to_copy.default and \
         node.meta.get("autopar_precision") == "compute" and node.kwargs.get("dtype") == dtype
+
+
+def _layer_uses(graph: fx.Graph, reads: dict[fx.Node, int]) -> tuple[dict, dict, set]:
+    """The layers owning sharded parameters, in graph order, each with its parameters and
+    all their users; the first node of each that reads one; and the layers whose
+    parameters another layer reads too. A parameter belongs to the first layer that reads
+    it: a tied weight (an embedding's, read again by the classifier) is one unit's member,
+    gathered once a forward and its two uses' gradients summed before one reduce-scatter."""
+    owner: dict[int, str] = {}
+    uses: dict[str, dict[int, list[fx.Node]]] = {}
+    first: dict[str, fx.Node] = {}
+    spans: set[str] = set()
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg in reads:
+                layer = owner.setdefault(reads[arg], _layer(node))
+                uses.setdefault(layer, {}).setdefault(reads[arg], []).append(node)
+                first.setdefault(layer, node)
+                if _layer(node) != layer:
+                    spans.add(layer)
+    return uses, first, spans
 
 
 def _layer(node: fx.Node) -> str:

@@ -128,6 +128,7 @@ class Prepared:
         self.acts = self.take(self.act_table, self.fast)
         self.temps = tuple(self.take(t, self.fast) for t in self.temp_tables)
         self.biggest = float(self.params.max()) if len(self.params) else 0.0
+        self.held = self.take(self.held_table, self.fast)
         return self
 
     def _tables(self, search) -> None:
@@ -138,13 +139,14 @@ class Prepared:
         self.rows = np.arange(n)
         layout_ids: dict = {}
         kinds = []
-        for states, costs in per_type:
-            table = np.zeros((12, width))
+        for (lt, _), (states, costs) in zip(self.kinds, per_type):
+            table = np.zeros((13, width))
+            tied = lt.held_bytes / lt.param_bytes if lt.param_bytes else 0.0  # (of c.params)
             for k, c in enumerate(costs):
                 table[:, k] = (c.time, c.activations, c.params, c.forward + c.backward +
                                c.recompute, c.comm, c.comm_bytes, c.expert_params, c.ep_comm,
                                c.step_temps.peak, c.step_temps.first, c.step_temps.last,
-                               c.split_backward)
+                               c.split_backward, c.params * tied)
             layouts = np.full(width, -1)
             layouts[:len(states)] = [layout_ids.setdefault(st.layout, len(layout_ids))
                                      for st in states]
@@ -155,6 +157,7 @@ class Prepared:
                 tables[:, q, :] for q in range(8))
         self.temp_tables = tuple(tables[:, q, :] for q in range(8, 11))  # StepTemps' fields
         self.split_table = tables[:, 11, :]  # zero-bubble's split backward (StateCost)
+        self.held_table = tables[:, 12, :]  # params a later layer reads too (held_bytes)
         self.layout_table = np.stack([kinds[t][1] for t in order])
         self.gather = np.array([0.0] + [float(c.max()) if c.size else 0.0
                                         for c in self.conv[1:]])

@@ -42,6 +42,7 @@ from autopar.cost.step import (
     step_temps_dev,
     sync_bytes,
     sync_time,
+    zero3_held,
 )
 from autopar.errors import PlanError
 from autopar.kernels.float8 import TENSORWISE
@@ -422,14 +423,14 @@ class Search:
         return balance_within(prep.layer_time, weights, capacity, pp)
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
-                experts_dev=None, temps_dev=None, shard=None):
+                experts_dev=None, temps_dev=None, shard=None, held=None):
         replicas = zero_ranks(leaf.mesh, shard)
         step = optimizer_step_dev(params_dev, temps_dev, replicas, zero, offload,
                                   self.precision, self.hw.optimizer_implementation,
                                   experts_dev, leaf.split)
         parts = memory_by_kind(params_dev, acts_dev, biggest, replicas, zero, offload,
                                in_flight, self.precision, leaf.prep.workspace, experts_dev,
-                               leaf.split, step)
+                               leaf.split, step, held)
         return sum(parts.values()), parts, step
 
     def _price(self, leaf, zero, offload, shard=None) -> Candidate:
@@ -452,8 +453,8 @@ class Search:
             leaf.fast.acts_dev
         experts_dev = self._experts_dev(leaf, chosen, device_of)
         total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, prep.biggest, zero,
-                                              offload, in_flight, experts_dev,
-                                              leaf.fast.temps_dev, shard)
+                                              offload, in_flight, experts_dev, leaf.fast.temps_dev,
+                                              shard, _held(leaf, zero, self.precision))
         params, moved = prep.params, False
         if total.max() > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
@@ -473,7 +474,7 @@ class Search:
                                        device_of, pp)
             total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, biggest, zero,
                                                   offload, in_flight, experts_dev, temps_dev,
-                                                  shard)
+                                                  shard, _held(leaf, zero, self.precision, chosen))
             moved = chosen != prep.fast
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
@@ -640,3 +641,15 @@ def _better(a: Candidate, b: Candidate) -> bool:
     if a.fits:
         return a.step_time < b.step_time
     return a.memory_per_device < b.memory_per_device
+
+
+def _held(leaf, zero: int, precision, chosen=None) -> tuple[float, float] | None:
+    """ZeRO-3's weights held across layers (a tied embedding) with their gradients, at the
+    leaf's fastest states or at `chosen` (`cost.step.zero3_held`)."""
+    if zero != 3:
+        return None
+    prep, pp = leaf.prep, leaf.mesh[PP]
+    if chosen is None:
+        return zero3_held(prep.params, prep.held, precision, pp)
+    return zero3_held(prep.take(prep.param_table, chosen), prep.take(prep.held_table, chosen),
+                      precision, pp)
