@@ -110,6 +110,7 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
     cached = trace_cache.lookup(key, model) if key is not None else None
     if cached is not None:
         model.train(model.training)  # as a trace leaves it: every module as the root
+        cached.example_batch = batch  # (the key leaves the batch out: the graph's is symbolic)
         return cached
     wrapper = _wrap(model, loss_fn, len(inputs))
     was_training = model.training
