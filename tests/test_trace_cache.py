@@ -150,6 +150,22 @@ def test_a_hit_equals_a_fresh_trace_and_is_bound_to_the_new_model():
     _assert_bound(first, model)
 
 
+def test_a_trace_of_another_batch_hits_and_equals_a_fresh_trace_of_that_batch():
+    """The batch is a symbol in every graph export makes (it refuses a model that fixes it):
+    the planner's trace of the global batch serves the engine's trace of a rank's share."""
+    model, (x,) = build("gpt-tiny", batch=8, device="cpu", seed=0)
+    trace(model, (x,), loss_fn=_lm_loss, example_target=x, train=True)
+    again, (small,) = build("gpt-tiny", batch=3, device="cpu", seed=1)
+    args = dict(loss_fn=_lm_loss, example_target=small, train=True)
+    hit = trace(again, (small,), **args)
+    assert trace_cache.info() == trace_cache.CacheInfo(hits=1, misses=1, entries=1)
+    assert hit.example_batch == 3
+    _assert_same_graph(hit, _fresh(again, (small,), **args))
+    _assert_bound(hit, again)
+    one, (single,) = build("gpt-tiny", batch=1, device="cpu", seed=2)
+    assert trace(one, (single,), train=False).example_batch == 2  # (1 is traced as 2)
+
+
 def test_the_graph_computes_with_the_new_model_weights():
     torch.manual_seed(0)
     model, other = _Net(p=0.0).eval(), _Net(p=0.0).eval()
@@ -265,7 +281,9 @@ def test_every_part_of_the_key_misses_when_it_changes(monkeypatch):
     replaced.forward = types.MethodType(lambda self, x: self.head(self.emb(x)), replaced)
     assert _key(replaced) != base, "a forward set on the instance"
     assert _key(_Net(), torch.randint(0, 16, (2, 5))) != base, "an input shape"
-    assert _key(_Net(), torch.randint(0, 16, (3, 4))) != base, "the batch"
+    assert _key(_Net(), torch.randint(0, 16, (3, 4))) == base, "the batch is symbolic"
+    assert _key(_Net(), torch.randint(0, 16, (4, 2)).t()) != \
+        _key(_Net(), torch.randint(0, 16, (2, 4)).t()), "the batch of an input not contiguous"
     assert _key(_Net(), _X.int()) != base, "an input dtype"
     assert _key(_Net(), train=False) != base, "train"
     assert _key(_Net(), loss_fn=_lm_loss) != _key(_Net(), loss_fn=F.mse_loss), "the loss"

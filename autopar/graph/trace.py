@@ -10,6 +10,7 @@ values nothing else reads run out of place (`autopar.graph.inplace`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 
@@ -110,6 +111,7 @@ def trace(model: nn.Module, example_inputs, *, loss_fn=None, example_target=None
     cached = trace_cache.lookup(key, model) if key is not None else None
     if cached is not None:
         model.train(model.training)  # as a trace leaves it: every module as the root
+        cached.example_batch = batch  # (the key leaves the batch out: the graph's is symbolic)
         return cached
     wrapper = _wrap(model, loss_fn, len(inputs))
     was_training = model.training
@@ -186,9 +188,24 @@ def _batch_dims(n: int):
     return batch, tuple({0: batch} for _ in range(n))
 
 
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Export without a Python stack trace captured and symbolized for every node (a tenth
+    to a fifth of a trace's CPU): nothing reads a node's `stack_trace`, and a failed trace
+    names the user's line from its exception's traceback (`_user_frame`)."""
+    config = torch.fx.config
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def _via_export(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
     _, dims = _batch_dims(len(inputs))
-    ep = torch.export.export(wrapper, inputs, dynamic_shapes=dims, strict=False)
+    with _no_stack_traces():
+        ep = torch.export.export(wrapper, inputs, dynamic_shapes=dims, strict=False)
     gm = ep.module()
     _finish(gm, inputs, prefix="")
     for node in gm.graph.nodes:
@@ -206,7 +223,9 @@ def _via_fx(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
         path = list(stack.values())[-1][0] if stack else ""
         node.meta["custom"] = {"autopar_module": _strip(path, _WRAPPED)}
     _, dims = _batch_dims(len(inputs))
-    ep = torch.export.export(_Interpret(inner), inputs, dynamic_shapes=(dims,), strict=False)
+    with _no_stack_traces():
+        ep = torch.export.export(_Interpret(inner), inputs, dynamic_shapes=(dims,),
+                                 strict=False)
     gm = ep.module()
     _finish(gm, inputs, prefix="gm.")
     for node in gm.graph.nodes:

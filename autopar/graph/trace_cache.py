@@ -95,7 +95,7 @@ def key(model: nn.Module, inputs: tuple, loss_fn, train: bool) -> _Key | None:
         return None
     fp = _Fingerprint()
     try:
-        value = (fp.model(model), tuple(fp.tensor(t) for t in inputs), fp.loss(loss_fn),
+        value = (fp.model(model), tuple(fp.example(t) for t in inputs), fp.loss(loss_fn),
                  bool(train), fp.torch_state(), fp.tracing_code())
         value += (tuple(fp.classes.values()),)  # what the modules' class indices name
     except (_Uncacheable, RecursionError):
@@ -326,6 +326,16 @@ class _Fingerprint:
         return (type(t).__qualname__, self.ident(type(t)), tuple(t.shape), t.stride(), t.dtype,
                 t.requires_grad, t.device.type)
 
+    def example(self, t) -> tuple:
+        """An example input or target as `tensor` fingerprints it, less its batch (dimension
+        0, which every graph of the trace holds as a symbol) when its strides are the
+        contiguous ones of its shape (so they follow from the other dimensions)."""
+        out = self.tensor(t)
+        if t.dim() and t.stride() == _contiguous_strides(t.shape):
+            kind, ident, shape, _, *rest = out
+            out = (kind, ident, ("batch",) + shape[1:], "contiguous", *rest)
+        return out
+
     def loss(self, loss_fn) -> tuple:
         if isinstance(loss_fn, nn.Module):
             if any(True for _ in loss_fn.parameters()) or any(True for _ in loss_fn.buffers()):
@@ -444,6 +454,14 @@ class _Fingerprint:
 _ABSENT = object()
 _CONFIGS = ("PretrainedConfig", "PreTrainedConfig", "GenerationConfig")  # transformers'
 _UNREAD = ("_original_object_hash",)  # a generation config's hash of itself, per instance
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _by_content(x) -> bool:
