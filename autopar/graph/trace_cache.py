@@ -333,7 +333,7 @@ class _Fingerprint:
         out = self.tensor(t)
         if t.dim() and t.stride() == _contiguous_strides(t.shape):
             kind, ident, shape, _, *rest = out
-            out = (kind, ident, ("batch",) + shape[1:], "contiguous", *rest)
+            out = (kind, ident, ("batch",) + shape[1:], None, *rest)  # strides: the shape's
         return out
 
     def loss(self, loss_fn) -> tuple:
