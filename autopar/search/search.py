@@ -150,8 +150,11 @@ class Search:
         self.opt = options
         self.c = Constraints.of(constraints)
         self.space = Space(chain, options, self.c)
-        self.layers = chain.layers()
-        self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
+        if base is not None:  # the same chain: its layers as the base search read them
+            self.layers, self.blocks = base.layers, base.blocks
+        else:
+            self.layers = chain.layers()
+            self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
         # placement-only caches (contexts, dp sync, in flight), shared with the base search's
         self._shared: dict = base._shared if base is not None else {}
@@ -381,8 +384,9 @@ class Search:
         return hit
 
     def _evaluate(self, leaf):
-        if leaf.prep.build().adds_nothing():
+        if leaf.prep.adds_nothing():
             return  # the base search's candidates: priced there, or bounded above its k best
+        leaf.prep.build()
         settled, fast, zeros = self._settled, None, leaf.zeros
         if settled is not None:
             fast = leaf.prep.fast_key()
@@ -457,11 +461,8 @@ class Search:
         params, moved = prep.params, False
         if total.max() > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
-            fixed = total - parts["activations"] - parts["optimizer_step"]
-            for d in range(pp):
-                if total[d] > self.capacity:
-                    budget = (self.capacity - fixed[d]) / in_flight[d]
-                    prep.fit(chosen, leaf.fast.layers_of(d), budget)
+            prep.fit_ranks(chosen, leaf.fast, total, total - parts["activations"] -
+                           parts["optimizer_step"], self.capacity, in_flight)
             acts = prep.take(prep.act_table, chosen)
             acts_dev = np.bincount(device_of, weights=acts, minlength=pp)
             # a layer that changed layout holds its parameters differently too
