@@ -76,8 +76,7 @@ class Prepared:
             costs[:len(known)] = known
         self.order = order
         self.pl, self.b = pl, b
-        memo = search._shared.setdefault("least recompute", {})
-        least = [self._price(_least_recompute(states, memo), t) for t, (_, states) in
+        least = [self._price(_least_recompute(states), t) for t, (_, states) in
                  enumerate(kinds)]
         counts = np.bincount(order, minlength=len(kinds))
         fastest = [min(c.time for c in costs) for costs in least]
@@ -384,17 +383,8 @@ def _beats(b, c) -> bool:
     return b.time < c.time and b.activations <= c.activations
 
 
-def _least_recompute(states, memo: dict) -> list[int]:
-    """Per layout, the index of its state with the least recomputation, in state order; once
-    per state list (`Space.kinds` makes one per tensor size and micro-batch, shared by the
-    leaves and the searches asking), kept in ``memo``."""
-    hit = memo.get(id(states))
-    if hit is None or hit[0] is not states:
-        hit = memo[id(states)] = (states, _least_of(states))
-    return hit[1]
-
-
-def _least_of(states) -> list[int]:
+def _least_recompute(states) -> list[int]:
+    """Per layout, the index of its state with the least recomputation, in state order."""
     best: dict = {}
     for k, s in enumerate(states):
         rank = RECOMPUTE.index(s.recompute)
