@@ -76,17 +76,16 @@ class Prepared:
             costs[:len(known)] = known
         self.order = order
         self.pl, self.b = pl, b
-        least = [self._price(_least_recompute(states), t) for t, (_, states) in
-                 enumerate(kinds)]
-        counts = np.bincount(order, minlength=len(kinds))
-        fastest = [min(c.time for c in costs) for costs in least]
+        # per kind: (least seconds, parameter and expert bytes, most workspace)
+        self.least = [self._least(t, base) for t in range(len(kinds))]
+        self.counts = counts = base.counts if base else np.bincount(order,
+                                                                     minlength=len(kinds))
+        fastest = [least[0] for least in self.least]
         self.min_total = float(np.dot(counts, fastest))
         self.min_single = max(fastest[t] for t in set(order))
-        self.min_params = float(np.dot(counts, [min(c.params for c in costs)
-                                                for costs in least]))
-        self.min_experts = float(np.dot(counts, [min(c.expert_params for c in costs)
-                                                 for costs in least]))
-        self.workspace = max((c.workspace for costs in least for c in costs), default=0.0)
+        self.min_params = float(np.dot(counts, [least[1] for least in self.least]))
+        self.min_experts = float(np.dot(counts, [least[2] for least in self.least]))
+        self.workspace = max(least[3] for least in self.least)
         self.built = False
         self._stages: dict = {}
         self._layouts: dict = {}
@@ -96,6 +95,25 @@ class Prepared:
         self._left: dict = {}  # `_left_states` by layer
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
+
+    def _least(self, t: int, base) -> tuple:
+        """Kind ``t``'s least seconds, parameter and expert bytes and its most workspace over
+        each layout's state with the least recomputation; from the `base` Prepared's where
+        these states begin its, pricing only the layouts it lacks."""
+        states = self.kinds[t][1]
+        n = len(base.kinds[t][1]) if base is not None else 0
+        if n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
+            had = base.least[t]
+            if len(states) == n:
+                return had
+            costs = self._price([n + k for k in _least_recompute(states[n:])], t)
+            return (min(had[0], min(c.time for c in costs)),
+                    min(had[1], min(c.params for c in costs)),
+                    min(had[2], min(c.expert_params for c in costs)),
+                    max(had[3], max(c.workspace for c in costs)))
+        costs = self._price(_least_recompute(states), t)
+        return (min(c.time for c in costs), min(c.params for c in costs),
+                min(c.expert_params for c in costs), max(c.workspace for c in costs))
 
     def _price(self, which, t: int) -> list:
         """The costs of kind ``t``'s states at the indices ``which``, each priced once."""

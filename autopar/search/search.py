@@ -316,11 +316,7 @@ class Search:
             avg = prep.min_total / pp
             if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
                 continue
-            slowest = max(avg, prep.min_single)
-            dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
-                                      grad_pl, cache=None if shard else dp_cache,
-                                      hybrid=hybrid_split(mesh, shard, self.world.per_node))
-                        for z, _, shard in leaf_zeros)
+            slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
             for schedule, v in self.space.schedules(pp, m):
                 if pp * v > len(self.chain.order):
                     continue
@@ -336,6 +332,14 @@ class Search:
                     # no less than the pipeline's work spread over its cores, nor the
                     # schedule at a whole core per rank
                     pipe = max(m * avg, self.hw.compute_share * pipe)
+                if pipe >= self._cutoff:  # (with the sync's, no sooner: it takes no time off)
+                    continue
+                if dp_lb is None:
+                    dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
+                                              grad_pl, cache=None if shard else dp_cache,
+                                              hybrid=hybrid_split(mesh, shard,
+                                                                  self.world.per_node))
+                                for z, _, shard in leaf_zeros)
                 if pipe + dp_lb >= self._cutoff:
                     continue  # another search's k best are faster
                 out.append(Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
