@@ -92,7 +92,7 @@ class Prepared:
         self._fast_key: tuple | None = None  # `fast_key`, once asked
         self._adds_nothing: bool | None = None  # `adds_nothing`, once asked
         self._runs: dict = {}  # `relayout`'s paths by run and the states at its ends
-        self._left: dict = {}  # `_left_states` by layer
+        self._unfitted: dict = {}  # `_unfitted_times` by layer
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
 
@@ -299,7 +299,7 @@ class Prepared:
     def fit(self, chosen, idx, budget, fixed: set | None = None) -> None:
         """Fit one device's layers in ``budget`` activation bytes at the least extra time:
         layers of one kind keep one layout and choose their recompute (`_counts`); the
-        layers it sets go into ``fixed`` (for `relayout`)."""
+        layers it moves off their fastest-path state go into ``fixed`` (for `relayout`)."""
         mems = self.mem_lists
         spare = budget - sum(mems[i][chosen[i]] for i in idx)
         if spare >= 0:
@@ -341,10 +341,10 @@ class Prepared:
         their states again by the fastest path around the ones it set, each among its states
         of the same tensor mode holding no more activations, parameters or optimizer
         temporaries than its current one (so what fitted still fits), and their layouts
-        follow: the path pays no conversion the memory does not force. Exact and local: the fastest path's choices along a run of
-        layers left stay the fastest while the fitted layers at its ends keep their layouts,
-        so only the runs beside a layer that changed layout are searched again, each once per
-        leaf and pair of states at its ends."""
+        follow: the path pays no conversion the memory does not force. Exact and local: the
+        fastest path's choices along a run of layers left stay the fastest while the fitted
+        layers at its ends keep their layouts, so only the runs beside a layer that changed
+        layout are searched again, each once per Prepared and pair of states at its ends."""
         layouts, n = self.layout_table, len(chosen)
         runs = set()
         for i in fixed:
@@ -366,14 +366,14 @@ class Prepared:
             chosen[start:stop] = path
 
     def _run_path(self, start, stop, left, right) -> list[int]:
-        """The fastest states of layers start..stop-1 (each among `_left_states`) between
+        """The fastest states of layers start..stop-1 (each among `_unfitted_times`) between
         the layers before and after them in states ``left`` and ``right`` (None: the chain's
         end)."""
         lo, hi = start - (left is not None), stop + (right is not None)
         times = []
         for i in range(lo, hi):
             if start <= i < stop:
-                times.append(self._left_states(i))
+                times.append(self._unfitted_times(i))
             else:
                 k = left if i < start else right
                 times.append(np.where(np.arange(len(self.t_layers[i])) == k,
@@ -382,19 +382,20 @@ class Prepared:
                                 [None] + self.conv[lo + 1:hi], 0.0)
         return path[start - lo:stop - lo]
 
-    def _left_states(self, i: int) -> np.ndarray:
+    def _unfitted_times(self, i: int) -> np.ndarray:
         """Layer i's seconds per state where its state keeps the tensor mode of its
         fastest-path state (a layout of another sequence split) and holds no more memory of
         any kind, else infinity."""
-        hit = self._left.get(i)
+        hit = self._unfitted.get(i)
         if hit is None:
             k, n = self.fast[i], len(self.t_layers[i])
             states = self.state_rows[i]
             tables = (self.act_table, self.param_table, self.expert_table) + self.temp_tables
             allowed = np.logical_and.reduce([t[i, :n] <= t[i, k] for t in tables] + [
                 np.array([s.mode == states[k].mode for s in states])])
-            hit = self._left[i] = np.where(allowed, self.t_layers[i], np.inf)
+            hit = self._unfitted[i] = np.where(allowed, self.t_layers[i], np.inf)
         return hit
+
 
 def _beats(b, c) -> bool:
     """State cost `b` is faster than `c` and holds no more activations."""
