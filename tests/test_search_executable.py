@@ -147,3 +147,22 @@ def test_a_grid_search_finds_the_base_searchs_states_and_placements_by_identity(
     had, got = base._leaves(mesh, heads), grid._leaves(mesh, heads)
     assert had and got and all(leaf.pl is had[0].pl and leaf.grad_pl is had[0].grad_pl
                                for leaf in had + got)
+
+
+def test_a_grid_that_adds_nothing_is_known_before_its_leaf_is_built(gpt3):
+    """GPT-3's 2x2 SUMMA states at tp=4 lose to 1D with Megatron-SP, one layout beating them
+    for every kind of layer: the 2D search learns it from the states' costs alone, before
+    the chain tables and the fastest path are built (its leaves there built both, only to
+    find that their candidates are the 1D search's); its 4x4 states at tp=16 are the
+    fastest there, and stay."""
+    world = World(1024, per_node=8, device="a100-80gb")
+    sp_seq = planner._sequence_parallel_length(gpt3, world.devices)
+    options = Options(global_batch=1536, executable=RUNTIME)
+    base = Search(gpt3, world, planner._narrowed(options, None, sp_seq))
+    search = Search(gpt3, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
+    got = {}
+    for tp in (4, 16):
+        mesh = {PP: 8, DP: 1024 // (8 * tp), CP: 1, TP: tp}
+        prep = search._prepared(mesh, placements(mesh, ORDER, world.per_node), None, 4)
+        got[tp] = (prep.adds_nothing(), prep.built)
+    assert got == {4: (True, False), 16: (False, False)}

@@ -76,24 +76,44 @@ class Prepared:
             costs[:len(known)] = known
         self.order = order
         self.pl, self.b = pl, b
-        least = [self._price(_least_recompute(states), t) for t, (_, states) in
-                 enumerate(kinds)]
-        counts = np.bincount(order, minlength=len(kinds))
-        fastest = [min(c.time for c in costs) for costs in least]
+        # per kind: (least seconds, parameter and expert bytes, most workspace)
+        self.least = [self._least(t, base) for t in range(len(kinds))]
+        self.counts = counts = base.counts if base else np.bincount(order,
+                                                                     minlength=len(kinds))
+        fastest = [least[0] for least in self.least]
         self.min_total = float(np.dot(counts, fastest))
         self.min_single = max(fastest[t] for t in set(order))
-        self.min_params = float(np.dot(counts, [min(c.params for c in costs)
-                                                for costs in least]))
-        self.min_experts = float(np.dot(counts, [min(c.expert_params for c in costs)
-                                                 for costs in least]))
-        self.workspace = max((c.workspace for costs in least for c in costs), default=0.0)
+        self.min_params = float(np.dot(counts, [least[1] for least in self.least]))
+        self.min_experts = float(np.dot(counts, [least[2] for least in self.least]))
+        self.workspace = max(least[3] for least in self.least)
         self.built = False
         self._stages: dict = {}
         self._layouts: dict = {}
         self._fast_key: tuple | None = None  # `fast_key`, once asked
         self._adds_nothing: bool | None = None  # `adds_nothing`, once asked
+        self._runs: dict = {}  # `relayout`'s paths by run and the states at its ends
+        self._unfitted: dict = {}  # `_unfitted_times` by layer
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
+
+    def _least(self, t: int, base) -> tuple:
+        """Kind ``t``'s least seconds, parameter and expert bytes and its most workspace over
+        each layout's state with the least recomputation; from the `base` Prepared's where
+        these states begin its, pricing only the layouts it lacks."""
+        states = self.kinds[t][1]
+        n = len(base.kinds[t][1]) if base is not None else 0
+        if n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
+            had = base.least[t]
+            if len(states) == n:
+                return had
+            costs = self._price([n + k for k in _least_recompute(states[n:])], t)
+            return (min(had[0], min(c.time for c in costs)),
+                    min(had[1], min(c.params for c in costs)),
+                    min(had[2], min(c.expert_params for c in costs)),
+                    max(had[3], max(c.workspace for c in costs)))
+        costs = self._price(_least_recompute(states), t)
+        return (min(c.time for c in costs), min(c.params for c in costs),
+                min(c.expert_params for c in costs), max(c.workspace for c in costs))
 
     def _price(self, which, t: int) -> list:
         """The costs of kind ``t``'s states at the indices ``which``, each priced once."""
@@ -205,36 +225,48 @@ class Prepared:
         return self._fast_key
 
     def adds_nothing(self) -> bool:
-        """Whether no candidate takes a state past the `base` Prepared's (once built), so each
-        is the base search's: of each kind, every layout of them has a layout of the base's
-        states (two or more, the same first ones; `fit` leaves a kind of one as it is) that
-        beats it state by state: faster, no more activations. The fastest path then takes
-        none of them, nor `fit` (its exact counts per layout find a faster fit in the base
-        layout, whose conversion costs no more; its fallback to the least memory finds a base
-        state first), and they raise no workspace."""
+        """Whether no candidate takes a state past the `base` Prepared's, so each is the base
+        search's: of each kind, every layout of them has a layout of the base's states (two
+        or more, the same first ones; `fit` leaves a kind of one as it is) that beats it state
+        by state (`_beats`: faster, no more activations), and they raise no workspace.
+        Decided before the tables and the fastest path are built where one base layout beats
+        the new ones of every kind (the grid's layouts are one value across kinds, the base's
+        another): putting it in their place wherever a path takes them is faster and adds no
+        conversion, so neither the fastest path, nor `fit` (its exact counts per layout find a
+        faster fit in that layout, whose conversion costs no more; its fallback to the least
+        memory finds a base state first), nor `relayout` (it keeps each layer's tensor mode)
+        takes one. Else the leaf is built and its fastest path asked."""
         if self._adds_nothing is None:
             self._adds_nothing = self.base is not None and self._beaten(self.base)
         return self._adds_nothing
 
     def _beaten(self, base) -> bool:
-        if self.workspace > base.workspace or any(
-                k >= len(had) for k, had in zip(self.fast, base.state_rows)):
+        if self.workspace > base.workspace:
             return False
-        for (states, costs), (had, _) in zip(self.per_type, base.per_type):
+        common = None  # the base layouts that beat every new layout of every kind
+        for t, ((states, costs), (had, _)) in enumerate(zip(self.per_type, base.per_type)):
             n = len(had)
             if len(states) == n:
                 continue
+            if not self.built:  # (once built, every state is priced)
+                self._price(range(len(states)), t)
             layouts: dict = {}
-            for s, c in zip(states, costs):
-                layouts.setdefault(s.layout, []).append(c)
-            own = {s.layout for s in had}
-            new = {s.layout for s in states[n:]}
-            if n < 2 or own & new or not all(any(
-                    all(any(b.time < c.time and b.activations <= c.activations
-                            for b in layouts[lay]) for c in layouts[extra]) for lay in own)
-                    for extra in new):
+            for st, c in zip(states, costs):
+                layouts.setdefault(st.layout, []).append(c)
+            own = {st.layout for st in had}
+            new = {st.layout for st in states[n:]}
+            if n < 2 or own & new:
                 return False
-        return True
+            beating = [{lay for lay in own if all(any(_beats(b, c) for b in layouts[lay])
+                                                  for c in layouts[extra])} for extra in new]
+            if not all(beating):
+                return False
+            for lays in beating:
+                common = lays if common is None else common & lays
+        if common:
+            return True
+        self.build()
+        return not any(k >= len(had) for k, had in zip(self.fast, base.state_rows))
 
     def path_time(self, chosen) -> np.ndarray:
         """Each layer's seconds in its chosen state, plus a conversion where its layout is not
@@ -256,9 +288,21 @@ class Prepared:
             hit = self._stages[(k, split)] = balance(time, k)
         return hit
 
-    def fit(self, chosen, idx, budget) -> None:
+    def fit_ranks(self, chosen, fast: Fast, total, fixed, capacity, in_flight) -> None:
+        """`fit` each pipeline rank whose ``total`` bytes pass ``capacity`` in what its
+        ``fixed`` bytes leave for its ``in_flight`` micro-batches' activations, then
+        `relayout` the layers beside the ones moved."""
+        fitted: set = set()
+        for d in range(len(total)):
+            if total[d] > capacity:
+                self.fit(chosen, fast.layers_of(d), (capacity - fixed[d]) / in_flight[d],
+                         fitted)
+        self.relayout(chosen, fitted)
+
+    def fit(self, chosen, idx, budget, fixed: set | None = None) -> None:
         """Fit one device's layers in ``budget`` activation bytes at the least extra time:
-        layers of one kind keep one layout and choose their recompute (`_counts`)."""
+        layers of one kind keep one layout and choose their recompute (`_counts`); the
+        layers it moves off their fastest-path state go into ``fixed`` (for `relayout`)."""
         mems = self.mem_lists
         spare = budget - sum(mems[i][chosen[i]] for i in idx)
         if spare >= 0:
@@ -291,7 +335,74 @@ class Prepared:
                 best = (0.0, len(members) * self.mem_layers[members[0]][k], [k] * len(members))
             for i, k in zip(members, best[2]):
                 chosen[i] = k
+            if fixed is not None:
+                fixed.update(i for i in members if chosen[i] != self.fast[i])
             spare = used + spare - best[1]
+
+    def relayout(self, chosen, fixed: set) -> None:
+        """After `fit` moved layers (``fixed``) to another layout: the layers it left choose
+        their states again by the fastest path around the ones it set, each among its states
+        of the same tensor mode holding no more activations, parameters or optimizer
+        temporaries than its current one (so what fitted still fits), and their layouts
+        follow: the path pays no conversion the memory does not force. Exact and local: the
+        fastest path's choices along a run of layers left stay the fastest while the fitted
+        layers at its ends keep their layouts, so only the runs beside a layer that changed
+        layout are searched again, each once per Prepared and pair of states at its ends."""
+        layouts, n = self.layout_table, len(chosen)
+        runs = set()
+        for i in fixed:
+            if layouts[i, chosen[i]] == layouts[i, self.fast[i]]:
+                continue
+            for j, step in ((i - 1, -1), (i + 1, 1)):
+                if 0 <= j < n and j not in fixed:
+                    end = j
+                    while 0 <= end + step < n and end + step not in fixed:
+                        end += step
+                    runs.add((min(j, end), max(j, end) + 1))
+        for start, stop in sorted(runs):
+            left = chosen[start - 1] if start > 0 else None
+            right = chosen[stop] if stop < n else None
+            key = (start, stop, left, right)
+            path = self._runs.get(key)
+            if path is None:
+                path = self._runs[key] = self._run_path(start, stop, left, right)
+            chosen[start:stop] = path
+
+    def _run_path(self, start, stop, left, right) -> list[int]:
+        """The fastest states of layers start..stop-1 (each among `_unfitted_times`) between
+        the layers before and after them in states ``left`` and ``right`` (None: the chain's
+        end)."""
+        lo, hi = start - (left is not None), stop + (right is not None)
+        times = []
+        for i in range(lo, hi):
+            if start <= i < stop:
+                times.append(self._unfitted_times(i))
+            else:
+                k = left if i < start else right
+                times.append(np.where(np.arange(len(self.t_layers[i])) == k,
+                                      self.t_layers[i], np.inf))
+        path, _ = choose_states([len(t) for t in times], times, self.mem_layers[lo:hi],
+                                [None] + self.conv[lo + 1:hi], 0.0)
+        return path[start - lo:stop - lo]
+
+    def _unfitted_times(self, i: int) -> np.ndarray:
+        """Layer i's seconds per state where its state keeps the tensor mode of its
+        fastest-path state (a layout of another sequence split) and holds no more memory of
+        any kind, else infinity."""
+        hit = self._unfitted.get(i)
+        if hit is None:
+            k, n = self.fast[i], len(self.t_layers[i])
+            states = self.state_rows[i]
+            tables = (self.act_table, self.param_table, self.expert_table) + self.temp_tables
+            allowed = np.logical_and.reduce([t[i, :n] <= t[i, k] for t in tables] + [
+                np.array([s.mode == states[k].mode for s in states])])
+            hit = self._unfitted[i] = np.where(allowed, self.t_layers[i], np.inf)
+        return hit
+
+
+def _beats(b, c) -> bool:
+    """State cost `b` is faster than `c` and holds no more activations."""
+    return b.time < c.time and b.activations <= c.activations
 
 
 def _least_recompute(states) -> list[int]:

@@ -151,8 +151,11 @@ class Search:
         self.opt = options
         self.c = Constraints.of(constraints)
         self.space = Space(chain, options, self.c)
-        self.layers = chain.layers()
-        self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
+        if base is not None:  # the same chain: its layers as the base search read them
+            self.layers, self.blocks = base.layers, base.blocks
+        else:
+            self.layers = chain.layers()
+            self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
         # placement-only caches (contexts, dp sync, in flight), shared with the base search's
         self._shared: dict = base._shared if base is not None else {}
@@ -314,11 +317,7 @@ class Search:
             avg = prep.min_total / pp
             if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
                 continue
-            slowest = max(avg, prep.min_single)
-            dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
-                                      grad_pl, cache=None if shard else dp_cache,
-                                      hybrid=hybrid_split(mesh, shard, self.world.per_node))
-                        for z, _, shard in leaf_zeros)
+            slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
             for schedule, v in self.space.schedules(pp, m):
                 if pp * v > len(self.chain.order):
                     continue
@@ -334,6 +333,14 @@ class Search:
                     # no less than the pipeline's work spread over its cores, nor the
                     # schedule at a whole core per rank
                     pipe = max(m * avg, self.hw.compute_share * pipe)
+                if pipe >= self._cutoff:  # (with the sync's, no sooner: it takes no time off)
+                    continue
+                if dp_lb is None:
+                    dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
+                                              grad_pl, cache=None if shard else dp_cache,
+                                              hybrid=hybrid_split(mesh, shard,
+                                                                  self.world.per_node))
+                                for z, _, shard in leaf_zeros)
                 if pipe + dp_lb >= self._cutoff:
                     continue  # another search's k best are faster
                 out.append(Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
@@ -382,8 +389,9 @@ class Search:
         return hit
 
     def _evaluate(self, leaf):
-        if leaf.prep.build().adds_nothing():
+        if leaf.prep.adds_nothing():
             return  # the base search's candidates: priced there, or bounded above its k best
+        leaf.prep.build()
         settled, fast, zeros = self._settled, None, leaf.zeros
         if settled is not None:
             fast = leaf.prep.fast_key()
@@ -458,11 +466,8 @@ class Search:
         params, moved = prep.params, False
         if total.max() > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
-            fixed = total - parts["activations"] - parts["optimizer_step"]
-            for d in range(pp):
-                if total[d] > self.capacity:
-                    budget = (self.capacity - fixed[d]) / in_flight[d]
-                    prep.fit(chosen, leaf.fast.layers_of(d), budget)
+            prep.fit_ranks(chosen, leaf.fast, total, total - parts["activations"] -
+                           parts["optimizer_step"], self.capacity, in_flight)
             acts = prep.take(prep.act_table, chosen)
             acts_dev = np.bincount(device_of, weights=acts, minlength=pp)
             # a layer that changed layout holds its parameters differently too
