@@ -557,12 +557,11 @@ def _copy_layer_meta(new: fx.Node, like: fx.Node) -> None:
 def _send_buffer(shards: list, chunks: list[int], dtype: torch.dtype,
                  device) -> torch.Tensor:
     """A unit's all-gather input: each piece in its chunk, zeros where it pads (written
-    once, not zeroed whole first)."""
+    once, not zeroed whole first: `write_padded` over one row)."""
     send = torch.empty(sum(chunks), dtype=dtype, device=device)
     off = 0
     for shard, chunk in zip(shards, chunks):
-        send[off:off + shard.numel()] = shard.detach()
-        send[off + shard.numel():off + chunk].zero_()
+        write_padded(send[off:off + chunk].view(1, chunk), shard.detach(), zero_padding=True)
         off += chunk
     return send
 
