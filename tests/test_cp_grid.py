@@ -95,7 +95,9 @@ def _check_sync(results) -> None:
 
 
 def test_cp2_beside_3d_equals_one_device(pool16):
-    results = pool16.run(compare, "gpt-tiny", cp_grid("ring", "3d"), STEPS)
+    """transformers' Llama, the model of every world-16 run (test_cp_grid_combos,
+    test_pipeline_runtime's pp2 x 3D): each rank traces it once a session."""
+    results = pool16.run(compare, hf_llama, cp_grid("ring", "3d"), STEPS)
     assert_equal(results)
     measured = results[0]["measured"]
     assert measured[("p2p", CP)] > 0 and measured[("all_gather", "tp_a")] > 0

@@ -28,7 +28,6 @@ pool16 = dist_pool_fixture(16, timeout_s=900)
 
 GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 GPT2 = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage: pp2 x more axes
-GPT4 = "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage at pp 4
 STEPS = 3  # parallelize's runs beside one device
 LLAMA4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 
@@ -184,12 +183,13 @@ def test_bad_pipeline_plans_get_one_sentence(pool2):
                             PP(2), 8)
     assert all("a 2-stage pipeline needs at least 2 blocks; the model has 1" in m
                for m in more_stages), more_stages
-    uneven = pool2.run(_bad_pipeline, GPT2, PP(2), 6)
+    # (GPT8: the model this module's other pp2 runs trace, so these starts hit the cache)
+    uneven = pool2.run(_bad_pipeline, GPT8, PP(2), 6)
     assert all("a batch of 6 does not split into 4 micro-batches" in m for m in uneven), uneven
-    few = pool2.run(_bad_pipeline, GPT2, {"pipeline": {"size": 2, "microbatches": 1}}, 8)
+    few = pool2.run(_bad_pipeline, GPT8, {"pipeline": {"size": 2, "microbatches": 1}}, 8)
     assert all(m == "" for m in few)  # microbatches 1 means "choose": one per stage
     one = {"pipeline": {"size": 2, "schedule": "gpipe", "microbatches": 1}}
-    assert all(m == "" for m in pool2.run(_bad_pipeline, GPT2, one, 8))
+    assert all(m == "" for m in pool2.run(_bad_pipeline, GPT8, one, 8))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
@@ -207,7 +207,7 @@ def test_parallelize_pp2_tp2_dp2_equals_single_device(pool8):
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_is_refused(pool4):
-    said = pool4.run(_bad_pipeline, GPT4, {"pipeline": {"size": 4, "microbatches": 2}}, 8)
+    said = pool4.run(_bad_pipeline, GPT8, {"pipeline": {"size": 4, "microbatches": 2}}, 8)
     assert all("the 1f1b schedule over 4 stages needs at least 4 micro-batches, not 2" in m
                for m in said), said
 
@@ -261,10 +261,13 @@ def test_parallelize_pp2_with_2d_tensor_and_with_cp_tp(pool8):
 
 
 def test_parallelize_pp2_with_3d_tensor(pool16):
-    """pp2 x 3D (tp 8 as 2 x 2 x 2): world 16 (the session's, shared with test_cp_grid*)."""
+    """pp2 x 3D (tp 8 as 2 x 2 x 2): world 16 (the session's, shared with test_cp_grid*),
+    on their transformers Llama, which each rank of that world traces once a session (a
+    parameter tied across the stages under a grid: the pp2 x 2D run above)."""
     from equivalence import assert_equal, compare
+    from test_cp_combos import hf_llama
 
-    assert_equal(pool16.run(compare, GPT2, {"pipeline": {"size": 2, "microbatches": 2},
+    assert_equal(pool16.run(compare, hf_llama, {"pipeline": {"size": 2, "microbatches": 2},
                                             "tensor": {"size": 8, "mode": "3d"}}, 2, 16))
 
 
