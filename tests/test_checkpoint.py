@@ -391,15 +391,14 @@ def test_errors_name_the_cause(tmp_path):
         engine.load(tmp_path / "deeper")
 
 
-def test_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
+def test_killed_rank_resumes_from_the_last_checkpoint():
     """torchrun with one restart: rank 1 SIGKILLs itself inside step 6 (after the step-4
     checkpoint); the group restarts, loads step 4 and trains to step 8. The final weights
     equal one uninterrupted device's, and the resumed step is the last checkpoint's."""
-    from kill_train import launch
+    from kill_train import launched  # one job for this test and the automatic resume's
 
-    steps, every, kill_at = 8, 2, 6
-    out = tmp_path / "out"
-    done = launch(out, steps, every, kill_at)
+    steps = 8  # its defaults: a checkpoint every 2 steps, rank 1 killed inside step 6
+    done, out = launched("manual")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["attempt"] == 1  # the run that finished is the restarted one

@@ -128,16 +128,15 @@ def test_bad_checkpointing_arguments_are_refused_in_one_sentence(tmp_path):
         _engine(checkpoint_dir=tmp_path, checkpoint_async="yes")
 
 
-def test_a_killed_rank_resumes_by_itself_under_torchrun(tmp_path):
+def test_a_killed_rank_resumes_by_itself_under_torchrun():
     """torchrun --max-restarts 1: rank 1 SIGKILLs itself inside step 6; the restarted job's
     parallelize(checkpoint_dir=...) loads the last complete background save (step 4, or
     step 2 if step 4's was still being written: never a partial one) and trains to step 8.
     The final weights equal one uninterrupted device's."""
     sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
-    from kill_train import launch, reference
+    from kill_train import launched, reference
 
-    out = tmp_path / "out"
-    done = launch(out, auto=True)
+    done, out = launched("auto")  # one job for this test and the manual resume's
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["attempt"] == 1 and report["steps"] == 8

@@ -2,16 +2,17 @@
 helpers, and the same checks run end to end on CPU processes over gloo at world 2.
 
 The command line and the no-GPU note are its main() in this process (no interpreter of its
-own); the world-2 run is the command, whose two ranks the script spawns (a rank's memory
-check counts every tensor its process holds, so it needs a process of its own)."""
+own); the world-2 run is the command, forked from the preloaded server (tests/forked.py),
+whose two ranks the script spawns (a rank's memory check counts every tensor its process
+holds, so it needs a process of its own)."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from forked import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
@@ -59,10 +60,9 @@ def test_judging_names_each_mismatch_and_ignores_times():
 
 
 def test_the_checks_run_on_cpu_over_gloo():
-    out = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--backend", "gloo",
-                          "--world", "2", "--quick", "--steps", "2", "--timing-steps", "1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+    out = run_script(SCRIPT, ["--device", "cpu", "--backend", "gloo", "--world", "2", "--quick",
+                              "--steps", "2", "--timing-steps", "1"],
+                     cwd=ROOT, timeout=600, environ={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stdout + out.stderr
     with open(os.path.join(ROOT, "benchmarks", "results", "gpu_check.json")) as f:
         result = json.load(f)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from forked import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_truth.py")
@@ -16,9 +17,10 @@ import gpu_truth  # noqa: E402
 
 
 def _run(*args, env=None, timeout=900):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    """`python benchmarks/gpu_truth.py ARGS`, forked from the preloaded server (tests/forked.py):
+    the sections it starts are interpreters of their own, as on a GPU machine."""
+    return run_script(SCRIPT, list(args), cwd=ROOT, timeout=timeout,
+                      environ={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
 
 
 def _main(capsys, *args) -> subprocess.CompletedProcess:
