@@ -251,9 +251,10 @@ def test_zero3_data_parallel_equals_single_device(pool2):
     for probe in pool2.run(_zero3_held, GPT8, plan):
         assert probe["emptied"] == 0, probe
         assert abs(probe["kept"] - probe["whole"] / 2) <= 0.01 * probe["whole"] / 2, probe
-        # the current layer, the prefetched one and the one whose gather is being waited
-        # for: never the 10 layers of the model at once
-        assert probe["most_alive"] <= 3, probe
+        # the current layer, the prefetched one, the one whose gather is being waited
+        # for and the last block the forward keeps for the backward: never the 10 layers
+        # of the model at once
+        assert probe["most_alive"] <= 4, probe
         assert 0 < probe["regathered"] < probe["train_units"], probe
 
 
