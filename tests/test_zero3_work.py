@@ -158,3 +158,36 @@ def test_chunked_loss_weight_gradient_not_zero_filled():
                                        (x, w, b))
         for g, e in zip(grads, expected):
             assert torch.allclose(g, e, rtol=1e-5, atol=1e-6), rows
+
+
+def _sent_as_they_lie(name: str) -> dict:
+    """After a step: whether each unit's shards are views of its flat piece (the gather's
+    input); after one shard's data is replaced (as a load may), whether the gather still
+    sends the new values (copied into a send buffer, the flat piece no longer its input)."""
+    import torch.distributed as dist
+    from equivalence import build
+
+    import autopar
+    from autopar.runtime.zero3 import send_piece
+
+    model, inputs, target, loss_fn = build(name, 8)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=ZERO3)
+    engine.train_step(inputs, target)
+    zero = engine.zero
+    views = all(send_piece(zero, unit) is unit.flat and all(
+        zero.shards[i].untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr()
+        for i in unit.members) for unit in zero.units)
+    u = max(range(len(zero.units)), key=lambda k: zero.units[k].numel)
+    i = zero.units[u].members[0]
+    zero.shards[i].data = zero.shards[i].data.clone() + 1
+    replaced = send_piece(zero, zero.units[u]) is None
+    whole = zero._finish(u, "forward")[:zero.numels[i]]
+    return {"views": views, "replaced": replaced,
+            "whole": torch.equal(whole, zero.whole(zero.params[i]).reshape(-1))}
+
+
+def test_zero3_sends_its_pieces_as_they_lie(pool2):
+    for r in pool2.run(_sent_as_they_lie, GPT):
+        assert r == {"views": True, "replaced": True, "whole": True}, r

@@ -44,6 +44,10 @@ class _Unit:
         # among a training graph's last units, which the backward begins with: its forward's
         # gather is kept for the backward, not gathered again (`kept_after_forward`)
         self.kept = False
+        # its members' shards as views of one flat piece, the all-gather's input as it is
+        # (`send_piece`), and where each view lay when made
+        self.flat: torch.Tensor | None = None
+        self.flat_at: list[int] = []
 
 
 class ZeroThree(ZeroState):
@@ -108,6 +112,7 @@ class ZeroThree(ZeroState):
         self.overlap = True
         self._reducing: list[tuple] = []
         self._seen_backward: list[int] = []
+        self.homed: set[int] = set()  # the shards a unit's flat piece holds (`send_piece`)
 
     # ------------------------------------------------------------------ graph rewrite
     def index_of(self, param) -> int | None:
@@ -195,8 +200,10 @@ class ZeroThree(ZeroState):
         if unit.float8 is not None:
             self._start_float8(u, phase)
             return
-        send = _send_buffer([self.shards[i] for i in unit.members], unit.chunks,
-                            self.gather_dtype, self.device)
+        send = send_piece(self, unit)
+        if send is None:
+            send = _send_buffer([self.shards[i] for i in unit.members], unit.chunks,
+                                self.gather_dtype, self.device)
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
         self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
@@ -586,6 +593,29 @@ def _layer(node: fx.Node) -> str:
 def _copy_layer_meta(new: fx.Node, like: fx.Node) -> None:
     if "autopar" in like.meta:
         new.meta["autopar"] = like.meta["autopar"]
+
+
+def send_piece(zero: ZeroThree, unit: _Unit) -> torch.Tensor | None:
+    """Unit `unit`'s all-gather input without a copy: its members' shards made views of one
+    flat piece (zeros where they pad) at its first gather, which every later gather sends as
+    it is; the optimizer updates the views in place. None (the pieces copied into a send
+    buffer, as before) under offload, a gather in another dtype than the pieces', a shard
+    another unit's flat piece holds, or a shard replaced since (a checkpoint's load)."""
+    if zero.offload or zero.gather_dtype != zero.dtype:
+        return None
+    shards = [zero.shards[i] for i in unit.members]
+    if unit.flat is not None:
+        return unit.flat if [s.data_ptr() for s in shards] == unit.flat_at else None
+    if any(i in zero.homed for i in unit.members):
+        return None
+    flat = _send_buffer(shards, unit.chunks, zero.dtype, zero.device)
+    off = 0
+    for shard, i, chunk in zip(shards, unit.members, unit.chunks):
+        shard.data = flat[off:off + zero.lengths[i]]
+        off += chunk
+    zero.homed.update(unit.members)
+    unit.flat, unit.flat_at = flat, [s.data_ptr() for s in shards]
+    return flat
 
 
 def _send_buffer(shards: list, chunks: list[int], dtype: torch.dtype,
