@@ -251,9 +251,10 @@ def test_zero3_data_parallel_equals_single_device(pool2):
     for probe in pool2.run(_zero3_held, GPT8, plan):
         assert probe["emptied"] == 0, probe
         assert abs(probe["kept"] - probe["whole"] / 2) <= 0.01 * probe["whole"] / 2, probe
-        # the current layer, the prefetched one and the one whose gather is being waited
-        # for: never the 10 layers of the model at once
-        assert probe["most_alive"] <= 3, probe
+        # the current layer, the prefetched one, the one whose gather is being waited
+        # for and the last block the forward keeps for the backward: never the 10 layers
+        # of the model at once
+        assert probe["most_alive"] <= 4, probe
         assert 0 < probe["regathered"] < probe["train_units"], probe
 
 
@@ -382,24 +383,21 @@ def _zero3_writes(name: str, plan: dict) -> dict:
     zero._land_reduced()
     padding = sum(zero.chunks[i] * zero.dp.size - zero.numels[i]
                   for unit in zero.units for i in unit.members)
-    sent = sum(zero.lengths[i] for unit in zero.units for i in unit.members)
-    unsent = sum(zero.chunks[i] - zero.lengths[i] for unit in zero.units for i in unit.members)
-    return {"values": values, "sent": sent, "unsent": unsent, "padding": padding,
+    return {"values": values, "padding": padding,
             "gathered": gathered, "reduced": written}
 
 
 def test_zero3_gathers_and_reduces_write_each_value_once(pool2):
     """A gather copies each parameter's gathered values into the whole buffer once (no
-    flattened copy of the strided columns first), its send buffer is written once, and a
-    reduce-scatter's buffer is written
-    once: the gradients, and zeros only where they pad (not the whole buffer zeroed
-    first)."""
+    flattened copy of the strided columns first) and sends this rank's pieces as they lie
+    (after the first step they are views of one flat piece per unit: no send buffer
+    written), and a reduce-scatter's buffer is written once: the gradients, and zeros only
+    where they pad (not the whole buffer zeroed first)."""
     for r in pool2.run(_zero3_writes, GPT8, {"data": 2, "zero": {"stage": 3}}):
-        # the values into the whole buffers, this rank's pieces into the send buffers
-        assert r["gathered"]["copy"] == r["values"] + r["sent"], r
+        # the values into the whole buffers, nothing into a send buffer
+        assert r["gathered"]["copy"] == r["values"], r
         assert "clone" not in r["gathered"], r
-        assert sum(r["gathered"].get(k, 0) for k in ("fill", "zero", "zeros")) \
-            == r["unsent"], r
+        assert sum(r["gathered"].get(k, 0) for k in ("fill", "zero", "zeros")) == 0, r
         assert sum(r["reduced"].get(k, 0) for k in ("fill", "zero", "zeros")) \
             == r["padding"], r
 

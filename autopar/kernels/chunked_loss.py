@@ -123,8 +123,9 @@ def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool,
     scale = grad * valid if reduction == 2 else grad * valid / count
     xf = x.reshape(-1, x.shape[-1])
     dx = torch.empty_like(xf) if want_x else None
-    dw = torch.zeros_like(weight) if want_w else None
-    db = torch.zeros_like(bias) if want_w and bias is not None else None
+    # the first chunk writes dW (and db) by its GEMM, the others add to it: no zero-filled
+    # table of the classifier's size first (at vocabulary 32768 and width 768, 100 MB)
+    dw = db = None
     for a in range(0, xf.shape[0], rows):  # the chunk's softmax and gradient in place
         if kept is not None:  # exp(z - m) exp(m - lse): (this rank's m, the global lse)
             dz = kept[0].mul_((kept[1] - lse).exp()[:, None])
@@ -139,11 +140,15 @@ def _gradients(x, weight, bias, stats, grad, spec, want_x: bool, want_w: bool,
         dz = dz.mul_(scale[a:a + rows, None]).to(x.dtype)
         if dx is not None:
             torch.mm(dz, weight, out=dx[a:a + rows])
-        if dw is not None:
-            dw.addmm_(dz.t(), xf[a:a + rows])
-        if db is not None:
-            db += dz.sum(0)
+        if want_w:
+            dw = torch.mm(dz.t(), xf[a:a + rows]) if dw is None else \
+                dw.addmm_(dz.t(), xf[a:a + rows])
+            if bias is not None:
+                db = dz.sum(0).to(bias.dtype) if db is None else db.add_(dz.sum(0))
         del dz
+    if want_w and dw is None:  # (no rows)
+        dw = torch.zeros_like(weight)
+        db = torch.zeros_like(bias) if bias is not None else None
     return None if dx is None else dx.reshape(x.shape), dw, db
 
 

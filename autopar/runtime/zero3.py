@@ -41,6 +41,13 @@ class _Unit:
         # a later layer reads a member too (a tied weight): the gathered buffer lives from
         # this layer to that one, and what it saves keeps it to that one's backward
         self.held = False
+        # among a training graph's last units, which the backward begins with: its forward's
+        # gather is kept for the backward, not gathered again (`kept_after_forward`)
+        self.kept = False
+        # its members' shards as views of one flat piece, the all-gather's input as it is
+        # (`send_piece`), and where each view lay when made
+        self.flat: torch.Tensor | None = None
+        self.flat_at: list[int] = []
 
 
 class ZeroThree(ZeroState):
@@ -105,6 +112,7 @@ class ZeroThree(ZeroState):
         self.overlap = True
         self._reducing: list[tuple] = []
         self._seen_backward: list[int] = []
+        self.homed: set[int] = set()  # the shards a unit's flat piece holds (`send_piece`)
 
     # ------------------------------------------------------------------ graph rewrite
     def index_of(self, param) -> int | None:
@@ -147,6 +155,9 @@ class ZeroThree(ZeroState):
             for i in sorted(per_param)]) for layer, per_param in uses.items()]
         for layer, u in zip(uses, order):
             self.units[u].held = layer in spans
+        for u in kept_after_forward(order, [self.units[u].held for u in order],
+                                    [self._unit_piece_bytes(u) for u in order]):
+            self.units[u].kept = True
         for k, (layer, per_param) in enumerate(uses.items()):
             members, u = sorted(per_param), order[k]
             name = f"{self.prefix}_{u}"
@@ -189,8 +200,10 @@ class ZeroThree(ZeroState):
         if unit.float8 is not None:
             self._start_float8(u, phase)
             return
-        send = _send_buffer([self.shards[i] for i in unit.members], unit.chunks,
-                            self.gather_dtype, self.device)
+        send = send_piece(self, unit)
+        if send is None:
+            send = _send_buffer([self.shards[i] for i in unit.members], unit.chunks,
+                                self.gather_dtype, self.device)
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
         self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
@@ -271,8 +284,11 @@ class ZeroThree(ZeroState):
         whole = self._finish(u, "forward")
         if after is not None:  # prefetch the graph's next layer
             self._start(after, "forward")
-        elif self._grad_next and self._saving:
-            # the graph's last layer is the backward's first: kept, not gathered again
+        # the graph's last layers are the backward's first: kept, not gathered again (all
+        # but the very last only beside an overlapped backward: a pipeline's micro-batches
+        # would each hold them)
+        if self._grad_next and self._saving and \
+                (after is None or self.units[u].kept and self.overlap):
             self._cache[u] = whole
         return whole
 
@@ -282,14 +298,17 @@ class ZeroThree(ZeroState):
         self._live[ptr] = (u, weakref.ref(whole, lambda _, p=ptr: self._live.pop(p, None)))
 
     def gather_backward(self, u: int) -> torch.Tensor:
-        if u not in self._cache:
+        if u in self._cache:
+            if len(self._cache) > 1:  # (a layer the forward kept; the next prefetched from
+                return self._cache[u]  # the last one kept, one buffer at a time beside it)
+        else:
             self._cache[u] = self._finish(u, "backward")
             self._seen_backward.append(u)
-            # prefetch the gather that came next at the first step (a pipeline's backward
-            # gathers a layer once per micro-batch: the order is a sequence, not a set)
-            order, k = self._backward_order, len(self._seen_backward)
-            if order is not None and k < len(order) and order[k] not in self._cache:
-                self._start(order[k], "backward")
+        # prefetch the gather that came next at the first step (a pipeline's backward
+        # gathers a layer once per micro-batch: the order is a sequence, not a set)
+        order, k = self._backward_order, len(self._seen_backward)
+        if order is not None and k < len(order) and order[k] not in self._cache:
+            self._start(order[k], "backward")
         return self._cache[u]
 
     def reduce(self, u: int, grads: tuple) -> list[torch.Tensor | None]:
@@ -313,12 +332,13 @@ class ZeroThree(ZeroState):
 
     def _pieces(self, u: int, which: list[bool], mine: torch.Tensor) -> list:
         """Unit u's reduce-scattered sums, as each member's piece of the mean over dp."""
-        mine = mine / (self.dp.size * self.divisor)
+        # (`mine` is the collective's own output, or the unit's reduce buffer at one rank:
+        # scaled in place, and the pieces are views of it, not copies)
+        mine = mine.div_(self.dp.size * self.divisor)
         out, col = [], 0
         for i, present in zip(self.units[u].members, which):
             piece = mine[col:col + self.lengths[i]]
-            out.append(None if not present else host_copy(piece) if self.offload
-                       else piece.clone())
+            out.append(None if not present else host_copy(piece) if self.offload else piece)
             col += self.chunks[i]
         return out
 
@@ -544,6 +564,27 @@ def _layer_uses(graph: fx.Graph, reads: dict[fx.Node, int]) -> tuple[dict, dict,
     return uses, first, spans
 
 
+def kept_after_forward(order: list[int], held: list[bool], sizes: list[int]) -> list[int]:
+    """The units of a graph (`order`, with whether each is `held` and its gathered `sizes`)
+    whose forward gather a training step keeps for the backward: the last, and before it
+    those whose sizes together fit in the biggest unit not held (beside the last, at most
+    the two gather buffers a backward holds at once: one gathered again, one prefetched).
+    As FSDP2 keeps its root and torchtitan its last block after the forward: a
+    transformer's final norm and last block are gathered once a step, not twice."""
+    if not order:
+        return []
+    room = max((n for n, h in zip(sizes, held) if not h), default=0)
+    kept, total = [order[-1]], 0
+    for u, h, n in zip(reversed(order[:-1]), reversed(held[:-1]), reversed(sizes[:-1])):
+        if h:  # (its buffer lives to its last reader's backward anyway)
+            continue
+        total += n
+        if total > room:
+            break
+        kept.append(u)
+    return kept
+
+
 def _layer(node: fx.Node) -> str:
     meta = node.meta.get("autopar")
     return getattr(meta, "layer", None) or "<graph>"
@@ -552,6 +593,29 @@ def _layer(node: fx.Node) -> str:
 def _copy_layer_meta(new: fx.Node, like: fx.Node) -> None:
     if "autopar" in like.meta:
         new.meta["autopar"] = like.meta["autopar"]
+
+
+def send_piece(zero: ZeroThree, unit: _Unit) -> torch.Tensor | None:
+    """Unit `unit`'s all-gather input without a copy: its members' shards made views of one
+    flat piece (zeros where they pad) at its first gather, which every later gather sends as
+    it is; the optimizer updates the views in place. None (the pieces copied into a send
+    buffer, as before) under offload, a gather in another dtype than the pieces', a shard
+    another unit's flat piece holds, or a shard replaced since (a checkpoint's load)."""
+    if zero.offload or zero.gather_dtype != zero.dtype:
+        return None
+    shards = [zero.shards[i] for i in unit.members]
+    if unit.flat is not None:
+        return unit.flat if [s.data_ptr() for s in shards] == unit.flat_at else None
+    if any(i in zero.homed for i in unit.members):
+        return None
+    flat = _send_buffer(shards, unit.chunks, zero.dtype, zero.device)
+    off = 0
+    for shard, i, chunk in zip(shards, unit.members, unit.chunks):
+        shard.data = flat[off:off + zero.lengths[i]]
+        off += chunk
+    zero.homed.update(unit.members)
+    unit.flat, unit.flat_at = flat, [s.data_ptr() for s in shards]
+    return flat
 
 
 def _send_buffer(shards: list, chunks: list[int], dtype: torch.dtype,
