@@ -415,20 +415,23 @@ _RESULTS: dict = {}
 
 def _pretrace(name: str) -> None:
     """Trace `name` here, in the test process, as an engine does (its inference graph at the
-    start, its training graph at the first step: a one-device start and step fill the cache),
-    and compute its one-device reference: the worlds' workers are forked after this and find
-    both (traced graphs do not pickle). A family whose one-device start fails is left to the
-    workers, which trace it themselves and report each case as before."""
-    import autopar
+    start, `Engine.trace_for`, and its training graph at the first step, with the loss), and
+    compute its one-device reference: the worlds' workers are forked after this and find both
+    (traced graphs do not pickle). The training graph's memory analysis (cached on the graph:
+    the planner and a pipeline's stage cut price it) is done here too, once for every rank. A
+    family whose trace fails is left to the workers, which trace it themselves and report
+    each case as before."""
+    from autopar.cost.memory import saved_activations
+    from autopar.runtime import engine
 
     _CURRENT["family"] = name
     try:
         reference(name)
         model, inputs, target = build(name)
-        engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
-                                     loss_fn=_lm_loss, optimizer=_optimizer(),
-                                     plan={"data": 1})
-        engine.train_step(inputs, target)
+        engine.Engine.trace_for(model, tuple(t[:2] for t in inputs))
+        train = engine.trace(model, tuple(torch.zeros_like(t) for t in inputs), loss_fn=_lm_loss,
+                             example_target=torch.zeros_like(target), train=True)
+        saved_activations(train)
     except Exception:  # noqa: BLE001 - the workers meet it again and report it per case
         pass
     finally:
