@@ -432,10 +432,27 @@ def _pretrace(name: str) -> None:
         train = engine.trace(model, tuple(torch.zeros_like(t) for t in inputs), loss_fn=_lm_loss,
                              example_target=torch.zeros_like(target), train=True)
         saved_activations(train)
+        if FAMILIES[name].kind == "moe":  # the graphs an expert split traces (1D tensor
+            _pretrace_experts(model, inputs, target)  # or ep: its MoE layers opaque)
     except Exception:  # noqa: BLE001 - the workers meet it again and report it per case
         pass
     finally:
         _CURRENT["family"] = None
+
+
+def _pretrace_experts(model, inputs, target) -> None:
+    """The two graphs of a plan that splits experts (the same for tensor-1d, Megatron-SP and
+    ep: every MoE layer runs as autopar's kernel), traced as the engine traces them."""
+    from autopar.kernels.moe_layers import expert_layers, opaque_moe
+    from autopar.plans.schema import Plan
+    from autopar.runtime import engine
+
+    world, plan = MODES["expert"]
+    chosen = Plan.from_dict(copy.deepcopy(plan), world)
+    engine.Engine.trace_for(model, tuple(t[:2] for t in inputs), chosen)
+    with opaque_moe(model, expert_layers(model, chosen)):
+        engine.trace(model, tuple(torch.zeros_like(t) for t in inputs), loss_fn=_lm_loss,
+                     example_target=torch.zeros_like(target), train=True)
 
 
 @pytest.fixture(scope="module")
