@@ -67,3 +67,13 @@ def test_batch_like_sizes_are_decided_once_per_size():
     assert context.batch_like(4 * BATCH) and not context.batch_like(BATCH / 2)
     assert not context.batch_like(8) and context.batch_like(BATCH)
     assert context.batch_like(4 * BATCH) and context._batch_like.cache_info().hits == 1
+
+
+def test_a_mesh_names_its_physical_dims_once():
+    """The rules ask a mesh for its physical dims at every op and axis of every solve."""
+    from autopar.sharding.axes import TensorMesh
+
+    mesh = TensorMesh.for_mode("2d", 4)
+    assert mesh.physical is mesh.physical and mesh.physical == tuple(n for n, _ in mesh.dims)
+    assert mesh.components("tp") == mesh.physical and mesh == TensorMesh.for_mode("2d", 4)
+    assert hash(mesh) == hash(TensorMesh.for_mode("2d", 4))
