@@ -29,8 +29,11 @@ once per kind of graph and computed its one-device reference (`pretraced`: trace
 pickle, forked workers inherit them), so no rank traces what another already did; the tracer
 sees only shapes, and the trace cache (`_install_trace_cache`) hands every case of a family the
 one trace, its parameters rebound to that case's model, which is what tracing the new model
-would give. A graph the one-device start did not trace (e.g. an expert plan's) is traced by
-the ranks, once per world.
+would give. The test process traces each family's inference and training graphs directly, as
+an engine start does (`Engine.trace_for`, then the training trace with the loss), an MoE
+family's also with its MoE layers opaque (every plan that splits experts), and does the
+training graph's memory analysis (the planner and a pipeline's stage cut price it); a graph it
+did not trace (a family whose trace fails) is traced by the ranks, once per world.
 docs/families.md is generated from `FAMILIES`, `MODES` and `EXPECTED`
 (`python tests/test_families.py` writes it), and a test checks it is current.
 """
