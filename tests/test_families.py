@@ -462,12 +462,15 @@ def _pretrace_experts(model, inputs, target) -> None:
 def pretraced(request):
     """Every selected family traced once for both worlds and all their ranks (a rank traced
     each family itself: 2 + 4 traces of each graph where 1 does), the test process's trace
-    functions and random state put back after."""
+    functions, random state and thread count put back after."""
     from autopar.runtime import engine
     from autopar.search import planner
 
     names = {f: None for world in (2, 4) for f, _ in _selected(request, world)}
-    saved = engine.trace, planner.trace
+    saved, threads = (engine.trace, planner.trace), torch.get_num_threads()
+    # one thread, as the ranks run: on these tiny tensors a second one only spins (half the
+    # pretrace's CPU seconds on two cores)
+    torch.set_num_threads(1)
     with torch.random.fork_rng():
         _install_trace_cache()
         try:
@@ -475,6 +478,7 @@ def pretraced(request):
                 _pretrace(name)
         finally:
             engine.trace, planner.trace = saved
+            torch.set_num_threads(threads)
     yield
     _TRACES.clear()
     _REFERENCE.clear()
