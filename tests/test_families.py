@@ -29,8 +29,11 @@ once per kind of graph and computed its one-device reference (`pretraced`: trace
 pickle, forked workers inherit them), so no rank traces what another already did; the tracer
 sees only shapes, and the trace cache (`_install_trace_cache`) hands every case of a family the
 one trace, its parameters rebound to that case's model, which is what tracing the new model
-would give. A graph the one-device start did not trace (e.g. an expert plan's) is traced by
-the ranks, once per world.
+would give. The test process traces each family's inference and training graphs directly, as
+an engine start does (`Engine.trace_for`, then the training trace with the loss), an MoE
+family's also with its MoE layers opaque (every plan that splits experts), and does the
+training graph's memory analysis (the planner and a pipeline's stage cut price it); a graph it
+did not trace (a family whose trace fails) is traced by the ranks, once per world.
 docs/families.md is generated from `FAMILIES`, `MODES` and `EXPECTED`
 (`python tests/test_families.py` writes it), and a test checks it is current.
 """
@@ -415,36 +418,59 @@ _RESULTS: dict = {}
 
 def _pretrace(name: str) -> None:
     """Trace `name` here, in the test process, as an engine does (its inference graph at the
-    start, its training graph at the first step: a one-device start and step fill the cache),
-    and compute its one-device reference: the worlds' workers are forked after this and find
-    both (traced graphs do not pickle). A family whose one-device start fails is left to the
-    workers, which trace it themselves and report each case as before."""
-    import autopar
+    start, `Engine.trace_for`, and its training graph at the first step, with the loss), and
+    compute its one-device reference: the worlds' workers are forked after this and find both
+    (traced graphs do not pickle). The training graph's memory analysis (cached on the graph:
+    the planner and a pipeline's stage cut price it) is done here too, once for every rank. A
+    family whose trace fails is left to the workers, which trace it themselves and report
+    each case as before."""
+    from autopar.cost.memory import saved_activations
+    from autopar.runtime import engine
 
     _CURRENT["family"] = name
     try:
         reference(name)
         model, inputs, target = build(name)
-        engine = autopar.parallelize(model, 1, example_inputs=tuple(t[:2] for t in inputs),
-                                     loss_fn=_lm_loss, optimizer=_optimizer(),
-                                     plan={"data": 1})
-        engine.train_step(inputs, target)
+        engine.Engine.trace_for(model, tuple(t[:2] for t in inputs))
+        train = engine.trace(model, tuple(torch.zeros_like(t) for t in inputs), loss_fn=_lm_loss,
+                             example_target=torch.zeros_like(target), train=True)
+        saved_activations(train)
+        if FAMILIES[name].kind == "moe":  # the graphs an expert split traces (1D tensor
+            _pretrace_experts(model, inputs, target)  # or ep: its MoE layers opaque)
     except Exception:  # noqa: BLE001 - the workers meet it again and report it per case
         pass
     finally:
         _CURRENT["family"] = None
 
 
+def _pretrace_experts(model, inputs, target) -> None:
+    """The two graphs of a plan that splits experts (the same for tensor-1d, Megatron-SP and
+    ep: every MoE layer runs as autopar's kernel), traced as the engine traces them."""
+    from autopar.kernels.moe_layers import expert_layers, opaque_moe
+    from autopar.plans.schema import Plan
+    from autopar.runtime import engine
+
+    world, plan = MODES["expert"]
+    chosen = Plan.from_dict(copy.deepcopy(plan), world)
+    engine.Engine.trace_for(model, tuple(t[:2] for t in inputs), chosen)
+    with opaque_moe(model, expert_layers(model, chosen)):
+        engine.trace(model, tuple(torch.zeros_like(t) for t in inputs), loss_fn=_lm_loss,
+                     example_target=torch.zeros_like(target), train=True)
+
+
 @pytest.fixture(scope="module")
 def pretraced(request):
     """Every selected family traced once for both worlds and all their ranks (a rank traced
     each family itself: 2 + 4 traces of each graph where 1 does), the test process's trace
-    functions and random state put back after."""
+    functions, random state and thread count put back after."""
     from autopar.runtime import engine
     from autopar.search import planner
 
     names = {f: None for world in (2, 4) for f, _ in _selected(request, world)}
-    saved = engine.trace, planner.trace
+    saved, threads = (engine.trace, planner.trace), torch.get_num_threads()
+    # one thread, as the ranks run: on these tiny tensors a second one only spins (half the
+    # pretrace's CPU seconds on two cores)
+    torch.set_num_threads(1)
     with torch.random.fork_rng():
         _install_trace_cache()
         try:
@@ -452,6 +478,7 @@ def pretraced(request):
                 _pretrace(name)
         finally:
             engine.trace, planner.trace = saved
+            torch.set_num_threads(threads)
     yield
     _TRACES.clear()
     _REFERENCE.clear()

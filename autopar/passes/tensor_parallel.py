@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.kernels.collectives import Redistribute
 from autopar.kernels.modules import (
@@ -43,7 +44,11 @@ aten = torch.ops.aten
 
 
 def clone_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
-    """A GraphModule with a copy of gm's graph (node meta kept) sharing gm's tensors."""
+    """A GraphModule with a copy of gm's graph (node meta kept) sharing gm's tensors.
+
+    Its Python code is generated when it first runs (or its code is read), not at every
+    `recompile()`: each pass after this one edits the graph and recompiles, and only the
+    last edit's code runs (the inference graph a start solves for layouts never runs)."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen  # keeps export's pytree calling convention
     mapping: dict[fx.Node, fx.Node] = {}
@@ -52,7 +57,7 @@ def clone_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     mapping[next(n for n in gm.graph.nodes if n.op == "output")] = new_output
     for old, new in mapping.items():
         new.meta = dict(old.meta)
-    new_gm = fx.GraphModule(gm, graph)
+    new_gm = _LazyGraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
     return new_gm, mapping
 

@@ -3,6 +3,7 @@ family shares: the replicated and follow strategies, tensor inputs, byte counts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -261,7 +262,11 @@ def splits(size, parts: int) -> bool:
 
 def batch_like(size) -> bool:
     """Whether a size is a positive whole multiple of the batch symbol."""
-    size = sympy.sympify(size)
+    return _batch_like(sympy.sympify(size))
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_like(size: sympy.Expr) -> bool:
     ratio = sympy.simplify(size / BATCH)
     return size.free_symbols == {BATCH} and ratio.is_number and ratio.is_integer \
         and bool(ratio > 0)

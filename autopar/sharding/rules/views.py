@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import sympy
@@ -250,6 +251,13 @@ def _unflatten_samples(in_shape, out_shape, ins, outs, shard: Shard, parts: int)
 
 def _matching_runs(in_shape, out_shape):
     """Pair runs of input dims with runs of output dims of equal product (size-1 dims dropped)."""
+    return _runs(tuple(in_shape), tuple(out_shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _runs(in_shape: tuple, out_shape: tuple) -> tuple:
+    """`_matching_runs` of two shapes: the same reshape recurs in every layer and every solve
+    of a start (and sympy's simplify is most of its cost), so each pair is worked out once."""
     runs, i, j = [], 0, 0
     n, m = len(in_shape), len(out_shape)
     while i < n or j < m:
@@ -263,7 +271,7 @@ def _matching_runs(in_shape, out_shape):
             outs.append(j)
             p_out = p_out * out_shape[j]
             j += 1
-        while sympy.simplify(p_in - p_out) != 0:
+        while _differ(p_in, p_out):
             if (i < n and _smaller(p_in, p_out)) or j >= m:
                 if i >= n:
                     break
@@ -274,12 +282,21 @@ def _matching_runs(in_shape, out_shape):
                 outs.append(j)
                 p_out = p_out * out_shape[j]
                 j += 1
-        runs.append((ins, outs))
-    return runs
+        runs.append((tuple(ins), tuple(outs)))
+    return tuple(runs)
+
+
+def _differ(a, b) -> bool:
+    """Whether two sizes differ; simplified only when sympy's assumptions cannot tell whether
+    their difference is zero (B - 8 * B is not: the batch symbol is positive)."""
+    zero = (a - b).is_zero
+    return not zero if zero is not None else sympy.simplify(a - b) != 0
 
 
 def _smaller(a, b) -> bool:
-    ratio = sympy.simplify(b / a)
+    ratio = b / a  # sympy cancels a monomial's factors itself: simplify only what is left
+    if not ratio.is_number:
+        ratio = sympy.simplify(ratio)
     if ratio.is_number:
         return bool(ratio > 1)
     return bool(sympy.degree(sympy.numer(sympy.together(ratio))) > 0) if ratio.free_symbols \

@@ -1,0 +1,79 @@
+"""What an engine start does once rather than at every use: a rewritten graph's Python code,
+and the sympy work of the reshape rule (docs/testing.md, "Where the CPU goes")."""
+
+import sympy
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.graph.ir import BATCH
+from autopar.passes.tensor_parallel import clone_graph_module
+from autopar.sharding.layout import Shard
+from autopar.sharding.rules import context, views
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x).relu() + 1
+
+
+def test_a_cloned_graph_generates_its_code_once_when_it_first_runs(monkeypatch):
+    """A pass's recompile() after each edit only marks the code stale: the code is generated
+    when the graph runs (or its code is read), once, and computes what the original does."""
+    gm = fx.symbolic_trace(_Net())
+    made = []
+    real = fx.Graph.python_code
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    out, mapping = clone_graph_module(gm)
+    out.recompile()
+    out.recompile()
+    assert made == [] and set(mapping) == set(gm.graph.nodes)
+    x = torch.randn(3, 4)
+    assert torch.equal(out(x), gm(x)) and torch.equal(out(x), gm(x))
+    assert len(made) == 1 and "relu" in out.code
+
+
+def test_a_reshape_of_whole_numbers_and_the_batch_needs_no_simplify(monkeypatch):
+    """The runs of a reshape over whole numbers and multiples of the batch are told apart by
+    sympy's assumptions alone (simplify costs a tenth of a second on its first call), and the
+    same pair of shapes is worked out once for every layer and solve of a start."""
+    def refused(*args, **kwargs):
+        raise AssertionError("simplify called")
+
+    views._runs.cache_clear()
+    monkeypatch.setattr(sympy, "simplify", refused)
+    shapes = ((BATCH, 8, 32), (BATCH, 8, 4, 8))
+    assert views._matching_runs(*shapes) == (((0,), (0,)), ((1,), (1,)), ((2,), (2, 3)))
+    assert views._matching_runs((BATCH, 8, 32), (8 * BATCH, 32)) == (((0, 1), (0,)),
+                                                                      ((2,), (1,)))
+    new, _ = views.reshape_shard(*shapes, Shard(2, "tp", 1), 2)
+    assert new == Shard(2, "tp", 1)
+    hits = views._runs.cache_info().hits
+    assert views.reshape_shard(*shapes, Shard(2, "tp", 1), 2) == (new, None)
+    assert views._runs.cache_info().hits == hits + 1
+
+
+def test_batch_like_sizes_are_decided_once_per_size():
+    context._batch_like.cache_clear()
+    assert context.batch_like(4 * BATCH) and not context.batch_like(BATCH / 2)
+    assert not context.batch_like(8) and context.batch_like(BATCH)
+    assert context.batch_like(4 * BATCH) and context._batch_like.cache_info().hits == 1
+
+
+def test_a_mesh_names_its_physical_dims_once():
+    """The rules ask a mesh for its physical dims at every op and axis of every solve."""
+    from autopar.sharding.axes import TensorMesh
+
+    mesh = TensorMesh.for_mode("2d", 4)
+    assert mesh.physical is mesh.physical and mesh.physical == tuple(n for n, _ in mesh.dims)
+    assert mesh.components("tp") == mesh.physical and mesh == TensorMesh.for_mode("2d", 4)
+    assert hash(mesh) == hash(TensorMesh.for_mode("2d", 4))
