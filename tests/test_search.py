@@ -471,8 +471,10 @@ def test_ranks_sharing_cores_absorb_the_pipeline_bubble(small, tmp_path):
 
 def test_zero3_pays_collective_latency_once_per_layer(small):
     """ZeRO-3 gathers and reduce-scatters layer by layer: the data-parallel sync of a
-    device with k layers of parameters is k collectives of each kind on 1/k of the bytes."""
-    from autopar.cost.comm import placements
+    device with k layers of parameters is, per micro-batch, k reduce-scatters and 2k - 1
+    gathers on 1/k of the bytes (each layer gathered for its forward and its backward, but
+    the last, whose forward gather the backward keeps)."""
+    from autopar.cost.comm import collective_time, placements
     from autopar.search.search import Constraints, Options, Search
 
     search = Search(small, World(8, per_node=8, device="cpu"), Options(global_batch=16),
@@ -480,7 +482,10 @@ def test_zero3_pays_collective_latency_once_per_layer(small):
     pl = placements({"dp": 8}, ("dp",), 8)["dp"]
     one = search._dp_time(8e6, 3, 2, pl)
     four = search._dp_time(8e6, 3, 2, pl, units=4)
-    assert four == pytest.approx(4 * search._dp_time(2e6, 3, 2, pl))
+    rs, ag = (collective_time(op, 2e6, pl, search.hw) for op in ("reduce_scatter", "all_gather"))
+    assert four == pytest.approx(2 * (4 * rs + 7 * ag))
+    assert one == pytest.approx(2 * (collective_time("reduce_scatter", 8e6, pl, search.hw) +
+                                     collective_time("all_gather", 8e6, pl, search.hw)))
     assert four > one  # more latency, the same bytes
     assert search._dp_time(8e6, 1, 2, pl, units=4) == search._dp_time(8e6, 1, 2, pl)
     cands = Search(small, World(8, per_node=8, device="cpu"), Options(global_batch=16),

@@ -238,13 +238,25 @@ def dp_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units:
             cache: dict | None = None, gather: float = 1.0) -> float:
     """Seconds of one device's gradient sync over `m` micro-batches (Rajbhandari et al.
     2019): ZeRO-3 gathers and reduce-scatters layer by layer, `units` layers each paying
-    its own latency. `cache`: seconds by parameter bytes, for this `grad_pl` and `gather`
-    only; `gather`: ZeRO-3's gathered bytes over the weights' (fp8 gathers float8)."""
+    its own latency, each gathered for its forward and again for its backward but the last,
+    whose forward gather the backward, which begins with it, keeps (as the runtime does,
+    `runtime.zero3.kept_after_forward`). `cache`: seconds by parameter bytes, for this
+    `grad_pl` and `gather` only; `gather`: ZeRO-3's gathered bytes over the weights' (fp8
+    gathers float8)."""
     if grad_pl.size <= 1:
         return 0.0
-    if zero == 3 and units > 1:
-        return units * dp_time(param_bytes / units, zero, m, grad_pl, hw, cache=cache,
-                               gather=gather)
+    if zero == 3:
+        units = max(1, units)
+        _, rs, _, gathered = _sync_parts(param_bytes / units, grad_pl, hw, cache, gather)
+        return m * (units * rs + (2 * units - 1) * gathered)
+    ar, rs, ag, _ = _sync_parts(param_bytes, grad_pl, hw, cache, gather)
+    return {0: ar, 1: rs + ag, 2: m * rs + ag}[zero]
+
+
+def _sync_parts(param_bytes: float, grad_pl, hw: Hardware, cache: dict | None,
+                gather: float) -> tuple:
+    """(all-reduce, reduce-scatter, all-gather, gather at `gather`'s bytes) seconds of
+    `param_bytes` over `grad_pl`, through `cache` (by parameter bytes)."""
     hit = cache.get(param_bytes) if cache is not None else None
     if hit is None:
         hit = tuple(collective_time(op, param_bytes, grad_pl, hw)
@@ -252,8 +264,7 @@ def dp_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units:
             (collective_time("all_gather", param_bytes * gather, grad_pl, hw),)
         if cache is not None:
             cache[param_bytes] = hit
-    ar, rs, ag, gathered = hit
-    return {0: ar, 1: rs + ag, 2: m * rs + ag, 3: m * (rs + 2 * gathered)}[zero]
+    return hit
 
 
 def sync_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, units: int = 1,
