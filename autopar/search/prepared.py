@@ -80,9 +80,11 @@ class Prepared:
         self.least = [self._least(t, base) for t in range(len(kinds))]
         self.counts = counts = base.counts if base else np.bincount(order,
                                                                      minlength=len(kinds))
+        # the kinds the chain holds, in the order of their first layer
+        self.present = base.present if base else list(dict.fromkeys(order))
         fastest = [least[0] for least in self.least]
         self.min_total = float(np.dot(counts, fastest))
-        self.min_single = max(fastest[t] for t in set(order))
+        self.min_single = max(fastest[t] for t in self.present)
         self.min_params = float(np.dot(counts, [least[1] for least in self.least]))
         self.min_experts = float(np.dot(counts, [least[2] for least in self.least]))
         self.workspace = max(least[3] for least in self.least)
@@ -99,21 +101,37 @@ class Prepared:
     def _least(self, t: int, base) -> tuple:
         """Kind ``t``'s least seconds, parameter and expert bytes and its most workspace over
         each layout's state with the least recomputation; from the `base` Prepared's where
-        these states begin its, pricing only the layouts it lacks."""
-        states = self.kinds[t][1]
-        n = len(base.kinds[t][1]) if base is not None else 0
-        if n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
-            had = base.least[t]
-            if len(states) == n:
-                return had
-            costs = self._price([n + k for k in _least_recompute(states[n:])], t)
-            return (min(had[0], min(c.time for c in costs)),
-                    min(had[1], min(c.params for c in costs)),
-                    min(had[2], min(c.expert_params for c in costs)),
-                    max(had[3], max(c.workspace for c in costs)))
-        costs = self._price(_least_recompute(states), t)
-        return (min(c.time for c in costs), min(c.params for c in costs),
-                min(c.expert_params for c in costs), max(c.workspace for c in costs))
+        these states begin its, pricing only the layouts it lacks (`_least_states`)."""
+        which, joined = self._least_states(base)[t]
+        if which is None:
+            return base.least[t]
+        costs = self._price(which, t)
+        least = (min(c.time for c in costs), min(c.params for c in costs),
+                 min(c.expert_params for c in costs), max(c.workspace for c in costs))
+        if not joined:
+            return least
+        had = base.least[t]
+        return (min(had[0], least[0]), min(had[1], least[1]), min(had[2], least[2]),
+                max(had[3], least[3]))
+
+    def _least_states(self, base) -> list:
+        """Per kind, (the indices of the states `_least` prices, whether the base's figures
+        join theirs): (None, True) where its states are the base's (`_base_of` found them its
+        prefix), the layouts the base lacks where they are all new, else every layout. Once
+        per state list and search: it follows from the lists alone."""
+        key = ("least states", id(self.kinds))
+        hit = self.search._cost_cache.get(key)
+        if hit is None:
+            hit = self.search._cost_cache[key] = []
+            for t, (_, states) in enumerate(self.kinds):
+                n = len(base.kinds[t][1]) if base is not None else 0
+                if n and len(states) == n:
+                    hit.append((None, True))
+                elif n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
+                    hit.append(([n + k for k in _least_recompute(states[n:])], True))
+                else:
+                    hit.append((_least_recompute(states), False))
+        return hit
 
     def _price(self, which, t: int) -> list:
         """The costs of kind ``t``'s states at the indices ``which``, each priced once."""

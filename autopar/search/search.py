@@ -157,6 +157,7 @@ class Search:
             self.layers = chain.layers()
             self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
         self._cost_cache: dict = {}
+        self._by_group: dict = {}  # `_prepared` by the number `_mesh_walk` gives its key
         # placement-only caches (contexts, dp sync, in flight), shared with the base search's
         self._shared: dict = base._shared if base is not None else {}
         self._contexts: dict = self._shared.setdefault("contexts", {})  # per ctx key
@@ -228,7 +229,9 @@ class Search:
         micro-batch x schedule), each with its lower bound, in a fixed order."""
         world = self.world.devices
         heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
-        meshes = self.space.meshes(world)
+        meshes = self._shared.get("meshes")  # a grid search's are its base's (`_mesh_walk`)
+        if meshes is None:
+            meshes = self._shared["meshes"] = self.space.meshes(world)
         if self._base is not None:
             meshes = [m for m in meshes if self.space.has_grid(m[TP])]
         if self.opt.executable is not None:
@@ -293,22 +296,18 @@ class Search:
         return out
 
     def _leaves(self, mesh, heads):
-        gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
-        if gb % dp:
+        walk = self._mesh_walk(mesh, heads)
+        if walk is None:
             return []
-        pl, grad_pl = _shared_placements(self._shared, mesh, self.world.per_node)
-        per_replica = gb // dp
-        micro = self.space.micro_batches(per_replica, pp)
-        zeros = self.space.zero_options(mesh, self.world.per_node)
-        dp_cache = self._dp_cache(grad_pl)
+        pl, grad_pl, dp_cache, per_replica, groups = walk
+        pp = mesh[PP]
         out = []
-        splits = [expert_split(mesh, e, self.world.per_node) if e > 1 else None
-                  for e in self.space.ep_sizes(mesh)]
-        for cp_mode, split, b in itertools.product(self.space.cp_modes(mesh, heads), splits,
-                                                   micro):
-            prep = self._prepared(mesh, pl, cp_mode, b, split)
-            leaf_zeros = zeros if split is None else self.space.expert_zero_options(mesh, zeros)
-            if prep is None or not leaf_zeros:
+        preps = self._by_group
+        for cp_mode, split, b, leaf_zeros, group in groups:
+            prep = preps.get(group, preps)  # (itself: not asked yet)
+            if prep is preps:
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
+            if prep is None:
                 continue
             m = per_replica // b
             # lower bound without building the chain: every layer at its fastest state,
@@ -318,9 +317,7 @@ class Search:
             if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
                 continue
             slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
-            for schedule, v in self.space.schedules(pp, m):
-                if pp * v > len(self.chain.order):
-                    continue
+            for schedule, v in self._schedules(pp, m):
                 if pp == 1:
                     pipe = m * slowest
                 elif schedule == INTERLEAVED:
@@ -348,6 +345,49 @@ class Search:
                                  b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=leaf_zeros,
                                  dp_cache=dp_cache, split=split))
         return out
+
+    def _mesh_walk(self, mesh, heads):
+        """What the leaves of `mesh` share, made once for every search sharing these caches
+        (a grid search's space is its base's but for the tensor modes, so its meshes,
+        placements, micro-batches, cp modes, expert splits and ZeRO options are the base's):
+        (placements, gradient placement, its dp cache, samples per replica, and the (cp mode,
+        expert split, micro-batch, ZeRO options) of each leaf group in leaf order); None
+        where dp does not divide the global batch."""
+        key = ("walk", _mesh_key(mesh))
+        if key in self._shared:
+            return self._shared[key]
+        walk = None
+        gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
+        if gb % dp == 0:
+            pl, grad_pl = _shared_placements(self._shared, mesh, self.world.per_node)
+            per_replica = gb // dp
+            micro = self.space.micro_batches(per_replica, pp)
+            zeros = self.space.zero_options(mesh, self.world.per_node)
+            splits = [expert_split(mesh, e, self.world.per_node) if e > 1 else None
+                      for e in self.space.ep_sizes(mesh)]
+            expert_zeros = self.space.expert_zero_options(mesh, zeros) \
+                if any(s is not None for s in splits) else None
+            # each group's `_prepared` key as a number: equal keys of other meshes, one number
+            numbers = self._shared.setdefault("group numbers", {})
+            groups = [(cp_mode, split, b, zeros if split is None else expert_zeros,
+                       numbers.setdefault((mesh[TP], pl[TP], pl[CP], cp_mode, b, split.dispatch
+                                           if split is not None else None), len(numbers)))
+                      for cp_mode, split, b in itertools.product(
+                          self.space.cp_modes(mesh, heads), splits, micro)]
+            walk = (pl, grad_pl, self._dp_cache(grad_pl), per_replica,
+                    [group for group in groups if group[3]])
+        self._shared[key] = walk
+        return walk
+
+    def _schedules(self, pp: int, m: int) -> list:
+        """`Space.schedules` whose stages the chain's layers can fill, once per (pp, m) for
+        every search sharing these caches (the same for a grid search as for its base)."""
+        key = ("schedules", pp, m)
+        hit = self._shared.get(key)
+        if hit is None:
+            hit = self._shared[key] = [(s, v) for s, v in self.space.schedules(pp, m)
+                                       if pp * v <= len(self.chain.order)]
+        return hit
 
     # ------------------------------------------------------------------ pricing
     def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl, units: int = 1,

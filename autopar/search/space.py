@@ -192,6 +192,7 @@ class Space:
         self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block)
         self._states: dict = {}
         self._kinds: dict = {}  # (tp, micro-batch, beside cp) -> `kinds`
+        self._split_states: dict = {}  # (kind, tp, beside cp) -> `_splits`
         self._grids: dict = {}  # tp -> `has_grid`
 
     # ------------------------------------------------------------------ layers
@@ -265,14 +266,23 @@ class Space:
             return self._kinds[key]
         out = []
         for lt in self.chain.types:
-            states = [s for s in self.states(lt, tp) if b % s.mode.batch_split == 0
-                      and (not beside_cp or self.beside_cp(s))]
+            states = [s for s, split in self._splits(lt, tp, beside_cp) if b % split == 0]
             if not states:
                 out = None
                 break
             out.append((lt, states))
         self._kinds[key] = out
         return out
+
+    def _splits(self, lt, tp: int, beside_cp: bool) -> list[tuple[LayerState, int]]:
+        """(state, its batch split) of `states` (those a cp axis allows, given `beside_cp`),
+        once per kind, tensor size and cp: `kinds` filters them by micro-batch."""
+        key = (id(lt), tp, beside_cp)
+        hit = self._split_states.get(key)
+        if hit is None:
+            hit = self._split_states[key] = [(s, s.mode.batch_split) for s in self.states(lt, tp)
+                                             if not beside_cp or self.beside_cp(s)]
+        return hit
 
     def _make_states(self, lt, tp: int) -> list[LayerState]:
         out = []
