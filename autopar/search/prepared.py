@@ -101,8 +101,8 @@ class Prepared:
     def _least(self, t: int, base) -> tuple:
         """Kind ``t``'s least seconds, parameter and expert bytes and its most workspace over
         each layout's state with the least recomputation; from the `base` Prepared's where
-        these states begin its, pricing only the layouts it lacks (`_least_states`)."""
-        which, joined = self._least_states(base)[t]
+        these states begin its, pricing only the layouts it lacks (`least_states`)."""
+        which, joined = least_states(self.search, self.kinds, base)[t]
         if which is None:
             return base.least[t]
         costs = self._price(which, t)
@@ -113,25 +113,6 @@ class Prepared:
         had = base.least[t]
         return (min(had[0], least[0]), min(had[1], least[1]), min(had[2], least[2]),
                 max(had[3], least[3]))
-
-    def _least_states(self, base) -> list:
-        """Per kind, (the indices of the states `_least` prices, whether the base's figures
-        join theirs): (None, True) where its states are the base's (`_base_of` found them its
-        prefix), the layouts the base lacks where they are all new, else every layout. Once
-        per state list and search: it follows from the lists alone."""
-        key = ("least states", id(self.kinds))
-        hit = self.search._cost_cache.get(key)
-        if hit is None:
-            hit = self.search._cost_cache[key] = []
-            for t, (_, states) in enumerate(self.kinds):
-                n = len(base.kinds[t][1]) if base is not None else 0
-                if n and len(states) == n:
-                    hit.append((None, True))
-                elif n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
-                    hit.append(([n + k for k in _least_recompute(states[n:])], True))
-                else:
-                    hit.append((_least_recompute(states), False))
-        return hit
 
     def _price(self, which, t: int) -> list:
         """The costs of kind ``t``'s states at the indices ``which``, each priced once."""
@@ -416,6 +397,44 @@ class Prepared:
                 np.array([s.mode == states[k].mode for s in states])])
             hit = self._unfitted[i] = np.where(allowed, self.t_layers[i], np.inf)
         return hit
+
+
+def least_states(search, kinds, base) -> list:
+    """Per kind of ``kinds``, (the indices of the states `Prepared._least` prices, whether the
+    `base` Prepared's figures join theirs): (None, True) where its states are the base's
+    (`search._base_of` found them its prefix), the layouts the base lacks where they are all
+    new, else every layout. Once per state list and search: it follows from the lists alone."""
+    key = ("least states", id(kinds))
+    hit = search._cost_cache.get(key)
+    if hit is None:
+        hit = search._cost_cache[key] = []
+        for t, (_, states) in enumerate(kinds):
+            n = len(base.kinds[t][1]) if base is not None else 0
+            if n and len(states) == n:
+                hit.append((None, True))
+            elif n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
+                hit.append(([n + k for k in _least_recompute(states[n:])], True))
+            else:
+                hit.append((_least_recompute(states), False))
+    return hit
+
+
+def least_total(search, kinds, b: int, context, base) -> float:
+    """The ``min_total`` the Prepared of these arguments (`Prepared`'s) has, from its kinds'
+    least seconds alone, without making it: a search under a cutoff asks it first, and makes
+    the Prepared only where a leaf's first bound (every layer at its fastest, the work spread
+    evenly over the stages) is under the cutoff. The same states priced, the same sum."""
+    fastest = []
+    for t, (which, joined) in enumerate(least_states(search, kinds, base)):
+        if which is None:
+            fastest.append(base.least[t][0])
+            continue
+        lt, states = kinds[t]
+        costs = search._state_costs_of(lt, [states[k] for k in which], b, *context)
+        least = min(c.time for c in costs)
+        fastest.append(min(base.least[t][0], least) if joined else least)
+    counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))
+    return float(np.dot(counts, fastest))
 
 
 def _beats(b, c) -> bool:

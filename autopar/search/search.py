@@ -59,7 +59,7 @@ from autopar.modes import (
 )
 from autopar.search import why
 from autopar.search.partition import balance_within
-from autopar.search.prepared import Fast, Leaf, Prepared
+from autopar.search.prepared import Fast, Leaf, Prepared, least_total
 from autopar.search.space import Constraints, Options, Space, divisors
 
 __all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
@@ -258,9 +258,11 @@ class Search:
         return why.lost(cand, winner, self.capacity, self.host_capacity)
 
     # ------------------------------------------------------------------ leaves
-    def _prepared(self, mesh, pl, cp_mode, b, split=None):
+    def _prepared(self, mesh, pl, cp_mode, b, split=None, least: bool = False):
         """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
-        all pp x dp); None where some layer has no state."""
+        all pp x dp); None where some layer has no state. `least`: where it is not made yet,
+        only its ``min_total`` (`least_total`: a float, which `_leaves` asks first under a
+        cutoff)."""
         per_type = self.space.kinds(mesh[TP], b, mesh[CP] > 1)
         if per_type is None or _base_known(self, per_type) is False:
             return None  # some layer has no state, or the base search's leaves are these
@@ -277,6 +279,8 @@ class Search:
                                                     compile=self.opt.compile,
                                                     fp8_recipe=self.opt.fp8_recipe)
         base = _base_of(self, mesh, pl, cp_mode, b, split, per_type)
+        if least and base is not False:
+            return least_total(self, per_type, b, (ctx, ctx_key), base)
         prep = self._cost_cache[key] = None if base is False else \
             Prepared(self, per_type, pl, b, (ctx, ctx_key), base)
         return prep
@@ -302,14 +306,18 @@ class Search:
         pl, grad_pl, dp_cache, per_replica, groups = walk
         pp = mesh[PP]
         out = []
-        preps = self._by_group
+        preps, bounded = self._by_group, self._cutoff < float("inf")
         for cp_mode, split, b, leaf_zeros, group in groups:
             prep = preps.get(group, preps)  # (itself: not asked yet)
-            if prep is preps:
-                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
+            if prep is preps:  # under a cutoff, its least seconds first (`least_total`)
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, bounded)
             if prep is None:
                 continue
             m = per_replica // b
+            if prep.__class__ is float:  # the Prepared's min_total: made once a leaf needs it
+                if m * (prep / pp) >= self._cutoff:
+                    continue
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
             # lower bound without building the chain: every layer at its fastest state,
             # stages perfectly balanced, parameters evenly spread (experts' sync left out:
             # it runs over a smaller group)
