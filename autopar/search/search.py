@@ -187,6 +187,8 @@ class Search:
         start = time.perf_counter()
         self._cutoff = cutoff
         meshes, leaves = self._all_leaves(progress)
+        if self.opt.executable is not None:  # (a search with no leaf raises before it)
+            self.left_out.extend(why.not_executable(self.opt.executable))
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
         top: list = []  # max-heap by time of the k best fitting candidates
         per_mesh: dict = {}
@@ -234,8 +236,6 @@ class Search:
             meshes = self._shared["meshes"] = self.space.meshes(world)
         if self._base is not None:
             meshes = [m for m in meshes if self.space.has_grid(m[TP])]
-        if self.opt.executable is not None:
-            self.left_out.extend(why.not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(why.no_mesh(self.c, self.chain, world, len(self.blocks)))
         if self.c.ep not in (None, 1):
@@ -263,6 +263,8 @@ class Search:
         all pp x dp); None where some layer has no state. `least`: where it is not made yet,
         only its ``min_total`` (`least_total`: a float, which `_leaves` asks first under a
         cutoff)."""
+        if self._base is not None and not self.space.takes_grid(mesh[TP], b, mesh[CP] > 1):
+            return None  # its states are the base search's (1D), or none: so are its leaves
         per_type = self.space.kinds(mesh[TP], b, mesh[CP] > 1)
         if per_type is None or _base_known(self, per_type) is False:
             return None  # some layer has no state, or the base search's leaves are these
