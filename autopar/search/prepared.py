@@ -61,11 +61,11 @@ class Prepared:
 
     def __init__(self, search, kinds, pl, b, context, base=None):  # search: the search.Search
         """``kinds``: (layer kind, its states) in chain-type order; ``context``: the cost
-        Context and its key; ``base``: the Prepared of a search whose states of each kind
-        begin these (their costs are its). The lower bound prices only each layout's state
-        with the least recomputation, its fastest (recomputing adds compute and reruns
-        collectives, never takes any away) and with the same parameters and workspace;
-        `build` the rest."""
+        Context and the shared costs under it (`Search._cost_table`); ``base``: the Prepared
+        of a search whose states of each kind begin these (their costs are its). The lower
+        bound prices only each layout's state with the least recomputation, its fastest
+        (recomputing adds compute and reruns collectives, never takes any away) and with the
+        same parameters and workspace; `build` the rest."""
         order = search.chain.order
         # no reference cycle with the search that caches it: both go by reference counting
         # when the search is dropped, with no collection to walk them
@@ -119,9 +119,9 @@ class Prepared:
         lt, states = self.kinds[t]
         costs = self.per_type[t][1]
         todo = [k for k in which if costs[k] is None]
-        ctx, ctx_key = self.context
+        ctx, table = self.context
         for k, c in zip(todo, self.search._state_costs_of(lt, [states[k] for k in todo],
-                                                          self.b, ctx, ctx_key)):
+                                                          self.b, ctx, table)):
             costs[k] = c
         return [costs[k] for k in which]
 

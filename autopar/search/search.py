@@ -281,25 +281,40 @@ class Search:
                                                     compile=self.opt.compile,
                                                     fp8_recipe=self.opt.fp8_recipe)
         base = _base_of(self, mesh, pl, cp_mode, b, split, per_type)
-        if least and base is not False:
-            return least_total(self, per_type, b, (ctx, ctx_key), base)
-        prep = self._cost_cache[key] = None if base is False else \
-            Prepared(self, per_type, pl, b, (ctx, ctx_key), base)
+        if base is False:
+            self._cost_cache[key] = None
+            return None
+        context = (ctx, self._cost_table(b, ctx_key))
+        if least:
+            return least_total(self, per_type, b, context, base)
+        prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, context, base)
         return prep
 
-    def _state_costs_of(self, lt, states, b: int, ctx, ctx_key) -> list:
-        """`state_cost` of each state, from the shared costs where given."""
-        shared = self._state_costs
-        if shared is None:
+    def _state_costs_of(self, lt, states, b: int, ctx, table) -> list:
+        """`state_cost` of each state, from the shared costs where given (`table`: the
+        `_cost_table` of this micro-batch and context; None: not shared)."""
+        if table is None:
             return [state_cost(lt, s, b, ctx) for s in states]
         out = []
         for s in states:
-            key = (id(lt), s, b, ctx_key)
-            hit = shared.get(key)
-            if hit is None:
-                hit = shared[key] = state_cost(lt, s, b, ctx)
-            out.append(hit)
+            # by identity (each value is one object, `space._state`), the objects held
+            key = (id(lt), id(s))
+            hit = table.get(key)
+            if hit is None or hit[0] is not lt or hit[1] is not s:
+                hit = table[key] = (lt, s, state_cost(lt, s, b, ctx))
+            out.append(hit[2])
         return out
+
+    def _cost_table(self, b: int, ctx_key) -> dict | None:
+        """The shared state costs of one micro-batch and context (None: not shared), found
+        once per Prepared: its key, which holds the placements, is hashed once, not per state."""
+        shared = self._state_costs
+        if shared is None:
+            return None
+        table = shared.get((b, ctx_key))
+        if table is None:
+            table = shared[(b, ctx_key)] = {}
+        return table
 
     def _leaves(self, mesh, heads):
         walk = self._mesh_walk(mesh, heads)
