@@ -150,12 +150,12 @@ class Search:
         self.hw: Hardware = world.profile
         self.opt = options
         self.c = Constraints.of(constraints)
-        self.space = Space(chain, options, self.c)
         if base is not None:  # the same chain: its layers as the base search read them
             self.layers, self.blocks = base.layers, base.blocks
         else:
             self.layers = chain.layers()
             self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
+        self.space = Space(chain, options, self.c, len(self.blocks))
         self._cost_cache: dict = {}
         self._by_group: dict = {}  # `_prepared` by the number `_mesh_walk` gives its key
         # placement-only caches (contexts, dp sync, in flight), shared with the base search's
@@ -165,8 +165,9 @@ class Search:
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
-        self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
-            chain.param_dtype), self.layers)
+        # (a base search's: the same chain, device and dtype)
+        self.precision, self.kept_high = (base.precision, base.kept_high) if base is not None \
+            else fp8.planned(options.dtype, self.hw, precision_of(chain.param_dtype), self.layers)
         self._base = base
         self._settled = settled
         self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made

@@ -186,10 +186,13 @@ def _state(mode: TensorMode, sp: str, recompute: str) -> LayerState:
 class Space:
     """The filters of one search's space: its chain, constraints, options and capabilities."""
 
-    def __init__(self, chain, options: Options, constraints: Constraints):
+    def __init__(self, chain, options: Options, constraints: Constraints,
+                 n_blocks: int | None = None):
+        """`n_blocks`: the chain's blocks, where the caller counted them."""
         self.chain, self.opt, self.c = chain, options, constraints
         self.caps = options.executable  # None: everything the planner can price
-        self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block)
+        self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block) if n_blocks is None \
+            else n_blocks
         self._states: dict = {}
         self._kinds: dict = {}  # (tp, micro-batch, beside cp) -> `kinds`
         self._split_states: dict = {}  # (kind, tp, beside cp) -> `_splits`
