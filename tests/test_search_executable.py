@@ -12,7 +12,8 @@ from autopar.cost.comm import placements
 from autopar.models import workload
 from autopar.modes import CP, DP, ORDER, PP, RUNTIME, TP
 from autopar.search import planner
-from autopar.search.search import Options, Search
+from autopar.search.prepared import state_costs_of
+from autopar.search.search import Options, Search, _mesh_walk
 from autopar.world import World
 
 SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"
@@ -180,8 +181,8 @@ def test_a_grid_search_walks_its_base_searchs_meshes(small):
     base.run()
     heads = min(a.heads for lt in small.types for a in lt.attention)
     for mesh in grid.space.meshes(world.devices):
-        had = base._mesh_walk(mesh, heads)
-        assert grid._mesh_walk(mesh, heads) is had
+        had = _mesh_walk(base, mesh, heads)
+        assert _mesh_walk(grid, mesh, heads) is had
         if had is not None:
             assert had[4] and all(zeros for _, _, _, zeros, _ in had[4])
     grid.run()
@@ -251,5 +252,5 @@ def test_the_shared_state_costs_are_found_by_identity_once_per_context(small):
     pl = placements(mesh, ORDER, world.per_node)
     prep = grid._prepared(mesh, pl, None, 8).build()
     lt, states = prep.kinds[-1]
-    again = grid._state_costs_of(lt, states, 8, prep.context[0], prep.context[1])
+    again = state_costs_of(lt, states, 8, *prep.context)
     assert all(a is b for a, b in zip(again, prep.per_type[-1][1]))

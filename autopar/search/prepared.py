@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.cost.model import state_cost
 from autopar.cost.step import ExpertSplit, conversion_s
 from autopar.modes import CP, RECOMPUTE, TP
 from autopar.search.partition import balance, choose_states
@@ -61,7 +62,7 @@ class Prepared:
 
     def __init__(self, search, kinds, pl, b, context, base=None):  # search: the search.Search
         """``kinds``: (layer kind, its states) in chain-type order; ``context``: the cost
-        Context and the shared costs under it (`Search._cost_table`); ``base``: the Prepared
+        Context and the shared costs under it (`cost_table`); ``base``: the Prepared
         of a search whose states of each kind begin these (their costs are its). The lower
         bound prices only each layout's state with the least recomputation, its fastest
         (recomputing adds compute and reruns collectives, never takes any away) and with the
@@ -120,8 +121,8 @@ class Prepared:
         costs = self.per_type[t][1]
         todo = [k for k in which if costs[k] is None]
         ctx, table = self.context
-        for k, c in zip(todo, self.search._state_costs_of(lt, [states[k] for k in todo],
-                                                          self.b, ctx, table)):
+        for k, c in zip(todo, state_costs_of(lt, [states[k] for k in todo], self.b,
+                                             ctx, table)):
             costs[k] = c
         return [costs[k] for k in which]
 
@@ -399,6 +400,34 @@ class Prepared:
         return hit
 
 
+def state_costs_of(lt, states, b: int, ctx, table) -> list:
+    """`state_cost` of each state, from the shared costs where given (`table`: the
+    `cost_table` of this micro-batch and context; None: not shared)."""
+    if table is None:
+        return [state_cost(lt, s, b, ctx) for s in states]
+    out = []
+    for s in states:
+        # by identity (each value is one object, `space._state`), the objects held
+        key = (id(lt), id(s))
+        hit = table.get(key)
+        if hit is None or hit[0] is not lt or hit[1] is not s:
+            hit = table[key] = (lt, s, state_cost(lt, s, b, ctx))
+        out.append(hit[2])
+    return out
+
+
+def cost_table(shared: dict | None, b: int, ctx_key) -> dict | None:
+    """The `shared` state costs (a search's `state_costs`) of one micro-batch and context
+    (None: not shared), found once per Prepared: its key, which holds the placements, is
+    hashed once, not per state."""
+    if shared is None:
+        return None
+    table = shared.get((b, ctx_key))
+    if table is None:
+        table = shared[(b, ctx_key)] = {}
+    return table
+
+
 def least_states(search, kinds, base) -> list:
     """Per kind of ``kinds``, (the indices of the states `Prepared._least` prices, whether the
     `base` Prepared's figures join theirs): (None, True) where its states are the base's
@@ -430,7 +459,7 @@ def least_total(search, kinds, b: int, context, base) -> float:
             fastest.append(base.least[t][0])
             continue
         lt, states = kinds[t]
-        costs = search._state_costs_of(lt, [states[k] for k in which], b, *context)
+        costs = state_costs_of(lt, [states[k] for k in which], b, *context)
         least = min(c.time for c in costs)
         fastest.append(min(base.least[t][0], least) if joined else least)
     counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))

@@ -23,7 +23,7 @@ from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.hybrid import hybrid_split, zero_ranks
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import Context, state_cost
+from autopar.cost.model import Context
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
@@ -59,7 +59,7 @@ from autopar.modes import (
 )
 from autopar.search import why
 from autopar.search.partition import balance_within
-from autopar.search.prepared import Fast, Leaf, Prepared, least_total
+from autopar.search.prepared import Fast, Leaf, Prepared, cost_table, least_total
 from autopar.search.space import Constraints, Options, Space, divisors
 
 __all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
@@ -285,40 +285,14 @@ class Search:
         if base is False:
             self._cost_cache[key] = None
             return None
-        context = (ctx, self._cost_table(b, ctx_key))
+        context = (ctx, cost_table(self._state_costs, b, ctx_key))
         if least:
             return least_total(self, per_type, b, context, base)
         prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, context, base)
         return prep
 
-    def _state_costs_of(self, lt, states, b: int, ctx, table) -> list:
-        """`state_cost` of each state, from the shared costs where given (`table`: the
-        `_cost_table` of this micro-batch and context; None: not shared)."""
-        if table is None:
-            return [state_cost(lt, s, b, ctx) for s in states]
-        out = []
-        for s in states:
-            # by identity (each value is one object, `space._state`), the objects held
-            key = (id(lt), id(s))
-            hit = table.get(key)
-            if hit is None or hit[0] is not lt or hit[1] is not s:
-                hit = table[key] = (lt, s, state_cost(lt, s, b, ctx))
-            out.append(hit[2])
-        return out
-
-    def _cost_table(self, b: int, ctx_key) -> dict | None:
-        """The shared state costs of one micro-batch and context (None: not shared), found
-        once per Prepared: its key, which holds the placements, is hashed once, not per state."""
-        shared = self._state_costs
-        if shared is None:
-            return None
-        table = shared.get((b, ctx_key))
-        if table is None:
-            table = shared[(b, ctx_key)] = {}
-        return table
-
     def _leaves(self, mesh, heads):
-        walk = self._mesh_walk(mesh, heads)
+        walk = _mesh_walk(self, mesh, heads)
         if walk is None:
             return []
         pl, grad_pl, dp_cache, per_replica, groups = walk
@@ -343,7 +317,7 @@ class Search:
             if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
                 continue
             slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
-            for schedule, v in self._schedules(pp, m):
+            for schedule, v in _schedules(self, pp, m):
                 if pp == 1:
                     pipe = m * slowest
                 elif schedule == INTERLEAVED:
@@ -371,49 +345,6 @@ class Search:
                                  b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=leaf_zeros,
                                  dp_cache=dp_cache, split=split))
         return out
-
-    def _mesh_walk(self, mesh, heads):
-        """What the leaves of `mesh` share, made once for every search sharing these caches
-        (a grid search's space is its base's but for the tensor modes, so its meshes,
-        placements, micro-batches, cp modes, expert splits and ZeRO options are the base's):
-        (placements, gradient placement, its dp cache, samples per replica, and the (cp mode,
-        expert split, micro-batch, ZeRO options) of each leaf group in leaf order); None
-        where dp does not divide the global batch."""
-        key = ("walk", _mesh_key(mesh))
-        if key in self._shared:
-            return self._shared[key]
-        walk = None
-        gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
-        if gb % dp == 0:
-            pl, grad_pl = _shared_placements(self._shared, mesh, self.world.per_node)
-            per_replica = gb // dp
-            micro = self.space.micro_batches(per_replica, pp)
-            zeros = self.space.zero_options(mesh, self.world.per_node)
-            splits = [expert_split(mesh, e, self.world.per_node) if e > 1 else None
-                      for e in self.space.ep_sizes(mesh)]
-            expert_zeros = self.space.expert_zero_options(mesh, zeros) \
-                if any(s is not None for s in splits) else None
-            # each group's `_prepared` key as a number: equal keys of other meshes, one number
-            numbers = self._shared.setdefault("group numbers", {})
-            groups = [(cp_mode, split, b, zeros if split is None else expert_zeros,
-                       numbers.setdefault((mesh[TP], pl[TP], pl[CP], cp_mode, b, split.dispatch
-                                           if split is not None else None), len(numbers)))
-                      for cp_mode, split, b in itertools.product(
-                          self.space.cp_modes(mesh, heads), splits, micro)]
-            walk = (pl, grad_pl, self._dp_cache(grad_pl), per_replica,
-                    [group for group in groups if group[3]])
-        self._shared[key] = walk
-        return walk
-
-    def _schedules(self, pp: int, m: int) -> list:
-        """`Space.schedules` whose stages the chain's layers can fill, once per (pp, m) for
-        every search sharing these caches (the same for a grid search as for its base)."""
-        key = ("schedules", pp, m)
-        hit = self._shared.get(key)
-        if hit is None:
-            hit = self._shared[key] = [(s, v) for s, v in self.space.schedules(pp, m)
-                                       if pp * v <= len(self.chain.order)]
-        return hit
 
     # ------------------------------------------------------------------ pricing
     def _dp_time(self, param_bytes: float, zero: int, m: int, grad_pl, units: int = 1,
@@ -689,6 +620,51 @@ def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:
                         "of this world with these constraints has dp x cp divisible by "
                         f"{ep}; fix dp (or cp) to a multiple of {ep}.")
 
+
+
+def _mesh_walk(search: Search, mesh, heads):
+    """What the leaves of `mesh` share, made once for every search sharing these caches
+    (a grid search's space is its base's but for the tensor modes, so its meshes,
+    placements, micro-batches, cp modes, expert splits and ZeRO options are the base's):
+    (placements, gradient placement, its dp cache, samples per replica, and the (cp mode,
+    expert split, micro-batch, ZeRO options) of each leaf group in leaf order); None
+    where dp does not divide the global batch."""
+    key = ("walk", _mesh_key(mesh))
+    if key in search._shared:
+        return search._shared[key]
+    walk = None
+    gb, dp, pp = search.opt.global_batch, mesh[DP], mesh[PP]
+    if gb % dp == 0:
+        pl, grad_pl = _shared_placements(search._shared, mesh, search.world.per_node)
+        per_replica = gb // dp
+        micro = search.space.micro_batches(per_replica, pp)
+        zeros = search.space.zero_options(mesh, search.world.per_node)
+        splits = [expert_split(mesh, e, search.world.per_node) if e > 1 else None
+                  for e in search.space.ep_sizes(mesh)]
+        expert_zeros = search.space.expert_zero_options(mesh, zeros) \
+            if any(s is not None for s in splits) else None
+        # each group's `_prepared` key as a number: equal keys of other meshes, one number
+        numbers = search._shared.setdefault("group numbers", {})
+        groups = [(cp_mode, split, b, zeros if split is None else expert_zeros,
+                   numbers.setdefault((mesh[TP], pl[TP], pl[CP], cp_mode, b, split.dispatch
+                                       if split is not None else None), len(numbers)))
+                  for cp_mode, split, b in itertools.product(
+                      search.space.cp_modes(mesh, heads), splits, micro)]
+        walk = (pl, grad_pl, search._dp_cache(grad_pl), per_replica,
+                [group for group in groups if group[3]])
+    search._shared[key] = walk
+    return walk
+
+
+def _schedules(search: Search, pp: int, m: int) -> list:
+    """`Space.schedules` whose stages the chain's layers can fill, once per (pp, m) for
+    every search sharing these caches (the same for a grid search as for its base)."""
+    key = ("schedules", pp, m)
+    hit = search._shared.get(key)
+    if hit is None:
+        hit = search._shared[key] = [(s, v) for s, v in search.space.schedules(pp, m)
+                                     if pp * v <= len(search.chain.order)]
+    return hit
 
 
 def _shared_placements(shared: dict, mesh, per_node: int):
