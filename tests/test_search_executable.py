@@ -12,7 +12,8 @@ from autopar.cost.comm import placements
 from autopar.models import workload
 from autopar.modes import CP, DP, ORDER, PP, RUNTIME, TP
 from autopar.search import planner
-from autopar.search.search import Options, Search
+from autopar.search.prepared import state_costs_of
+from autopar.search.search import Options, Search, _mesh_walk
 from autopar.world import World
 
 SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"
@@ -166,3 +167,90 @@ def test_a_grid_that_adds_nothing_is_known_before_its_leaf_is_built(gpt3):
         prep = search._prepared(mesh, placements(mesh, ORDER, world.per_node), None, 4)
         got[tp] = (prep.adds_nothing(), prep.built)
     assert got == {4: (True, False), 16: (False, False)}
+
+
+def test_a_grid_search_walks_its_base_searchs_meshes(small):
+    """A grid search's space is its base's but for the tensor modes: the meshes, and each
+    mesh's placements, micro-batches, cp modes, expert splits and ZeRO options, are the
+    base's own objects (made once), not made again per grid."""
+    world = World(16, per_node=8)
+    sp_seq = planner._sequence_parallel_length(small, world.devices)
+    options = Options(global_batch=32, executable=RUNTIME)
+    base = Search(small, world, planner._narrowed(options, None, sp_seq))
+    grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
+    base.run()
+    heads = min(a.heads for lt in small.types for a in lt.attention)
+    for mesh in grid.space.meshes(world.devices):
+        had = _mesh_walk(base, mesh, heads)
+        assert _mesh_walk(grid, mesh, heads) is had
+        if had is not None:
+            assert had[4] and all(zeros for _, _, _, zeros, _ in had[4])
+    grid.run()
+    assert grid._shared["meshes"] is base._shared["meshes"]
+
+
+@pytest.mark.parametrize("grid, tp", [(("2d", None), 4), (("2d", None), 16),
+                                      (("2.5d", 2), 8), (("3d", None), 64)])
+def test_a_leaf_groups_least_seconds_are_its_prepareds_before_it_is_made(gpt3, grid, tp):
+    """Under a cutoff a grid search reads a placement's `min_total` from its kinds' least
+    seconds (`least_total`) and makes the Prepared only where a leaf's first bound is under
+    the cutoff: the same states priced, the same sum, to the bit."""
+    world = World(1024, per_node=8, device="a100-80gb")
+    sp_seq = planner._sequence_parallel_length(gpt3, world.devices)
+    options = Options(global_batch=1536, executable=RUNTIME)
+    base = Search(gpt3, world, planner._narrowed(options, None, sp_seq), state_costs={})
+    search = Search(gpt3, world, planner._narrowed(options, grid, sp_seq),
+                    state_costs=base._state_costs, base=base)
+    mesh = {PP: 8, DP: 1024 // (8 * tp), CP: 1, TP: tp}
+    pl = placements(mesh, ORDER, world.per_node)
+    for b in (1, 2, 4, 8):
+        least = search._prepared(mesh, pl, None, b, least=True)
+        prep = search._prepared(mesh, pl, None, b)
+        if prep is None:
+            assert least is None
+            continue
+        assert least.__class__ is float and least.hex() == prep.min_total.hex()
+        assert search._prepared(mesh, pl, None, b, least=True) is prep  # made: itself
+
+
+def test_a_grid_search_leaves_micro_batches_no_grid_state_divides_to_its_base(gpt3):
+    """2x2 SUMMA splits a micro-batch in two: at b=1 GPT-3's kinds at tp=4 have only their 1D
+    states, so the 2D search knows its leaves there are the 1D search's before making any
+    state list (`Space.takes_grid`), and at b=2 it makes them."""
+    world = World(1024, per_node=8, device="a100-80gb")
+    sp_seq = planner._sequence_parallel_length(gpt3, world.devices)
+    options = Options(global_batch=1536, executable=RUNTIME)
+    base = Search(gpt3, world, planner._narrowed(options, None, sp_seq))
+    search = Search(gpt3, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
+    assert [search.space.takes_grid(4, b, False) for b in (1, 2, 3, 4)] == \
+        [False, True, False, True]
+    mesh = {PP: 8, DP: 32, CP: 1, TP: 4}
+    assert search._prepared(mesh, placements(mesh, ORDER, world.per_node), None, 1) is None
+    assert search.space._kinds == {}
+
+
+def test_the_shared_state_costs_are_found_by_identity_once_per_context(small):
+    """The executable search's shared state costs: one table per micro-batch and context
+    (whose key, holding placements, is hashed once per Prepared, not per state), and within
+    it each state's cost by the kind's and the state's identity, priced once for every
+    search sharing it."""
+    world = World(16, per_node=8)
+    sp_seq = planner._sequence_parallel_length(small, world.devices)
+    options = Options(global_batch=32, executable=RUNTIME)
+    shared: dict = {}
+    base = Search(small, world, planner._narrowed(options, None, sp_seq), state_costs=shared)
+    grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq),
+                  state_costs=shared, base=base)
+    base.run()
+    grid.run()
+    assert shared and all(isinstance(b, int) and isinstance(table, dict)
+                          for (b, _), table in shared.items())
+    for table in shared.values():
+        for (kind, state), (lt, s, _) in table.items():
+            assert kind == id(lt) and state == id(s)
+    mesh = {PP: 1, DP: 4, CP: 1, TP: 4}
+    pl = placements(mesh, ORDER, world.per_node)
+    prep = grid._prepared(mesh, pl, None, 8).build()
+    lt, states = prep.kinds[-1]
+    again = state_costs_of(lt, states, 8, *prep.context)
+    assert all(a is b for a, b in zip(again, prep.per_type[-1][1]))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.cost.model import state_cost
 from autopar.cost.step import ExpertSplit, conversion_s
 from autopar.modes import CP, RECOMPUTE, TP
 from autopar.search.partition import balance, choose_states
@@ -61,11 +62,11 @@ class Prepared:
 
     def __init__(self, search, kinds, pl, b, context, base=None):  # search: the search.Search
         """``kinds``: (layer kind, its states) in chain-type order; ``context``: the cost
-        Context and its key; ``base``: the Prepared of a search whose states of each kind
-        begin these (their costs are its). The lower bound prices only each layout's state
-        with the least recomputation, its fastest (recomputing adds compute and reruns
-        collectives, never takes any away) and with the same parameters and workspace;
-        `build` the rest."""
+        Context and the shared costs under it (`cost_table`); ``base``: the Prepared
+        of a search whose states of each kind begin these (their costs are its). The lower
+        bound prices only each layout's state with the least recomputation, its fastest
+        (recomputing adds compute and reruns collectives, never takes any away) and with the
+        same parameters and workspace; `build` the rest."""
         order = search.chain.order
         # no reference cycle with the search that caches it: both go by reference counting
         # when the search is dropped, with no collection to walk them
@@ -80,9 +81,11 @@ class Prepared:
         self.least = [self._least(t, base) for t in range(len(kinds))]
         self.counts = counts = base.counts if base else np.bincount(order,
                                                                      minlength=len(kinds))
+        # the kinds the chain holds, in the order of their first layer
+        self.present = base.present if base else list(dict.fromkeys(order))
         fastest = [least[0] for least in self.least]
         self.min_total = float(np.dot(counts, fastest))
-        self.min_single = max(fastest[t] for t in set(order))
+        self.min_single = max(fastest[t] for t in self.present)
         self.min_params = float(np.dot(counts, [least[1] for least in self.least]))
         self.min_experts = float(np.dot(counts, [least[2] for least in self.least]))
         self.workspace = max(least[3] for least in self.least)
@@ -99,30 +102,27 @@ class Prepared:
     def _least(self, t: int, base) -> tuple:
         """Kind ``t``'s least seconds, parameter and expert bytes and its most workspace over
         each layout's state with the least recomputation; from the `base` Prepared's where
-        these states begin its, pricing only the layouts it lacks."""
-        states = self.kinds[t][1]
-        n = len(base.kinds[t][1]) if base is not None else 0
-        if n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
-            had = base.least[t]
-            if len(states) == n:
-                return had
-            costs = self._price([n + k for k in _least_recompute(states[n:])], t)
-            return (min(had[0], min(c.time for c in costs)),
-                    min(had[1], min(c.params for c in costs)),
-                    min(had[2], min(c.expert_params for c in costs)),
-                    max(had[3], max(c.workspace for c in costs)))
-        costs = self._price(_least_recompute(states), t)
-        return (min(c.time for c in costs), min(c.params for c in costs),
-                min(c.expert_params for c in costs), max(c.workspace for c in costs))
+        these states begin its, pricing only the layouts it lacks (`least_states`)."""
+        which, joined = least_states(self.search, self.kinds, base)[t]
+        if which is None:
+            return base.least[t]
+        costs = self._price(which, t)
+        least = (min(c.time for c in costs), min(c.params for c in costs),
+                 min(c.expert_params for c in costs), max(c.workspace for c in costs))
+        if not joined:
+            return least
+        had = base.least[t]
+        return (min(had[0], least[0]), min(had[1], least[1]), min(had[2], least[2]),
+                max(had[3], least[3]))
 
     def _price(self, which, t: int) -> list:
         """The costs of kind ``t``'s states at the indices ``which``, each priced once."""
         lt, states = self.kinds[t]
         costs = self.per_type[t][1]
         todo = [k for k in which if costs[k] is None]
-        ctx, ctx_key = self.context
-        for k, c in zip(todo, self.search._state_costs_of(lt, [states[k] for k in todo],
-                                                          self.b, ctx, ctx_key)):
+        ctx, table = self.context
+        for k, c in zip(todo, state_costs_of(lt, [states[k] for k in todo], self.b,
+                                             ctx, table)):
             costs[k] = c
         return [costs[k] for k in which]
 
@@ -398,6 +398,72 @@ class Prepared:
                 np.array([s.mode == states[k].mode for s in states])])
             hit = self._unfitted[i] = np.where(allowed, self.t_layers[i], np.inf)
         return hit
+
+
+def state_costs_of(lt, states, b: int, ctx, table) -> list:
+    """`state_cost` of each state, from the shared costs where given (`table`: the
+    `cost_table` of this micro-batch and context; None: not shared)."""
+    if table is None:
+        return [state_cost(lt, s, b, ctx) for s in states]
+    out = []
+    for s in states:
+        # by identity (each value is one object, `space._state`), the objects held
+        key = (id(lt), id(s))
+        hit = table.get(key)
+        if hit is None or hit[0] is not lt or hit[1] is not s:
+            hit = table[key] = (lt, s, state_cost(lt, s, b, ctx))
+        out.append(hit[2])
+    return out
+
+
+def cost_table(shared: dict | None, b: int, ctx_key) -> dict | None:
+    """The `shared` state costs (a search's `state_costs`) of one micro-batch and context
+    (None: not shared), found once per Prepared: its key, which holds the placements, is
+    hashed once, not per state."""
+    if shared is None:
+        return None
+    table = shared.get((b, ctx_key))
+    if table is None:
+        table = shared[(b, ctx_key)] = {}
+    return table
+
+
+def least_states(search, kinds, base) -> list:
+    """Per kind of ``kinds``, (the indices of the states `Prepared._least` prices, whether the
+    `base` Prepared's figures join theirs): (None, True) where its states are the base's
+    (`search._base_of` found them its prefix), the layouts the base lacks where they are all
+    new, else every layout. Once per state list and search: it follows from the lists alone."""
+    key = ("least states", id(kinds))
+    hit = search._cost_cache.get(key)
+    if hit is None:
+        hit = search._cost_cache[key] = []
+        for t, (_, states) in enumerate(kinds):
+            n = len(base.kinds[t][1]) if base is not None else 0
+            if n and len(states) == n:
+                hit.append((None, True))
+            elif n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
+                hit.append(([n + k for k in _least_recompute(states[n:])], True))
+            else:
+                hit.append((_least_recompute(states), False))
+    return hit
+
+
+def least_total(search, kinds, b: int, context, base) -> float:
+    """The ``min_total`` the Prepared of these arguments (`Prepared`'s) has, from its kinds'
+    least seconds alone, without making it: a search under a cutoff asks it first, and makes
+    the Prepared only where a leaf's first bound (every layer at its fastest, the work spread
+    evenly over the stages) is under the cutoff. The same states priced, the same sum."""
+    fastest = []
+    for t, (which, joined) in enumerate(least_states(search, kinds, base)):
+        if which is None:
+            fastest.append(base.least[t][0])
+            continue
+        lt, states = kinds[t]
+        costs = state_costs_of(lt, [states[k] for k in which], b, *context)
+        least = min(c.time for c in costs)
+        fastest.append(min(base.least[t][0], least) if joined else least)
+    counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))
+    return float(np.dot(counts, fastest))
 
 
 def _beats(b, c) -> bool:

@@ -23,7 +23,7 @@ from autopar.cost.comm import placements
 from autopar.cost.hardware import Hardware
 from autopar.cost.hybrid import hybrid_split, zero_ranks
 from autopar.cost.layer import LayerChain
-from autopar.cost.model import Context, state_cost
+from autopar.cost.model import Context
 from autopar.cost.precision import Precision, precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
@@ -59,7 +59,7 @@ from autopar.modes import (
 )
 from autopar.search import why
 from autopar.search.partition import balance_within
-from autopar.search.prepared import Fast, Leaf, Prepared
+from autopar.search.prepared import Fast, Leaf, Prepared, cost_table, least_total
 from autopar.search.space import Constraints, Options, Space, divisors
 
 __all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
@@ -150,13 +150,14 @@ class Search:
         self.hw: Hardware = world.profile
         self.opt = options
         self.c = Constraints.of(constraints)
-        self.space = Space(chain, options, self.c)
         if base is not None:  # the same chain: its layers as the base search read them
             self.layers, self.blocks = base.layers, base.blocks
         else:
             self.layers = chain.layers()
             self.blocks = [i for i, lt in enumerate(self.layers) if lt.is_block]
+        self.space = Space(chain, options, self.c, len(self.blocks))
         self._cost_cache: dict = {}
+        self._by_group: dict = {}  # `_prepared` by the number `_mesh_walk` gives its key
         # placement-only caches (contexts, dp sync, in flight), shared with the base search's
         self._shared: dict = base._shared if base is not None else {}
         self._contexts: dict = self._shared.setdefault("contexts", {})  # per ctx key
@@ -164,8 +165,9 @@ class Search:
         self.left_out: list[str] = []
         self.capacity = self.hw.memory_bytes * USABLE_MEMORY
         self.host_capacity = host_capacity(self.hw, world.per_node, world.devices)
-        self.precision, self.kept_high = fp8.planned(options.dtype, self.hw, precision_of(
-            chain.param_dtype), self.layers)
+        # (a base search's: the same chain, device and dtype)
+        self.precision, self.kept_high = (base.precision, base.kept_high) if base is not None \
+            else fp8.planned(options.dtype, self.hw, precision_of(chain.param_dtype), self.layers)
         self._base = base
         self._settled = settled
         self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made
@@ -186,6 +188,8 @@ class Search:
         start = time.perf_counter()
         self._cutoff = cutoff
         meshes, leaves = self._all_leaves(progress)
+        if self.opt.executable is not None:  # (a search with no leaf raises before it)
+            self.left_out.extend(why.not_executable(self.opt.executable))
         leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
         top: list = []  # max-heap by time of the k best fitting candidates
         per_mesh: dict = {}
@@ -228,11 +232,11 @@ class Search:
         micro-batch x schedule), each with its lower bound, in a fixed order."""
         world = self.world.devices
         heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
-        meshes = self.space.meshes(world)
+        meshes = self._shared.get("meshes")  # a grid search's are its base's (`_mesh_walk`)
+        if meshes is None:
+            meshes = self._shared["meshes"] = self.space.meshes(world)
         if self._base is not None:
             meshes = [m for m in meshes if self.space.has_grid(m[TP])]
-        if self.opt.executable is not None:
-            self.left_out.extend(why.not_executable(self.opt.executable))
         if not meshes:
             raise PlanError(why.no_mesh(self.c, self.chain, world, len(self.blocks)))
         if self.c.ep not in (None, 1):
@@ -255,9 +259,13 @@ class Search:
         return why.lost(cand, winner, self.capacity, self.host_capacity)
 
     # ------------------------------------------------------------------ leaves
-    def _prepared(self, mesh, pl, cp_mode, b, split=None):
+    def _prepared(self, mesh, pl, cp_mode, b, split=None, least: bool = False):
         """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
-        all pp x dp); None where some layer has no state."""
+        all pp x dp); None where some layer has no state. `least`: where it is not made yet,
+        only its ``min_total`` (`least_total`: a float, which `_leaves` asks first under a
+        cutoff)."""
+        if self._base is not None and not self.space.takes_grid(mesh[TP], b, mesh[CP] > 1):
+            return None  # its states are the base search's (1D), or none: so are its leaves
         per_type = self.space.kinds(mesh[TP], b, mesh[CP] > 1)
         if per_type is None or _base_known(self, per_type) is False:
             return None  # some layer has no state, or the base search's leaves are these
@@ -274,43 +282,34 @@ class Search:
                                                     compile=self.opt.compile,
                                                     fp8_recipe=self.opt.fp8_recipe)
         base = _base_of(self, mesh, pl, cp_mode, b, split, per_type)
-        prep = self._cost_cache[key] = None if base is False else \
-            Prepared(self, per_type, pl, b, (ctx, ctx_key), base)
+        if base is False:
+            self._cost_cache[key] = None
+            return None
+        context = (ctx, cost_table(self._state_costs, b, ctx_key))
+        if least:
+            return least_total(self, per_type, b, context, base)
+        prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, context, base)
         return prep
 
-    def _state_costs_of(self, lt, states, b: int, ctx, ctx_key) -> list:
-        """`state_cost` of each state, from the shared costs where given."""
-        shared = self._state_costs
-        if shared is None:
-            return [state_cost(lt, s, b, ctx) for s in states]
-        out = []
-        for s in states:
-            key = (id(lt), s, b, ctx_key)
-            hit = shared.get(key)
-            if hit is None:
-                hit = shared[key] = state_cost(lt, s, b, ctx)
-            out.append(hit)
-        return out
-
     def _leaves(self, mesh, heads):
-        gb, dp, pp = self.opt.global_batch, mesh[DP], mesh[PP]
-        if gb % dp:
+        walk = _mesh_walk(self, mesh, heads)
+        if walk is None:
             return []
-        pl, grad_pl = _shared_placements(self._shared, mesh, self.world.per_node)
-        per_replica = gb // dp
-        micro = self.space.micro_batches(per_replica, pp)
-        zeros = self.space.zero_options(mesh, self.world.per_node)
-        dp_cache = self._dp_cache(grad_pl)
+        pl, grad_pl, dp_cache, per_replica, groups = walk
+        pp = mesh[PP]
         out = []
-        splits = [expert_split(mesh, e, self.world.per_node) if e > 1 else None
-                  for e in self.space.ep_sizes(mesh)]
-        for cp_mode, split, b in itertools.product(self.space.cp_modes(mesh, heads), splits,
-                                                   micro):
-            prep = self._prepared(mesh, pl, cp_mode, b, split)
-            leaf_zeros = zeros if split is None else self.space.expert_zero_options(mesh, zeros)
-            if prep is None or not leaf_zeros:
+        preps, bounded = self._by_group, self._cutoff < float("inf")
+        for cp_mode, split, b, leaf_zeros, group in groups:
+            prep = preps.get(group, preps)  # (itself: not asked yet)
+            if prep is preps:  # under a cutoff, its least seconds first (`least_total`)
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, bounded)
+            if prep is None:
                 continue
             m = per_replica // b
+            if prep.__class__ is float:  # the Prepared's min_total: made once a leaf needs it
+                if m * (prep / pp) >= self._cutoff:
+                    continue
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
             # lower bound without building the chain: every layer at its fastest state,
             # stages perfectly balanced, parameters evenly spread (experts' sync left out:
             # it runs over a smaller group)
@@ -318,9 +317,7 @@ class Search:
             if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
                 continue
             slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
-            for schedule, v in self.space.schedules(pp, m):
-                if pp * v > len(self.chain.order):
-                    continue
+            for schedule, v in _schedules(self, pp, m):
                 if pp == 1:
                     pipe = m * slowest
                 elif schedule == INTERLEAVED:
@@ -623,6 +620,51 @@ def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:
                         "of this world with these constraints has dp x cp divisible by "
                         f"{ep}; fix dp (or cp) to a multiple of {ep}.")
 
+
+
+def _mesh_walk(search: Search, mesh, heads):
+    """What the leaves of `mesh` share, made once for every search sharing these caches
+    (a grid search's space is its base's but for the tensor modes, so its meshes,
+    placements, micro-batches, cp modes, expert splits and ZeRO options are the base's):
+    (placements, gradient placement, its dp cache, samples per replica, and the (cp mode,
+    expert split, micro-batch, ZeRO options) of each leaf group in leaf order); None
+    where dp does not divide the global batch."""
+    key = ("walk", _mesh_key(mesh))
+    if key in search._shared:
+        return search._shared[key]
+    walk = None
+    gb, dp, pp = search.opt.global_batch, mesh[DP], mesh[PP]
+    if gb % dp == 0:
+        pl, grad_pl = _shared_placements(search._shared, mesh, search.world.per_node)
+        per_replica = gb // dp
+        micro = search.space.micro_batches(per_replica, pp)
+        zeros = search.space.zero_options(mesh, search.world.per_node)
+        splits = [expert_split(mesh, e, search.world.per_node) if e > 1 else None
+                  for e in search.space.ep_sizes(mesh)]
+        expert_zeros = search.space.expert_zero_options(mesh, zeros) \
+            if any(s is not None for s in splits) else None
+        # each group's `_prepared` key as a number: equal keys of other meshes, one number
+        numbers = search._shared.setdefault("group numbers", {})
+        groups = [(cp_mode, split, b, zeros if split is None else expert_zeros,
+                   numbers.setdefault((mesh[TP], pl[TP], pl[CP], cp_mode, b, split.dispatch
+                                       if split is not None else None), len(numbers)))
+                  for cp_mode, split, b in itertools.product(
+                      search.space.cp_modes(mesh, heads), splits, micro)]
+        walk = (pl, grad_pl, search._dp_cache(grad_pl), per_replica,
+                [group for group in groups if group[3]])
+    search._shared[key] = walk
+    return walk
+
+
+def _schedules(search: Search, pp: int, m: int) -> list:
+    """`Space.schedules` whose stages the chain's layers can fill, once per (pp, m) for
+    every search sharing these caches (the same for a grid search as for its base)."""
+    key = ("schedules", pp, m)
+    hit = search._shared.get(key)
+    if hit is None:
+        hit = search._shared[key] = [(s, v) for s, v in search.space.schedules(pp, m)
+                                     if pp * v <= len(search.chain.order)]
+    return hit
 
 
 def _shared_placements(shared: dict, mesh, per_node: int):

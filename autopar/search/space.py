@@ -186,18 +186,30 @@ def _state(mode: TensorMode, sp: str, recompute: str) -> LayerState:
 class Space:
     """The filters of one search's space: its chain, constraints, options and capabilities."""
 
-    def __init__(self, chain, options: Options, constraints: Constraints):
+    def __init__(self, chain, options: Options, constraints: Constraints,
+                 n_blocks: int | None = None):
+        """`n_blocks`: the chain's blocks, where the caller counted them."""
         self.chain, self.opt, self.c = chain, options, constraints
         self.caps = options.executable  # None: everything the planner can price
-        self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block)
+        self.n_blocks = sum(1 for lt in chain.layers() if lt.is_block) if n_blocks is None \
+            else n_blocks
         self._states: dict = {}
         self._kinds: dict = {}  # (tp, micro-batch, beside cp) -> `kinds`
+        self._split_states: dict = {}  # (kind, tp, beside cp) -> `_splits`
+        self._grid_splits: dict = {}  # (tp, beside cp) -> `takes_grid`'s batch splits
+        self._modes: dict = {}  # (tp, block) -> `tp_modes`
         self._grids: dict = {}  # tp -> `has_grid`
 
     # ------------------------------------------------------------------ layers
     def tp_modes(self, tp: int, block: bool = True) -> list[TensorMode]:
         """Tensor modes a layer may take; a fixed tp_mode applies to blocks, the other
         layers stay 1D and convert at the block boundary."""
+        hit = self._modes.get((tp, block))
+        if hit is None:
+            hit = self._modes[(tp, block)] = self._tp_modes(tp, block)
+        return hit
+
+    def _tp_modes(self, tp: int, block: bool) -> list[TensorMode]:
         allowed, depth = TP_MODES, None
         if self.caps is not None:
             allowed = tuple(m for m in allowed if m in self.caps.tp_modes)
@@ -265,14 +277,35 @@ class Space:
             return self._kinds[key]
         out = []
         for lt in self.chain.types:
-            states = [s for s in self.states(lt, tp) if b % s.mode.batch_split == 0
-                      and (not beside_cp or self.beside_cp(s))]
+            states = [s for s, split in self._splits(lt, tp, beside_cp) if b % split == 0]
             if not states:
                 out = None
                 break
             out.append((lt, states))
         self._kinds[key] = out
         return out
+
+    def takes_grid(self, tp: int, b: int, beside_cp: bool) -> bool:
+        """Whether some kind of layer has a multi-dimensional state at tensor size `tp` and
+        micro-batch `b` (`kinds`' filters): where none has, a grid search's states there are
+        its base search's 1D ones, or none."""
+        key = (tp, beside_cp)
+        splits = self._grid_splits.get(key)
+        if splits is None:
+            splits = self._grid_splits[key] = {split for lt in self.chain.types for s, split
+                                               in self._splits(lt, tp, beside_cp)
+                                               if s.mode.name != TP_1D}
+        return any(b % split == 0 for split in splits)
+
+    def _splits(self, lt, tp: int, beside_cp: bool) -> list[tuple[LayerState, int]]:
+        """(state, its batch split) of `states` (those a cp axis allows, given `beside_cp`),
+        once per kind, tensor size and cp: `kinds` filters them by micro-batch."""
+        key = (id(lt), tp, beside_cp)
+        hit = self._split_states.get(key)
+        if hit is None:
+            hit = self._split_states[key] = [(s, s.mode.batch_split) for s in self.states(lt, tp)
+                                             if not beside_cp or self.beside_cp(s)]
+        return hit
 
     def _make_states(self, lt, tp: int) -> list[LayerState]:
         out = []
