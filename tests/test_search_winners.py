@@ -7,7 +7,11 @@ written from the search before its speed-ups. AUTOPAR_RECORD_WINNERS=1 rewrites 
 (only for a change that is meant to move the results). Re-recorded once when ZeRO-3 began
 holding GPT-3's tied embedding table (gathered once, kept to the classifier's backward, its
 gradient summed whole): the ZeRO-3 plans' memory grew by those bytes, no plan or step time
-moved.
+moved. Re-recorded when ZeRO-3's sync began to be priced with the gathers the runtime makes
+(the last layer's forward gather kept for the backward, one gather less a micro-batch): the
+ZeRO-3 plans' sync fell by it (the ZeRO-3 winner 20.850 -> 20.837 s, the same plan), and the
+ZeRO-3 search prices more candidates (92 -> 147: its bound before a chain is built counts
+one gather a layer, the least any chain pays).
 """
 
 from __future__ import annotations
