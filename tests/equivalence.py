@@ -164,3 +164,38 @@ def assert_equal(results: list[dict]) -> None:
         assert r["noise_abs"] <= 1e-8, r["noise_abs"]
         assert r["keys_equal"]
         assert r["measured"] == r["predicted"]
+
+
+def stepped_once(name: str, plan, batch: int = 8, compile: bool = False):
+    """The engine of model `name` under `plan` over this rank's world (compiled if
+    `compile`), after one SGD step (lr 1e-3) on a batch of `batch`: (engine, model, inputs,
+    target)."""
+    import torch.distributed as dist
+
+    import autopar
+
+    model, inputs, target, loss_fn = build(name, batch)
+    engine = autopar.parallelize(model, dist.get_world_size(),
+                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=plan,
+                                 compile=compile)
+    engine.train_step(inputs, target)
+    return engine, model, inputs, target
+
+
+def counting_writes(written: dict, in_place_apart: bool = True):
+    """A dispatch mode that adds to `written[op name]` the elements each op but a view
+    writes; `in_place_apart`: an in-place op (`div_`) counted apart from its out-of-place
+    form (`div`), else together under the plain name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not func.is_view:
+                kind = func.overloadpacket.__name__
+                kind = kind if in_place_apart else kind.rstrip("_")
+                written[kind] = written.get(kind, 0) + out.numel()
+            return out
+
+    return Writes()

@@ -115,15 +115,22 @@ def test_states_no_candidate_takes_leave_the_candidates_as_they_are(gpt3):
     assert got[None] and got[None] == got[("2d", None)]
 
 
-def test_a_grid_search_reuses_the_base_searchs_placement_caches(small):
-    """The cost contexts, the dp sync's and the in-flight caches depend on placements alone,
-    so each grid's search reads the 1D search's instead of building and pricing them again."""
+def _base_and_2d_grid(small):
+    """World 16 (8 a node), the executable 1D search over `small` (run) and its 2D grid
+    search beside it (not run)."""
     world = World(16, per_node=8)
     sp_seq = planner._sequence_parallel_length(small, world.devices)
     options = Options(global_batch=32, executable=RUNTIME)
     base = Search(small, world, planner._narrowed(options, None, sp_seq))
     grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
     base.run()
+    return world, base, grid
+
+
+def test_a_grid_search_reuses_the_base_searchs_placement_caches(small):
+    """The cost contexts, the dp sync's and the in-flight caches depend on placements alone,
+    so each grid's search reads the 1D search's instead of building and pricing them again."""
+    world, base, grid = _base_and_2d_grid(small)
     assert base._contexts and grid._contexts is base._contexts
     pl = placements({PP: 1, DP: 16, CP: 1, TP: 1}, ORDER, world.per_node)[DP]
     assert grid._dp_cache(pl) is base._dp_cache(pl)
@@ -173,12 +180,7 @@ def test_a_grid_search_walks_its_base_searchs_meshes(small):
     """A grid search's space is its base's but for the tensor modes: the meshes, and each
     mesh's placements, micro-batches, cp modes, expert splits and ZeRO options, are the
     base's own objects (made once), not made again per grid."""
-    world = World(16, per_node=8)
-    sp_seq = planner._sequence_parallel_length(small, world.devices)
-    options = Options(global_batch=32, executable=RUNTIME)
-    base = Search(small, world, planner._narrowed(options, None, sp_seq))
-    grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq), base=base)
-    base.run()
+    world, base, grid = _base_and_2d_grid(small)
     heads = min(a.heads for lt in small.types for a in lt.attention)
     for mesh in grid.space.meshes(world.devices):
         had = _mesh_walk(base, mesh, heads)

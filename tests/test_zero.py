@@ -262,18 +262,9 @@ def _zero3_per_parameter(name: str, plan: dict, compile: bool = False) -> dict:
     """During a second step: how many times each parameter was all-gathered for the
     forward, for the backward, and reduce-scattered; and the bytes the step logged beside
     the plan's prediction."""
-    import torch
-    import torch.distributed as dist
-    from equivalence import build
+    from equivalence import stepped_once
 
-    import autopar
-
-    model, inputs, target, loss_fn = build(name, 8)
-    engine = autopar.parallelize(model, dist.get_world_size(),
-                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=plan,
-                                 compile=compile)
-    engine.train_step(inputs, target)
+    engine, model, inputs, target = stepped_once(name, plan, compile=compile)
     zero, counts = engine.zero, {}
 
     def counted(kind, fn):
@@ -351,33 +342,16 @@ def _zero3_writes(name: str, plan: dict) -> dict:
     (each unit's pieces into its whole parameters) and of its gradient reduce-scatters
     (each unit's gradients into their padded buffer), against what each must write."""
     import torch
-    import torch.distributed as dist
-    from equivalence import build
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from equivalence import counting_writes, stepped_once
 
-    import autopar
-
-    model, inputs, target, loss_fn = build(name, 8)
-    engine = autopar.parallelize(model, dist.get_world_size(),
-                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=plan)
-    engine.train_step(inputs, target)
+    engine, _, _, _ = stepped_once(name, plan)  # (held: the engine owns what zero reads)
     zero, written = engine.zero, {}
-
-    class Writes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            kind = func.overloadpacket.__name__.rstrip("_")
-            if isinstance(out, torch.Tensor) and not func.is_view:
-                written[kind] = written.get(kind, 0) + out.numel()
-            return out
-
     values = sum(u.numel for u in zero.units)
-    with Writes():
+    with counting_writes(written, in_place_apart=False):
         for u in range(len(zero.units)):
             zero._finish(u, "forward")
     gathered, written = written, {}
-    with Writes():
+    with counting_writes(written, in_place_apart=False):
         for u, unit in enumerate(zero.units):
             zero.reduce(u, tuple(torch.ones(zero.shapes[i]) for i in unit.members))
     zero._land_reduced()

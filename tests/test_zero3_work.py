@@ -21,17 +21,9 @@ ZERO3 = {"data": 2, "zero": {"stage": 3}}
 def _gathers_by_layer(name: str, compile: bool) -> dict:
     """In a second step: each unit's all-gathers for the forward and for the backward, by
     its layer; the bytes the step logged beside the plan's prediction."""
-    import torch.distributed as dist
-    from equivalence import build
+    from equivalence import stepped_once
 
-    import autopar
-
-    model, inputs, target, loss_fn = build(name, 8)
-    engine = autopar.parallelize(model, dist.get_world_size(),
-                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=ZERO3,
-                                 compile=compile)
-    engine.train_step(inputs, target)
+    engine, _, inputs, target = stepped_once(name, ZERO3, compile=compile)
     zero, counts = engine.zero, {"forward": {}, "backward": {}}
     finish = zero._finish
 
@@ -82,30 +74,13 @@ def test_kept_after_forward_fits_the_biggest_unit_beside_the_last():
 def _reduce_writes(name: str) -> dict:
     """The ops (views aside) one reduce-scatter of each unit's gradients runs, by kind, and
     their elements, overlapped and landed into the pieces' gradients."""
-    import torch.distributed as dist
-    from equivalence import build
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from equivalence import counting_writes, stepped_once
 
-    import autopar
-
-    model, inputs, target, loss_fn = build(name, 8)
-    engine = autopar.parallelize(model, dist.get_world_size(),
-                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=ZERO3)
-    engine.train_step(inputs, target)
+    engine, _, _, _ = stepped_once(name, ZERO3)  # (held: the engine owns what zero reads)
     zero, written = engine.zero, {}
-
-    class Writes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and not func.is_view:
-                kind = func.overloadpacket.__name__
-                written[kind] = written.get(kind, 0) + out.numel()
-            return out
-
     for shard in zero.shards:
         shard.grad = None
-    with Writes():
+    with counting_writes(written):
         for u, unit in enumerate(zero.units):
             zero.reduce(u, tuple(torch.ones(zero.shapes[i]) for i in unit.members))
         zero._land_reduced()
@@ -164,17 +139,11 @@ def _sent_as_they_lie(name: str) -> dict:
     """After a step: whether each unit's shards are views of its flat piece (the gather's
     input); after one shard's data is replaced (as a load may), whether the gather still
     sends the new values (copied into a send buffer, the flat piece no longer its input)."""
-    import torch.distributed as dist
-    from equivalence import build
+    from equivalence import stepped_once
 
-    import autopar
     from autopar.runtime.zero3 import send_piece
 
-    model, inputs, target, loss_fn = build(name, 8)
-    engine = autopar.parallelize(model, dist.get_world_size(),
-                                 example_inputs=tuple(t[:2] for t in inputs), loss_fn=loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), plan=ZERO3)
-    engine.train_step(inputs, target)
+    engine, _, inputs, target = stepped_once(name, ZERO3)
     zero = engine.zero
     views = all(send_piece(zero, unit) is unit.flat and all(
         zero.shards[i].untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr()
