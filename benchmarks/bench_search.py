@@ -173,11 +173,12 @@ def print_time(t: dict) -> None:
     ok = "meets" if t["search_cpu_s"] < 1 else "MISSES"
     print(f"  search CPU time (median of 3)   {t['search_cpu_s']:8.3f} s   {ok} target < 1 s "
           "(the wall clock of a quiet machine; load on a shared one does not inflate it)")
-    ok = "meets" if t["executable_cpu_s"] <= 1.05 * t["search_cpu_s"] else "MISSES"
+    ratio = t["executable_cpu_s"] / t["search_cpu_s"]
+    ok = "meets" if ratio <= 1 else "MISSES"
     runs = ", ".join(f"{x:.3f}" for x in t["executable_cpu_runs_s"])
-    print(f"  --executable CPU time (median)  {t['executable_cpu_s']:8.3f} s   [{runs}]  {ok} "
-          f"target: no slower than the free search, within 5% ({t['executable_candidates']} "
-          "candidates priced)")
+    print(f"  --executable CPU time (median)  {t['executable_cpu_s']:8.3f} s   [{runs}]  "
+          f"{ratio:.3f}x the free search: {ok} target: no slower "
+          f"({t['executable_candidates']} candidates priced)")
     cli = t["cli"]
     if cli is not None:
         ok = "meets" if cli["wall_s"] < 10 and cli["status"] == "ok" else "MISSES"
