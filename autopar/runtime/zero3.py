@@ -298,12 +298,11 @@ class ZeroThree(ZeroState):
         self._live[ptr] = (u, weakref.ref(whole, lambda _, p=ptr: self._live.pop(p, None)))
 
     def gather_backward(self, u: int) -> torch.Tensor:
-        if u in self._cache:
-            if len(self._cache) > 1:  # (a layer the forward kept; the next prefetched from
-                return self._cache[u]  # the last one kept, one buffer at a time beside it)
-        else:
+        if u not in self._cache:
             self._cache[u] = self._finish(u, "backward")
             self._seen_backward.append(u)
+        elif len(self._cache) > 1:  # a layer the forward kept: the next gather is prefetched
+            return self._cache[u]  # from the last one kept, one buffer at a time beside it
         # prefetch the gather that came next at the first step (a pipeline's backward
         # gathers a layer once per micro-batch: the order is a sequence, not a set)
         order, k = self._backward_order, len(self._seen_backward)
