@@ -1,5 +1,6 @@
 """What an engine start does once rather than at every use: a rewritten graph's Python code,
-and the sympy work of the reshape rule (docs/testing.md, "Where the CPU goes")."""
+the code of the graphs export makes on the way, and the sympy work of the reshape rule
+(docs/testing.md, "Where the CPU goes")."""
 
 import sympy
 import torch
@@ -7,6 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.graph.ir import BATCH
+from autopar.graph.trace import trace
 from autopar.passes.tensor_parallel import clone_graph_module
 from autopar.sharding.layout import Shard
 from autopar.sharding.rules import context, views
@@ -40,6 +42,29 @@ def test_a_cloned_graph_generates_its_code_once_when_it_first_runs(monkeypatch):
     x = torch.randn(3, 4)
     assert torch.equal(out(x), gm(x)) and torch.equal(out(x), gm(x))
     assert len(made) == 1 and "relu" in out.code
+
+
+def test_a_trace_generates_code_only_for_the_graphs_export_hands_back(monkeypatch):
+    """torch.export builds graph modules on the way (11 code generations a trace before):
+    made lazy, and with no input-guard function to generate and then drop, a trace generates
+    Python code only for the program and the unlifted module it returns. The graph is the
+    same: no guard pins the traced batch, and it computes what the model does."""
+    made = []
+    real = fx.Graph.python_code
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        return real(self, *args, **kwargs)
+
+    model = _Net()
+    monkeypatch.setenv("AUTOPAR_TRACE_CACHE", "0")  # (a hit would copy, not trace)
+    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    traced = trace(model, (torch.randn(3, 4),), train=False)
+    assert len(made) <= 4, len(made)
+    assert not hasattr(traced.gm, "_guards_fn")
+    assert all(n.target != "_guards_fn" for n in traced.gm.graph.nodes)
+    x = torch.randn(5, 4)  # another batch than the traced one
+    assert torch.equal(traced.gm(x), model(x))
 
 
 def test_a_reshape_of_whole_numbers_and_the_batch_needs_no_simplify(monkeypatch):

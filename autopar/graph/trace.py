@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.export import Dim
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from autopar.errors import TraceError
 from autopar.graph import trace_cache
@@ -192,12 +193,14 @@ def _batch_dims(n: int):
 def _no_stack_traces():
     """Export without a Python stack trace captured and symbolized for every node (a tenth
     to a fifth of a trace's CPU): nothing reads a node's `stack_trace`, and a failed trace
-    names the user's line from its exception's traceback (`_user_frame`)."""
+    names the user's line from its exception's traceback (`_user_frame`). The graph modules
+    export makes on the way generate their Python code only if they run (most never do)."""
     config = torch.fx.config
     before = config.do_not_emit_stack_traces
     config.do_not_emit_stack_traces = True
     try:
-        yield
+        with _use_lazy_graph_module(True):
+            yield
     finally:
         config.do_not_emit_stack_traces = before
 
@@ -206,7 +209,7 @@ def _via_export(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
     _, dims = _batch_dims(len(inputs))
     with _no_stack_traces():
         ep = torch.export.export(wrapper, inputs, dynamic_shapes=dims, strict=False)
-    gm = ep.module()
+        gm = ep.module(check_guards=False)
     _finish(gm, inputs, prefix="")
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")
@@ -226,7 +229,7 @@ def _via_fx(wrapper: nn.Module, inputs: tuple) -> fx.GraphModule:
     with _no_stack_traces():
         ep = torch.export.export(_Interpret(inner), inputs, dynamic_shapes=(dims,),
                                  strict=False)
-    gm = ep.module()
+        gm = ep.module(check_guards=False)
     _finish(gm, inputs, prefix="gm.")
     for node in gm.graph.nodes:
         node.meta["autopar_module"] = (node.meta.get("custom") or {}).get("autopar_module", "")
@@ -243,15 +246,14 @@ def _strip(path: str, prefix: str) -> str:
 
 
 def _finish(gm: fx.GraphModule, inputs: tuple, prefix: str) -> None:
-    """Drop export's input guards (they pin the traced batch range) and unused attribute reads
-    (the second name of a tied weight), and name the batch symbol."""
+    """Drop unused attribute reads (the second name of a tied weight) and name the batch
+    symbol. The graph has no input guards (`module(check_guards=False)`: they would pin the
+    traced batch range, and generating them costs sympy work)."""
+    erased = False
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
-        if node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-            if hasattr(gm, "_guards_fn"):
-                delattr(gm, "_guards_fn")
+            erased = True
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     batch_syms = set()
     for node in placeholders:
@@ -264,7 +266,8 @@ def _finish(gm: fx.GraphModule, inputs: tuple, prefix: str) -> None:
     gm.meta["autopar_batch_symbol"] = next(iter(batch_syms))
     gm.meta["autopar_param_prefix"] = prefix
     gm.graph.lint()
-    gm.recompile()
+    if erased:  # (module() generated the code of the graph as it came)
+        gm.recompile()
 
 
 def _param_table(gm: fx.GraphModule, model: nn.Module) -> dict[str, ParamInfo]:
