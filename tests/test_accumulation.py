@@ -8,8 +8,8 @@ activations."""
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import assert_equal_to_one_device, build, compare
+from pretraced import forked_pool_fixture, mixtral, moe
 
 import autopar
 from autopar.errors import PlanError
@@ -17,11 +17,12 @@ from autopar.modes import RUNTIME
 from autopar.plans import Plan
 from autopar.runtime.measure import measure_peak_saved_activations
 
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
-
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [GPT, LLAMA, (mixtral, {"expert": 2, "microbatches": 2}),
+                                (moe("moe-tiny"), {"expert": 2})])
+pool4 = forked_pool_fixture(4, [LLAMA])
 
 
 def _equal_after(model: str, plan: dict, batch: int = 8) -> dict:

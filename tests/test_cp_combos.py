@@ -11,16 +11,13 @@ the second on the state the first left; losses and weights within 1e-5) with mea
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import _lm_loss, assert_equal, build, compare
+from pretraced import forked_pool_fixture, mixtral
 
 import autopar
 from autopar.errors import PlanError
 from autopar.modes import CP, CP_TP, RUNTIME, TP
 from autopar.sharding.layout import Layout
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
 
 
 def hf_llama(batch):
@@ -41,6 +38,12 @@ def hf_qwen2(batch):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     return Qwen2ForCausalLM(cfg), (torch.randint(0, 64, (batch, 16)),), \
         torch.randint(0, 64, (batch, 16)), _lm_loss
+
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [hf_llama])
+pool4 = forked_pool_fixture(4, [hf_llama, hf_qwen2, "gpt-tiny", "hf-gpt2",
+                                (mixtral, {"expert": 2, "sequence": {"size": 2, "mode": "ring"}})])
 
 
 def cp_sp(mode, layout=None, cp=2, tp=2):

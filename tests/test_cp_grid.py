@@ -20,16 +20,17 @@ nothing gathers the sequence.
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import assert_equal, build, compare
+from pretraced import forked_pool_fixture
 from test_cp_combos import hf_llama
 
 import autopar
 from autopar.modes import CP, RING, TP
 from autopar.sharding.layout import Layout
 
-pool8 = dist_pool_fixture(8, timeout_s=900)
-pool16 = dist_pool_fixture(16, timeout_s=900)
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool8 = forked_pool_fixture(8, ["gpt-tiny", "hf-gpt2", hf_llama, "llama-tiny"], timeout_s=900)
+pool16 = forked_pool_fixture(16, [hf_llama], timeout_s=900)
 
 STEPS = 2  # the second runs Adam on the first's state; each step more cost seconds at world 8
 GRIDS = {"2d": {"size": 4, "mode": "2d"}, "2.5d": {"size": 4, "mode": "2.5d", "depth": 1},
@@ -96,7 +97,7 @@ def _check_sync(results) -> None:
 
 def test_cp2_beside_3d_equals_one_device(pool16):
     """transformers' Llama, the model of every world-16 run (test_cp_grid_combos,
-    test_pipeline_runtime's pp2 x 3D): each rank traces it once a session."""
+    test_pipeline_runtime's pp2 x 3D), traced by the test process for all 16 ranks."""
     results = pool16.run(compare, hf_llama, cp_grid("ring", "3d"), STEPS)
     assert_equal(results)
     measured = results[0]["measured"]

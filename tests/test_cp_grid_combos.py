@@ -11,14 +11,12 @@ step cost seconds.
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import _lm_loss, assert_equal, compare
+from pretraced import forked_pool_fixture
 from test_cp_combos import hf_llama
 
 from autopar.modes import CP
 
-pool8 = dist_pool_fixture(8, timeout_s=900)
-pool16 = dist_pool_fixture(16, timeout_s=900)
 STEPS = 2
 
 
@@ -31,6 +29,11 @@ def hf_llama8(batch):
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32)
     return LlamaForCausalLM(cfg), (torch.randint(0, 64, (batch, 16)),), \
         torch.randint(0, 64, (batch, 16)), _lm_loss
+
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool8 = forked_pool_fixture(8, [hf_llama8], timeout_s=900)
+pool16 = forked_pool_fixture(16, [hf_llama], timeout_s=900)
 
 
 def cp_grid(mode="ring", layout=None, grid="2d", **more):

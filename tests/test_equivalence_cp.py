@@ -11,16 +11,17 @@ records included.
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import build, compare
+from pretraced import forked_pool_fixture
 
 import autopar
 from autopar.errors import PlanError
 
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
-
 STEPS = 2
+GQA2 = "llama:layers=2,hidden=64,heads=8,kv_heads=2,ffn=128,vocab=256,seq=32"
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+pool4 = forked_pool_fixture(4, ["gpt-tiny", "llama-tiny", "hf-gpt2", GQA2])
 CP = lambda mode, size=2, **more: {"sequence": {"size": size, "mode": mode}, **more}  # noqa
 
 
@@ -87,8 +88,6 @@ def test_cp4_equals_single_device(pool4, name, mode):
     _check_kernels(pool4.run(compare, name, CP(mode, size=4), STEPS, probe=_cp_collectives),
                    mode)
 
-
-GQA2 = "llama:layers=2,hidden=64,heads=8,kv_heads=2,ffn=128,vocab=256,seq=32"
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])

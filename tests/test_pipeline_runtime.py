@@ -16,20 +16,23 @@ import functools
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import build, relative
+from pretraced import forked_pool_fixture
+from test_cp_combos import hf_llama
 
 from autopar.errors import PlanError
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
-pool8 = dist_pool_fixture(8)
-pool16 = dist_pool_fixture(16, timeout_s=900)
 
 GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 GPT2 = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage: pp2 x more axes
 STEPS = 3  # parallelize's runs beside one device
 LLAMA4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
+HEAVY_HEAD = "gpt:layers=8,hidden=64,heads=4,vocab=4096,seq=32"
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [GPT8, LLAMA4, GPT2, HEAVY_HEAD])
+pool4 = forked_pool_fixture(4, [GPT8, GPT2, LLAMA4])
+pool8 = forked_pool_fixture(8, [GPT2, LLAMA4])
+pool16 = forked_pool_fixture(16, [hf_llama], timeout_s=900)
 
 
 def _runner(model, inputs, target, loss_fn, schedule: str, chunks: int, microbatches: int):
@@ -260,19 +263,16 @@ def test_parallelize_pp2_with_2d_tensor_and_with_cp_tp(pool8):
 
 
 def test_parallelize_pp2_with_3d_tensor(pool16):
-    """pp2 x 3D (tp 8 as 2 x 2 x 2): world 16 (the session's, shared with test_cp_grid*),
-    on their transformers Llama, which each rank of that world traces once a session (a
-    parameter tied across the stages under a grid: the pp2 x 2D run above)."""
+    """pp2 x 3D (tp 8 as 2 x 2 x 2) at world 16, on test_cp_grid*'s transformers Llama,
+    traced by the test process for all 16 ranks (a parameter tied across the stages under a
+    grid: the pp2 x 2D run above)."""
     from equivalence import assert_equal, compare
-    from test_cp_combos import hf_llama
 
     assert_equal(pool16.run(compare, hf_llama, {"pipeline": {"size": 2, "microbatches": 2},
                                                 "tensor": {"size": 8, "mode": "3d"}}, 2, 16))
 
 
 # ---------------------------------------------------------------- planner's stages
-HEAVY_HEAD = "gpt:layers=8,hidden=64,heads=4,vocab=4096,seq=32"
-
 
 def _stages_probe(engine, inputs, target):
     return dict(engine.stage_of_layer)

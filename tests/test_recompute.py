@@ -6,8 +6,8 @@ and the saved activations `engine.explain()` measures per layer are the plan's w
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import assert_equal_to_one_device, build, compare
+from pretraced import forked_pool_fixture, mixtral
 
 import autopar
 from autopar.modes import (
@@ -19,10 +19,6 @@ from autopar.modes import (
     RUNTIME,
     SELECTIVE,
 )
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
-pool8 = dist_pool_fixture(8)
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
@@ -46,6 +42,27 @@ def hf_llama(batch: int, layers: int = 2):
 def hf_llama4(batch: int):
     """`hf_llama` with four blocks (a zero-bubble V schedule runs 2 stages per rank)."""
     return hf_llama(batch, layers=4)
+
+
+def gpt_with_dropout(batch: int):
+    """The zoo's GPT with dropout: the CPU's attention takes the math path, which saves the
+    s x s probabilities and dropout mask, what selective recomputation drops."""
+    from equivalence import _lm_loss
+
+    from autopar.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, block_size=16,
+                          dropout=0.1))
+    return model, (torch.randint(0, 64, (batch, 16)),), torch.randint(0, 64, (batch, 16)), \
+        _lm_loss
+
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [GPT, LLAMA, hf_llama, hf_llama4, gpt_with_dropout,
+                                (mixtral, {"expert": 2, "recompute": FULL})])
+pool4 = forked_pool_fixture(4, [GPT, (mixtral, {"expert": 2, "recompute": FULL,
+                                                "pipeline": {"size": 2, "microbatches": 2}})])
+pool8 = forked_pool_fixture(8, [GPT])
 
 
 def _equal_after(model, plan: dict, batch: int = 8) -> dict:
@@ -84,19 +101,6 @@ CASES = {
 def test_recomputation_trains_equal_to_one_device(pool2, case):
     model, plan = CASES[case]
     assert_equal_to_one_device(pool2.run(_equal_after, model, plan))
-
-
-def gpt_with_dropout(batch: int):
-    """The zoo's GPT with dropout: the CPU's attention takes the math path, which saves the
-    s x s probabilities and dropout mask, what selective recomputation drops."""
-    from equivalence import _lm_loss
-
-    from autopar.models.gpt import GPT, GPTConfig
-
-    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32, block_size=16,
-                          dropout=0.1))
-    return model, (torch.randint(0, 64, (batch, 16)),), torch.randint(0, 64, (batch, 16)), \
-        _lm_loss
 
 
 def _saved_per_block(model, plan: dict, batch: int = 8) -> dict:
