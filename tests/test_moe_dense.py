@@ -147,6 +147,7 @@ def test_deepseek_v3_moe_parameters_by_hand_and_against_the_report():
 
 
 @functools.cache
+@functools.cache  # (read only by the tests: traced and priced once for the four of them)
 def _deepseek_chain(seq: int = 4096):
     w = workload("deepseek-v3-moe", batch=1, seq=seq)
     chain = prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,

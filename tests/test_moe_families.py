@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import dist_pool_fixture
 from equivalence import assert_equal_to_one_device, compare
+from pretrace import engine_graphs, forked_pool_fixture, pretracing
 from torch import nn
 
 import autopar
@@ -31,7 +31,7 @@ from autopar.errors import PlanError
 from autopar.kernels.moe_layers import find_moe_layers, moe_op, opaque_moe, run, spec_key
 from autopar.kernels.routing import GROUP_MAX, GROUP_TOP2, SIGMOID, SOFTMAX
 
-pool2 = dist_pool_fixture(2, timeout_s=300)
+pool2 = forked_pool_fixture(2)  # forked once `pretraced` traced every family here
 TOL = 1e-4
 BATCH, SEQ, VOCAB = 4, 8, 64
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -119,6 +119,17 @@ def _train(family: str, plan: dict, steps: int = 3) -> dict:
             "experts_held": {k: mine / whole for k, (mine, whole) in result["held"].items()
                              if k.endswith(("experts.gate_up_proj", "experts.down_proj"))},
             "layers": sorted(find_moe_layers(build(family)[0]))}
+
+
+@pytest.fixture(scope="module")
+def pretraced():
+    """Each trained family's two graphs with its MoE layers opaque (expert=2 and tensor=2
+    trace the same), traced here once for both ranks."""
+    with pretracing():
+        for family in TRAINED:
+            model, idx, target = build(family)
+            engine_graphs(model, (idx,), target, _loss, dict(expert=2), 2)
+        yield
 
 
 @pytest.mark.parametrize("family", TRAINED)

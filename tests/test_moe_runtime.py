@@ -22,8 +22,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import dist_pool_fixture
 from equivalence import assert_equal_to_one_device, compare
+from pretrace import engine_graphs, forked_pool_fixture, pretracing
 from torch import nn
 
 import autopar
@@ -32,8 +32,10 @@ from autopar.kernels.moe_layers import find_moe_layers, moe_op, opaque_moe, run,
 from autopar.models import build as zoo_build
 from autopar.plans import Plan
 
-pool2 = dist_pool_fixture(2, timeout_s=300)  # where the world's size is not the point
-pool4 = dist_pool_fixture(4, timeout_s=300)
+# worlds forked from the test process once `pretraced` traced every model here (where the
+# world's size is not the point: 2)
+pool2 = forked_pool_fixture(2)
+pool4 = forked_pool_fixture(4)
 TOL = 1e-5
 BATCH = 8
 AUX = 0.01  # weight of the balance loss in the zoo model's objective
@@ -95,6 +97,31 @@ def build(name: str, seed: int = 0, layers: int = 2):
         nn.init.normal_(p, std=0.1)
     idx = torch.randint(0, 64, (BATCH, 8))
     return model, idx, torch.randint(0, 64, (BATCH, 8)), _hf_loss
+
+
+@pytest.fixture(scope="module")
+def pretraced():
+    """Every graph the module's ranks start, traced here once (they are forked after it):
+    each model with its MoE layers opaque (every plan that splits experts), Mixtral also
+    whole (a plan that splits none) and on meta, Qwen2-MoE on meta, and moe-tiny's training
+    graph under a loss that squares its balance loss. (The transformers models first: the
+    first of them a process builds gives torch's Module class a method, which the trace
+    cache's key of every model reads, the zoo's too.)"""
+    with pretracing():
+        for name, layers in (("hf-mixtral", 2), ("hf-mixtral", 4), ("hf-qwen2-moe", 2),
+                             ("moe-tiny", 2), (DENSE_FIRST, 2)):
+            model, idx, target, loss_fn = build(name, layers=layers)
+            engine_graphs(model, (idx,), target, loss_fn, dict(expert=2), 4)
+        model, idx, target, _ = build("moe-tiny")
+        engine_graphs(model, (idx,), target, _squared_loss, dict(expert=2), 4)
+        mixtral, idx, target, _ = build("hf-mixtral")
+        engine_graphs(mixtral, (idx,), target, _hf_loss, None, 4)
+        for name in ("hf-mixtral", "hf-qwen2-moe"):
+            cls, config = _hf_config(name)
+            with torch.device("meta"):
+                meta = cls(config)
+            engine_graphs(meta, (idx,), target, _hf_loss, dict(expert=2), 4)
+        yield
 
 
 def _relative(a, b) -> float:
@@ -276,17 +303,12 @@ def test_mixtral_with_zero_3_equals_one_device(pool4):
 # shared expert in a pipeline trains under tensor 2 and under ZeRO-3 with expert 2)
 
 
-# (stage 3: test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device, same axes checked)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_mixtral_with_zero_and_pipeline_2_equals_one_device(pool4, stage):
-    # pp 2 x dp 2, ep 2 inside dp: the experts' pieces over edp (one rank, divided by ep),
-    # the rest over dp; stage 2 reduce-scatters per micro-batch, stage 3 gathers per stage
-    plan = dict(expert=2, pipeline=dict(size=2, microbatches=2), zero=dict(stage=stage))
-    _check_zero_beside_pp(pool4.run(_train, "hf-mixtral", plan))
-
-
-def _check_zero_beside_pp(results: list[dict]) -> None:
-    _check(results, 32, 2)
+# ZeRO beside ep 2 and a pipeline, pp 2 x dp 2, ep 2 inside dp: the experts' pieces over
+# edp (one rank, divided by ep), the rest over dp; stage 1 under gpipe (moe-tiny's balance
+# loss, below), stage 2 reduce-scatters per micro-batch (ZB-V), stage 3 gathers per stage
+# (interleaved, and Qwen2-MoE's shared expert under 1F1B), each with these axes checked
+def _check_zero_beside_pp(results: list[dict], hidden: int = 32) -> None:
+    _check(results, hidden, 2)
     for r in results:
         axes = {(op, axis) for op, axis, _, _ in r["log"]}
         assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= axes
@@ -300,11 +322,12 @@ def test_mixtral_with_zero_beside_two_stages_per_rank_equals_one_device(pool4, p
     # 4 stages on 2 pipeline ranks (4 layers): ZB-V's split backward, interleaved's chunks
     plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, **pipeline),
                 zero=dict(stage=stage))
-    _check(pool4.run(_train, "hf-mixtral", plan, 3, "fp32", 4), 32, 2)
+    _check_zero_beside_pp(pool4.run(_train, "hf-mixtral", plan, 3, "fp32", 4))
 
 
 def test_qwen2_moe_with_zero_3_and_pipeline_2_equals_one_device(pool4):
-    # pp 2 x dp 2 as Mixtral's above at stage 3, the shared expert's pieces over dp
+    # pp 2 x dp 2 as the interleaved Mixtral above at stage 3, the shared expert's pieces
+    # over dp
     plan = dict(expert=2, pipeline=dict(size=2, microbatches=2, schedule="1f1b"),
                 zero=dict(stage=3))
     _check_zero_beside_pp(pool4.run(_train, "hf-qwen2-moe", plan))
@@ -319,7 +342,7 @@ def test_zoo_moe_balance_loss_under_gpipe_equals_one_device(pool4, plan):
     # each micro-batch's balance loss differs from the whole batch's; its backward takes the
     # step's statistics (every forward of a stage runs first) and the reported loss is
     # corrected from them after the schedule
-    _check(pool4.run(_train, "moe-tiny", plan), 64, 2)
+    _check_zero_beside_pp(pool4.run(_train, "moe-tiny", plan), 64)
 
 
 def _balance_loss_in_a_pipeline(schedule: str) -> str:
@@ -333,13 +356,13 @@ def _balance_loss_in_a_pipeline(schedule: str) -> str:
     return "built"
 
 
+def _squared_loss(out, target):  # not a constant times the balance loss
+    return _zoo_loss(out, target) + out[1] ** 2
+
+
 def _squared_balance_loss_under_gpipe() -> str:
     model, idx, target, _ = build("moe-tiny")
-
-    def loss_fn(out, target):  # not a constant times the balance loss
-        return _zoo_loss(out, target) + out[1] ** 2
-
-    engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=loss_fn,
+    engine = autopar.parallelize(model, 4, example_inputs=(idx[:2],), loss_fn=_squared_loss,
                                  plan=dict(expert=2, pipeline=dict(size=2, microbatches=2,
                                                                    schedule="gpipe")))
     try:
