@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from equivalence import assert_equal_to_one_device, compare
-from pretrace import engine_graphs, forked_pool_fixture, pretracing
+from pretraced import engine_graphs, forked_pool_fixture, pretracing
 from torch import nn
 
 import autopar
