@@ -58,8 +58,16 @@ from autopar.modes import (
     ZERO_BUBBLE,
 )
 from autopar.search import why
+from autopar.search.floors import least_floor
 from autopar.search.partition import balance_within
-from autopar.search.prepared import Fast, Leaf, Prepared, cost_table, least_total
+from autopar.search.prepared import (
+    Fast,
+    Leaf,
+    Prepared,
+    cost_table,
+    least_states,
+    least_total,
+)
 from autopar.search.space import Constraints, Options, Space, divisors
 
 __all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
@@ -259,11 +267,11 @@ class Search:
         return why.lost(cand, winner, self.capacity, self.host_capacity)
 
     # ------------------------------------------------------------------ leaves
-    def _prepared(self, mesh, pl, cp_mode, b, split=None, least: bool = False):
+    def _prepared(self, mesh, pl, cp_mode, b, split=None, least=False, floor=False):
         """Costs of every layer state for this tp/cp(/ep) placement and micro-batch (shared by
         all pp x dp); None where some layer has no state. `least`: where it is not made yet,
-        only its ``min_total`` (`least_total`: a float, which `_leaves` asks first under a
-        cutoff)."""
+        only its ``min_total`` (a float, which `_leaves` asks first under a cutoff), or with
+        `floor` a bound of it (`_least`)."""
         if self._base is not None and not self.space.takes_grid(mesh[TP], b, mesh[CP] > 1):
             return None  # its states are the base search's (1D), or none: so are its leaves
         per_type = self.space.kinds(mesh[TP], b, mesh[CP] > 1)
@@ -287,7 +295,7 @@ class Search:
             return None
         context = (ctx, cost_table(self._state_costs, b, ctx_key))
         if least:
-            return least_total(self, per_type, b, context, base)
+            return _least(self, per_type, b, context, base, floor)
         prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, context, base)
         return prep
 
@@ -302,10 +310,15 @@ class Search:
         for cp_mode, split, b, leaf_zeros, group in groups:
             prep = preps.get(group, preps)  # (itself: not asked yet)
             if prep is preps:  # under a cutoff, its least seconds first (`least_total`)
-                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, bounded)
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, bounded,
+                                                     bounded)
             if prep is None:
                 continue
             m = per_replica // b
+            if prep.__class__ is Floor:  # a bound of the least seconds, nothing priced for it
+                if m * (prep / pp) >= self._cutoff:
+                    continue
+                prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, True)
             if prep.__class__ is float:  # the Prepared's min_total: made once a leaf needs it
                 if m * (prep / pp) >= self._cutoff:
                     continue
@@ -525,6 +538,22 @@ class Search:
             return None
         experts = leaf.prep.take(leaf.prep.expert_table, chosen)
         return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
+
+
+def _least(search: Search, kinds, b: int, context, base, floor: bool) -> float:
+    """A placement's ``min_total`` before its Prepared is made (`least_total`); with `floor`,
+    in a grid search, first a lower bound of it priced from the layers' sizes alone where the
+    grid's states would be priced for it (`floors.least_floor`: a `Floor`)."""
+    if floor and search._base is not None:
+        bound = least_floor(search, kinds, b, context, base, least_states(search, kinds, base))
+        if bound is not None:
+            return Floor(bound)
+    return least_total(search, kinds, b, context, base)
+
+
+class Floor(float):
+    """`Search._prepared`'s lower bound of a Prepared's ``min_total`` (`floors.least_floor`),
+    told apart from the exact one (a float) by its class."""
 
 
 @contextlib.contextmanager

@@ -1,0 +1,143 @@
+"""The grid searches' priced-free floors (`autopar.search.floors`): never over a grid state's
+priced seconds, and the executable search they cut returns what it returns without them."""
+
+import pytest
+
+from autopar.cost.comm import placements
+from autopar.models import workload
+from autopar.modes import CP, DP, FP8, ORDER, PP, RUNTIME, TP, TP_1D
+from autopar.search import planner
+from autopar.search import search as search_module
+from autopar.search.floors import grid_floor
+from autopar.search.search import Floor, Options, Search
+from autopar.world import World
+
+SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"
+
+
+def _chain(spec, tp_sizes, **kw):
+    w = workload(spec, **kw)
+    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                           tokens_per_sample=w.tokens_per_sample, tp_sizes=tp_sizes,
+                           repeat={"blocks.1": w.layers - 1} if w.layers > 2 else None)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return _chain(SMALL, [1, 2, 4, 8, 16], max_layers=None)
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return _chain("gpt3-175b", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], seq=2048)
+
+
+def _result(res) -> list:
+    """Everything a search returns, to the bit."""
+    out = [res.candidates, res.left_out]
+    for cand, why in [(res.best, "")] + res.alternatives:
+        out.append((cand.describe(), float(cand.step_time).hex(),
+                    float(cand.memory_per_device).hex(), list(cand.stages), why))
+    return out
+
+
+@pytest.mark.parametrize("dtype, compile, grid, tp, cp, device", [
+    ("bf16", False, ("2d", None), 4, 1, "a100-80gb"),
+    ("bf16", False, ("2d", None), 16, 1, "a100-80gb"),
+    ("bf16", False, ("2.5d", 2), 8, 1, "a100-80gb"), ("fp32", True, ("3d", None), 8, 2, "a100-80gb"),
+    (FP8, False, ("2d", None), 4, 2, "h100-80gb")])
+def test_a_grid_floor_is_never_over_a_grid_states_seconds(small, gpt3, dtype, compile, grid,
+                                                          tp, cp, device):
+    """Every multi-dimensional state of every kind, priced: its seconds are the floor or more
+    (the floor is priced without it)."""
+    for chain, world, gb in ((small, World(64, per_node=8, device=device), 64),
+                             (gpt3, World(512, per_node=8, device=device), 512)):
+        options = Options(global_batch=gb, executable=RUNTIME, dtype=dtype, compile=compile)
+        sp_seq = planner._sequence_parallel_length(chain, world.devices)
+        search = Search(chain, world, planner._narrowed(options, grid, sp_seq))
+        mesh = {PP: 2, DP: world.devices // (2 * tp * cp), CP: cp, TP: tp}
+        pl = placements(mesh, ORDER, world.per_node)
+        checked = 0
+        for b in (2, 4, 8):
+            prep = search._prepared(mesh, pl, "ring" if cp > 1 else None, b)
+            if prep is None:
+                continue
+            prep.build()
+            ctx = prep.context[0]
+            for (lt, states), (_, costs) in zip(prep.kinds, prep.per_type):
+                for state, cost in zip(states, costs):
+                    if state.mode.name != TP_1D:
+                        assert 0 < grid_floor(lt, state, b, ctx) <= cost.time
+                        checked += 1
+        assert checked
+
+
+def _no_floor(*args, **kwargs):
+    return None
+
+
+@pytest.mark.parametrize("devices, gb, constraints", [
+    (16, 32, {}), (64, 64, {}), (64, 128, {"tp": 16}), (64, 64, {"tp_mode": "2d"}),
+    (32, 64, {"pp": 1, "zero": 3})])
+def test_the_floors_leave_the_executable_search_as_it_was(small, monkeypatch, devices, gb,
+                                                          constraints):
+    """Best, alternatives (their reasons too), candidate count and notes: the same with the
+    floors as with the grids' least seconds priced wherever a bound asks them, and the best
+    the fastest fitting plan of every executable candidate (`Search.every`, no bound)."""
+    world = World(devices, per_node=8)
+    kw = dict(global_batch=gb, executable=True, constraints=constraints, top=6)
+    with_floors = planner.search(small, world, **kw)
+    monkeypatch.setattr(search_module, "least_floor", _no_floor)
+    without = planner.search(small, world, **kw)
+    assert _result(with_floors) == _result(without)
+    every = planner.executable_candidates(small, world, global_batch=gb, dtype="bf16",
+                                          constraints=constraints)
+    fastest = min((c for c in every if c.fits), key=lambda c: c.step_time)
+    assert with_floors.best.step_time == fastest.step_time
+
+
+def test_gpt3_grid_searches_skip_groups_by_their_floors_alone(gpt3, monkeypatch):
+    """GPT-3 175B on 512 A100 (bench_search's model): the grid searches leave groups out by
+    their floors with nothing priced for them (fewer state costs in the shared tables), and
+    the search returns what it returns without the floors."""
+    world = World(512, per_node=8, device="a100-80gb")
+    counts = {}
+
+    def counted(floors: bool):
+        made = []
+        real = search_module.Search.__init__
+
+        def init(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            made.append(self)
+
+        monkeypatch.setattr(search_module.Search, "__init__", init)
+        if not floors:
+            monkeypatch.setattr(search_module, "least_floor", _no_floor)
+        res = planner.search(gpt3, world, global_batch=512, executable=True)
+        monkeypatch.undo()
+        tables = made[0]._state_costs
+        counts[floors] = sum(len(t) for t in tables.values())
+        bounds = sum(isinstance(v, Floor) for s in made for v in s._by_group.values())
+        return res, bounds
+
+    got, floors = counted(True)
+    plain, none = counted(False)
+    assert _result(got) == _result(plain)
+    assert floors > 0 and none == 0 and counts[True] < counts[False]
+
+
+def test_a_floor_comes_only_from_a_grid_search_under_a_cutoff(small):
+    """An ask without `floor`, and the base (1D) search's, read the exact least seconds."""
+    world = World(16, per_node=8)
+    options = Options(global_batch=32, executable=RUNTIME)
+    sp_seq = planner._sequence_parallel_length(small, world.devices)
+    base = Search(small, world, planner._narrowed(options, None, sp_seq), state_costs={})
+    grid = Search(small, world, planner._narrowed(options, ("2d", None), sp_seq),
+                  state_costs=base._state_costs, base=base)
+    mesh = {PP: 1, DP: 4, CP: 1, TP: 4}
+    pl = placements(mesh, ORDER, world.per_node)
+    exact = grid._prepared(mesh, pl, None, 8, least=True)
+    floor = grid._prepared(mesh, pl, None, 8, least=True, floor=True)
+    assert exact.__class__ is float and floor.__class__ is Floor and floor <= exact
+    assert base._prepared(mesh, pl, None, 8, least=True, floor=True).__class__ is not Floor
