@@ -187,15 +187,12 @@ FAMILIES = {
                           note="latent attention, grouped routing, shared expert"),
 }
 
-# mode -> (world, plan); "expert" runs on the families of kind "moe" only. The pipeline runs
-# alone at world 2: what a family brings to it is its stage cut and the activations crossing
-# it; data parallelism around the stages sees no family (its gradient average is the data
-# mode's), and pp2 x dp2 is test_pipeline_runtime's test_parallelize_pp2_with_data_parallelism.
+# mode -> (world, plan); "expert" runs on the families of kind "moe" only
 MODES = {
     "data": (2, {"data": 2}),
     "tensor-1d": (2, {"tensor": {"size": 2, "mode": "1d"}}),
     "tensor-2d": (4, {"tensor": {"size": 4, "mode": "2d"}}),
-    "pipeline-2": (2, {"pipeline": {"size": 2, "microbatches": 2}}),
+    "pipeline-2 x data-2": (4, {"pipeline": {"size": 2, "microbatches": 2}, "data": 2}),
     "zero-3": (2, {"data": 2, "zero": {"stage": 3}}),
     "ring": (2, {"sequence": {"size": 2, "mode": "ring"}}),
     "ulysses": (2, {"sequence": {"size": 2, "mode": "ulysses"}}),
@@ -225,7 +222,7 @@ def _refused(text: str, why: str) -> Outcome:
 # (family, mode) -> its outcome (absent: trains equal to one device)
 EXPECTED: dict[tuple[str, str], Outcome] = {
     # ALBERT runs one block (its weights shared by every layer): nothing to cut in two
-    ("albert", "pipeline-2"): _refused(
+    ("albert", "pipeline-2 x data-2"): _refused(
         "a 2-stage pipeline needs at least 2 blocks; the model has 1",
         "ALBERT shares one block's weights across its layers: one block, no 2-stage cut"),
     # Qwen2-MoE's shared-expert gate is a linear of 1 output feature, which a 2x2 grid
