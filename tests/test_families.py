@@ -463,6 +463,10 @@ def pretraced(request):
     """Every selected family traced once for both worlds and all their ranks (a rank traced
     each family itself: 2 + 4 traces of each graph where 1 does), the test process's trace
     functions, random state and thread count put back after."""
+    # sympy's simplify imports sympy.physics.units at its first call (the grid and sequence
+    # rules call it): 1.7 CPU s under a profiler in each rank that met it; once here instead
+    import sympy.physics.units  # noqa: F401
+
     from autopar.runtime import engine
     from autopar.search import planner
 
