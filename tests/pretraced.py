@@ -90,17 +90,13 @@ def engine_graphs(model, inputs: tuple, target: torch.Tensor, loss_fn, plan: dic
 
 def pretrace(models, world: int) -> None:
     """Trace each of `models` (see the module's docstring) as an engine start at `world`
-    does. Built first, all of them: building a transformers model sets a member of
-    torch.nn.Module (its init's helper) that every model's cache key reads, so a graph
-    traced before the first one is built would not be found after it."""
+    does."""
     from equivalence import build
 
     with pretracing():
-        built = []
         for entry in models:
             spec, plan = entry if isinstance(entry, tuple) else (entry, None)
-            built.append((build(spec, 8), plan))
-        for (model, inputs, target, loss_fn), plan in built:
+            model, inputs, target, loss_fn = build(spec, 8)
             engine_graphs(model, tuple(inputs), target, loss_fn, plan, world)
 
 

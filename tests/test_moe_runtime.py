@@ -104,9 +104,7 @@ def pretraced():
     """Every graph the module's ranks start, traced here once (they are forked after it):
     each model with its MoE layers opaque (every plan that splits experts), Mixtral also
     whole (a plan that splits none) and on meta, Qwen2-MoE on meta, and moe-tiny's training
-    graph under a loss that squares its balance loss. (The transformers models first: the
-    first of them a process builds gives torch's Module class a method, which the trace
-    cache's key of every model reads, the zoo's too.)"""
+    graph under a loss that squares its balance loss."""
     with pretracing():
         for name, layers in (("hf-mixtral", 2), ("hf-mixtral", 4), ("hf-qwen2-moe", 2),
                              ("moe-tiny", 2), (DENSE_FIRST, 2)):

@@ -314,6 +314,20 @@ def test_every_part_of_the_key_misses_when_it_changes(monkeypatch):
     assert _key(_Net()) == base
 
 
+def test_a_member_added_to_torch_module_later_leaves_the_key_and_a_replaced_one_is_in_it(
+        monkeypatch):
+    """transformers gives torch.nn.Module a helper when it builds its first model: a model
+    traced before that build must still hit after it; a member of Module replaced misses."""
+    base = _key(_Net())
+    with monkeypatch.context() as m:
+        m.setattr(nn.Module, "a_helper_added_later", lambda self: None, raising=False)
+        assert _key(_Net()) == base, "a member added to Module"
+    with monkeypatch.context() as m:
+        m.setattr(nn.Module, "extra_repr", lambda self: "replaced")
+        assert _key(_Net()) != base, "a member of Module replaced"
+    assert _key(_Net()) == base
+
+
 def test_opaque_moe_is_in_the_key_by_what_it_stands_for():
     from autopar.kernels.moe_layers import find_moe_layers, opaque_moe
 

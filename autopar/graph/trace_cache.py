@@ -52,6 +52,11 @@ _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.
           torch.layout, torch.memory_format)
 _DEPTH = 12  # nesting walked by content before a value is called uncacheable
 _SKIPPED_MEMBERS = ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__")
+# torch.nn.Module's own members when this module was imported: one another library adds to
+# the class later (transformers gives it its init helper, `smart_apply`, when it builds its
+# first model) is no member any forward reaches through `Module`, and keying it would make
+# every model traced before that build miss after it. A member of these replaced is keyed.
+_MODULE_MEMBERS = frozenset(vars(nn.Module))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,7 +360,7 @@ class _Fingerprint:
     def members(self, cls: type) -> tuple:
         out = []
         for name, value in vars(cls).items():
-            if name in _SKIPPED_MEMBERS:
+            if name in _SKIPPED_MEMBERS or (cls is nn.Module and name not in _MODULE_MEMBERS):
                 continue
             inner = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
             if isinstance(inner, types.FunctionType):
