@@ -410,3 +410,14 @@ def best_algorithm(op: str, nbytes: float, placement: Placement, hw: Hardware) -
     if fitted is not None:
         return fitted["algorithm"]
     return min(_algorithms(op), key=lambda name: collective_time(op, nbytes, placement, hw, name))
+
+
+def grid_gemm_bytes(lt, batch: float):
+    """Each weight GEMM of layer `lt` a tensor grid splits (experts' aside), as the bytes of
+    its activation (M x K), weight (K x N) and output (M x N) at `batch`."""
+    e = lt.dtype_bytes
+    for g in lt.gemms:
+        if not g.weight or g.expert:
+            continue
+        m = g.flops(batch) / (2 * g.k * g.n)  # tokens
+        yield m * g.k * e, g.k * g.n * e, m * g.n * e

@@ -25,7 +25,7 @@ import sympy
 
 from autopar.cost import chunked_loss, fp8
 from autopar.cost import experts as moe_cost
-from autopar.cost.comm import Placement, collective_time
+from autopar.cost.comm import Placement, collective_time, grid_gemm_bytes
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import ZERO, Attention, Gemm, LayerType
 from autopar.cost.state import StepTemps
@@ -661,14 +661,10 @@ def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     reduce-scatters the two input gradients, the same volume (the gathered activation and
     weight are kept from the forward).
     """
-    q, d, e = mode.q, mode.d, lt.dtype_bytes
+    q, d = mode.q, mode.d
     group = _group(mode, ctx)
     seconds = nbytes_total = 0.0
-    for g in lt.gemms:
-        if not g.weight or g.expert:
-            continue
-        m = g.flops(batch) / (2 * g.k * g.n)  # tokens
-        mk, kn, mn = m * g.k * e, g.k * g.n * e, m * g.n * e
+    for mk, kn, mn in grid_gemm_bytes(lt, batch):
         if mode.name == TP_2D:
             fwd = (q - 1) * (mk + kn) / q ** 2
             bwd = 2 * fwd

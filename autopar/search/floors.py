@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost import fp8
+from autopar.cost.comm import grid_gemm_bytes
 from autopar.cost.model import memory_time
 from autopar.modes import FP8, TP_1D, TP_2D, TP_25D
 
@@ -61,13 +62,9 @@ def _comm_floor(lt, mode, batch: float, ctx) -> float:
     if (hw.collectives and "all_gather" in hw.collectives) or ctx.tp_groups or \
             hw.intra_node_latency < 0 or hw.inter_node_latency < 0:
         return 0.0
-    q, d, e = mode.q, mode.d, lt.dtype_bytes
+    q, d = mode.q, mode.d
     volume = 0.0
-    for g in lt.gemms:
-        if not g.weight or g.expert:
-            continue
-        m = g.flops(batch) / (2 * g.k * g.n)  # tokens
-        mk, kn, mn = m * g.k * e, g.k * g.n * e, m * g.n * e
+    for mk, kn, mn in grid_gemm_bytes(lt, batch):
         if mode.name == TP_2D:
             volume += 3 * (q - 1) * (mk + kn) / q ** 2  # forward, backward twice as much
         elif mode.name == TP_25D:
