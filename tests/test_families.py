@@ -17,6 +17,12 @@ vocabulary 128, sequence 8; no weights are downloaded) and trained for `STEPS` A
   difference to 7e-5). Such elements (one-device gradient below `NOISE_GRAD` on some step)
   are judged by absolute difference, at most `NOISE_ABS`, not by relative difference; the
   relative check runs over the other elements of the tensor.
+  A tensor whose one-device run disagrees with itself by more than 1e-5 when nothing but the
+  order of its sums changes (the same run with its batch reversed: the loss is a mean over
+  tokens, so the mathematics is the same) is held to twice that measured difference instead:
+  no implementation can be judged closer than the reference agrees with itself. This happens
+  to GPT-NeoX's zero-initialized biases on some CPUs: the step-1 gradients agree to 1e-7, but
+  three AdamW steps on weights that start at zero leave 1.7e-5 between the two one-device runs.
 * refused: `autopar.parallelize` or the first step raises an autopar error whose message is
   one sentence and holds the text `EXPECTED` names for that (family, mode), with the reason.
 
@@ -64,6 +70,9 @@ LR, EPS = 1e-3, 1e-5  # AdamW's
 NOISE_GRAD = 10 * EPS
 NOISE_ABS = STEPS * LR * 1e-8 / EPS
 TOLERANCE = 1e-5  # relative, losses and weights (as tests/equivalence.py)
+# A tensor's relative bound is the larger of TOLERANCE and SELF_NOISE times the difference
+# between two one-device runs that differ only in the order of their sums (`reference`)
+SELF_NOISE = 2
 
 
 # --------------------------------------------------------------------------------------
@@ -290,8 +299,42 @@ def reference(name: str) -> dict:
             opt.step()
             losses.append(loss.item())
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        _REFERENCE[name] = {"losses": losses, "state": state, "grad": grad}
+        _REFERENCE[name] = {"losses": losses, "state": state, "grad": grad,
+                            "floor": _self_noise(name, state, grad)}
     return _REFERENCE[name]
+
+
+def _relative(got, want, signal) -> float:
+    """The norm of the difference over the norm of `want`, over the `signal` elements."""
+    return float((got - want)[signal].norm() / want[signal].norm().clamp_min(1e-12))
+
+
+def _signal(k: str, grad: dict, want) -> torch.Tensor:
+    """The elements judged by relative difference: one-device gradient above NOISE_GRAD."""
+    return grad[k] > NOISE_GRAD if k in grad else torch.ones_like(want, dtype=torch.bool)
+
+
+def _self_noise(name: str, state: dict, grad: dict) -> dict:
+    """Each weight's relative bound: TOLERANCE, or SELF_NOISE times the relative difference
+    between the one-device run and the same run with its batch reversed, where that is larger
+    (a reversed batch changes only the order of the sums: the loss is a mean over tokens)."""
+    model, inputs, target = build(name)
+    order = torch.arange(BATCH - 1, -1, -1)
+    inputs, target = tuple(t[order] for t in inputs), target[order]
+    opt = _optimizer()(model.parameters())
+    for _ in range(STEPS):
+        opt.zero_grad()
+        _lm_loss(model(*inputs), target).backward()
+        opt.step()
+    floor = {}
+    for k, v in model.state_dict().items():
+        want = state[k]
+        if not want.dtype.is_floating_point:
+            continue
+        signal = _signal(k, grad, want)
+        rel = _relative(v.detach(), want, signal) if signal.any() else 0.0
+        floor[k] = max(TOLERANCE, SELF_NOISE * rel)
+    return floor
 
 
 _TRACES: dict = {}  # (family, graph kind, opaque MoE modules, input shapes) -> TracedGraph
@@ -380,25 +423,26 @@ def run_case(name: str, mode: str) -> dict:
     finally:
         _CURRENT["family"] = None
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-    weight_error, noise_error, worst = 0.0, 0.0, ""
+    # weights: the largest relative difference; over_bound: the largest relative difference
+    # over that tensor's bound (TOLERANCE, or the reference's own measured noise)
+    weight_error, over_bound, noise_error, worst = 0.0, 0.0, 0.0, ""
     for k, want in ref["state"].items():
         if not want.dtype.is_floating_point:
             continue
         got = full[k].to(want.dtype)
-        signal = ref["grad"][k] > NOISE_GRAD if k in ref["grad"] else torch.ones_like(
-            want, dtype=torch.bool)
+        signal = _signal(k, ref["grad"], want)
         if (~signal).any():
             noise_error = max(noise_error, float((got - want)[~signal].abs().max()))
         if signal.any():
-            err = float((got - want)[signal].norm() / want[signal].norm().clamp_min(1e-12))
-            if err > weight_error:
-                weight_error, worst = err, k
+            err = _relative(got, want, signal)
+            weight_error = max(weight_error, err)
+            if err / ref["floor"][k] > over_bound:
+                over_bound, worst = err / ref["floor"][k], k
     keys = sorted(full) == sorted(ref["state"])
-    equal = loss_error <= TOLERANCE and weight_error <= TOLERANCE and \
-        noise_error <= NOISE_ABS and keys
+    equal = loss_error <= TOLERANCE and over_bound <= 1 and noise_error <= NOISE_ABS and keys
     out = {"verdict": "equal" if equal else "diverged", "loss": loss_error,
-           "weights": weight_error, "worst": worst, "noise_abs": noise_error, "keys": keys,
-           "seconds": time.perf_counter() - start}
+           "weights": weight_error, "over_bound": over_bound, "worst": worst,
+           "noise_abs": noise_error, "keys": keys, "seconds": time.perf_counter() - start}
     if plan is None:
         out["mesh"] = dict(engine.plan.mesh)
     dist.barrier()
@@ -575,7 +619,9 @@ def families_page() -> str:
         f"each mode, in fp32 on gloo, and checks it against the same model trained on one "
         f"device: every loss and every final weight within {TOLERANCE:g} relative (a weight "
         f"element whose one-device gradient is rounding, such as a key bias, within "
-        f"{NOISE_ABS:g} absolute). A case that is not equal is refused by `autopar.parallelize` "
+        f"{NOISE_ABS:g} absolute; a weight whose one-device run differs from itself by more "
+        f"than that when only the order of its sums changes, within {SELF_NOISE}x that "
+        f"measured difference). A case that is not equal is refused by `autopar.parallelize` "
         f"in one sentence, which the test checks word for word, or is a known bug being "
         f"fixed (the reason names it), whose current behaviour the test pins.",
         "",
