@@ -12,6 +12,12 @@ kernel's high-water mark (VmHWM, reset at the start) then checks the peak exactl
 between two readings included. The idle part (Python, torch, autopar and gloo, 0.33 GB, most
 of it pages shared with the fork server, and what a tiny model's start and step load once
 per process, about 0.06 GB more) is the runtime's, whatever the model.
+
+The model's graphs are traced once, on meta, in the test process, as a rank's start traces
+them, and the ranks are forked after it: each start finds them in its trace cache and makes
+its own copy, under its cap (a rank tracing the 16 layers itself cost 4x the CPU of the
+rest of its start and steps). The test process's trace is checked too: at its peak it adds
+far less than the model's weights.
 """
 
 import functools
@@ -27,12 +33,16 @@ from distributed import DistPool
 # half the model; the rest of its peak is one layer's gathered weights, gradients and
 # reduce-scatter buffers (a few layers' worth: the more layers, the smaller its share) and
 # the graphs. Measured peaks over idle 0.84x-0.93x of the weights (32 layers of 512 gave
-# 0.75x-0.91x for twice the tracing: each rank traces every layer); the cap is 0.98x
+# 0.75x-0.91x for twice the tracing); the cap is 0.98x
 # (still under the weights alone: a full build passes it before any gradient).
 SPEC = "gpt:layers=16,hidden=720,heads=8,vocab=512,seq=32"
 PLAN = {"data": 4, "zero": {"stage": 3}}
 CAP_OF_MODEL = 0.98  # the cap on what a rank adds: this share of the model's fp32 bytes
 BATCH = 4  # global: one sequence per rank
+# the resident memory the test process's trace of the meta model adds at its peak, at most
+# this share of the model's bytes (measured 0.16x: graphs and fake tensors; a trace that
+# materialized the weights would pass 1x)
+TRACE_OF_MODEL = 0.25
 
 
 def _status(key: str) -> int:
@@ -180,11 +190,32 @@ def _write_weights(directory) -> int:
     return _model_bytes(model)
 
 
+def _pretrace() -> int:
+    """Trace the model's two graphs here, on meta, as a rank's start traces them (the ranks,
+    forked after, find them in their trace cache, whose hits are copies each rank makes under
+    its cap); the resident memory the trace added at its peak."""
+    from pretraced import engine_graphs, pretracing
+
+    from autopar.models import build
+
+    gc.collect()
+    before = _status("VmRSS")
+    _reset_peak()
+    with pretracing():
+        model, _ = build(SPEC, batch=BATCH)
+        x, y = _batch(model.config.vocab_size, model.config.block_size)
+        engine_graphs(model, (x,), y, _loss, PLAN, 4)
+    return _status("VmHWM") - before
+
+
 def test_a_model_larger_than_the_cap_starts_from_meta_and_from_weights_and_trains(tmp_path):
     model_bytes = _write_weights(tmp_path / "weights")
     cap = int(CAP_OF_MODEL * model_bytes)
     assert model_bytes > cap  # a full build: the weights alone pass the cap
-    with DistPool(4, timeout_s=600) as pool:
+    # a trace of the meta model holds none of its weights (measured: TRACE_PEAK)
+    traced = _pretrace()
+    assert traced < TRACE_OF_MODEL * model_bytes, (traced, model_bytes)
+    with DistPool(4, timeout_s=600, fork=True) as pool:
         pool.run(_warm_up)
         meta = pool.run(_start_and_train, cap, None)
         stored = pool.run(_start_and_train, cap, str(tmp_path / "weights"))
