@@ -11,7 +11,7 @@ leaves a hint and the walk is repeated with the hint applied.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -145,8 +145,9 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
     sums to the step's sync over dp x cp (Megatron's data-and-context group) and lists the
     parameters left partial in `Solution.cp_partial`. A parameter read both where tokens
     split over cp and where they do not keeps its sums in the graph.
-    `resume`: a walk repeated for a hint starts where the hinted layer starts, from a copy of
-    the last walk's state there (False: from the top; the solution is the same).
+    `resume`: a walk repeated for a hint starts from a copy of the last walk's state before
+    the hinted op (`_layer_starts`), not from the top (False: from the top; the solution is
+    the same).
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
@@ -253,7 +254,8 @@ class _State:
 
     def copy(self) -> _State:
         return _State(dict(self.layouts), dict(self.strategies),
-                      [replace(t, consumers=list(t.consumers)) for t in self.transitions],
+                      [Transition(t.producer, list(t.consumers), t.src, t.need, t.steps, t.comm)
+                       for t in self.transitions],
                       dict(self.params), dict(self.requires_grad), set(self.grad_summed),
                       dict(self.sp_failures), dict(self.new_hints), set(self.cp_partial),
                       set(self.cp_whole))
@@ -264,9 +266,9 @@ class _Walk:
 
     A rule reads the hints of its own op and of the ops that produced its inputs only, so a
     walk repeated with hints changed from some op on decides every op before that one as
-    the last walk did. With `resume`, the walk keeps a copy of its state before the first
-    linear of each layer, and a repeated walk starts from the last copy before the first op
-    whose hint changed instead of the top (`solve(resume=False)` walks from the top)."""
+    the last walk did. With `resume`, the walk keeps copies of its state at a few layer
+    starts (`_layer_starts`), and a repeated walk starts from the last copy before the first
+    op whose hint changed instead of the top (`solve(resume=False)` walks from the top)."""
 
     def __init__(self, traced, axis, size, layer_modes, hints, fixed_params, mesh, sp_layers,
                  seq, sequence_mode, cp: _CpGrads, resume: bool = True):
@@ -372,14 +374,17 @@ class _Walk:
 
 
 def _layer_starts(nodes: list[fx.Node]) -> frozenset:
-    """Where a walk keeps a copy of its state: before the first linear of each layer (the
-    ops rules hint: a fused QKV projection, a key projection)."""
-    out, layer = set(), object()
+    """Where a walk keeps a copy of its state: before the first linear of a layer (the ops
+    rules hint: a fused QKV projection, a key projection), each at least twice as far into
+    the graph as the one before, so the copies cost at most two copies of the whole state
+    and a walk resumed for a hint at op p starts at p/2 or later."""
+    out, layer = [], object()
     for i, node in enumerate(nodes):
         info = node.meta.get("autopar")
         if info is not None and info.kind is OpKind.LINEAR and info.layer != layer:
-            out.add(i)
             layer = info.layer
+            if not out or i >= 2 * out[-1]:
+                out.append(i)
     return frozenset(out)
 
 
