@@ -110,7 +110,7 @@ class TensorMesh:
         """The physical dims' names (read tens of thousands of times a start: kept)."""
         return tuple(name for name, _ in self.dims)
 
-    @property
+    @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         """Every axis name a layout may use: physical dims, then composites."""
         return self.physical + tuple(a for a in self.composites if a not in self.physical)
@@ -128,12 +128,21 @@ class TensorMesh:
         raise KeyError(f"unknown tensor axis {axis!r}; this mesh has {self.axes}")
 
     def size(self, axis: str) -> int:
+        known = self._sizes.get(axis)
+        if known is not None:
+            return known
         sizes = dict(self.dims)
         return math.prod(sizes[c] for c in self.components(axis))
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {a: self.size(a) for a in self.axes}
+        """Ranks on every axis (a new dict each call: callers may change theirs)."""
+        return dict(self._sizes)
+
+    @functools.cached_property
+    def _sizes(self) -> dict[str, int]:
+        dims = dict(self.dims)
+        return {a: math.prod(dims[c] for c in self.components(a)) for a in self.axes}
 
     def overlap(self, a: str, b: str) -> bool:
         """True when two axes share a physical dim (a tensor cannot be split over both)."""

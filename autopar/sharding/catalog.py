@@ -132,7 +132,7 @@ def per_axis(ctx: RuleContext, rule: Rule) -> Strategy:
     as if the rule had replicated on it).
     """
     axes: list[str] = []
-    for n in tensor_inputs(ctx.node):
+    for n in ctx.inputs:
         for lay in _flat_layouts(ctx.layouts.get(n)):
             # the tokens of a cp block split over tp: each axis's rule sees its own split
             seen = [c for a in lay.axes for c in ((CP, TP) if a == CP_TP else (a,))]

@@ -19,7 +19,7 @@ parallelism). `block_count` turns it into the number of blocks of a concrete ten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import sympy
 
@@ -77,11 +77,11 @@ class Layout:
     def with_shard(self, dim: int, axis: str, groups: int = 1) -> Layout:
         dim = dim % self.ndim if self.ndim else dim
         kept = tuple(s for s in self.shards if s.axis != axis and s.dim != dim)
-        return replace(self, shards=tuple(sorted(kept + (Shard(dim, axis, groups),))))
+        return Layout(self.ndim, tuple(sorted(kept + (Shard(dim, axis, groups),))), self.partial)
 
     def without(self, axis: str) -> Layout:
-        return replace(self, shards=tuple(s for s in self.shards if s.axis != axis),
-                       partial=tuple(a for a in self.partial if a != axis))
+        return Layout(self.ndim, tuple(s for s in self.shards if s.axis != axis),
+                      tuple(a for a in self.partial if a != axis))
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -91,12 +91,14 @@ class Layout:
 
     def restricted(self, axes) -> Layout:
         """The same layout with only the shards and partial sums on `axes`."""
+        if not self.shards and not self.partial:  # (most values: nothing to drop)
+            return self
         axes = set(axes)
-        return replace(self, shards=tuple(s for s in self.shards if s.axis in axes),
-                       partial=tuple(a for a in self.partial if a in axes))
+        return Layout(self.ndim, tuple(s for s in self.shards if s.axis in axes),
+                      tuple(a for a in self.partial if a in axes))
 
     def with_partial(self, axis: str) -> Layout:
-        return replace(self, partial=tuple(sorted(set(self.partial) | {axis})))
+        return Layout(self.ndim, self.shards, tuple(sorted(set(self.partial) | {axis})))
 
     def with_ndim(self, ndim: int, shards: tuple[Shard, ...]) -> Layout:
         return Layout(ndim, tuple(sorted(shards)), self.partial)
@@ -125,8 +127,8 @@ def tokens_seen_on(layout: Layout, axis: str) -> Layout:
     block of the tokens, split again over tp) reads as a split over cp, or over tp."""
     if axis not in (CP, TP) or all(s.axis != CP_TP for s in layout.shards):
         return layout
-    return replace(layout, shards=tuple(Shard(s.dim, axis, s.groups) if s.axis == CP_TP else s
-                                        for s in layout.shards))
+    return Layout(layout.ndim, tuple(Shard(s.dim, axis, s.groups) if s.axis == CP_TP else s
+                                     for s in layout.shards), layout.partial)
 
 
 def joined_tokens(a: Shard, b: Shard) -> Shard | None:

@@ -66,9 +66,10 @@ def steps_between(src: Layout, need: Need, axis: str = TP, mesh: TensorMesh | No
     `autopar.sharding.axes`); between a split over cp and one over `CP_TP` on the same dim
     (Megatron-SP's tp parts of each cp block) they run over tp alone, on a rank's block.
     """
+    dst, grad_axes = need.layout, need.grad_axes(axis)
+    if src == dst and not grad_axes and len({s.axis for s in src.shards}) == len(src.shards):
+        return []  # (most edges: the value already lies as its consumer needs)
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, 1)
-    dst = need.layout
-    grad_axes = need.grad_axes(axis)
     current = {s.axis: s for s in src.shards}
     steps: list[Step] = []
 

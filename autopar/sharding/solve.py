@@ -122,7 +122,8 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
           mesh: TensorMesh | None = None,
           sequence_parallel: bool | set | frozenset = False,
           sequence_mode: str | None = None,
-          sequence_layout: str = CONTIGUOUS, cp_grads: bool = True) -> Solution:
+          sequence_layout: str = CONTIGUOUS, cp_grads: bool = True,
+          resume: bool = True) -> Solution:
     """Layouts for `traced` with `size` ranks on `axis`, each layer in its plan mode.
 
     `mesh`: the tensor axes of a plan with 2D, 2.5D or 3D layers (`axis` is then the whole
@@ -144,6 +145,9 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
     sums to the step's sync over dp x cp (Megatron's data-and-context group) and lists the
     parameters left partial in `Solution.cp_partial`. A parameter read both where tokens
     split over cp and where they do not keeps its sums in the graph.
+    `resume`: a walk repeated for a hint starts from a copy of the last walk's state before
+    the hinted op (`_layer_starts`), not from the top (False: from the top; the solution is
+    the same).
     """
     mesh = mesh if mesh is not None else TensorMesh.one_d(axis, size)
     modes = dict(modes or {})
@@ -156,14 +160,18 @@ def solve(traced: TracedGraph, *, axis: str = TP, size: int = 1,
                         "drop sequence_parallel for this model.")
     hints: dict = {}
     cp = _CpGrads(cp_grads or mesh.sizes.get(CP, 1) == 1)
+    walk = _Walk(traced, axis, size, layer_modes, hints, fixed_params or {}, mesh, sp_layers,
+                 seq, sequence_mode, cp, resume)
     for _ in range(_MAX_PASSES):
-        new_hints: dict = {}
-        solution = _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params or {},
-                         mesh, sp_layers, seq, sequence_mode, cp)
-        if not new_hints and not cp.partial & cp.whole:
+        solution = walk.run()
+        new_hints = walk.state.new_hints
+        read_both = cp.partial & cp.whole
+        if not new_hints and not read_both:
             break
+        changed = {name for name, hint in new_hints.items() if hints.get(name) != hint}
         hints.update(new_hints)
-        cp.kept |= cp.partial & cp.whole  # read both ways: summed over cp in the graph
+        walk.resume_before(changed if not read_both else None)  # (cp's sums: from the top)
+        cp.kept |= read_both  # read both ways: summed over cp in the graph
     solution.cp_partial = frozenset(cp.partial - cp.kept)
     solution.hints = hints
     solution.sequence_layout = sequence_layout if mesh.sizes.get(CP, 1) > 1 else CONTIGUOUS
@@ -229,48 +237,115 @@ class _CpGrads:
         return Need(need.layout, kept or False)
 
 
-def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
-          sp_layers=frozenset(), seq=None, sequence_mode=None,
-          cp: _CpGrads | None = None) -> Solution:
-    cp = cp if cp is not None else _CpGrads(True)
-    cp.partial, cp.whole = set(), set()
-    layouts: dict[fx.Node, object] = {}
-    strategies: dict[fx.Node, Strategy] = {}
-    transitions: list[Transition] = []
-    shared: dict[tuple, Transition] = {}
-    params: dict[str, Layout] = dict(fixed_params)
-    requires_grad: dict[fx.Node, bool] = {}
-    grad_summed: set = set()
-    sp_failures: dict = {}
-    cp_seq = tokens_per_sample(traced) if mesh.sizes.get(CP, 1) > 1 else None
-    for node in traced.graph.nodes:
-        info = node.meta["autopar"]
+@dataclass
+class _State:
+    """What a walk has decided up to some node (and the hints it has asked for so far)."""
+
+    layouts: dict
+    strategies: dict
+    transitions: list
+    params: dict
+    requires_grad: dict
+    grad_summed: set
+    sp_failures: dict
+    new_hints: dict
+    cp_partial: set
+    cp_whole: set
+
+    def copy(self) -> _State:
+        return _State(dict(self.layouts), dict(self.strategies),
+                      [Transition(t.producer, list(t.consumers), t.src, t.need, t.steps, t.comm)
+                       for t in self.transitions],
+                      dict(self.params), dict(self.requires_grad), set(self.grad_summed),
+                      dict(self.sp_failures), dict(self.new_hints), set(self.cp_partial),
+                      set(self.cp_whole))
+
+
+class _Walk:
+    """The graph walked in order, each op's rule deciding from what came before it.
+
+    A rule reads the hints of its own op and of the ops that produced its inputs only, so a
+    walk repeated with hints changed from some op on decides every op before that one as
+    the last walk did. With `resume`, the walk keeps copies of its state at a few layer
+    starts (`_layer_starts`), and a repeated walk starts from the last copy before the first
+    op whose hint changed instead of the top (`solve(resume=False)` walks from the top)."""
+
+    def __init__(self, traced, axis, size, layer_modes, hints, fixed_params, mesh, sp_layers,
+                 seq, sequence_mode, cp: _CpGrads, resume: bool = True):
+        self.traced, self.axis, self.size, self.mesh = traced, axis, size, mesh
+        self.layer_modes, self.hints, self.fixed_params = layer_modes, hints, fixed_params
+        self.sp_layers, self.seq, self.sequence_mode, self.cp = sp_layers, seq, sequence_mode, cp
+        self.nodes = list(traced.graph.nodes)
+        self.cp_seq = tokens_per_sample(traced) if mesh.sizes.get(CP, 1) > 1 else None
+        self.marks: dict[int, _State] | None = {} if resume else None
+        self.points = _layer_starts(self.nodes) if resume else frozenset()
+        self.start, self.state = 0, None
+
+    def resume_before(self, changed: set | None) -> None:
+        """The next walk starts from the last copy before every op named in `changed` (the
+        ops whose hints changed), or from the top (None, or no such copy)."""
+        index = {n.name: i for i, n in enumerate(self.nodes)}
+        first = min((index.get(name, -1) for name in changed), default=-1) \
+            if changed is not None and self.marks else -1
+        self.start = max((i for i in self.marks or () if i <= first), default=0)
+        if self.marks is not None:
+            self.marks = {i: m for i, m in self.marks.items() if i <= self.start}
+
+    def run(self) -> Solution:
+        """One walk (from the top, or from `start` after `resume_before`)."""
+        cp = self.cp
+        if self.start:
+            st = self.state = self.marks[self.start].copy()
+        else:
+            st = self.state = _State({}, {}, [], dict(self.fixed_params), {}, set(), {}, {},
+                                     set(), set())
+        cp.partial, cp.whole = st.cp_partial, st.cp_whole
+        shared = {(t.producer, t.need): t for t in st.transitions}
+        for i in range(self.start, len(self.nodes)):
+            if i in self.points:
+                self.marks[i] = st.copy()
+            self._step(self.nodes[i], st, shared)
+        for node in self.nodes:
+            if node.op == "get_attr" and node.target not in st.params and \
+                    node.target in self.traced.params:
+                st.params[node.target] = Layout.replicated(
+                    len(self.traced.params[node.target].shape))
+        return Solution(self.axis, self.size, st.layouts, st.strategies, st.transitions,
+                        st.params, st.requires_grad, dict(self.layer_modes), mesh=self.mesh,
+                        sp_layers=self.sp_layers, seq=self.seq, sp_failures=st.sp_failures)
+
+    def _step(self, node: fx.Node, st: _State, shared: dict) -> None:
+        """Decide one node: its layout, its strategy and the transitions its inputs need."""
+        info, layouts, requires_grad, cp = node.meta["autopar"], st.layouts, st.requires_grad, \
+            self.cp
+        axis, mesh = self.axis, self.mesh
         if node.op == "placeholder":
             layouts[node] = Layout.replicated(len(info.shape)) if info.shape is not None else None
-            if cp_seq is not None and cp_sequence_input(info.shape, cp_seq):
+            if self.cp_seq is not None and cp_sequence_input(info.shape, self.cp_seq):
                 layouts[node] = layouts[node].with_shard(1, CP)
             requires_grad[node] = False
-            continue
+            return
         if node.op == "get_attr":
-            if node.target in params:
-                layouts[node] = params[node.target]
-            pinfo = traced.params.get(node.target)
+            if node.target in st.params:
+                layouts[node] = st.params[node.target]
+            pinfo = self.traced.params.get(node.target)
             requires_grad[node] = bool(pinfo and pinfo.is_parameter and pinfo.dtype.is_floating_point)
-            continue
+            return
         inputs = tensor_inputs(node)
         requires_grad[node] = _requires_grad(node, _node_args(node), requires_grad)
         if node.op == "output":
             strategy = Strategy("gather outputs", {n: Need(Layout.replicated(len(n.meta["autopar"].shape)))
                                                    for n in inputs}, None)
         elif info.kind is OpKind.SYMBOLIC:
-            strategies[node] = _check_symbolic(node, layouts, mesh)
-            continue
+            st.strategies[node] = _check_symbolic(node, layouts, mesh)
+            return
         else:
-            ctx = RuleContext(node, axis, size, layer_modes.get(info.layer, TP_1D), layouts, hints,
-                              new_hints, mesh=mesh, requires_grad=requires_grad,
-                              sp=info.layer in sp_layers, seq=seq, grad_summed=grad_summed,
-                              sp_failures=sp_failures, sequence_mode=sequence_mode,
-                              cp_grads=cp.in_graph)
+            ctx = RuleContext(node, axis, self.size, self.layer_modes.get(info.layer, TP_1D),
+                              layouts, self.hints, st.new_hints, mesh=mesh,
+                              requires_grad=requires_grad, sp=info.layer in self.sp_layers,
+                              seq=self.seq, grad_summed=st.grad_summed,
+                              sp_failures=st.sp_failures, sequence_mode=self.sequence_mode,
+                              cp_grads=cp.in_graph, node_inputs=tuple(inputs))
             strategy = decide(ctx)
         # a grid norm's kernel sums its parameters' gradients itself (not over cp here)
         by_kernel = {p.target for p in strategy.args.get("params", ()) if isinstance(p, fx.Node)
@@ -282,7 +357,7 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
                                                           requires_grad[producer])
             if producer.op == "get_attr" and producer not in layouts:
                 layouts[producer] = _place_param(producer, need.layout, mesh.sizes)
-                params[producer.target] = layouts[producer]
+                st.params[producer.target] = layouts[producer]
             src = layouts[producer]
             if (producer, need) in shared:
                 shared[(producer, need)].consumers.append(node)
@@ -292,16 +367,25 @@ def _walk(traced, axis, size, layer_modes, hints, new_hints, fixed_params, mesh,
                 nbytes = _bytes(producer)
                 comm = [c for s in steps for c in s.comm(nbytes, requires_grad[producer], node.name)]
                 shared[(producer, need)] = Transition(producer, [node], src, need, steps, comm)
-                transitions.append(shared[(producer, need)])
-        strategies[node] = strategy
+                st.transitions.append(shared[(producer, need)])
+        st.strategies[node] = strategy
         if node.op != "output":
             layouts[node] = strategy.out
-    for node in traced.graph.nodes:
-        if node.op == "get_attr" and node.target not in params and node.target in traced.params:
-            params[node.target] = Layout.replicated(len(traced.params[node.target].shape))
-    return Solution(axis, size, layouts, strategies, transitions, params, requires_grad,
-                    dict(layer_modes), mesh=mesh, sp_layers=sp_layers, seq=seq,
-                    sp_failures=sp_failures)
+
+
+def _layer_starts(nodes: list[fx.Node]) -> frozenset:
+    """Where a walk keeps a copy of its state: before the first linear of a layer (the ops
+    rules hint: a fused QKV projection, a key projection), each at least twice as far into
+    the graph as the one before, so the copies cost at most two copies of the whole state
+    and a walk resumed for a hint at op p starts at p/2 or later."""
+    out, layer = [], object()
+    for i, node in enumerate(nodes):
+        info = node.meta.get("autopar")
+        if info is not None and info.kind is OpKind.LINEAR and info.layer != layer:
+            layer = info.layer
+            if not out or i >= 2 * out[-1]:
+                out.append(i)
+    return frozenset(out)
 
 
 def _place_param(node: fx.Node, wanted: Layout, sizes: dict[str, int]) -> Layout:
@@ -334,7 +418,7 @@ def _requires_grad(node: fx.Node, inputs, requires_grad) -> bool:
 
 def _bytes(node: fx.Node):
     info = node.meta["autopar"]
-    item = torch.empty((), dtype=info.dtype).element_size()
+    item = (info.dtype or torch.get_default_dtype()).itemsize
     return sympy.Mul(*info.shape) * item
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import sympy
@@ -44,6 +44,15 @@ class RuleContext:
     # whether the graph sums parameters' gradients over cp (False: the step's data-parallel
     # sync does, in one all-reduce over dp x cp; rules leave those sums out)
     cp_grads: bool = True
+    # the tensor inputs of `node` (`tensor_inputs`), found once: rules read them many times
+    node_inputs: tuple | None = None
+
+    @property
+    def inputs(self) -> tuple[fx.Node, ...]:
+        """The tensor-valued nodes among the op's arguments, in order, each once."""
+        if self.node_inputs is None:
+            self.node_inputs = tuple(tensor_inputs(self.node))
+        return self.node_inputs
 
     def seq_dim(self, node: fx.Node | None = None) -> int | None:
         """The sequence dim of a [batch, ..., sequence, ..., hidden] value (of this op's output
@@ -109,7 +118,10 @@ class RuleContext:
     def on_axis(self, axis: str) -> RuleContext:
         """The same op seen on one axis: layouts restricted to it, `size` its ranks."""
         size = self.sizes.get(axis, self.size)
-        return replace(self, axis=axis, size=size, layouts=_Restricted(self.layouts, axis))
+        seen = object.__new__(RuleContext)  # (dataclasses.replace, without its field walk)
+        seen.__dict__.update(self.__dict__)
+        seen.axis, seen.size, seen.layouts = axis, size, _Restricted(self.layouts, axis)
+        return seen
 
     def local_bytes(self, node: fx.Node, layout: Layout | None = None) -> sympy.Expr:
         """Bytes of the block of `node` one rank holds under `layout` (its own by default)."""
@@ -194,22 +206,22 @@ def _restrict(layout, axis: str):
 
 def itemsize(dtype) -> int:
     """Bytes per element of `dtype` (0 for a value without one)."""
-    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+    return dtype.itemsize if dtype is not None else 0
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The tensor-valued nodes among an op's arguments, in order, each once."""
     seen: dict[fx.Node, None] = {}
-    for a in _flatten(node):
-        if isinstance(a, fx.Node) and a.meta.get("autopar") and a.meta["autopar"].shape is not None:
-            seen.setdefault(a, None)
+
+    def visit(a: fx.Node) -> fx.Node:
+        if a not in seen:
+            info = a.meta.get("autopar")
+            if info and info.shape is not None:
+                seen[a] = None
+        return a
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
     return list(seen)
-
-
-def _flatten(node: fx.Node) -> list:
-    out = []
-    fx.node.map_arg((node.args, node.kwargs), out.append)
-    return out
 
 
 def _producing_linear(node: fx.Node) -> fx.Node | None:
@@ -241,7 +253,7 @@ def out_layouts(ctx: RuleContext, layout_fn: Callable[[tuple], Layout]):
 
 def replicate(ctx: RuleContext, note: str = "") -> Strategy:
     """Every input whole on every rank; the op runs unchanged."""
-    needs = {n: Need(rep(n)) for n in tensor_inputs(ctx.node)}
+    needs = {n: Need(rep(n)) for n in ctx.inputs}
     out = out_layouts(ctx, lambda shape: Layout.replicated(len(shape)))
     return Strategy("replicate", needs, out, note=note)
 
@@ -249,7 +261,7 @@ def replicate(ctx: RuleContext, note: str = "") -> Strategy:
 def follow(ctx: RuleContext, x: fx.Node, out: Layout, name: str = "follow",
            rewrite: Rewrite | None = None) -> Strategy:
     """One tensor input keeps its layout; the others (weights, masks) stay replicated."""
-    needs = {n: Need(rep(n)) for n in tensor_inputs(ctx.node) if n is not x}
+    needs = {n: Need(rep(n)) for n in ctx.inputs if n is not x}
     needs[x] = Need(ctx.layout(x))
     return Strategy(name, needs, out, rewrite=rewrite)
 

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from autopar.graph.analysis import OpKind
 from autopar.sharding.layout import Layout, Shard, divisible
-from autopar.sharding.rules.context import RuleContext, follow, rep, replicate, tensor_inputs
+from autopar.sharding.rules.context import RuleContext, follow, rep, replicate
 from autopar.sharding.rules.registry import decides
 from autopar.sharding.strategy import Need, Rewrite, Strategy
 
@@ -82,7 +82,7 @@ _LINEAR_UNARY = (aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.clone.
 def elementwise(ctx: RuleContext) -> Strategy:
     """Broadcasting ops: inputs follow the first split input, partial sums only add up."""
     node = ctx.node
-    inputs = tensor_inputs(node)
+    inputs = ctx.inputs
     out_nd = len(ctx.info.shape)
     layouts = [ctx.layout(n) for n in inputs]
     # a sum of partial sums is a partial sum; adding a number to one is not
