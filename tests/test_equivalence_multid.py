@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import assert_equal, build, compare, relative
+from pretraced import forked_pool_fixture
 
 import autopar
 from autopar.sharding.axes import TensorMesh, role_spec
 
-pool4 = dist_pool_fixture(4, timeout_s=600)
-pool8 = dist_pool_fixture(8, timeout_s=900)
+# worlds forked from the test process once it traced the models (tests/pretraced.py)
+MODELS = ["gpt-tiny", "llama-tiny", "vit-tiny", "hf-gpt2"]
+pool4 = forked_pool_fixture(4, MODELS, timeout_s=600)
+pool8 = forked_pool_fixture(8, MODELS, timeout_s=900)
 
 STEPS = 2
 TWO_D = {"tensor": {"size": 4, "mode": "2d"}}
@@ -55,7 +57,7 @@ def _check_equal(results, mode: str) -> None:
 
 # ----------------------------------------------------------------------------- world 4
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny", "vit-tiny", "hf-gpt2"])
+@pytest.mark.parametrize("model", MODELS)
 def test_2d_equals_single_device(pool4, model):
     _check_equal(_run(pool4, model, "2d"), "2d")
 
@@ -161,7 +163,7 @@ def test_a_batch_the_grid_does_not_split_is_refused(pool4):
 # ----------------------------------------------------------------------------- world 8
 
 @pytest.mark.parametrize("mode", ["2.5d", "3d"])
-@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny", "vit-tiny", "hf-gpt2"])
+@pytest.mark.parametrize("model", MODELS)
 def test_25d_and_3d_equal_single_device(pool8, model, mode):
     _check_equal(_run(pool8, model, mode), mode)
 
