@@ -9,6 +9,7 @@ from autopar.modes import CP, DP, FP8, ORDER, PP, RUNTIME, TP, TP_1D
 from autopar.search import planner
 from autopar.search import search as search_module
 from autopar.search.floors import grid_floor
+from autopar.search.prepared import least_total
 from autopar.search.search import Floor, Options, Search
 from autopar.world import World
 
@@ -141,3 +142,75 @@ def test_a_floor_comes_only_from_a_grid_search_under_a_cutoff(small):
     floor = grid._prepared(mesh, pl, None, 8, least=True, floor=True)
     assert exact.__class__ is float and floor.__class__ is Floor and floor <= exact
     assert base._prepared(mesh, pl, None, 8, least=True, floor=True).__class__ is not Floor
+
+
+def _exact_least(search, kinds, b, context, base, which):
+    return least_total(search, kinds, b, context, base)
+
+
+def _never_past(*args):
+    return False
+
+
+@pytest.mark.parametrize("spec, devices, gb, constraints", [
+    (SMALL, 64, 64, {}), (SMALL, 16, 32, {"pp": 2}),
+    ("llama:layers=2,hidden=128,heads=8,kv_heads=4,vocab=512,seq=512", 64, 128, {}),
+    ("gpt:layers=4,hidden=256,heads=16,vocab=512,seq=256", 128, 128, {"cp": 1}),
+    ("moe:layers=2,hidden=128,experts=4,top_k=2,seq=256", 32, 64, {})])
+def test_the_group_bounds_leave_the_executable_search_as_it_was(monkeypatch, spec, devices, gb,
+                                                                constraints):
+    """The groups a grid search leaves out before pricing them (`search._past`: each
+    schedule's pipeline bound from a Floor's least seconds and its bound of the slowest
+    kind), and the least seconds priced in the order of the floors (`floors.least_priced`):
+    best, alternatives with their reasons, candidates and notes the same as with every
+    group's least seconds priced whole and no pipeline bound before its Prepared."""
+    chain = _chain(spec, [1, 2, 4, 8, 16], max_layers=None)
+    world = World(devices, per_node=8)
+    kw = dict(global_batch=gb, executable=True, constraints=constraints, top=6)
+    made = []
+    real = search_module._past
+
+    def past(*args):
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(search_module, "_past", past)
+    bounded = planner.search(chain, world, **kw)
+    monkeypatch.setattr(search_module, "_past", _never_past)
+    monkeypatch.setattr(search_module, "least_priced", _exact_least)
+    plain = planner.search(chain, world, **kw)
+    assert _result(bounded) == _result(plain)
+    assert made  # the bound was asked
+
+
+def test_least_priced_is_least_total_to_the_bit(gpt3, monkeypatch):
+    """On GPT-3 175B on 512 A100, the groups a 2D grid search asks: the least seconds priced in
+    the order of the floors are the ones priced whole, bit for bit, with no more states."""
+    world = World(512, per_node=8, device="a100-80gb")
+    options = Options(global_batch=512, executable=RUNTIME)
+    sp_seq = planner._sequence_parallel_length(gpt3, world.devices)
+    base = Search(gpt3, world, planner._narrowed(options, None, sp_seq), state_costs={})
+
+    def least(mesh, b, tables):
+        grid = Search(gpt3, world, planner._narrowed(options, ("2d", None), sp_seq),
+                      state_costs=tables, base=base)
+        pl = placements(mesh, ORDER, world.per_node)
+        return grid._prepared(mesh, pl, "ring" if mesh[CP] > 1 else None, b, least=True)
+
+    asked = fewer = 0
+    for tp, cp in ((4, 1), (16, 1), (4, 2)):
+        mesh = {PP: 8, DP: 512 // (8 * tp * cp), CP: cp, TP: tp}
+        for b in (1, 2, 4):
+            kept, whole = {}, {}
+            got = least(mesh, b, kept)
+            with monkeypatch.context() as m:
+                m.setattr(search_module, "least_priced", _exact_least)
+                exact = least(mesh, b, whole)
+            if exact is None:
+                continue
+            asked += 1
+            assert got.__class__ is float and got.hex() == exact.hex()
+            priced, all_priced = (sum(len(t) for t in d.values()) for d in (kept, whole))
+            assert priced <= all_priced
+            fewer += priced < all_priced
+    assert asked and fewer

@@ -12,8 +12,9 @@ from autopar.cost import fp8
 from autopar.cost.comm import grid_gemm_bytes
 from autopar.cost.model import memory_time
 from autopar.modes import FP8, TP_1D, TP_2D, TP_25D
+from autopar.search.prepared import state_costs_of
 
-__all__ = ["grid_floor", "least_floor"]
+__all__ = ["grid_floor", "least_floor", "least_priced"]
 
 
 def grid_floor(lt, state, b: int, ctx) -> float:
@@ -74,12 +75,14 @@ def _comm_floor(lt, mode, batch: float, ctx) -> float:
     return volume / hw.intra_node_bandwidth
 
 
-def least_floor(search, kinds, b: int, context, base, which) -> float | None:
+def least_floor(search, kinds, b: int, context, base, which) -> tuple[float, float] | None:
     """A lower bound of `prepared.least_total` (the same arguments; ``which``: its
     `least_states`) priced only where `least_total` reads what is priced already: a kind
     whose states are the base's keeps the base's least seconds, a kind whose states to price
     are all of a grid mode takes the least `grid_floor` of them (beside the base's least
-    seconds where those join); None where a kind has a 1D state to price."""
+    seconds where those join); None where a kind has a 1D state to price. With it, a lower
+    bound of the Prepared's ``min_single`` (the most of its kinds' least seconds, over the
+    kinds the chain holds): the most of the same per-kind bounds."""
     ctx = context[0]
     fastest = []
     for t, (idx, joined) in enumerate(which):
@@ -91,5 +94,34 @@ def least_floor(search, kinds, b: int, context, base, which) -> float | None:
             return None
         floor = min(grid_floor(lt, states[k], b, ctx) for k in idx)
         fastest.append(min(base.least[t][0], floor) if joined else floor)
+    counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))
+    present = base.present if base else dict.fromkeys(search.chain.order)
+    return float(np.dot(counts, fastest)), max(fastest[t] for t in present)
+
+
+def least_priced(search, kinds, b: int, context, base, which) -> float:
+    """`prepared.least_total` (the same arguments; ``which``: its `least_states`), to the bit,
+    pricing of each kind's grid states only those whose `grid_floor` is under the least
+    seconds found so far: a kind's states go in the order of their floors (1D states, which
+    have none, first), beginning from the base's least seconds where those join, and stop at
+    the first floor that is not under it. Exact: every state left unpriced has seconds at
+    least its floor, which is at least the least seconds already found, so the minimum
+    (exact in floating point, whatever the order) is the one of every state; the sum is then
+    `least_total`'s, over the same values in the same order."""
+    ctx = context[0]
+    fastest = []
+    for t, (idx, joined) in enumerate(which):
+        if idx is None:
+            fastest.append(base.least[t][0])
+            continue
+        lt, states = kinds[t]
+        least = base.least[t][0] if joined else float("inf")
+        floors = sorted((-float("inf") if states[k].mode.name == TP_1D else
+                         grid_floor(lt, states[k], b, ctx), n, k) for n, k in enumerate(idx))
+        for floor, _, k in floors:
+            if floor >= least:
+                break
+            least = min(least, state_costs_of(lt, [states[k]], b, *context)[0].time)
+        fastest.append(least)
     counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))
     return float(np.dot(counts, fastest))

@@ -266,14 +266,17 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
     ranked = sorted((r.best for r in results if r.best), key=lambda c: c.step_time)
     best = ranked[0] if ranked else None
     others = ranked[1:] + [c for r in results for c, _ in r.alternatives]
-    seen, alternatives = set(), []
+    # the k best distinct plans but the winner, each with why it lost (asked of those alone)
+    seen, alternatives = {best.describe()} if best is not None else set(), []
     for cand in sorted(others, key=lambda c: (not c.fits, c.step_time if c.fits else
                                               c.memory_per_device)):
+        if len(alternatives) == options.top:
+            break
         key = cand.describe()
-        if key not in seen and (best is None or key != best.describe()):
+        if key not in seen:
             seen.add(key)
             alternatives.append((cand, first._reason(cand, best)))
-    return SearchResult(best, alternatives[:options.top], sum(r.candidates for r in results),
+    return SearchResult(best, alternatives, sum(r.candidates for r in results),
                         time.perf_counter() - start, why.not_executable(options.executable),
                         options.attention_kernel, results[0].precision, options.compile,
                         options.fp8_recipe)

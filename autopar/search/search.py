@@ -58,7 +58,7 @@ from autopar.modes import (
     ZERO_BUBBLE,
 )
 from autopar.search import why
-from autopar.search.floors import least_floor
+from autopar.search.floors import least_floor, least_priced
 from autopar.search.partition import balance_within
 from autopar.search.prepared import (
     Fast,
@@ -166,6 +166,7 @@ class Search:
         self.space = Space(chain, options, self.c, len(self.blocks))
         self._cost_cache: dict = {}
         self._by_group: dict = {}  # `_prepared` by the number `_mesh_walk` gives its key
+        self._singles: dict = {}  # by that number: a Floor's bound of the Prepared's min_single
         # placement-only caches (contexts, dp sync, in flight), shared with the base search's
         self._shared: dict = base._shared if base is not None else {}
         self._contexts: dict = self._shared.setdefault("contexts", {})  # per ctx key
@@ -316,11 +317,13 @@ class Search:
                 continue
             m = per_replica // b
             if prep.__class__ is Floor:  # a bound of the least seconds, nothing priced for it
-                if m * (prep / pp) >= self._cutoff:
+                if m * (prep / pp) >= self._cutoff or _past(self, pp, m, prep / pp, prep.single):
                     continue
+                self._singles[group] = prep.single
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, True)
             if prep.__class__ is float:  # the Prepared's min_total: made once a leaf needs it
-                if m * (prep / pp) >= self._cutoff:
+                if m * (prep / pp) >= self._cutoff or \
+                        _past(self, pp, m, prep / pp, self._singles.get(group, 0.0)):
                     continue
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
             # lower bound without building the chain: every layer at its fastest state,
@@ -331,18 +334,7 @@ class Search:
                 continue
             slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
             for schedule, v in _schedules(self, pp, m):
-                if pp == 1:
-                    pipe = m * slowest
-                elif schedule == INTERLEAVED:
-                    pipe = m * slowest + (pp - 1) * avg / v
-                elif schedule == ZERO_BUBBLE:
-                    pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
-                else:
-                    pipe = (m - 1) * slowest + pp * avg
-                if pp > 1 and self.hw.compute_share < 1:  # cores shared (time_shared):
-                    # no less than the pipeline's work spread over its cores, nor the
-                    # schedule at a whole core per rank
-                    pipe = max(m * avg, self.hw.compute_share * pipe)
+                pipe = _pipe_bound(self, schedule, v, m, pp, avg, slowest)
                 if pipe >= self._cutoff:  # (with the sync's, no sooner: it takes no time off)
                     continue
                 if dp_lb is None:
@@ -544,16 +536,24 @@ def _least(search: Search, kinds, b: int, context, base, floor: bool) -> float:
     """A placement's ``min_total`` before its Prepared is made (`least_total`); with `floor`,
     in a grid search, first a lower bound of it priced from the layers' sizes alone where the
     grid's states would be priced for it (`floors.least_floor`: a `Floor`)."""
-    if floor and search._base is not None:
-        bound = least_floor(search, kinds, b, context, base, least_states(search, kinds, base))
+    if search._base is None:
+        return least_total(search, kinds, b, context, base)
+    which = least_states(search, kinds, base)
+    if floor:
+        bound = least_floor(search, kinds, b, context, base, which)
         if bound is not None:
-            return Floor(bound)
-    return least_total(search, kinds, b, context, base)
+            made = Floor(bound[0])
+            made.single = bound[1]
+            return made
+    return least_priced(search, kinds, b, context, base, which)
 
 
 class Floor(float):
     """`Search._prepared`'s lower bound of a Prepared's ``min_total`` (`floors.least_floor`),
-    told apart from the exact one (a float) by its class."""
+    told apart from the exact one (a float) by its class; ``single``: a lower bound of its
+    ``min_single``."""
+
+    single: float = 0.0
 
 
 @contextlib.contextmanager
@@ -683,6 +683,35 @@ def _mesh_walk(search: Search, mesh, heads):
                 [group for group in groups if group[3]])
     search._shared[key] = walk
     return walk
+
+
+def _pipe_bound(search: Search, schedule: str, v: int, m: int, pp: int, avg: float,
+                slowest: float) -> float:
+    """A leaf's pipeline seconds at least (`Search._leaves`): every layer at its fastest, the
+    stages `avg` seconds each, none under `slowest` (>= avg); non-decreasing in both."""
+    if pp == 1:
+        pipe = m * slowest
+    elif schedule == INTERLEAVED:
+        pipe = m * slowest + (pp - 1) * avg / v
+    elif schedule == ZERO_BUBBLE:
+        pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
+    else:
+        pipe = (m - 1) * slowest + pp * avg
+    if pp > 1 and search.hw.compute_share < 1:  # cores shared (time_shared): no less than
+        # the pipeline's work spread over its cores, nor the schedule at a whole core per rank
+        pipe = max(m * avg, search.hw.compute_share * pipe)
+    return pipe
+
+
+def _past(search: Search, pp: int, m: int, avg: float, single: float) -> bool:
+    """Whether no leaf of a group can be under the cutoff, read before its Prepared is made:
+    `avg` and `single` are lower bounds of its ``min_total / pp`` and ``min_single`` (a
+    `Floor`'s, or the exact least seconds with a Floor's single, or 0), and `_pipe_bound`
+    does not decrease in either (rounding is monotone), so each schedule's pipeline bound
+    with them is at most the leaf's, which its gradient sync's bound (>= 0) only raises."""
+    slowest = max(avg, single)
+    return all(_pipe_bound(search, schedule, v, m, pp, avg, slowest) >= search._cutoff
+               for schedule, v in _schedules(search, pp, m))
 
 
 def _schedules(search: Search, pp: int, m: int) -> list:
