@@ -345,6 +345,31 @@ def test_opaque_moe_is_in_the_key_by_what_it_stands_for():
     assert opaque != plain and _key(model, x) == plain
 
 
+def test_an_moe_model_run_eagerly_hits_and_an_undeclared_tensor_attribute_misses():
+    """An MoE model's eager forward leaves the rows each expert computed on its MoE layers
+    (for the expert-load report; no trace reads them): the layer's class declares that
+    attribute untraced, so a second model after its own eager forward hits. A tensor
+    attribute no class declares is still in the key by identity."""
+    from autopar.kernels.sparse_moe import SparseMoE
+
+    def ran(seed):
+        model, (x,) = build("moe-tiny", batch=2, device="cpu", seed=seed)
+        model(x)
+        return model, x
+
+    model, x = ran(0)
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert layers and all(m.last_tokens_per_expert is not None for m in layers)
+    trace(model, (x,), train=False)
+    other, _ = ran(1)
+    assert trace(other, (x,), train=False) is not None
+    assert trace_cache.info().hits == 1
+    third, _ = ran(2)
+    next(m for m in third.modules() if isinstance(m, SparseMoE)).undeclared = torch.ones(2)
+    trace(third, (x,), train=False)
+    assert trace_cache.info().hits == 1
+
+
 def test_the_cache_keeps_no_model_alive():
     model, (x,) = build("gpt-tiny", batch=2, device="cpu", seed=0)
     traced = trace(model, (x,), train=False)

@@ -313,8 +313,13 @@ class _Fingerprint:
         hook_ids = sorted({k for name, v in vars(m).items() if "hook" in name
                            and isinstance(v, dict) for k in v if isinstance(k, int)})
         rank = {h: i for i, h in enumerate(hook_ids)}
+        # attributes the module's class declares its forward writes but never reads
+        # (statistics for a report, such as the rows each expert computed last)
+        untraced = getattr(type(m), "autopar_untraced_state", frozenset())
         out = []
         for name, value in vars(m).items():
+            if name in untraced:
+                continue
             if name in ("_parameters", "_buffers", "_modules"):
                 out.append((name, tuple((k, v is None) for k, v in value.items())))
             elif "hook" in name and isinstance(value, dict):

@@ -105,6 +105,10 @@ class SparseMoE(nn.Module):
     `last_tokens_per_expert` holds the rows each expert computed in the last eager forward.
     """
 
+    # written by an eager forward for the expert-load report, never read by one: a trace
+    # does not depend on it (graph/trace_cache.py leaves it out of a module's fingerprint)
+    autopar_untraced_state = frozenset({"last_tokens_per_expert"})
+
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
                  score: str = SOFTMAX, normalize: bool = True, shared_ffn: int = 0,
                  local_experts: int | None = None, router: Router | None = None,
