@@ -8,17 +8,19 @@ HSDP loads under another plan."""
 import json
 
 import pytest
-from distributed import dist_pool_fixture
 from equivalence import assert_equal, assert_equal_to_one_device, compare
+from pretraced import forked_pool_fixture
 from test_checkpoint import _reshard
 
 from autopar.errors import PlanError
 from autopar.plans import Plan
 
-pool4 = dist_pool_fixture(4)
-pool8 = dist_pool_fixture(8)
-
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
+# worlds forked from the test process once it traced their models (tests/pretraced.py): the
+# experts' graphs as an expert split traces them (its MoE layers opaque)
+EXPERTS = {"expert": 2, "data": {"size": 4, "shard": 2}, "zero": {"stage": 1}}
+pool4 = forked_pool_fixture(4, [GPT, ("moe-tiny", EXPERTS)])
+pool8 = forked_pool_fixture(8, [GPT])
 
 
 def _state_bytes(engine, inputs, target) -> dict:
