@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import _lm_loss, compare
+from pretraced import forked_pool_fixture
 
 from autopar.kernels.collectives import AxisGroup, CommLog
 from autopar.kernels.sequence import SequenceAttention
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
 
 VOCAB, SEQ = 64, 16
 RING = {"sequence": {"size": 2, "mode": "ring"}}  # zigzag, the ring's default layout
@@ -88,6 +85,12 @@ def phi_partial(batch):
                     num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=64,
                     resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
     return _lm(PhiForCausalLM(cfg), batch)
+
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [falcon_mqa, llama_mqa, stablelm_partial_mqa, neox_partial,
+                                phi_partial])
+pool4 = forked_pool_fixture(4, [falcon_mqa, llama_mqa])
 
 
 def _check(results, kernel_op=None):

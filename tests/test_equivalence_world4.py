@@ -6,10 +6,11 @@ parameter, and the engine lists what stays replicated.
 """
 
 import pytest
-from distributed import dist_pool_fixture
 from equivalence import MODELS, assert_equal, compare
+from pretraced import forked_pool_fixture
 
-pool4 = dist_pool_fixture(4)
+# the world forked from the test process once it traced the models (tests/pretraced.py)
+pool4 = forked_pool_fixture(4, MODELS)
 
 PLANS = {"data": {"data": 4},
          "tensor": {"tensor": {"size": 4, "mode": "1d"}},

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import dist_pool_fixture
 from equivalence import assert_equal, build, compare
+from pretraced import forked_pool_fixture
 from torch import nn
 
 import autopar
@@ -23,9 +23,11 @@ from autopar.graph.trace import trace
 from autopar.sharding.solve import solve
 
 aten = torch.ops.aten
-pool2 = dist_pool_fixture(2, timeout_s=900)
-pool4 = dist_pool_fixture(4, timeout_s=900)
-pool8 = dist_pool_fixture(8, timeout_s=900)
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, ["hf-falcon", "hf-falcon-mq", "hand-lm"], timeout_s=900)
+pool4 = forked_pool_fixture(4, ["hf-falcon", "hf-falcon-mq", "hand-lm", "opaque-lm"],
+                            timeout_s=900)
+pool8 = forked_pool_fixture(8, ["opaque-lm", "hand-lm"], timeout_s=900)
 
 TWO_D = {"tensor": {"size": 4, "mode": "2d"}}
 

@@ -10,16 +10,17 @@ rank holds is 1/dp of the unsharded one (to the padding of each parameter to a m
 dp).
 """
 
-from distributed import dist_pool_fixture
 from equivalence import assert_equal, compare
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
+from pretraced import forked_pool_fixture
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 GPT4 = "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage of ZB-V at pp 2
 GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [GPT, GPT8])
+pool4 = forked_pool_fixture(4, [GPT, GPT4, LLAMA])
 
 
 def _optimizer_bytes(engine, inputs, target) -> dict:
