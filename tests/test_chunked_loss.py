@@ -12,13 +12,11 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import dist_pool_fixture
 from equivalence import compare
+from pretraced import forked_pool_fixture
 
 from autopar.graph import losses
 from autopar.kernels.chunked_loss import ChunkedCrossEntropy
-
-pool2 = dist_pool_fixture(2)
 
 SMALL_CHUNKS = 4 * 64 * 4  # 4 tokens of a 64-class (hf-llama) or 16 of a 256/16 slice
 
@@ -57,6 +55,13 @@ def hf_llama_labels(batch: int):
 
 def _own_loss(loss, target):
     return loss
+
+
+ZERO_BUBBLE_GPT = "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16"
+# a world forked from the test process once it traced the models (tests/pretraced.py); the
+# chunked loss rewrites the traced graph, so the traces are the same with it on or off
+# (hf_llama's loss closes over its model: only its inference graph is shared)
+pool2 = forked_pool_fixture(2, ["gpt-tiny", hf_llama, hf_llama_labels, ZERO_BUBBLE_GPT])
 
 
 def test_kernel_equals_aten_in_many_chunks():
@@ -151,7 +156,7 @@ def test_zero_bubble_runs_the_loss_chunked(pool2):
     """ZB-V splits each backward into B (input gradient) and W (weight gradient) through
     autograd's graph: the fused loss gives each its own node, and trains as one device."""
     plan = {"pipeline": {"size": 2, "schedule": "zero_bubble", "microbatches": 4}}
-    for r in pool2.run(_chunked_run, "gpt:layers=4,hidden=32,heads=4,vocab=64,seq=16", plan,
+    for r in pool2.run(_chunked_run, ZERO_BUBBLE_GPT, plan,
                        True):
         assert r["probe"] == 1
         assert r["loss"] <= 1e-4 and r["weights"] <= 1e-4, (r["loss"], r["weights"])
