@@ -75,6 +75,23 @@ def _comm_floor(lt, mode, batch: float, ctx) -> float:
     return volume / hw.intra_node_bandwidth
 
 
+def _per_kind(kinds, base, which, least_of) -> list[float] | None:
+    """Each kind's least seconds, in order: the base's where its states are the base's
+    (``which``'s index is None), else `least_of(t, layer_type, states, idx, joined)`; None as
+    soon as that gives None."""
+    fastest = []
+    for t, (idx, joined) in enumerate(which):
+        if idx is None:
+            fastest.append(base.least[t][0])
+            continue
+        lt, states = kinds[t]
+        least = least_of(t, lt, states, idx, joined)
+        if least is None:
+            return None
+        fastest.append(least)
+    return fastest
+
+
 def least_floor(search, kinds, b: int, context, base, which) -> tuple[float, float] | None:
     """A lower bound of `prepared.least_total` (the same arguments; ``which``: its
     `least_states`) priced only where `least_total` reads what is priced already: a kind
@@ -84,16 +101,16 @@ def least_floor(search, kinds, b: int, context, base, which) -> tuple[float, flo
     bound of the Prepared's ``min_single`` (the most of its kinds' least seconds, over the
     kinds the chain holds): the most of the same per-kind bounds."""
     ctx = context[0]
-    fastest = []
-    for t, (idx, joined) in enumerate(which):
-        if idx is None:
-            fastest.append(base.least[t][0])
-            continue
-        lt, states = kinds[t]
+
+    def bound(t, lt, states, idx, joined):
         if any(states[k].mode.name == TP_1D for k in idx):
             return None
         floor = min(grid_floor(lt, states[k], b, ctx) for k in idx)
-        fastest.append(min(base.least[t][0], floor) if joined else floor)
+        return min(base.least[t][0], floor) if joined else floor
+
+    fastest = _per_kind(kinds, base, which, bound)
+    if fastest is None:
+        return None
     counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))
     present = base.present if base else dict.fromkeys(search.chain.order)
     return float(np.dot(counts, fastest)), max(fastest[t] for t in present)
@@ -109,12 +126,8 @@ def least_priced(search, kinds, b: int, context, base, which) -> float:
     (exact in floating point, whatever the order) is the one of every state; the sum is then
     `least_total`'s, over the same values in the same order."""
     ctx = context[0]
-    fastest = []
-    for t, (idx, joined) in enumerate(which):
-        if idx is None:
-            fastest.append(base.least[t][0])
-            continue
-        lt, states = kinds[t]
+
+    def priced(t, lt, states, idx, joined):
         least = base.least[t][0] if joined else float("inf")
         floors = sorted((-float("inf") if states[k].mode.name == TP_1D else
                          grid_floor(lt, states[k], b, ctx), n, k) for n, k in enumerate(idx))
@@ -122,6 +135,8 @@ def least_priced(search, kinds, b: int, context, base, which) -> float:
             if floor >= least:
                 break
             least = min(least, state_costs_of(lt, [states[k]], b, *context)[0].time)
-        fastest.append(least)
+        return least
+
+    fastest = _per_kind(kinds, base, which, priced)
     counts = base.counts if base else np.bincount(search.chain.order, minlength=len(kinds))
     return float(np.dot(counts, fastest))
