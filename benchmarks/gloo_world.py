@@ -76,11 +76,14 @@ def _entry(rank: int, port: int, world: int, fn, args, backend: str = "gloo") ->
 
 def run_world(fn, args: tuple, world: int, backend: str = "gloo") -> None:
     """Run fn(rank, *args) on `world` local processes joined in one process group (gloo;
-    "nccl": rank r on cuda:r)."""
+    "nccl": rank r on cuda:r). Gloo's ranks are forked, with torch and the benchmark
+    already imported (a spawned rank imports them again: 3-4 CPU s each); NCCL's spawned, as
+    CUDA needs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_entry, args=(port, world, fn, args, backend), nprocs=world)
+    mp.start_processes(_entry, args=(port, world, fn, args, backend), nprocs=world,
+                       start_method="spawn" if backend == "nccl" else "fork")
 
 
 def live_tensor_bytes() -> int:
