@@ -74,22 +74,30 @@ def _stage_costs(runner, micro_inputs: tuple, micro_target, reps: int = 3) -> di
     out = {}
     for k in runner.mine:
         module = stages.modules[k]
-        fwd, bwd, inp = [], [], []
-        for _ in range(reps):
+
+        def forward(k=k, module=module):
             x = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in ins[k])
             start = time.perf_counter()
             y = _tuple(module(*x))
             if k == n - 1:
                 loss = stages.loss(*y, micro_target)
                 y = (loss[0] if isinstance(loss, (tuple, list)) else loss,)
-            fwd.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
             outs = [o for o in y if o.requires_grad]
-            grads = [torch.ones_like(o) for o in outs]
-            wanted = [a for a in x if a.requires_grad]
-            if wanted:  # the input gradient alone (what ZB-V runs as I)
+            return seconds, outs, [torch.ones_like(o) for o in outs], \
+                [a for a in x if a.requires_grad]
+
+        fwd, bwd, inp = [], [], []
+        for _ in range(reps):
+            seconds, outs, grads, wanted = forward()
+            fwd.append(seconds)
+            if wanted:  # the input gradient alone (what ZB-V runs as I), on its own forward:
+                # the chunked loss's backward consumes its kept logits chunk in place, so
+                # a second backward through one forward is refused by autograd
                 start = time.perf_counter()
-                torch.autograd.grad(outs, wanted, grads, retain_graph=True)
+                torch.autograd.grad(outs, wanted, grads)
                 inp.append(time.perf_counter() - start)
+                _, outs, grads, _ = forward()
             else:
                 inp.append(0.0)
             start = time.perf_counter()
