@@ -334,6 +334,8 @@ def _rank_worker(rank, world, port, args, path):
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     device = torch.device(args.device, 0)  # every rank on the one GPU
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as torchrun starts CPU ranks: two threads each only spin
     spec, batch = QUICK_RANK_MODEL if args.quick else RANK_MODEL
     model = _model(spec, batch, device)
     x, y = _data(spec, batch, device)

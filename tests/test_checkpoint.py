@@ -19,14 +19,15 @@ import os
 
 import pytest
 import torch
-from distributed import dist_pool_fixture
 from equivalence import build
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4)
+from pretraced import forked_pool_fixture
 
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 BATCH = 8
+
+# each world forked from the test process once it traced GPT (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, [GPT])
+pool4 = forked_pool_fixture(4, [GPT])
 
 
 def _batch(step: int):

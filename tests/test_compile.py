@@ -15,17 +15,14 @@ import functools
 import pytest
 import torch
 import torch.fx as fx
-from distributed import dist_pool_fixture
 from equivalence import build, relative
+from pretraced import forked_pool_fixture
+from test_fp8_runtime import hf_gpt2
 
 import autopar
 from autopar.errors import PlanError
 from autopar.models import build as zoo_build
 from autopar.runtime.compile import PREFIX, Region, compilable
-
-pool2 = dist_pool_fixture(2)
-pool4 = dist_pool_fixture(4, timeout_s=900)
-pool8 = dist_pool_fixture(8, timeout_s=900)
 
 
 def _deep_gpt(batch: int):
@@ -36,6 +33,12 @@ def _deep_gpt(batch: int):
     model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=8, n_embd=64, block_size=32))
     _, _, target, loss_fn = build("gpt-tiny", batch)
     return model, (torch.randint(0, 256, (batch, 32)),), target, loss_fn
+
+
+# each world forked from the test process once it traced the world's models (tests/pretraced.py)
+pool2 = forked_pool_fixture(2, ["gpt-tiny", _deep_gpt, ("moe-tiny", {"expert": 2}), hf_gpt2])
+pool4 = forked_pool_fixture(4, ["gpt-tiny"], timeout_s=900)
+pool8 = forked_pool_fixture(8, ["gpt-tiny"], timeout_s=900)
 
 
 def compiled_against_one_device(name, plan, steps: int = 3, batch: int = 8) -> dict:
@@ -156,7 +159,6 @@ def compiled_fp8_against_eager_fp8(plan, steps: int = 3, batch: int = 8) -> dict
     """Train the fp8 tests' GPT-2 in fp8 compiled under `plan`, and in fp8 eagerly on one
     device, in this process."""
     import torch.distributed as dist
-    from test_fp8_runtime import hf_gpt2
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

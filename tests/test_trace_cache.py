@@ -328,6 +328,20 @@ def test_a_member_added_to_torch_module_later_leaves_the_key_and_a_replaced_one_
     assert _key(_Net()) == base
 
 
+def test_dynamo_tagging_module_init_leaves_the_key(monkeypatch):
+    """A process's first compile wraps Module's __init__ and __setstate__ (dynamo's
+    generation tagging): a model traced before it must still hit after it."""
+    from torch._dynamo.mutation_guard import install_generation_tagging_init
+
+    base = _key(_Net())
+    for name in ("__init__", "__setstate__"):
+        monkeypatch.setattr(nn.Module, name, getattr(nn.Module, name))
+    monkeypatch.setattr(nn.Module, "___needs_generation_tag_patch", True, raising=False)
+    install_generation_tagging_init()
+    assert nn.Module.__init__.__module__ == "torch._dynamo.mutation_guard"
+    assert _key(_Net()) == base
+
+
 def test_opaque_moe_is_in_the_key_by_what_it_stands_for():
     from autopar.kernels.moe_layers import find_moe_layers, opaque_moe
 

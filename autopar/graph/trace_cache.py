@@ -368,6 +368,8 @@ class _Fingerprint:
             if name in _SKIPPED_MEMBERS or (cls is nn.Module and name not in _MODULE_MEMBERS):
                 continue
             inner = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if cls is nn.Module:
+                inner = _untagged(inner)
             if isinstance(inner, types.FunctionType):
                 out.append((name, self.function(inner), self.globals_read(inner)))
             elif isinstance(inner, property):
@@ -462,6 +464,22 @@ class _Fingerprint:
 
 
 _ABSENT = object()
+_DYNAMO_TAGGING = "torch._dynamo.mutation_guard"
+
+
+def _untagged(fn):
+    """nn.Module's `__init__` or `__setstate__` without dynamo's generation tagging: a
+    process's first compile wraps both once (the wrapper calls the original, then tags the
+    module: nothing a trace reads), which would make every graph traced before it miss
+    after it."""
+    while isinstance(fn, types.FunctionType) and fn.__module__ == _DYNAMO_TAGGING \
+            and fn.__closure__:
+        free = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+        wrapped = free.get("init", free.get("setstate"))
+        if not isinstance(wrapped, types.FunctionType):
+            break
+        fn = wrapped
+    return fn
 _CONFIGS = ("PretrainedConfig", "PreTrainedConfig", "GenerationConfig")  # transformers'
 _UNREAD = ("_original_object_hash",)  # a generation config's hash of itself, per instance
 
