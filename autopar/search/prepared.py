@@ -107,6 +107,7 @@ class Prepared:
         self._runs: dict = {}  # `relayout`'s paths by run and the states at its ends
         self._unfitted: dict = {}  # `_unfitted_times` by layer
         self._least_mem: dict = {}  # `_least_memory` by layer
+        self.splits: dict = {}  # `Search._memory_split`'s, by schedule, pp, m and ZeRO option
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
 

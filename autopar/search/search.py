@@ -426,11 +426,15 @@ class Search:
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh[PP]
-        weights, capacity = stage_memory(
-            prep.params, prep.acts, self._in_flight(leaf.schedule, pp, 1, leaf.m),
-            prep.biggest, self.capacity, self.precision, zero_ranks(leaf.mesh, shard), zero,
-            offload)
-        return balance_within(prep.layer_time, weights, capacity, pp)
+        replicas = zero_ranks(leaf.mesh, shard)
+        key = ("memory split", leaf.schedule, pp, leaf.m, replicas, zero, offload)
+        hit = prep.splits.get(key, prep)  # (itself: not asked yet; a split may be None)
+        if hit is prep:
+            weights, capacity = stage_memory(
+                prep.params, prep.acts, self._in_flight(leaf.schedule, pp, 1, leaf.m),
+                prep.biggest, self.capacity, self.precision, replicas, zero, offload)
+            hit = prep.splits[key] = balance_within(prep.layer_time, weights, capacity, pp)
+        return hit
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
                 experts_dev=None, temps_dev=None, shard=None, held=None):
