@@ -359,14 +359,17 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
                grad_pl, hw: Hardware, schedule: str, v: int, m: int, zero: int,
                offload: bool, precision: Precision, cache: dict | None = None,
                pipeline: tuple | None = None, experts_dev=None,
-               split: ExpertSplit | None = None, hybrid: HybridSplit | None = None) -> dict:
+               split: ExpertSplit | None = None, hybrid: HybridSplit | None = None,
+               expert_cache: dict | None = None) -> dict:
     """Seconds of one step by part: the pipeline (its bubble, each rank's seconds per
     micro-batch), the gradient sync and the optimizer of the rank holding most weights.
     `units`: that rank's layers holding parameters; `transfer`: `stage_transfer`'s seconds;
     `pipeline`: `pipeline_time` of these arguments when already known (ZeRO options of one
     leaf share it). Under expert parallelism (`split`) that rank's `experts_dev` bytes sync
     over the expert-data group and step on its ZeRO shard. Under HSDP (`hybrid`) ZeRO runs
-    over the shard group and each piece is summed over the replicas (`cost.hybrid`)."""
+    over the shard group and each piece is summed over the replicas (`cost.hybrid`).
+    `cache`, `expert_cache`: `dp_time`'s, over `grad_pl` (HSDP: its shard group) and over
+    `split.data`."""
     pp = len(params_dev)
     if pipeline is None:
         pipeline = pipeline_time(layer_time, device_of, stage_of, pp, v, m, schedule, hw,
@@ -378,7 +381,7 @@ def step_parts(layer_time, device_of, stage_of, params_dev, units: int, *, trans
         experts = float(experts_dev[int(np.argmax(params_dev))])
         worst -= experts
         dp_s = dp_time(experts, zero, m, split.data, hw, units=max(1, units),
-                       gather=precision.gather_ratio)
+                       cache=expert_cache, gather=precision.gather_ratio)
         optimizer_s = optimizer_time(experts, split.replicas, zero, offload, precision, hw)
     else:
         dp_s = optimizer_s = 0.0

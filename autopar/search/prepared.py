@@ -48,6 +48,16 @@ class Fast:
     temps_dev: np.ndarray  # the for-loop optimizer step's temporaries per pipeline rank
     pipeline: tuple | None = None  # `pipeline_time` of the fastest path
     _layers: dict = field(default_factory=dict)
+    _groups: dict = field(default_factory=dict)
+    fitted: dict = field(default_factory=dict)  # `Search._fitted` by the states chosen
+
+    def groups_of(self, rank: int, prep: Prepared) -> tuple:
+        """`Prepared._groups` of the layers pipeline rank ``rank`` holds, in their fastest
+        states (what every ZeRO option's `fit` of that rank starts from)."""
+        hit = self._groups.get(rank)
+        if hit is None:
+            hit = self._groups[rank] = prep._groups(prep.fast, self.layers_of(rank))
+        return hit
 
     def layers_of(self, rank: int) -> list[int]:
         """The layers pipeline rank ``rank`` holds, in order."""
@@ -96,6 +106,8 @@ class Prepared:
         self._adds_nothing: bool | None = None  # `adds_nothing`, once asked
         self._runs: dict = {}  # `relayout`'s paths by run and the states at its ends
         self._unfitted: dict = {}  # `_unfitted_times` by layer
+        self._least_mem: dict = {}  # `_least_memory` by layer
+        self.splits: dict = {}  # `Search._memory_split`'s, by schedule, pp, m and ZeRO option
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
 
@@ -296,33 +308,27 @@ class Prepared:
         for d in range(len(total)):
             if total[d] > capacity:
                 self.fit(chosen, fast.layers_of(d), (capacity - fixed[d]) / in_flight[d],
-                         fitted)
+                         fitted, fast.groups_of(d, self))
         self.relayout(chosen, fitted)
 
-    def fit(self, chosen, idx, budget, fixed: set | None = None) -> None:
+    def fit(self, chosen, idx, budget, fixed: set | None = None, groups=None) -> None:
         """Fit one device's layers in ``budget`` activation bytes at the least extra time:
         layers of one kind keep one layout and choose their recompute (`_counts`); the
-        layers it moves off their fastest-path state go into ``fixed`` (for `relayout`)."""
-        mems = self.mem_lists
-        spare = budget - sum(mems[i][chosen[i]] for i in idx)
+        layers it moves off their fastest-path state go into ``fixed`` (for `relayout`).
+        ``groups``: `_groups` of ``idx`` where every layer of it is in its fastest-path
+        state (a `Fast`'s, kept per rank)."""
+        if groups is None:
+            groups = self._groups(chosen, idx)
+        held, kinds = groups
+        spare = budget - held
         if spare >= 0:
             return
-        groups: dict = {}
-        for i in idx:
-            groups.setdefault(self.order[i], []).append(i)
-        # shrink the biggest groups first: each gets the share of the deficit it can cover
-        for t, members in sorted(groups.items(), key=lambda g: -len(g[1])):
+        for members, used, layout, times, row, layouts in kinds:
             if spare >= 0:
                 break
-            states = self.per_type[t][0]
-            if len(states) <= 1:
-                continue
-            layout = states[chosen[members[0]]].layout
-            used = sum(mems[i][chosen[i]] for i in members)
             best = None
-            times = self.time_lists[members[0]]
-            for lay, order in self._by_layout(t, times, mems[members[0]]):
-                counts = _count_with(order, times, mems[members[0]], len(members), used + spare)
+            for lay, order in layouts:
+                counts = _count_with(order, times, row, len(members), used + spare)
                 if counts is None:
                     continue
                 # leaving the neighbours' layout costs a conversion in and one out
@@ -331,13 +337,42 @@ class Prepared:
                 if best is None or time_ + penalty < best[0]:
                     best = (time_ + penalty, mem, assignment)
             if best is None:  # nothing fits: take the least memory there is
-                k = int(np.argmin(self.mem_layers[members[0]]))
+                k = self._least_memory(members[0])
                 best = (0.0, len(members) * self.mem_layers[members[0]][k], [k] * len(members))
             for i, k in zip(members, best[2]):
                 chosen[i] = k
             if fixed is not None:
                 fixed.update(i for i in members if chosen[i] != self.fast[i])
             spare = used + spare - best[1]
+
+    def _groups(self, chosen, idx) -> tuple:
+        """What `fit` reads of ``idx`` before any budget: the activation bytes its layers
+        hold in ``chosen`` (summed in layer order), and per kind holding a choice, the
+        biggest groups first: (its layers, their bytes, their layout, the kind's seconds and
+        bytes per state, `_by_layout`)."""
+        mems = self.mem_lists
+        held = sum(mems[i][chosen[i]] for i in idx)
+        groups: dict = {}
+        for i in idx:
+            groups.setdefault(self.order[i], []).append(i)
+        kinds = []
+        # shrink the biggest groups first: each gets the share of the deficit it can cover
+        for t, members in sorted(groups.items(), key=lambda g: -len(g[1])):
+            states = self.per_type[t][0]
+            if len(states) <= 1:
+                continue
+            times = self.time_lists[members[0]]
+            kinds.append((members, sum(mems[i][chosen[i]] for i in members),
+                          states[chosen[members[0]]].layout, times, mems[members[0]],
+                          self._by_layout(t, times, mems[members[0]])))
+        return held, kinds
+
+    def _least_memory(self, i: int) -> int:
+        """The state of layer i holding the fewest activation bytes (the first of them)."""
+        hit = self._least_mem.get(i)
+        if hit is None:
+            hit = self._least_mem[i] = int(np.argmin(self.mem_layers[i]))
+        return hit
 
     def relayout(self, chosen, fixed: set) -> None:
         """After `fit` moved layers (``fixed``) to another layout: the layers it left choose

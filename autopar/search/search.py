@@ -426,11 +426,15 @@ class Search:
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh[PP]
-        weights, capacity = stage_memory(
-            prep.params, prep.acts, self._in_flight(leaf.schedule, pp, 1, leaf.m),
-            prep.biggest, self.capacity, self.precision, zero_ranks(leaf.mesh, shard), zero,
-            offload)
-        return balance_within(prep.layer_time, weights, capacity, pp)
+        replicas = zero_ranks(leaf.mesh, shard)
+        key = ("memory split", leaf.schedule, pp, leaf.m, replicas, zero, offload)
+        hit = prep.splits.get(key, prep)  # (itself: not asked yet; a split may be None)
+        if hit is prep:
+            weights, capacity = stage_memory(
+                prep.params, prep.acts, self._in_flight(leaf.schedule, pp, 1, leaf.m),
+                prep.biggest, self.capacity, self.precision, replicas, zero, offload)
+            hit = prep.splits[key] = balance_within(prep.layer_time, weights, capacity, pp)
+        return hit
 
     def _memory(self, leaf, params_dev, acts_dev, biggest, zero, offload, in_flight,
                 experts_dev=None, temps_dev=None, shard=None, held=None):
@@ -470,15 +474,8 @@ class Search:
             # activations fit what the state, the buffers and the step's excess leave
             prep.fit_ranks(chosen, leaf.fast, total, total - parts["activations"] -
                            parts["optimizer_step"], self.capacity, in_flight)
-            acts = prep.take(prep.act_table, chosen)
-            acts_dev = np.bincount(device_of, weights=acts, minlength=pp)
-            # a layer that changed layout holds its parameters differently too
-            params = prep.take(prep.param_table, chosen)
-            params_dev = np.bincount(device_of, weights=params, minlength=pp)
-            biggest = float(params.max()) if len(params) else 0.0
-            experts_dev = self._experts_dev(leaf, chosen, device_of)
-            temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
-                                       device_of, pp)
+            acts_dev, params, params_dev, biggest, experts_dev, temps_dev = \
+                _fitted(self, leaf, chosen)
             total, parts, step_dev = self._memory(leaf, params_dev, acts_dev, biggest, zero,
                                                   offload, in_flight, experts_dev, temps_dev,
                                                   shard, _held(leaf, zero, self.precision, chosen))
@@ -496,6 +493,7 @@ class Search:
                           schedule=leaf.schedule, v=leaf.v, m=leaf.m, zero=zero, offload=offload,
                           precision=self.precision, experts_dev=experts_dev, split=leaf.split,
                           cache=self._dp_cache(leaf.grad_pl if hybrid is None else hybrid.shard),
+                          expert_cache=self._dp_cache(leaf.split.data) if leaf.split else None,
                           pipeline=leaf.fast.pipeline if fast else None, hybrid=hybrid)
         if fast:
             leaf.fast.pipeline = (step["pipeline_s"], step["bubble_s"], step["per_rank_s"])
@@ -530,6 +528,30 @@ class Search:
             return None
         experts = leaf.prep.take(leaf.prep.expert_table, chosen)
         return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
+
+
+def _fitted(search: Search, leaf, chosen) -> tuple:
+    """What `Search._priced` reads of the states `fit` chose, per pipeline rank or per layer:
+    (activation bytes per rank, parameter bytes per layer and per rank, the biggest
+    layer's, expert bytes per rank, the for-loop step's temporaries per rank); once per
+    leaf and choice (its ZeRO options' fits often choose alike)."""
+    key = tuple(chosen)
+    hit = leaf.fast.fitted.get(key)
+    if hit is not None:
+        return hit
+    prep, device_of, pp = leaf.prep, leaf.fast.device_of, leaf.mesh[PP]
+    acts = prep.take(prep.act_table, chosen)
+    acts_dev = np.bincount(device_of, weights=acts, minlength=pp)
+    # a layer that changed layout holds its parameters differently too
+    params = prep.take(prep.param_table, chosen)
+    params_dev = np.bincount(device_of, weights=params, minlength=pp)
+    biggest = float(params.max()) if len(params) else 0.0
+    experts_dev = search._experts_dev(leaf, chosen, device_of)
+    temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
+                               device_of, pp)
+    hit = leaf.fast.fitted[key] = (acts_dev, params, params_dev, biggest, experts_dev,
+                                   temps_dev)
+    return hit
 
 
 def _least(search: Search, kinds, b: int, context, base, floor: bool) -> float:
