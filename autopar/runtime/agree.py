@@ -41,6 +41,16 @@ def _samples_bytes(tensors) -> bytes:
     return torch.cat(picked).cpu().numpy().tobytes()  # one transfer from a GPU
 
 
+def _shape_text(shape, seen: dict) -> str:
+    """str(shape), from `seen` when an equal shape of the same element types was printed."""
+    if not isinstance(shape, tuple):
+        return str(shape)
+    key = (shape, tuple(map(type, shape)))
+    if key not in seen:
+        seen[key] = str(shape)
+    return seen[key]
+
+
 def plan_digests(plan, traced, example_inputs) -> dict[str, str]:
     """Short digests of what every rank must share at `parallelize`: the plan, the traced
     graph, the parameters' names and shapes, their values (sampled), and the example
@@ -48,8 +58,9 @@ def plan_digests(plan, traced, example_inputs) -> dict[str, str]:
     data = plan.to_json()
     essential = {k: data[k] for k in ("mesh", "tensor", "sequence", "layers", "pipeline",
                                       "zero", "recompute")}
-    graph = [(n.op, str(n.target), str(getattr(n.meta.get("autopar"), "shape", "")))
-             for n in traced.graph.nodes]
+    shapes: dict = {}  # a shape's text, printed once per distinct shape (sympy prints slowly)
+    graph = [(n.op, str(n.target), _shape_text(getattr(n.meta.get("autopar"), "shape", ""),
+                                               shapes)) for n in traced.graph.nodes]
     params = sorted((p.names, tuple(p.shape), str(p.dtype)) for p in traced.params.values())
     values = _samples_bytes([getattr_path(traced.gm, t) for t in sorted(traced.params)])
     inputs = [(tuple(t.shape[1:]), str(t.dtype)) for t in example_inputs]
