@@ -480,6 +480,8 @@ def _untagged(fn):
             break
         fn = wrapped
     return fn
+
+
 _CONFIGS = ("PretrainedConfig", "PreTrainedConfig", "GenerationConfig")  # transformers'
 _UNREAD = ("_original_object_hash",)  # a generation config's hash of itself, per instance
 
