@@ -375,3 +375,34 @@ def test_pipeline_ranks_hold_only_their_stages_weights(pool2):
         assert r["probe"]["inference"] < 1e-5, r["probe"]["inference"]
     held = [r["probe"]["step"]["held"] for r in results]
     assert sum(held) < 1.3 * results[0]["probe"]["step"]["whole"]
+
+
+def _split_by_rank_zero(fails: str) -> str | list:
+    """What `stage_of_layers`' split broadcast gives this rank when only rank 0's planner
+    runs: rank 0's split (the others' planners would answer otherwise), or the error every
+    rank raises when rank 0's planner fails (`fails`: "plan" a PlanError, "other" another
+    exception)."""
+    import torch.distributed as dist
+
+    from autopar.runtime.stages import _rank_zeros_stages
+
+    def planner(rank):
+        if fails == "plan":
+            raise PlanError("no split fits the device.")
+        if fails == "other":
+            raise KeyError("layer_7")
+        return [0, 0, 1, 1] if rank == 0 else [0, 1, 1, 1]
+
+    try:
+        return _rank_zeros_stages(planner, dist.get_rank())
+    except Exception as e:  # noqa: BLE001 - the test reads which error each rank raised
+        return f"{type(e).__name__}: {e}"
+
+
+def test_rank_zeros_stage_split_is_every_ranks(pool2):
+    assert pool2.run(_split_by_rank_zero, "") == [[0, 0, 1, 1]] * 2
+    assert pool2.run(_split_by_rank_zero, "plan") == ["PlanError: no split fits the device."] * 2
+    other = pool2.run(_split_by_rank_zero, "other")
+    assert other[0] == "KeyError: 'layer_7'", other
+    assert other[1] == ("PlanError: rank 0's pipeline stage planner failed "
+                        "(KeyError: 'layer_7')."), other
