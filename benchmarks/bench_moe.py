@@ -15,7 +15,8 @@ on ep per step.
 (a') Predicted, the search's own choice for dense-first MoE models (no part of the plan
 fixed): `DENSE_SPEC` (its first block dense) on the same 4 cpu devices, and the zoo's
 deepseek-v3-moe (DeepSeek-V3's 3 dense of 61 layers, 256 experts top-8) on 256 H100s at
-global batch 512 of 4096 tokens. Each row prints the chosen plan, its step time and MFU, and
+global batch 512 of 4096 tokens. Each row prints the chosen plan, the search's CPU seconds
+(the model prepared beforehand) and the candidates it priced, its step time and MFU, and
 per layer kind (dense and MoE blocks) its all-to-all bytes on ep per micro-batch: 0 on the
 dense blocks, which hold no experts.
 
@@ -118,7 +119,9 @@ def searched() -> list[dict]:
         chain = prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
                         tp_sizes=tuple(t for t in (1, 2, 4, 8) if devices % t == 0),
                         layers=w.layer_counts)
+        start = time.process_time()
         result = search(chain, world, global_batch=batch, dtype=dtype)
+        search_cpu_s = time.process_time() - start  # the search alone, its model prepared
         plan = to_plan(chain, world, result, batch, dtype, 0.0)
         kinds = {k["ffn"]["kind"]: {"span": k["span"], "layers": k["layers"],
                                     "all_to_all_bytes_per_microbatch":
@@ -127,7 +130,8 @@ def searched() -> list[dict]:
         rows.append({"model": model, "devices": devices, "device": device, "batch": batch,
                      "seq": seq, "plan": result.best.describe(), "ep": plan.ep,
                      "step_time_s": plan.predicted["step_time_s"],
-                     "mfu": plan.predicted["mfu"], "kinds": kinds})
+                     "mfu": plan.predicted["mfu"], "kinds": kinds,
+                     "search_cpu_s": search_cpu_s, "candidates": result.candidates})
     return rows
 
 
@@ -301,6 +305,8 @@ def main() -> int:
     for r in result["searched"]:
         print(f"  {r['model']} on {r['devices']} x {r['device']}, batch {r['batch']} x "
               f"{r['seq']}: {r['plan']}")
+        print(f"    search {r['search_cpu_s']:.2f} CPU s over {r['candidates']} candidates "
+              "(the model prepared before it)")
         print(f"    step {r['step_time_s']:.3f} s, MFU {100 * r['mfu']:.1f}%; "
               + "; ".join(f"{kind} blocks {k['span']} ({k['layers']}): all-to-all on ep "
                           f"{k['all_to_all_bytes_per_microbatch'] / 2 ** 20:.2f} MiB per "

@@ -73,6 +73,8 @@ from autopar.search.space import Constraints, Options, Space, divisors
 __all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
            "divisors"]
 
+_UNASKED = object()  # a cache's answer not asked for yet (where None is an answer)
+
 
 @dataclass(kw_only=True)
 class Candidate:
@@ -427,9 +429,9 @@ class Search:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
         prep, pp = leaf.prep, leaf.mesh[PP]
         replicas = zero_ranks(leaf.mesh, shard)
-        key = ("memory split", leaf.schedule, pp, leaf.m, replicas, zero, offload)
-        hit = prep.splits.get(key, prep)  # (itself: not asked yet; a split may be None)
-        if hit is prep:
+        key = (leaf.schedule, pp, leaf.m, replicas, zero, offload)
+        hit = prep.splits.get(key, _UNASKED)  # (a split may be None: nothing balances)
+        if hit is _UNASKED:
             weights, capacity = stage_memory(
                 prep.params, prep.acts, self._in_flight(leaf.schedule, pp, 1, leaf.m),
                 prep.biggest, self.capacity, self.precision, replicas, zero, offload)
