@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import warnings
 
 import torch
@@ -11,13 +12,14 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
+from autopar.kernels.collectives import broadcast_object
 from autopar.kernels.float8 import ROWWISE, check_recipe
 from autopar.kernels.moe_layers import expert_layers
 from autopar.modes import BF16, CP, FP8, FP32, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
-from autopar.runtime.agree import check_ranks_agree
+from autopar.runtime.agree import check_ranks_agree, process_rank
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.checkpoint import latest as latest_checkpoint
 from autopar.runtime.engine import Engine
@@ -320,14 +322,47 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
     dtype = None if precision == FP32 else precision
     if precision == FP8 and FP8 not in world.profile.peak_flops:  # (a CPU's profile)
         dtype = BF16
-    chosen = make_plan(model, inputs, world, loss_fn=loss_fn if target is not None else None,
-                       example_target=target, executable=True, top=3, dtype=dtype,
-                       chunked_loss=chunked_loss, fp8_recipe=fp8_recipe)
+    chosen = _rank_zeros_plan(make_plan, model, inputs, world,
+                              loss_fn=loss_fn if target is not None else None,
+                              example_target=target, executable=True, top=3, dtype=dtype,
+                              chunked_loss=chunked_loss, fp8_recipe=fp8_recipe)
     if dtype != precision and precision == FP8:
         chosen.notes.append(f"fp8: the '{world.device}' profile has no fp8 peak, so the "
                             "search priced the GEMMs at bf16's rate")
     chosen.notes.extend(f"left out: {n}" for n in chosen.search.get("left_out", []))
     return chosen
+
+
+def _rank_zeros_plan(make_plan, *args, **kwargs) -> Plan:
+    """Global rank 0's search, sent to every rank (control traffic): every rank would search
+    the same model, world and inputs (check_ranks_agree then compares what they traced), so
+    one prices the plans and the others wait; rank 0's error is every rank's. The search
+    draws nothing from the random state a meta start initializes from."""
+    chosen, error = None, None
+    if process_rank() == 0:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                chosen = make_plan(*args, **kwargs)
+        except Exception as failed:  # noqa: BLE001 - every rank raises what rank 0 met
+            error = failed
+    chosen, sent = broadcast_object((chosen, _portable(error)), src=0)
+    if error is not None:
+        raise error
+    if sent is not None:
+        raise sent
+    return chosen
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """An error as it can be sent to other ranks: itself when it pickles, else a PlanError
+    naming it."""
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 - any error object, whatever its state holds
+        return PlanError(f"rank 0's plan search failed ({type(error).__name__}: {error}).")
 
 
 def _example_target(out, loss_fn):

@@ -2,14 +2,20 @@
 the code of the graphs export makes on the way, and the sympy work of the reshape rule
 (docs/testing.md, "Where the CPU goes")."""
 
+import functools
+
 import sympy
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
+import autopar
 from autopar.graph.ir import BATCH
 from autopar.graph.trace import trace
+from autopar.models import build
 from autopar.passes.tensor_parallel import clone_graph_module
+from autopar.runtime import engine as engine_module
 from autopar.sharding.layout import Shard
 from autopar.sharding.rules import context, views
 
@@ -42,6 +48,54 @@ def test_a_cloned_graph_generates_its_code_once_when_it_first_runs(monkeypatch):
     x = torch.randn(3, 4)
     assert torch.equal(out(x), gm(x)) and torch.equal(out(x), gm(x))
     assert len(made) == 1 and "relu" in out.code
+
+
+def test_a_cloned_graph_is_graph_copys_copy():
+    """The clone sets each node's arguments after making it (create_node would walk them all
+    for symbolic values): the same nodes, names, arguments, types and meta values as
+    Graph.graph_copy gives, on an exported graph with keyword arguments."""
+    model, (x,) = build("gpt-tiny", batch=2, device="cpu", seed=0)
+    gm = trace(model, (x,), train=False).gm
+    want = fx.Graph()
+    copied: dict = {}
+    want.output(want.graph_copy(gm.graph, copied))
+    got, mapping = clone_graph_module(gm)
+    assert any(n.kwargs for n in gm.graph.nodes)
+    assert len(got.graph.nodes) == len(want.nodes) == len(mapping)
+    for old, new in zip(gm.graph.nodes, got.graph.nodes):
+        ref = copied.get(old) or next(n for n in want.nodes if n.op == "output")
+        assert mapping[old] is new and (new.name, new.op, new.target, new.type) == \
+            (ref.name, ref.op, ref.target, ref.type)
+        assert repr(new.args) == repr(ref.args) and repr(new.kwargs) == repr(ref.kwargs)
+        assert new.meta == old.meta and new.meta is not old.meta
+        assert all(new.meta[k] is old.meta[k] for k in old.meta)
+    assert torch.equal(got(x)[0], gm(x)[0])
+
+
+def _lm_loss(out, y):
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+def test_a_training_start_rewrites_the_inference_graph_only_when_it_is_read(monkeypatch):
+    """A training run never executes the inference graph: the start cuts its parameter slices
+    but rewrites it at the first read (`engine(x)` here), which computes the model's output."""
+    rewrites = []
+    real = engine_module.apply_solution
+
+    def counted(gm, solution):
+        rewrites.append(gm)
+        return real(gm, solution)
+
+    monkeypatch.setattr(engine_module, "apply_solution", counted)
+    model, (x,) = build("gpt-tiny", batch=4, device="cpu", seed=0)
+    y = torch.randint(0, 64, x.shape)
+    engine = autopar.parallelize(model, 1, example_inputs=(x,), loss_fn=_lm_loss,
+                                 optimizer=functools.partial(torch.optim.SGD, lr=0.0))
+    assert rewrites == [] and len(list(engine.parameters())) == len(list(model.parameters()))
+    engine.train_step(x, y)
+    assert len(rewrites) == 1 and engine.chunked_losses == 1  # the training graph's
+    torch.testing.assert_close(engine(x), model(x))  # (lr 0: the weights are the model's)
+    assert len(rewrites) == 2 and engine.chunked_losses == 1
 
 
 def test_a_trace_generates_code_only_for_the_graphs_export_hands_back(monkeypatch):

@@ -52,11 +52,21 @@ def clone_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen  # keeps export's pytree calling convention
     mapping: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, mapping)
-    new_output = graph.output(out)
-    mapping[next(n for n in gm.graph.nodes if n.op == "output")] = new_output
-    for old, new in mapping.items():
-        new.meta = dict(old.meta)
+    copied = mapping.__getitem__
+    for old in gm.graph.nodes:
+        if old.op == "output":
+            new = graph.output(fx.map_arg(old.args[0], copied))
+        else:
+            # (Graph.graph_copy would have create_node walk every argument for symbolic
+            # values; they are set on the node instead, each attribute set on a node costs a
+            # lookup-table update, so the meta dict is filled in place)
+            new = graph.create_node(old.op, old.target, name=old.name, type_expr=old.type)
+            if old.args:
+                new.args = fx.map_arg(old.args, copied)
+            if old.kwargs:
+                new.kwargs = fx.map_arg(old.kwargs, copied)
+        new.meta.update(old.meta)
+        mapping[old] = new
     new_gm = _LazyGraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
     return new_gm, mapping

@@ -67,6 +67,8 @@ from autopar.runtime.zero_state import ZeroState
 from autopar.sharding.axes import MULTI_D, TensorMesh
 from autopar.sharding.solve import Solution, solve
 
+CHUNKED_LOSSES = "autopar_chunked_losses"  # GraphModule.meta key: the losses chunk_loss fused
+
 
 class Engine(nn.Module):
     """A model split over a mesh: `train_step`, forward, `comm_log`, `full_state_dict`.
@@ -83,7 +85,7 @@ class Engine(nn.Module):
                  start=None, compile: bool = False, chunked_loss: bool = True,
                  fp8_recipe: str = ROWWISE):
         super().__init__()
-        self.chunked_loss, self.chunked_losses = chunked_loss, 0  # passes.chunked_loss
+        self.chunked_loss = chunked_loss  # passes.chunked_loss
         self.plan, self.groups, self.loss_fn = plan, groups, loss_fn
         self.max_grad_norm, self.steps = max_grad_norm, 0
         self.check_batches = check_batches  # compare every step's batch across ranks
@@ -171,23 +173,23 @@ class Engine(nn.Module):
 
     def _build(self, traced, solution: Solution) -> fx.GraphModule:
         """Rewrite a traced graph and install this rank's slices (shared across graphs)."""
-        gm = apply_solution(traced.gm, solution)
-        if self.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
-            gm = cast_precision(gm, self.compute_dtype)
-        gm, self.float8 = _float8(gm, solution, self.precision, self.float8, self.moe_layers,
-                                  self.fp8_recipe)
-        if self.moe_layers:
-            gm = place_expert_layers(gm)
-        if self.chunked_loss:
-            self.chunked_losses = chunk_loss(gm, split=_splits_backward(self.plan, self._pp.size))
-        retarget(gm, self._device)  # a graph traced on meta makes its constants here
-        self.params.prepare(traced.gm, traced.params, solution.params)
-        shard_parameters(gm, {t: self.params.slice_for(traced.gm, p, solution.params.get(t))
-                              for t, p in traced.params.items()})
-        bind(gm, self.groups)
-        bind_streams(gm, self.streams)
-        release_tensors(traced)  # (this rank's slices are cut: the whole weights may go)
-        return gm
+        gm = _rewrite(self, traced, solution)
+        return _install(self, gm, _slices(self, traced, solution))
+
+    @property
+    def forward_gm(self) -> fx.GraphModule:
+        """The inference graph, rewritten at its first read: a training run never runs it, so
+        a start cuts only its parameter slices (`_build_forward`)."""
+        if self._forward_gm is None:
+            self._forward_gm = _rewrite_forward(self)
+        return self._forward_gm
+
+    @property
+    def chunked_losses(self) -> int:
+        """Classifier + cross-entropy chains fused (passes.chunked_loss) in the training
+        graph, or before its first step in the inference graph."""
+        gm = self.train_gm if self.train_gm is not None else self.forward_gm
+        return gm.meta.get(CHUNKED_LOSSES, 0)
 
     def parameters(self, recurse: bool = True):
         return iter(self.params.parameters())
@@ -269,7 +271,10 @@ class Engine(nn.Module):
                                     self._optimizer_factory, self.compute_dtype, stages,
                                     experts=self.grads, pieces=pieces,
                                     float8=self.float8 is not None)
-        self.zero.rewrite(self.forward_gm)  # (ZeRO-3: each layer's gathers)
+        if self._forward_gm is not None:
+            self.zero.rewrite(self._forward_gm)  # (ZeRO-3: each layer's gathers)
+        elif self.zero.pieces_only:  # ZeRO-3 numbers the inference graph's units first:
+            self.forward_gm  # noqa: B018 - rewritten now, with its gathers
         self.optimizer = self.grads.with_norms(self.zero.optimizer)
 
     def fetch_pipeline_weights(self) -> None:
@@ -344,7 +349,8 @@ class Engine(nn.Module):
     def expert_layers(self) -> list[ExpertLayer]:
         """The ExpertLayer modules of this rank's graphs (none where the model's own MoE
         code runs)."""
-        graphs = [g for g in (self.forward_gm, self.train_gm) if g is not None]
+        # (an inference graph not rewritten yet has never run: it holds no routing)
+        graphs = [g for g in (self._forward_gm, self.train_gm) if g is not None]
         return [m for g in graphs for m in g.modules() if isinstance(m, ExpertLayer)]
 
     # ------------------------------------------------------------------ state, one owner each
@@ -567,7 +573,58 @@ def _build_forward(engine: Engine, model: nn.Module, example_inputs: tuple, forw
     engine.forward_solution = engine._solve(engine.forward_graph, fixed=None)
     _note_replicated(engine.plan, engine.forward_solution)
     check_divisible(engine.forward_graph, engine.forward_solution)
-    engine.forward_gm = engine._build(engine.forward_graph, engine.forward_solution)
+    # a training run never runs the inference graph: its rewrite waits for the first read
+    # (Engine.forward_gm), but this rank's slices are cut now; under fp8 the float8 report
+    # lists the inference graph's linears first, so it is rewritten now
+    engine._forward_slices = _slices(engine, engine.forward_graph, engine.forward_solution)
+    engine._forward_gm = None
+    if engine.precision == FP8:
+        engine.forward_gm  # noqa: B018 - rewritten now
+
+
+def _rewrite_forward(engine: Engine) -> fx.GraphModule:
+    """The inference graph rewritten, on the slices `_build_forward` cut (Engine.forward_gm)."""
+    gm = _install(engine, _rewrite(engine, engine.forward_graph, engine.forward_solution),
+                  engine._forward_slices)
+    engine._forward_slices = None
+    if engine.zero is not None:  # (ZeRO-3: each layer's gathers)
+        engine.zero.rewrite(gm)
+    return gm
+
+
+def _rewrite(engine: Engine, traced, solution: Solution) -> fx.GraphModule:
+    """The traced graph with the solution's sharded ops and collectives and the plan's
+    passes (Engine._build), its tensors not yet this rank's (`_install`)."""
+    gm = apply_solution(traced.gm, solution)
+    if engine.compute_dtype is not None:  # 16-bit model part, fp32 masters and loss
+        gm = cast_precision(gm, engine.compute_dtype)
+    gm, engine.float8 = _float8(gm, solution, engine.precision, engine.float8,
+                                engine.moe_layers, engine.fp8_recipe)
+    if engine.moe_layers:
+        gm = place_expert_layers(gm)
+    if engine.chunked_loss:
+        gm.meta[CHUNKED_LOSSES] = chunk_loss(gm, split=_splits_backward(engine.plan,
+                                                                      engine._pp.size))
+    retarget(gm, engine._device)  # a graph traced on meta makes its constants here
+    return gm
+
+
+def _slices(engine: Engine, traced, solution: Solution) -> dict[str, torch.Tensor]:
+    """This rank's slice of every tensor the traced graph reads, by target; the traced graph
+    lets go of the whole ones (this rank's slices are cut: the whole weights may go)."""
+    engine.params.prepare(traced.gm, traced.params, solution.params)
+    local = {t: engine.params.slice_for(traced.gm, p, solution.params.get(t))
+             for t, p in traced.params.items()}
+    release_tensors(traced)
+    return local
+
+
+def _install(engine: Engine, gm: fx.GraphModule, local: dict[str, torch.Tensor]) -> fx.GraphModule:
+    """gm reading this rank's slices, its collectives and random streams bound."""
+    shard_parameters(gm, local)
+    bind(gm, engine.groups)
+    bind_streams(gm, engine.streams)
+    return gm
 
 
 def _after_step(engine: Engine, loss: float, seconds: float, mark: int, inputs) -> None:
