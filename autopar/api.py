@@ -315,6 +315,10 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
         (example_inputs,)
     if on_meta(model):  # planning reads shapes only
         inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+    # contiguous, as the engine traces its training graph (zeros shaped like the batch), so
+    # that trace is the planner's copy from the trace cache (a strided view such as
+    # `data[:, :-1]` keyed another graph: a third export at the first step)
+    inputs = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs)
     target = None
     if loss_fn is not None:
         with torch.no_grad():
