@@ -223,12 +223,23 @@ class Links:
 
 
 def links(placement: Placement, hw: Hardware) -> Links:
-    """The link parameters of ``placement`` on ``hw``."""
+    """The link parameters of ``placement`` on ``hw`` (both frozen: read once per pair)."""
+    key = (placement, id(hw))
+    hit = _LINKS.get(key)
+    if hit is not None and hit[0] is hw:
+        return hit[1]
     node = placement.node_size or hw.per_node
     node_links = hw.inter_node_bandwidth * node / placement.sharing
     cap = hw.intra_node_bandwidth
-    return Links(hw.intra_node_latency, 1.0 / cap, hw.inter_node_latency,
+    made = Links(hw.intra_node_latency, 1.0 / cap, hw.inter_node_latency,
                  1.0 / min(cap, node_links), 1.0 / min(cap, node_links / placement.per_node))
+    if len(_LINKS) >= 4096:
+        _LINKS.clear()
+    _LINKS[key] = (hw, made)  # (the profile held: its id is not reused while cached)
+    return made
+
+
+_LINKS: dict = {}  # `links` by (placement, id of the profile): (the profile, its Links)
 
 
 # ----------------------------------------------------------------------------- formulas

@@ -145,15 +145,18 @@ def memory_by_kind(params_dev, acts_dev, biggest: float, replicas: int, zero: in
     weights, grads, optim = state_factors(precision, replicas, zero, offload)
     buffers = np.full_like(params_dev, buffer_bytes(biggest, replicas, zero, held) + workspace)
     if split is None or experts_dev is None:
-        dense, experts, factors = params_dev, 0.0, (0.0, 0.0, 0.0)
+        dense, experts, factors = params_dev, None, None
     else:
         dense, experts = params_dev - experts_dev, experts_dev
         factors = state_factors(precision, split.replicas, zero, offload)
     activations = acts_dev * in_flight
     step = np.zeros_like(params_dev) if step_dev is None else step_dev
-    return dict(parameters=dense * weights + experts * factors[0],
-                gradients=dense * grads + experts * factors[1],
-                optimizer=dense * optim + experts * factors[2], buffers=buffers,
+    if experts is None:  # (no experts' term: adding 0.0 to bytes >= 0 changes none)
+        state = dense * weights, dense * grads, dense * optim
+    else:
+        state = (dense * weights + experts * factors[0], dense * grads + experts * factors[1],
+                 dense * optim + experts * factors[2])
+    return dict(parameters=state[0], gradients=state[1], optimizer=state[2], buffers=buffers,
                 activations=activations,
                 optimizer_step=np.maximum(0.0, step - activations - buffers))
 
@@ -162,18 +165,23 @@ def step_temps_dev(peak, first, last, device_of, pp: int) -> np.ndarray:
     """Per pipeline rank, the for-loop step's temporaries (`autopar.cost.state.StepTemps`)
     over its layers' parameter tensors in layer order: each layer's own peak, and where one
     layer follows another on the rank, twice its first tensor beside the last one's. Arrays
-    per layer; a layer without parameters does not separate its neighbours."""
-    peak, first, last = (np.asarray(a, dtype=float) for a in (peak, first, last))
-    device_of = np.asarray(device_of)
-    out = np.zeros(pp)
-    np.maximum.at(out, device_of, peak)
-    held = np.flatnonzero(peak > 0)  # layers with parameters, in layer order
-    order = held[np.argsort(device_of[held], kind="stable")]  # by rank, layer order within
-    ranks = device_of[order]
-    follows = ranks[1:] == ranks[:-1]  # layer order[j + 1] follows order[j] on its rank
-    pairs = 2 * first[order[1:][follows]] + last[order[:-1][follows]]
-    np.maximum.at(out, ranks[1:][follows], pairs)
-    return out
+    per layer; a layer without parameters does not separate its neighbours. (One pass in
+    layer order: a maximum is the same in any order, and each pair is summed as before.)"""
+    peak, first, last = (np.asarray(a, dtype=float).tolist() for a in (peak, first, last))
+    out = [0.0] * pp
+    before: list = [None] * pp  # per rank, its last layer so far holding parameters
+    for i, d in enumerate(np.asarray(device_of).tolist()):
+        p = peak[i]
+        if p > out[d]:
+            out[d] = p
+        if p > 0:
+            j = before[d]
+            if j is not None:
+                pair = 2 * first[i] + last[j]
+                if pair > out[d]:
+                    out[d] = pair
+            before[d] = i
+    return np.array(out)
 
 
 def optimizer_step_dev(params_dev, temps_dev, replicas: int, zero: int, offload: bool,

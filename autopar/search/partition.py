@@ -41,13 +41,24 @@ def balance(costs, k: int) -> list[int]:
             start = end
         return True
 
+    def within(limit: float) -> bool:
+        """`cuts` without the ends (the bisection's probes): the same stages counted."""
+        reach, start, used = limit * (1 + 1e-12), 0, 0
+        while start < n:
+            used += 1
+            if used > k:
+                return False
+            end = right(prefix, prefix[start] + reach) - 1
+            start = end if end > start else start + 1
+        return True
+
     lo = max(max(costs), total / k)
     hi = lo + max(costs)
     for _ in range(60):
         if hi - lo <= 1e-9 * hi:
             break
         mid = (lo + hi) / 2
-        if cuts(mid):
+        if within(mid):
             hi = mid
         else:
             lo = mid
@@ -155,20 +166,36 @@ def balance_dp(costs, k: int) -> list[int]:
 def choose_states(layer_states, time, memory, convert, price: float) -> tuple[list[int], float]:
     """Viterbi over the chain. ``layer_states[l]``: how many states layer l has;
     ``time[l][a]``, ``memory[l][a]``: arrays per state; ``convert[l][a, b]``: seconds to
-    go from state a of layer l-1 to state b of layer l. Returns (state per layer, cost)."""
+    go from state a of layer l-1 to state b of layer l. Returns (state per layer, cost).
+    In plain floats (a layer has a few states): each sum as an array would add it, each
+    state's best predecessor the first of the least."""
     n = len(layer_states)
-    cost = np.asarray(time[0]) + price * np.asarray(memory[0])
+    cost = [t + price * m for t, m in zip(np.asarray(time[0]).tolist(),
+                                          np.asarray(memory[0]).tolist())]
     back = []
+    rows: dict = {}  # each conversion matrix's rows as lists, once per call
     for layer in range(1, n):
-        step = cost[:, None] + convert[layer]
-        arg = np.argmin(step, axis=0)
+        matrix = convert[layer]
+        conv = rows.get(id(matrix))
+        if conv is None:
+            conv = rows[id(matrix)] = (matrix, np.asarray(matrix).T.tolist())
+        conv = conv[1]  # [state b][state a before it]
+        arg, nxt = [], []
+        for into, t, m in zip(conv, np.asarray(time[layer]).tolist(),
+                              np.asarray(memory[layer]).tolist()):
+            best, at = cost[0] + into[0], 0
+            for a in range(1, len(cost)):
+                v = cost[a] + into[a]
+                if v < best:
+                    best, at = v, a
+            arg.append(at)
+            nxt.append(best + t + price * m)
         back.append(arg)
-        cost = step[arg, np.arange(step.shape[1])] + np.asarray(time[layer]) + \
-            price * np.asarray(memory[layer])
-    last = int(np.argmin(cost))
+        cost = nxt
+    last = min(range(len(cost)), key=cost.__getitem__)
     total = float(cost[last])
     path = [last]
     for arg in reversed(back):
-        path.append(int(arg[path[-1]]))
+        path.append(arg[path[-1]])
     path.reverse()
     return path, total

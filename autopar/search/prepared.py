@@ -61,10 +61,39 @@ class Fast:
 
     def layers_of(self, rank: int) -> list[int]:
         """The layers pipeline rank ``rank`` holds, in order."""
-        hit = self._layers.get(rank)
-        if hit is None:
-            hit = self._layers[rank] = np.flatnonzero(self.device_of == rank).tolist()
-        return hit
+        if not self._layers:  # every rank's at once, in one pass
+            for i, d in enumerate(self.device_of.tolist()):
+                self._layers.setdefault(d, []).append(i)
+        return self._layers.get(rank, [])
+
+
+class Priced:
+    """A candidate as the search ranks it (`Search._priced`): its step seconds, whether it
+    fits, its worst device's bytes and whether fitting memory moved a layer off its fastest
+    state; the whole `Candidate` made only when asked (`candidate`), as few of those priced
+    are kept."""
+
+    __slots__ = ("step_time", "fits", "memory_per_device", "moved", "_made", "_whole")
+
+    def __init__(self, step_time: float, fits: bool, memory: float, moved: bool, made: tuple):
+        self.step_time, self.fits, self.memory_per_device, self.moved = \
+            step_time, fits, memory, moved
+        self._made = made  # (`search._candidate`, its arguments: the leaf, ..., the states)
+        self._whole = None
+
+    def candidate(self):
+        """The `search.Candidate`, made once."""
+        if self._whole is None:
+            made = self._made
+            self._whole = made[0](*made[1:], self.step_time, self.fits, self.memory_per_device)
+            self._made = None
+        return self._whole
+
+    def states(self) -> list:
+        """The LayerState of each layer."""
+        if self._whole is not None:
+            return self._whole.states
+        return self._made[1].prep.states_of(self._made[5].tolist())
 
 
 class Prepared:
@@ -132,9 +161,8 @@ class Prepared:
         lt, states = self.kinds[t]
         costs = self.per_type[t][1]
         todo = [k for k in which if costs[k] is None]
-        ctx, table = self.context
         for k, c in zip(todo, state_costs_of(lt, [states[k] for k in todo], self.b,
-                                             ctx, table)):
+                                             *self.context)):
             costs[k] = c
         return [costs[k] for k in which]
 
@@ -435,10 +463,15 @@ class Prepared:
         return hit
 
 
-def state_costs_of(lt, states, b: int, ctx, table) -> list:
+def state_costs_of(lt, states, b: int, ctx, table, plain=None) -> list:
     """`state_cost` of each state, from the shared costs where given (`table`: the
-    `cost_table` of this micro-batch and context; None: not shared)."""
-    if table is None:
+    `cost_table` of this micro-batch and context; None: not shared). `plain`: the costs of
+    layer kinds with no attention and no experts under this micro-batch, tensor placement
+    and number of cp ranks (`plain_table`), shared by the contexts that differ only in the cp
+    mode or the cp ranks' placement: such a layer's price reads neither."""
+    if plain is not None and not lt.attention and lt.experts is None:
+        table = plain
+    elif table is None:
         return [state_cost(lt, s, b, ctx) for s in states]
     out = []
     for s in states:
@@ -449,6 +482,16 @@ def state_costs_of(lt, states, b: int, ctx, table) -> list:
             hit = table[key] = (lt, s, state_cost(lt, s, b, ctx))
         out.append(hit[2])
     return out
+
+
+def plain_table(shared: dict, b: int, pl) -> dict:
+    """`state_costs_of`'s ``plain`` costs of one micro-batch, tensor placement and number
+    of cp ranks (of placements ``pl``), kept in `shared` (a search's caches)."""
+    key = ("plain costs", b, pl[TP], pl[CP].size)
+    table = shared.get(key)
+    if table is None:
+        table = shared[key] = {}
+    return table
 
 
 def cost_table(shared: dict | None, b: int, ctx_key) -> dict | None:
@@ -575,17 +618,18 @@ def _counts_one(fast, second, other, times, mems, n, budget):
     m_fast, m_second, m_other = mems[fast], mems[second], mems[other]
     least = min(m_fast, m_second)
     gap = m_fast - m_second
+    beat = float("inf")  # what a count's seconds must be under to be the best so far
     for c in range(n + 1):
         mem_o = 0 + c * m_other
-        time_o = 0 + c * t_other
         left = n - c
         room = budget - mem_o - left * least
         if room < -1e-9:
             continue
         n_fast = left if gap <= 0 else min(left, int((room + 1e-9) // gap))
-        t = time_o + n_fast * t_fast + (left - n_fast) * t_second
-        if best is None or t < best[0] - 1e-15:
+        t = 0 + c * t_other + n_fast * t_fast + (left - n_fast) * t_second
+        if t < beat or best is None:
             best = (t, mem_o + n_fast * m_fast + (left - n_fast) * m_second, c, n_fast)
+            beat = t - 1e-15
     if best is None:
         return None
     t, mem, c, n_fast = best

@@ -64,9 +64,11 @@ from autopar.search.prepared import (
     Fast,
     Leaf,
     Prepared,
+    Priced,
     cost_table,
     least_states,
     least_total,
+    plain_table,
 )
 from autopar.search.space import Constraints, Options, Space, divisors
 
@@ -224,6 +226,7 @@ class Search:
                     elif cand.step_time < -top[0][0]:
                         heapq.heapreplace(top, item)
         self.best_times = sorted(-t for t, _, _ in top)
+        per_mesh = {key: p.candidate() for key, p in per_mesh.items()}  # (the rest: compared)
         return _result(self, per_mesh, bounds, time.perf_counter() - start)
 
     def every(self, progress=None) -> list[Candidate]:
@@ -233,9 +236,9 @@ class Search:
             _, leaves = self._all_leaves(progress)
             out = []
             for leaf in leaves:
-                for cand in self._evaluate(leaf):
+                for priced in self._evaluate(leaf):
                     self.candidates += 1
-                    out.append(cand)
+                    out.append(priced.candidate())
         return out
 
     def _all_leaves(self, progress=None) -> tuple[list[dict], list]:
@@ -296,7 +299,8 @@ class Search:
         if base is False:
             self._cost_cache[key] = None
             return None
-        context = (ctx, cost_table(self._state_costs, b, ctx_key))
+        context = (ctx, cost_table(self._state_costs, b, ctx_key),
+                   plain_table(self._shared, b, pl))
         if least:
             return _least(self, per_type, b, context, base, floor)
         prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, context, base)
@@ -339,12 +343,12 @@ class Search:
                 pipe = _pipe_bound(self, schedule, v, m, pp, avg, slowest)
                 if pipe >= self._cutoff:  # (with the sync's, no sooner: it takes no time off)
                     continue
-                if dp_lb is None:
+                if dp_lb is None:  # (offloading leaves the sync as it is: once per stage, shard)
                     dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
                                               grad_pl, cache=None if shard else dp_cache,
                                               hybrid=hybrid_split(mesh, shard,
                                                                   self.world.per_node))
-                                for z, _, shard in leaf_zeros)
+                                for z, shard in dict.fromkeys((z, s) for z, _, s in leaf_zeros))
                 if pipe + dp_lb >= self._cutoff:
                     continue  # another search's k best are faster
                 out.append(Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
@@ -411,19 +415,19 @@ class Search:
             leaf.device_of = [stage_owner(leaf.schedule, s, leaf.mesh[PP])
                               for s in leaf.stage_of]
         for zero, offload, shard in zeros:
-            cand, moved = self._priced(leaf, zero, offload, shard)
-            if fast is not None and cand.fits and not moved:
+            cand = self._priced(leaf, zero, offload, shard)
+            if fast is not None and cand.fits and not cand.moved:
                 settled.setdefault(key + (zero, offload, shard), fast)
             yield cand
             if leaf.mesh[PP] > 1 and leaf.v == 1 and (not cand.fits or (
-                    moved and cand.states != leaf.prep.states_of(leaf.prep.fast))):
+                    cand.moved and cand.states() != leaf.prep.states_of(leaf.prep.fast))):
                 # the time-balanced split needs recomputation or does not fit: also try the
                 # fastest split whose stages hold their in-flight activations as they are
                 alt = self._memory_split(leaf, zero, offload, shard)
                 if alt is not None and alt != leaf.stage_of:
-                    yield self._price(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
-                                                          transfer=None, fast=None),
-                                      zero, offload, shard)
+                    yield self._priced(dataclasses.replace(leaf, stage_of=alt, device_of=alt,
+                                                           transfer=None, fast=None),
+                                       zero, offload, shard)
 
     def _memory_split(self, leaf, zero, offload, shard=None) -> list[int] | None:
         """Stages balanced by time under each stage's memory limit, fastest states kept."""
@@ -450,11 +454,11 @@ class Search:
         return sum(parts.values()), parts, step
 
     def _price(self, leaf, zero, offload, shard=None) -> Candidate:
-        return self._priced(leaf, zero, offload, shard)[0]
+        return self._priced(leaf, zero, offload, shard).candidate()
 
-    def _priced(self, leaf, zero, offload, shard=None) -> tuple[Candidate, bool]:
-        """The leaf's candidate under one ZeRO option, and whether fitting memory moved a
-        layer off its fastest state."""
+    def _priced(self, leaf, zero, offload, shard=None) -> Priced:
+        """The leaf's candidate under one ZeRO option: what ranks it, and whether fitting
+        memory moved a layer off its fastest state (`Priced`); the rest once asked."""
         prep, mesh = leaf.prep, leaf.mesh
         pp = mesh[PP]
         in_flight = self._in_flight(leaf.schedule, pp, leaf.v, leaf.m)
@@ -472,7 +476,8 @@ class Search:
                                               offload, in_flight, experts_dev, leaf.fast.temps_dev,
                                               shard, _held(leaf, zero, self.precision))
         params, moved = prep.params, False
-        if total.max() > self.capacity:
+        memory = total.max()
+        if memory > self.capacity:
             # activations fit what the state, the buffers and the step's excess leave
             prep.fit_ranks(chosen, leaf.fast, total, total - parts["activations"] -
                            parts["optimizer_step"], self.capacity, in_flight)
@@ -482,6 +487,7 @@ class Search:
                                                   offload, in_flight, experts_dev, temps_dev,
                                                   shard, _held(leaf, zero, self.precision, chosen))
             moved = chosen != prep.fast
+            memory = total.max()
         fast = chosen == prep.fast  # what follows from the states alone is the leaf's
         chosen = np.asarray(chosen)
         heaviest = int(np.argmax(params_dev))
@@ -502,27 +508,9 @@ class Search:
         host, wire = sync_bytes(float(params_dev.max()), zero_ranks(mesh, shard), zero, offload,
                                 self.precision, hybrid, leaf.split, float(experts_dev[heaviest])
                                 if leaf.split is not None else 0.0)
-        on_slow = np.flatnonzero(device_of == int(np.argmax(step["per_rank_s"])))  # slowest
-        on_chosen = chosen[on_slow]
-
-        def slow_sum(table) -> float:  # in layer order, as a running sum
-            return sum(table[on_slow, on_chosen].tolist())
-
-        worst_dev = int(np.argmax(total))
-        return Candidate(
-            mesh=dict(mesh), micro_batch=leaf.b, microbatches=leaf.m,
-            schedule=leaf.schedule if pp > 1 else NO_PIPELINE, chunks=leaf.v, zero=zero,
-            offload=offload, cp_mode=leaf.cp_mode, states=prep.states_of(chosen.tolist()),
-            stages=leaf.stage_of, step_time=step["step_s"],
-            compute_s=leaf.m * slow_sum(prep.compute_table),
-            comm_s=leaf.m * slow_sum(prep.comm_table),
-            bubble_s=step["bubble_s"], dp_comm_s=step["dp_s"], optimizer_s=step["optimizer_s"],
-            memory={k: float(v[worst_dev]) for k, v in parts.items()},
-            memory_per_device=float(total.max()), step_workspace=float(step_dev[worst_dev]),
-            comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table) + wire,
-            fits=bool(total.max() <= self.capacity and host <= self.host_capacity),
-            host_per_device=host, ep=leaf.split.ep if leaf.split is not None else 1,
-            ep_comm_s=leaf.m * slow_sum(prep.ep_comm_table), dp_shard=shard), moved
+        return Priced(step["step_s"], bool(memory <= self.capacity and host <= self.host_capacity),
+                      float(memory), moved, (_candidate, leaf, zero, offload, shard, chosen,
+                                             step, total, parts, step_dev, host, wire))
 
     def _experts_dev(self, leaf, chosen, device_of):
         """Bytes of expert weights each pipeline rank holds (None without expert parallelism)."""
@@ -530,6 +518,32 @@ class Search:
             return None
         experts = leaf.prep.take(leaf.prep.expert_table, chosen)
         return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
+
+
+def _candidate(leaf, zero, offload, shard, chosen, step, total, parts, step_dev, host, wire,
+               step_time, fits, memory) -> Candidate:
+    """`Priced.candidate`: the whole Candidate of what `Search._priced` worked out."""
+    prep, mesh, device_of = leaf.prep, leaf.mesh, leaf.fast.device_of
+    on_slow = np.flatnonzero(device_of == int(np.argmax(step["per_rank_s"])))  # slowest
+    on_chosen = chosen[on_slow]
+
+    def slow_sum(table) -> float:  # in layer order, as a running sum
+        return sum(table[on_slow, on_chosen].tolist())
+
+    worst_dev = int(np.argmax(total))
+    return Candidate(
+        mesh=dict(mesh), micro_batch=leaf.b, microbatches=leaf.m,
+        schedule=leaf.schedule if mesh[PP] > 1 else NO_PIPELINE, chunks=leaf.v, zero=zero,
+        offload=offload, cp_mode=leaf.cp_mode, states=prep.states_of(chosen.tolist()),
+        stages=leaf.stage_of, step_time=step_time,
+        compute_s=leaf.m * slow_sum(prep.compute_table),
+        comm_s=leaf.m * slow_sum(prep.comm_table),
+        bubble_s=step["bubble_s"], dp_comm_s=step["dp_s"], optimizer_s=step["optimizer_s"],
+        memory={k: float(v[worst_dev]) for k, v in parts.items()},
+        memory_per_device=memory, step_workspace=float(step_dev[worst_dev]),
+        comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table) + wire,
+        fits=fits, host_per_device=host, ep=leaf.split.ep if leaf.split is not None else 1,
+        ep_comm_s=leaf.m * slow_sum(prep.ep_comm_table), dp_shard=shard)
 
 
 def _fitted(search: Search, leaf, chosen) -> tuple:
@@ -542,6 +556,7 @@ def _fitted(search: Search, leaf, chosen) -> tuple:
     if hit is not None:
         return hit
     prep, device_of, pp = leaf.prep, leaf.fast.device_of, leaf.mesh[PP]
+    chosen = np.asarray(chosen)  # (one index array for every table)
     acts = prep.take(prep.act_table, chosen)
     acts_dev = np.bincount(device_of, weights=acts, minlength=pp)
     # a layer that changed layout holds its parameters differently too
