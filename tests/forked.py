@@ -101,6 +101,31 @@ def run_script(script: str | Path, args: list[str], cwd: str | Path, timeout: fl
         return Done(child.exitcode, Path(out).read_text(), Path(err).read_text())
 
 
+def run_scripts(commands: list[tuple[str | Path, list[str]]], cwd: str | Path,
+                timeout: float) -> list[Done]:
+    """`python script *args` for each (script, args), all started at once from this thread
+    (forked from the preloaded server, as `run_script`), then each waited for; their exit
+    statuses and what they printed, in order. Call it from one thread: multiprocessing's
+    Process.start reaps the process's finished children, so a start in one thread can read
+    the exit status another thread is waiting for (which then reads 255)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        children = []
+        for i, (script, args) in enumerate(commands):
+            out, err = os.path.join(tmp, f"out{i}"), os.path.join(tmp, f"err{i}")
+            children.append((start_script(script, args, cwd, out=out, err=err), out, err))
+        deadline = time.monotonic() + timeout
+        for child, _, _ in children:
+            child.join(max(0.0, deadline - time.monotonic()))
+        late = [child for child, _, _ in children if child.is_alive()]
+        for child in late:
+            child.kill()
+            child.join()
+        if late:
+            raise TimeoutError(f"{len(late)} of {len(children)} scripts ran past {timeout} s")
+        return [Done(child.exitcode, Path(out).read_text(), Path(err).read_text())
+                for child, out, err in children]
+
+
 # What a stand-in for torchrun gives its ranks otherwise than torchrun does, by design: the
 # workers host the store themselves at a port of their own, on the loopback address, and
 # write an error file (torch's @record) where the stand-in says.
