@@ -201,6 +201,15 @@ def test_switch_must_be_a_bool():
                             optimizer=functools.partial(torch.optim.SGD, lr=0.1))
 
 
+def _lm_loss(out, target):
+    """The language model's cross-entropy over every token: one function for every model
+    and engine of the module, so a model traced once (an engine's start, the planner) is
+    found in the trace cache by the next (its key names a loss function by identity; a
+    lambda made per call traced the same graph again: 5 traces of the 1-layer GPT at Llama
+    3's vocabulary where 2 serve)."""
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
 def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
     """Per rank: the live tensor bytes a step makes at its peak with the chunked loss off
     and on, and the fall the memory model names for this rank's graph."""
@@ -218,8 +227,7 @@ def _peak_fall(vocab: int, seq: int, plan: dict) -> dict:
         model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_head=2, n_embd=32, block_size=seq))
         x, y = torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))
         engine = autopar.parallelize(model, world, example_inputs=(x,), plan=plan,
-                                     loss_fn=lambda out, t: F.cross_entropy(
-                                         out.reshape(-1, vocab), t.reshape(-1)),
+                                     loss_fn=_lm_loss,
                                      optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                      chunked_loss=chunked)
         engine.train_step(x, y)
@@ -254,8 +262,7 @@ def test_peak_falls_by_what_the_plan_says():
     x = torch.randint(0, vocab, (1, seq))
     plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
                              chunked_loss=c, example_target=x, global_batch=1,
-                             loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, vocab),
-                                                                    t.reshape(-1)))
+                             loss_fn=_lm_loss)
              for c in (True, False)}
     buffers = {c: p.predicted["memory_breakdown_bytes"]["buffers"] for c, p in plans.items()}
     chunk = losses.chunk_rows(vocab) * vocab * 4
@@ -279,8 +286,7 @@ def test_activations_lose_the_saved_logits(monkeypatch, chunks):
         monkeypatch.setattr(losses, "CHUNK_BYTES", 16 * 1000 * 4)  # 16 tokens a chunk
     model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
     x = torch.randint(0, 1000, (2, 64))
-    traced = trace(model, (x,), loss_fn=lambda out, t: F.cross_entropy(
-        out.reshape(-1, 1000), t.reshape(-1)), example_target=x, train=True)
+    traced = trace(model, (x,), loss_fn=_lm_loss, example_target=x, train=True)
     whole = activation_bytes(traced, micro_batch=2, chunked_loss=False)
     chunked = activation_bytes(traced, micro_batch=2)
     tokens = 2 * 64
@@ -302,8 +308,7 @@ def test_explain_names_the_effect():
     model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
     x = torch.randint(0, 1000, (4, 64))
     plan = autopar.plan(model, (x,), autopar.World(2, device="a100-80gb"),
-                        constraints={"tp": 2}, loss_fn=lambda out, t: F.cross_entropy(
-                            out.reshape(-1, 1000), t.reshape(-1)), example_target=x)
+                        constraints={"tp": 2}, loss_fn=_lm_loss, example_target=x)
     text = plan.explain()
     assert "chunked cross-entropy: peak -" in text and "arXiv 2410.10989" in text, text
     effect = plan.detail["chunked_loss"]
@@ -321,9 +326,7 @@ def test_the_planner_prices_the_loss_unchunked_when_told(monkeypatch):
     model = GPT(GPTConfig(vocab_size=1000, n_layer=1, n_head=2, n_embd=32, block_size=64))
     x = torch.randint(0, 1000, (4, 64))
     plans = {c: autopar.plan(model, (x,), autopar.World(1, device="a100-80gb"),
-                             chunked_loss=c, example_target=x,
-                             loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, 1000),
-                                                                    t.reshape(-1)))
+                             chunked_loss=c, example_target=x, loss_fn=_lm_loss)
              for c in (True, False)}
     acts = {c: p.predicted["memory_breakdown_bytes"]["activations"] for c, p in plans.items()}
     assert acts[False] - acts[True] == 4 * 64 * (1000 - 1) * 4
@@ -341,11 +344,7 @@ def _gpt_lm(vocab: int, seq: int, hidden: int, layers: int):
 
     model = GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=2, n_embd=hidden,
                           block_size=seq))
-
-    def loss_fn(out, t):
-        return F.cross_entropy(out.reshape(-1, vocab), t.reshape(-1))
-
-    return model, loss_fn
+    return model, _lm_loss
 
 
 def _remade_s(flops: int, chunk: tuple, hw, dtype: str, kept: bool = True) -> float:

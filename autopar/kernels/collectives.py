@@ -241,12 +241,15 @@ class AxisGroup:
         return Pending(out, [_reduce_scatter_single(out, flat, group=self.group,
                                                         async_op=True)])
 
-    def all_gather_async(self, flat: torch.Tensor, phase: str) -> "Pending":
+    def all_gather_async(self, flat: torch.Tensor, phase: str,
+                         out: torch.Tensor | None = None) -> "Pending":
         """Every member's flat, contiguous piece, concatenated in member order; `.wait()`
-        returns the whole buffer. Logs the gathered bytes (the piece's times `size`)."""
+        returns the whole buffer (`out`, a flat buffer of `size` pieces, when given). Logs
+        the gathered bytes (the piece's times `size`)."""
         self.log.add("all_gather", self.axis, flat.numel() * flat.element_size() * self.size,
                      phase)
-        out = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        if out is None:
+            out = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=flat.device)
         if self.size == 1:
             out.copy_(flat)
             return Pending(out, [])

@@ -28,8 +28,9 @@ class ShardGroup:
         """Over the shard group alone (fp8's amaxes: its pieces make the whole weight)."""
         return self.shard.all_reduce(x, phase, op=op)
 
-    def all_gather_async(self, flat: torch.Tensor, phase: str) -> Pending:
-        return self.shard.all_gather_async(flat, phase)
+    def all_gather_async(self, flat: torch.Tensor, phase: str,
+                         out: torch.Tensor | None = None) -> Pending:
+        return self.shard.all_gather_async(flat, phase, out)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, groups: int,
                        phase: str) -> torch.Tensor:

@@ -21,6 +21,9 @@ from autopar.runtime.zero_state import ZeroState
 
 # gradient reduce-scatters a backward keeps in flight (each holds a layer's whole gradients)
 REDUCES_IN_FLIGHT = 1
+# gathers' receive buffers a pass keeps for its next gather (dropped at the pass's end: one,
+# which the next layer's prefetch takes at once; each more is resident beside the backward)
+SPARE_BUFFERS = 1
 
 
 class _Unit:
@@ -111,6 +114,7 @@ class ZeroThree(ZeroState):
         # not under a pipeline, whose zero-bubble weight pass wants them from autograd
         self.overlap = True
         self._reducing: list[tuple] = []
+        self._spare = _Spares(SPARE_BUFFERS)  # gathers' buffers, for the next gather
         self._seen_backward: list[int] = []
         self.homed: set[int] = set()  # the shards a unit's flat piece holds (`send_piece`)
 
@@ -206,8 +210,8 @@ class ZeroThree(ZeroState):
                                 self.gather_dtype, self.device)
         # (one data-parallel rank: the piece is the whole unit, up from the host under
         # offload; no collective)
-        self._pending[u] = self.dp.all_gather_async(send, phase) if self.dp.size > 1 \
-            else Pending(send, [])
+        self._pending[u] = self.dp.all_gather_async(send, phase, self._spare.take(
+            self.dp.size * send.numel(), send.dtype)) if self.dp.size > 1 else Pending(send, [])
 
     def _start_float8(self, u: int, phase: str) -> None:
         """Unit u's gather as bytes: its float8 members in e4m3 at the scale of the whole
@@ -243,6 +247,7 @@ class ZeroThree(ZeroState):
             if n:
                 read_padded(whole[off:off + n], pieces[:, col:col + k])
             col += k
+        self._spare.give(out)  # (at one rank the unit's own piece, which no gather takes)
         return whole
 
     def _whole_float8(self, u: int, out: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -402,6 +407,7 @@ class ZeroThree(ZeroState):
         for u in list(self._pending):
             self._pending.pop(u).wait()
         self._cache.clear()  # (an inference forward's last layer)
+        self._spare.clear()  # (given back: the next pass makes its own)
 
     @property
     def backward_gathers(self) -> list[int] | None:
@@ -447,6 +453,34 @@ class ZeroThree(ZeroState):
         # (piece up from the host: offload)
         full = self.dp.all_gather(piece, 0, 1, "state") if self.dp.size > 1 else piece
         return full[:self.numels[i]].view(self.shapes[i]).clone()
+
+
+class _Spares:
+    """Host buffers a pass's collectives are done with, kept for its next one: a layer-sized
+    block made afresh is mapped and faulted in page by page (`runtime.host_memory` maps
+    every large block on its own), about a quarter of a ZeRO-3 step's page faults."""
+
+    def __init__(self, keep: int):
+        self.keep, self.buffers = keep, []
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The first `numel` elements of a spare buffer of `dtype` at least that long."""
+        for k, buf in enumerate(self.buffers):
+            if buf.dtype == dtype and buf.numel() >= numel:
+                return self.buffers.pop(k)[:numel]
+        return None
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Keep `buf` (nothing reads it any more), the largest `keep` buffers given."""
+        if buf.device.type != "cpu":  # (an accelerator's caching allocator reuses them)
+            return
+        self.buffers.append((buf if buf._base is None else buf._base).view(-1))
+        if len(self.buffers) > self.keep:
+            self.buffers.pop(min(range(len(self.buffers)),
+                                 key=lambda k: self.buffers[k].numel()))
+
+    def clear(self) -> None:
+        self.buffers.clear()
 
 
 class _Saved:
