@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import warnings
 
 import torch
@@ -12,14 +11,13 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import PlanError, WorldError
-from autopar.kernels.collectives import broadcast_object
 from autopar.kernels.float8 import ROWWISE, check_recipe
 from autopar.kernels.moe_layers import expert_layers
 from autopar.modes import BF16, CP, FP8, FP32, TP_1D
 from autopar.passes.precision import compute_dtype
 from autopar.plans import Plan
 from autopar.plans.checks import check_context_dims, check_grid_dims, check_sequence_dims
-from autopar.runtime.agree import check_ranks_agree, process_rank
+from autopar.runtime.agree import check_ranks_agree, on_rank_zero
 from autopar.runtime.checkpoint import Checkpointing
 from autopar.runtime.checkpoint import latest as latest_checkpoint
 from autopar.runtime.engine import Engine
@@ -338,35 +336,14 @@ def _search_plan(model, size: int, world, example_inputs, loss_fn,
 
 
 def _rank_zeros_plan(make_plan, *args, **kwargs) -> Plan:
-    """Global rank 0's search, sent to every rank (control traffic): every rank would search
-    the same model, world and inputs (check_ranks_agree then compares what they traced), so
-    one prices the plans and the others wait; rank 0's error is every rank's. The search
-    draws nothing from the random state a meta start initializes from."""
-    chosen, error = None, None
-    if process_rank() == 0:
-        try:
-            with torch.random.fork_rng(devices=[]):
-                chosen = make_plan(*args, **kwargs)
-        except Exception as failed:  # noqa: BLE001 - every rank raises what rank 0 met
-            error = failed
-    chosen, sent = broadcast_object((chosen, _portable(error)), src=0)
-    if error is not None:
-        raise error
-    if sent is not None:
-        raise sent
-    return chosen
+    """Global rank 0's search, sent to every rank (`on_rank_zero`): every rank would search
+    the same model, world and inputs (check_ranks_agree then compares what they traced). The
+    search draws nothing from the random state a meta start initializes from."""
+    def search():
+        with torch.random.fork_rng(devices=[]):
+            return make_plan(*args, **kwargs)
 
-
-def _portable(error: BaseException | None) -> BaseException | None:
-    """An error as it can be sent to other ranks: itself when it pickles, else a PlanError
-    naming it."""
-    if error is None:
-        return None
-    try:
-        pickle.dumps(error)
-        return error
-    except Exception:  # noqa: BLE001 - any error object, whatever its state holds
-        return PlanError(f"rank 0's plan search failed ({type(error).__name__}: {error}).")
+    return on_rank_zero("plan search", search)
 
 
 def _example_target(out, loss_fn):

@@ -89,39 +89,34 @@ def run_script(script: str | Path, args: list[str], cwd: str | Path, timeout: fl
     """`python script *args` (`python -m script *args` with `module`) in `cwd`, forked from
     the preloaded server; its exit status and what it printed. A child still running after
     `timeout` seconds is killed and fails."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        child = start_script(script, args, cwd, out=out, err=err, environ=environ,
-                             module=module)
-        child.join(timeout)
-        if child.is_alive():
-            child.kill()
-            child.join()
-            raise TimeoutError(f"`python {script} {' '.join(args)}` ran past {timeout} s")
-        return Done(child.exitcode, Path(out).read_text(), Path(err).read_text())
+    return run_scripts([(script, args)], cwd, timeout, environ=environ, module=module)[0]
 
 
-def run_scripts(commands: list[tuple[str | Path, list[str]]], cwd: str | Path,
-                timeout: float) -> list[Done]:
-    """`python script *args` for each (script, args), all started at once from this thread
-    (forked from the preloaded server, as `run_script`), then each waited for; their exit
-    statuses and what they printed, in order. Call it from one thread: multiprocessing's
-    Process.start reaps the process's finished children, so a start in one thread can read
-    the exit status another thread is waiting for (which then reads 255)."""
+def run_scripts(commands: list[tuple[str | Path, list[str]]], cwd: str | Path, timeout: float,
+                *, environ: dict | None = None, module: bool = False) -> list[Done]:
+    """`run_script` of each (script, args), all started at once from this thread, then each
+    waited for; their exit statuses and what they printed, in order. Call it from one
+    thread: multiprocessing's Process.start reaps the process's finished children, so a
+    start in one thread can read the exit status another thread is waiting for (which then
+    reads 255)."""
     with tempfile.TemporaryDirectory() as tmp:
         children = []
         for i, (script, args) in enumerate(commands):
             out, err = os.path.join(tmp, f"out{i}"), os.path.join(tmp, f"err{i}")
-            children.append((start_script(script, args, cwd, out=out, err=err), out, err))
+            children.append((start_script(script, args, cwd, out=out, err=err, environ=environ,
+                                          module=module), out, err))
         deadline = time.monotonic() + timeout
         for child, _, _ in children:
             child.join(max(0.0, deadline - time.monotonic()))
-        late = [child for child, _, _ in children if child.is_alive()]
-        for child in late:
-            child.kill()
-            child.join()
+        late = [(script, args) for (script, args), (child, _, _) in zip(commands, children)
+                if child.is_alive()]
+        for child, _, _ in children:
+            if child.is_alive():
+                child.kill()
+                child.join()
         if late:
-            raise TimeoutError(f"{len(late)} of {len(children)} scripts ran past {timeout} s")
+            raise TimeoutError("; ".join(f"`python {script} {' '.join(args)}`"
+                                         for script, args in late) + f" ran past {timeout} s")
         return [Done(child.exitcode, Path(out).read_text(), Path(err).read_text())
                 for child, out, err in children]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 
 import torch
 import torch.distributed as dist
 
-from autopar.errors import BatchError, CheckpointError, WorldError
+from autopar.errors import AutoparError, BatchError, CheckpointError, PlanError, WorldError
 from autopar.kernels.collectives import broadcast_object, exchange_objects
 
 _SAMPLES = 64  # values per parameter or batch tensor read into a fingerprint
@@ -139,6 +140,39 @@ def getattr_path(module, target: str):
 def process_rank() -> int:
     """This process's global rank (0 without a process group)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def on_rank_zero(what: str, compute, *args, **kwargs):
+    """`compute(*args, **kwargs)` on global rank 0 alone, its answer sent to every rank
+    (control traffic), for work every rank would do alike (a plan search, a stage split):
+    one pays for it and the others wait. Rank 0's error is every rank's: rank 0 raises its
+    own, the others autopar's error as it was raised (its type and words), any other as a
+    PlanError naming it and `what` failed, so no rank hangs waiting for the others."""
+    answer, error = None, None
+    if process_rank() == 0:
+        try:
+            answer = compute(*args, **kwargs)
+        except Exception as failed:  # noqa: BLE001 - every rank raises what rank 0 met
+            error = failed
+    answer, sent = broadcast_object((answer, _portable(what, error)), src=0)
+    if error is not None:
+        raise error
+    if sent is not None:
+        raise sent
+    return answer
+
+
+def _portable(what: str, error: Exception | None) -> Exception | None:
+    """The error the other ranks raise for rank 0's `error`."""
+    if error is None:
+        return None
+    if isinstance(error, AutoparError):
+        try:
+            pickle.loads(pickle.dumps(error))  # (one whose arguments rebuild it)
+            return error
+        except Exception:  # noqa: BLE001 - an error whose state does not travel
+            pass
+    return PlanError(f"rank 0's {what} failed ({type(error).__name__}: {error}).")
 
 
 def agree_with_rank_zero(error: str | None, group=None) -> None:

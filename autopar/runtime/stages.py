@@ -7,9 +7,8 @@ import torch
 
 from autopar.cost.schedule import check_microbatches, stage_count, stage_owner
 from autopar.errors import PlanError
-from autopar.kernels.collectives import broadcast_object
 from autopar.passes.pipeline import check_stage_count, split_stages
-from autopar.runtime.agree import process_rank
+from autopar.runtime.agree import on_rank_zero
 from autopar.runtime.host_memory import trim
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.sharding.solve import tokens_per_sample
@@ -38,24 +37,9 @@ def stage_of_layers(plan, train_graph, n: int, global_batch: int, microbatches: 
 
 
 def _rank_zeros_stages(stage_planner, *args) -> list[int]:
-    """Global rank 0's split, sent to every rank (control traffic): the split is the same on
-    every rank, so one prices it (the planner's activation analysis costs seconds of CPU a
-    start) and the others wait, and a failure is every rank's error, not a hang."""
-    stages, error = None, None
-    if process_rank() == 0:
-        try:
-            stages = list(stage_planner(*args))
-        except Exception as failed:  # noqa: BLE001 - every rank raises what rank 0 met
-            error = failed
-    # (an error goes as its text, which any exception has: a plan's error word for word)
-    said = None if error is None else str(error) if isinstance(error, PlanError) else \
-        f"rank 0's pipeline stage planner failed ({type(error).__name__}: {error})."
-    stages, said = broadcast_object((stages, said), src=0)
-    if error is not None:
-        raise error
-    if said is not None:
-        raise PlanError(said)
-    return stages
+    """Global rank 0's split, sent to every rank (`on_rank_zero`): the split is the same on
+    every rank, and the planner's activation analysis costs seconds of CPU a start."""
+    return on_rank_zero("pipeline stage planner", lambda: list(stage_planner(*args)))
 
 
 def build_pipeline(plan, train_graph, train_gm, pp, dp, global_batch: int, device,

@@ -114,7 +114,7 @@ class ZeroThree(ZeroState):
         # not under a pipeline, whose zero-bubble weight pass wants them from autograd
         self.overlap = True
         self._reducing: list[tuple] = []
-        self._spare = _Spares(SPARE_BUFFERS)  # gathers' buffers, for the next gather
+        self._spare = _Spares(SPARE_BUFFERS if dp.size > 1 else 0)  # (1 rank: out is its piece)
         self._seen_backward: list[int] = []
         self.homed: set[int] = set()  # the shards a unit's flat piece holds (`send_piece`)
 
@@ -247,7 +247,7 @@ class ZeroThree(ZeroState):
             if n:
                 read_padded(whole[off:off + n], pieces[:, col:col + k])
             col += k
-        self._spare.give(out)  # (at one rank the unit's own piece, which no gather takes)
+        self._spare.give(out)
         return whole
 
     def _whole_float8(self, u: int, out: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

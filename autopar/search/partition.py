@@ -41,24 +41,13 @@ def balance(costs, k: int) -> list[int]:
             start = end
         return True
 
-    def within(limit: float) -> bool:
-        """`cuts` without the ends (the bisection's probes): the same stages counted."""
-        reach, start, used = limit * (1 + 1e-12), 0, 0
-        while start < n:
-            used += 1
-            if used > k:
-                return False
-            end = right(prefix, prefix[start] + reach) - 1
-            start = end if end > start else start + 1
-        return True
-
     lo = max(max(costs), total / k)
     hi = lo + max(costs)
     for _ in range(60):
         if hi - lo <= 1e-9 * hi:
             break
         mid = (lo + hi) / 2
-        if within(mid):
+        if cuts(mid):
             hi = mid
         else:
             lo = mid

@@ -69,31 +69,30 @@ class Fast:
 
 class Priced:
     """A candidate as the search ranks it (`Search._priced`): its step seconds, whether it
-    fits, its worst device's bytes and whether fitting memory moved a layer off its fastest
-    state; the whole `Candidate` made only when asked (`candidate`), as few of those priced
-    are kept."""
+    fits, its worst device's bytes, whether fitting memory moved a layer off its fastest
+    state, and the states chosen per layer; the whole `Candidate` made only when asked
+    (`candidate`), as few of those priced are kept."""
 
-    __slots__ = ("step_time", "fits", "memory_per_device", "moved", "_made", "_whole")
+    __slots__ = ("step_time", "fits", "memory_per_device", "moved", "leaf", "chosen", "_make",
+                 "_whole")
 
-    def __init__(self, step_time: float, fits: bool, memory: float, moved: bool, made: tuple):
+    def __init__(self, step_time: float, fits: bool, memory: float, moved: bool, leaf,
+                 chosen: np.ndarray, make):
         self.step_time, self.fits, self.memory_per_device, self.moved = \
             step_time, fits, memory, moved
-        self._made = made  # (`search._candidate`, its arguments: the leaf, ..., the states)
+        self.leaf, self.chosen = leaf, chosen
+        self._make = make  # () -> the Candidate (`search._candidate` and what it reads)
         self._whole = None
 
     def candidate(self):
         """The `search.Candidate`, made once."""
         if self._whole is None:
-            made = self._made
-            self._whole = made[0](*made[1:], self.step_time, self.fits, self.memory_per_device)
-            self._made = None
+            self._whole, self._make = self._make(), None
         return self._whole
 
     def states(self) -> list:
         """The LayerState of each layer."""
-        if self._whole is not None:
-            return self._whole.states
-        return self._made[1].prep.states_of(self._made[5].tolist())
+        return self.leaf.prep.states_of(self.chosen.tolist())
 
 
 class Prepared:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import heapq
 import itertools
@@ -508,9 +509,10 @@ class Search:
         host, wire = sync_bytes(float(params_dev.max()), zero_ranks(mesh, shard), zero, offload,
                                 self.precision, hybrid, leaf.split, float(experts_dev[heaviest])
                                 if leaf.split is not None else 0.0)
-        return Priced(step["step_s"], bool(memory <= self.capacity and host <= self.host_capacity),
-                      float(memory), moved, (_candidate, leaf, zero, offload, shard, chosen,
-                                             step, total, parts, step_dev, host, wire))
+        fits, memory = bool(memory <= self.capacity and host <= self.host_capacity), float(memory)
+        return Priced(step["step_s"], fits, memory, moved, leaf, chosen, functools.partial(
+            _candidate, leaf, zero, offload, shard, chosen, step, total, parts, step_dev, host,
+            wire, step["step_s"], fits, memory))
 
     def _experts_dev(self, leaf, chosen, device_of):
         """Bytes of expert weights each pipeline rank holds (None without expert parallelism)."""
@@ -525,10 +527,9 @@ def _candidate(leaf, zero, offload, shard, chosen, step, total, parts, step_dev,
     """`Priced.candidate`: the whole Candidate of what `Search._priced` worked out."""
     prep, mesh, device_of = leaf.prep, leaf.mesh, leaf.fast.device_of
     on_slow = np.flatnonzero(device_of == int(np.argmax(step["per_rank_s"])))  # slowest
-    on_chosen = chosen[on_slow]
 
     def slow_sum(table) -> float:  # in layer order, as a running sum
-        return sum(table[on_slow, on_chosen].tolist())
+        return sum(table[on_slow, chosen[on_slow]].tolist())
 
     worst_dev = int(np.argmax(total))
     return Candidate(
