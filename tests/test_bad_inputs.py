@@ -420,6 +420,38 @@ def _ids_out_of_range():
     return _refusal(engine.train_step, x + 1000, y), engine.train_step(x, y) > 0
 
 
+class _TwoArgumentError(PlanError):
+    """An autopar error whose arguments do not rebuild it (its one message from two)."""
+
+    def __init__(self, first, second):
+        super().__init__(f"{first} and {second}")
+
+
+def _on_rank_zero_errors():
+    from autopar.runtime.agree import on_rank_zero
+
+    def fail(error):
+        if _rank() != 0:
+            raise AssertionError("only rank 0 computes")
+        raise error
+
+    answers = [on_rank_zero("sum", lambda a, b: a + b, 2, b=3)]
+    for error in (PlanError("no plan fits."), _TwoArgumentError("a", "b"), KeyError("x")):
+        answers.append(_refusal(on_rank_zero, "plan search", fail, error))
+    return answers
+
+
+def test_rank_zeros_answer_and_error_are_every_ranks(pool2):
+    """on_rank_zero: rank 0 alone computes; an autopar error reaches the others as raised,
+    one that cannot travel (or any other error) as a PlanError naming it."""
+    zero, one = pool2.run(_on_rank_zero_errors)
+    assert zero[:2] == one[:2] == [5, ("PlanError", "no plan fits.")]
+    assert zero[2] == ("_TwoArgumentError", "a and b")
+    assert one[2] == ("PlanError", "rank 0's plan search failed (_TwoArgumentError: a and b).")
+    assert zero[3] == ("KeyError", "'x'")
+    assert one[3] == ("PlanError", "rank 0's plan search failed (KeyError: 'x').")
+
+
 def test_ranks_given_different_plans_stop_together(pool2):
     for kind, message in pool2.run(_different_plans):
         assert kind == "WorldError"

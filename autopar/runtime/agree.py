@@ -3,6 +3,7 @@ all-gather, so a mismatch is an error, not a deadlock or a silent mixture."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import pickle
@@ -168,7 +169,8 @@ def _portable(what: str, error: Exception | None) -> Exception | None:
         return None
     if isinstance(error, AutoparError):
         try:
-            pickle.loads(pickle.dumps(error))  # (one whose arguments rebuild it)
+            pickle.dumps(error)  # its state travels,
+            copy.copy(error)  # and its reduce protocol rebuilds it, as the receivers do
             return error
         except Exception:  # noqa: BLE001 - an error whose state does not travel
             pass
