@@ -24,6 +24,7 @@ from autopar.errors import PlanError
 
 GPT8 = "gpt:layers=8,hidden=32,heads=4,vocab=64,seq=16"
 GPT2 = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"  # a block per stage: pp2 x more axes
+GPT1 = "gpt:layers=1,hidden=32,heads=4,vocab=64,seq=16"  # too few blocks for two stages
 STEPS = 3  # parallelize's runs beside one device
 LLAMA4 = "llama:layers=4,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 HEAVY_HEAD = "gpt:layers=8,hidden=64,heads=4,vocab=4096,seq=32"
@@ -35,7 +36,7 @@ HEAVY_HEAD = "gpt:layers=8,hidden=64,heads=4,vocab=4096,seq=32"
 HEAVY_OPT = functools.partial(torch.optim.SGD, lr=1e-2)
 
 # each world forked from the test process once it traced the world's models (tests/pretraced.py)
-pool2 = forked_pool_fixture(2, [GPT8, LLAMA4, GPT2, HEAVY_HEAD])
+pool2 = forked_pool_fixture(2, [GPT8, LLAMA4, GPT2, HEAVY_HEAD, GPT1])
 pool4 = forked_pool_fixture(4, [GPT8, GPT2, LLAMA4])
 pool8 = forked_pool_fixture(8, [GPT2, LLAMA4])
 pool16 = forked_pool_fixture(16, [hf_llama], timeout_s=900)
@@ -188,8 +189,7 @@ def _bad_pipeline(spec: str, plan: dict, batch: int) -> str:
 
 
 def test_bad_pipeline_plans_get_one_sentence(pool2):
-    more_stages = pool2.run(_bad_pipeline, "gpt:layers=1,hidden=32,heads=4,vocab=64,seq=16",
-                            PP(2), 8)
+    more_stages = pool2.run(_bad_pipeline, GPT1, PP(2), 8)
     assert all("a 2-stage pipeline needs at least 2 blocks; the model has 1" in m
                for m in more_stages), more_stages
     uneven = pool2.run(_bad_pipeline, GPT2, PP(2), 6)
