@@ -29,17 +29,19 @@ vocabulary 128, sequence 8; no weights are downloaded) and trained for `STEPS` A
 No (family, mode) is skipped: a raw error (not autopar's, or more than one sentence) or a
 divergence fails the test that names the family and the mode.
 
-Speed: the cases of one world run in one call of a pool (one world-2 and one world-4 pool
-for the module). Both are forked from the test process after it traced every selected family
-once per kind of graph and computed its one-device reference (`pretraced`: traced graphs do not
-pickle, forked workers inherit them), so no rank traces what another already did; the tracer
-sees only shapes, and the trace cache (`_install_trace_cache`) hands every case of a family the
-one trace, its parameters rebound to that case's model, which is what tracing the new model
-would give. The test process traces each family's inference and training graphs directly, as
-an engine start does (`Engine.trace_for`, then the training trace with the loss), an MoE
-family's also with its MoE layers opaque (every plan that splits experts), and does the
-training graph's memory analysis (the planner and a pipeline's stage cut price it); a graph it
-did not trace (a family whose trace fails) is traced by the ranks, once per world.
+Speed: the cases run in worlds forked from the test process (`_sweep`), which traces each
+selected family once per kind of graph and computes its one-device reference first (traced
+graphs do not pickle, forked workers inherit them), so no rank traces what another already
+did. It pretraces family after family and forks a world for the families traced so far
+whenever none of that size is running, so the pretrace and the cases keep both cores busy;
+each world runs its cases in one pool call. The tracer sees only shapes, and the trace cache
+(`_install_trace_cache`) hands every case of a family the one trace, its parameters rebound to
+that case's model, which is what tracing the new model would give. The test process traces
+each family's inference and training graphs as an engine start does (`Engine.trace_for`, then
+the training trace with the loss), an MoE family's also with its MoE layers opaque (every
+plan that splits experts), and does the training graph's memory analysis (the planner and a
+pipeline's stage cut price it); a graph it did not trace (a family whose trace fails) is
+traced by the ranks, once per world.
 docs/families.md is generated from `FAMILIES`, `MODES` and `EXPECTED`
 (`python tests/test_families.py` writes it), and a test checks it is current.
 """
@@ -50,6 +52,7 @@ import copy
 import functools
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -502,49 +505,119 @@ def _pretrace_experts(model, inputs, target) -> None:
                      example_target=torch.zeros_like(target), train=True)
 
 
-@pytest.fixture(scope="module")
-def pretraced(request):
-    """Every selected family traced once for both worlds and all their ranks (a rank traced
-    each family itself: 2 + 4 traces of each graph where 1 does), the test process's trace
-    functions, random state and thread count put back after."""
-    # sympy's simplify imports sympy.physics.units at its first call (the grid and sequence
-    # rules call it): 1.7 CPU s under a profiler in each rank that met it; once here instead
-    import sympy.physics.units  # noqa: F401
-
+def _pretrace_alone(name: str) -> None:
+    """`_pretrace(name)` on one thread, as the ranks run (on these tiny tensors a second one
+    only spins: half the pretrace's CPU seconds on two cores), with the test process's trace
+    functions, random state and thread count put back after: a world forked next starts as
+    it would have after the whole pretrace."""
     from autopar.runtime import engine
     from autopar.search import planner
 
-    names = {f: None for world in (2, 4) for f, _ in _selected(request, world)}
     saved, threads = (engine.trace, planner.trace), torch.get_num_threads()
-    # one thread, as the ranks run: on these tiny tensors a second one only spins (half the
-    # pretrace's CPU seconds on two cores)
     torch.set_num_threads(1)
     with torch.random.fork_rng():
         _install_trace_cache()
         try:
-            for name in names:
-                _pretrace(name)
+            _pretrace(name)
         finally:
             engine.trace, planner.trace = saved
             torch.set_num_threads(threads)
+
+
+class _World:
+    """A world forked from the test process for `todo` (every family in it pretraced): its
+    ranks run the cases in one pool call, waited for by a thread of the test process, which
+    meanwhile pretraces the next families. Worlds are forked and closed by the test process's
+    main thread only, between two families' pretraces (never while it runs torch)."""
+
+    def __init__(self, world: int, todo: list[tuple[str, str]], origin: float):
+        self.world, self.todo, self.origin = world, todo, origin
+        self.start = time.perf_counter()
+        self.ranks = self.error = self.pool = self.thread = None
+        try:
+            self.pool = DistPool(world, timeout_s=3600, fork=True)
+        except Exception as e:  # noqa: BLE001 - reported by every case of the world
+            self.error = e
+            return
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"families-world{world}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.ranks = self.pool.run(run_cases, self.todo)
+        except BaseException as e:  # noqa: BLE001 - reported by every case of the world
+            self.error = e
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def finish(self, stop: bool = False) -> dict:
+        """Wait for the cases (or end them, `stop`), close the world; case -> ranks' results
+        (or the world's error)."""
+        if stop and self.running():
+            for p in self.pool.processes:
+                p.terminate()
+        if self.thread is not None:
+            self.thread.join()
+        if self.pool is not None:
+            self.pool.close()
+        print(f"\nworld {self.world}: {len(self.todo)} cases in "
+              f"{time.perf_counter() - self.start:.1f} s, forked at {self.start - self.origin:.1f}"
+              f" s ({', '.join(dict.fromkeys(f for f, _ in self.todo))})")
+        if self.error is not None:
+            return {case: self.error for case in self.todo}
+        return {case: list(ranks) for case, ranks in zip(self.todo, zip(*self.ranks))}
+
+
+def _sweep(todo: dict[int, list[tuple[str, str]]]) -> dict:
+    """Run the cases `todo` lists for each world size: pretrace family after family in the test
+    process, and fork a world for the cases of the families pretraced so far whenever none of
+    that size is running (its last world done, checked after each family): the pretrace and
+    the cases keep both cores busy, and every rank still finds its traces pretraced. After the
+    last family the rest go to new worlds at once. Case -> its ranks' results (or the error
+    its world met)."""
+    names = list(dict.fromkeys(f for cases in todo.values() for f, _ in cases))
+    pending = {w: [] for w in todo}
+    running: dict[int, list[_World]] = {w: [] for w in todo}
+    results: dict = {}
+    origin = time.perf_counter()
+    try:
+        for i, name in enumerate(names):
+            _pretrace_alone(name)
+            for w, cases in todo.items():
+                pending[w] += [c for c in cases if c[0] == name]
+                for world in [x for x in running[w] if not x.running()]:
+                    results.update(world.finish())
+                    running[w].remove(world)
+                if pending[w] and (i == len(names) - 1 or not running[w]):
+                    running[w].append(_World(w, pending[w], origin))
+                    pending[w] = []
+        print(f"\npretraced {len(names)} families in {time.perf_counter() - origin:.1f} s")
+        for worlds in running.values():
+            while worlds:
+                results.update(worlds.pop(0).finish())
+        print(f"\nsweep: {len(results)} cases in {time.perf_counter() - origin:.1f} s")
+    finally:  # an interrupted sweep: end the worlds still running
+        for worlds in running.values():
+            for world in worlds:
+                world.finish(stop=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def sweep(request):
+    """Every selected case of both worlds run (`_sweep`) into `_RESULTS`; the pretrace's
+    caches emptied at the module's end."""
+    # sympy's simplify imports sympy.physics.units at its first call (the grid and sequence
+    # rules call it): 1.7 CPU s under a profiler in each rank that met it; once here instead
+    import sympy.physics.units  # noqa: F401
+
+    todo = {w: _selected(request, w) for w in (2, 4)}
+    _RESULTS.update(_sweep({w: cases for w, cases in todo.items() if cases}))
     yield
     _TRACES.clear()
     _REFERENCE.clear()
-
-
-def _forked_pool(world: int):
-    """A world forked from the test process once `pretraced` filled its caches."""
-
-    @pytest.fixture(scope="module")
-    def pool(pretraced):
-        with DistPool(world, timeout_s=3600, fork=True) as forked:
-            yield forked
-
-    return pool
-
-
-pool2 = _forked_pool(2)
-pool4 = _forked_pool(4)
 
 
 def _selected(request, world: int) -> list[tuple[str, str]]:
@@ -561,15 +634,13 @@ def _selected(request, world: int) -> list[tuple[str, str]]:
 
 
 def _result(request, family: str, mode: str) -> list[dict]:
-    if (family, mode) not in _RESULTS:
-        world = MODES[mode][0]
-        pool = request.getfixturevalue(f"pool{world}")
-        todo = _selected(request, world) or [(family, mode)]
-        start = time.perf_counter()
-        for case, ranks in zip(todo, zip(*pool.run(run_cases, todo))):
-            _RESULTS[case] = list(ranks)
-        print(f"\nworld {world}: {len(todo)} cases in {time.perf_counter() - start:.1f} s")
-    return _RESULTS[family, mode]
+    request.getfixturevalue("sweep")
+    if (family, mode) not in _RESULTS:  # a case the run did not select (called directly)
+        _RESULTS.update(_sweep({MODES[mode][0]: [(family, mode)]}))
+    results = _RESULTS[family, mode]
+    if isinstance(results, BaseException):
+        raise results
+    return results
 
 
 @pytest.mark.parametrize("family, mode", cases(), ids=[f"{f}-{m}" for f, m in cases()])
