@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from autopar.cost.hardware import Hardware
+from autopar.cost.layer import LayerType
 from autopar.modes import RING, TP_1D
-
-if TYPE_CHECKING:
-    from autopar.cost.hardware import Hardware
-    from autopar.cost.layer import LayerType
-    from autopar.cost.model import Context, TensorMode
 
 __all__ = ["CpCost", "contention_s", "context_comm", "context_floor", "ring_exposed"]
 
@@ -55,7 +51,7 @@ def contention_s(overlapped: float, hw: Hardware) -> float:
     return overlapped * share / (1 - share) if 0 < share < 1 else 0.0
 
 
-def context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
+def context_comm(lt: LayerType, mode, batch: float, ctx,
                  attn_each: list[float], rerun: bool) -> CpCost:
     """Sequence (context) parallelism over cp around each attention core, as
     ``autopar.kernels.sequence`` runs it.
@@ -88,7 +84,7 @@ def context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     return CpCost(exposed, contention_s(hidden, ctx.hw), nbytes, workspace)
 
 
-def context_floor(lt: LayerType, mode: TensorMode, batch: float, ctx: Context) -> float:
+def context_floor(lt: LayerType, mode, batch: float, ctx) -> float:
     """Seconds of `context_comm`'s ``exposed + contention`` that no state of ``mode`` is
     under, whatever its attention takes: ring attention's first forward hop and the
     backward's first K/V hop and return (`ring_exposed`: 3 hops at least, each of the
@@ -105,7 +101,7 @@ def context_floor(lt: LayerType, mode: TensorMode, batch: float, ctx: Context) -
     return out
 
 
-def _blocks(lt: LayerType, mode: TensorMode, batch: float, c: int):
+def _blocks(lt: LayerType, mode, batch: float, c: int):
     """Per attention core, this rank's block as cp moves it: (bytes of its keys and values,
     Ulysses' buffers: q, output, k, v)."""
     act = lt.boundary(batch) / (mode.size * c)
