@@ -26,6 +26,8 @@ import sympy
 from autopar.cost import chunked_loss, fp8
 from autopar.cost import experts as moe_cost
 from autopar.cost.comm import Placement, collective_time, grid_gemm_bytes
+from autopar.cost.cp import CpCost, contention_s, context_comm, ring_exposed  # noqa: F401
+from autopar.cost.cp import context_comm as _context_comm  # noqa: F401  (its old name)
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import ZERO, Attention, Gemm, LayerType
 from autopar.cost.state import StepTemps
@@ -474,8 +476,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
             comm_bytes += reruns * wire
     elif t > 1:
         full = state.recompute == FULL
-        sec, nbytes = ctx.of_layer(("multi-d", mode, batch, full), lt,
-                                   lambda: _multi_d_comm(lt, mode, batch / c, ctx, full))
+        sec, nbytes = grid_comm(lt, mode, batch, ctx, full)
         comm += sec
         comm_bytes += nbytes
     cp_comm = cp_bytes = 0.0
@@ -483,7 +484,7 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects = {}
     workspace = 0.0
     if c > 1 and lt.attention:
-        ring = ctx.of_layer((CP, mode, sp, batch, rerun), lt, lambda: _context_comm(
+        ring = ctx.of_layer((CP, mode, sp, batch, rerun), lt, lambda: context_comm(
             lt, mode, batch, ctx, list(lay.attn_each), rerun))
         cp_bytes, workspace = ring.nbytes, ring.workspace
         cp_comm = ring.exposed + ring.contention
@@ -554,17 +555,36 @@ def _held_bytes(lt: LayerType, state: LayerState, sharded, batch: float, c: int,
         if mode.name == TP_3D:
             acts += _gathered_3d(lt, mode, batch)
     acts /= c
+    return acts, _params_held(lt, mode, sharded, expert_params)
+
+
+def _params_held(lt: LayerType, mode: TensorMode, sharded, expert_params: float) -> float:
+    """Parameter bytes per device of one layer kind under tensor mode ``mode``."""
     # each rank holds its E/ep experts, each split over 1D tp (whole in the other modes)
     expert_whole = lt.experts.param_bytes if lt.experts is not None else 0
-    if one_d:
+    if mode.name == TP_1D:
         params = sharded.param_bytes - expert_whole / sharded.expert_split
     else:  # the grid kernels cut a matrix over q^2 (2D, 2.5D) or q^3 (3D) ranks, a bias, a
         # norm's weight or an embedding's table over q (autopar.kernels.multid)
         vectors = sum(b for b, one in zip(sharded.param_tensors, sharded.param_vectors) if one)
         params = (lt.param_bytes - expert_whole - vectors) / _grid_parts(mode) + \
             vectors / mode.q
-    params += expert_params
-    return acts, params
+    return params + expert_params
+
+
+def state_params(lt: LayerType, state: LayerState, ctx: Context) -> tuple[float, float]:
+    """(parameter bytes held per device, of them the experts') of one layer kind under
+    ``state``: `state_cost`'s ``params`` and ``expert_params``, to the bit, without pricing
+    the rest (they follow from the layer's sizes and the tensor and expert split alone)."""
+    mode = state.mode
+    one_d = mode.name == TP_1D
+    sharded = lt.sharded[mode.size if one_d else 1]
+    expert_params = 0.0
+    if lt.experts is not None:
+        ep = ctx.ep.size if ctx.ep is not None else 1
+        cut = sharded.expert_split if one_d and ctx.cp.size == 1 else 1
+        expert_params = lt.experts.param_bytes / ep / cut
+    return _params_held(lt, mode, sharded, expert_params), expert_params
 
 
 def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) -> float:
@@ -643,6 +663,15 @@ def _wire_bytes(op: str, nbytes: float, p: int) -> float:
     return nbytes
 
 
+def grid_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
+              full_recompute: bool) -> tuple[float, float]:
+    """(seconds, wire bytes) of the weight GEMMs' collectives of one layer under a 2D, 2.5D
+    or 3D ``mode`` for a micro-batch of ``batch`` samples (`_multi_d_comm`), memoised in
+    ``ctx``: `state_cost` prices them so, and the search's floors read the same figures."""
+    return ctx.of_layer(("multi-d", mode, batch, full_recompute), lt, lambda: _multi_d_comm(
+        lt, mode, batch / ctx.cp.size, ctx, full_recompute))
+
+
 def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
                   full_recompute: bool) -> tuple[float, float]:
     """Communication of the weight GEMMs of one layer under 2D, 2.5D or 3D.
@@ -700,84 +729,6 @@ def _depth(mode: TensorMode, ctx: Context) -> Placement:
         return ctx.tp_groups[mode]["d"]
     inner = max(1, min(mode.d, ctx.tp.per_node // (mode.q * mode.q)))
     return Placement(mode.d, inner, ctx.tp.sharing)
-
-
-@dataclass(frozen=True)
-class CpCost:
-    """Context parallelism around one layer's attention, per micro-batch."""
-
-    exposed: float  # seconds of communication compute does not hide
-    contention: float  # seconds compute loses to the collectives it overlaps
-    nbytes: float  # bytes this rank sends
-    workspace: float = 0.0  # bytes of receive buffers held while attention runs
-
-
-def ring_exposed(c: int, hop: float, pair: float, step_f: float, step_b: float,
-                 rerun: bool) -> tuple[float, float]:
-    """(exposed, overlapped) seconds of ring attention's hops over ``c`` ranks.
-
-    Forward: c - 1 K/V hops; the first is waited for, each later one overlaps only the
-    attention step before it (``step_f``, one block of keys). Backward: the K/V go round
-    again and the K/V gradients make c hops, the last one home after the last step: the
-    first K/V hop and that return are exposed, c - 2 steps carry a K/V and a gradient block
-    together (``pair`` seconds) and one step the last gradient hop alone. ``rerun``: the
-    forward runs again for recomputation."""
-    if c <= 1:
-        return 0.0, 0.0
-    fwd_exposed = hop + (c - 2) * max(0.0, hop - step_f)
-    fwd_hidden = (c - 2) * min(hop, step_f)
-    bwd_exposed = 2 * hop + (c - 2) * max(0.0, pair - step_b) + max(0.0, hop - step_b)
-    bwd_hidden = (c - 2) * min(pair, step_b) + min(hop, step_b)
-    runs = 2 if rerun else 1
-    return runs * fwd_exposed + bwd_exposed, runs * fwd_hidden + bwd_hidden
-
-
-def contention_s(overlapped: float, hw: Hardware) -> float:
-    """Seconds compute loses while collectives overlap it for ``overlapped`` seconds: their
-    kernels hold ``comm_sm_share`` of the SMs, so that compute runs 1 / (1 - share) slower."""
-    share = hw.comm_sm_share
-    return overlapped * share / (1 - share) if 0 < share < 1 else 0.0
-
-
-def _context_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
-                  attn_each: list[float], rerun: bool) -> CpCost:
-    """Sequence (context) parallelism over cp around each attention core, as
-    ``autopar.kernels.sequence`` runs it.
-
-    Ulysses (Jacobs et al. 2023, arXiv 2309.14509): all-to-alls of q, k, v in and of the
-    output back, forward, and of their gradients backward, each on this rank's block; key
-    and value heads are repeated f = c / gcd(kv heads, c) times first when there are fewer
-    of them than ranks. Ring attention (Li et al. 2021, arXiv 2105.13120): the key and value
-    blocks travel c-1 hops forward and c-1 again backward, and the key and value gradients
-    c hops (the last one home), each hop hidden only behind the one attention step it runs
-    beside (:func:`ring_exposed`); the ranks hold a receive buffer for the next K/V block
-    and one for the travelling gradients.
-    """
-    c = ctx.cp.size
-    act = lt.boundary(batch) / (mode.size * c)
-    exposed = hidden = nbytes = workspace = 0.0
-    if c <= 1:
-        return CpCost(0.0, 0.0, 0.0)
-    for a, attn in zip(lt.attention, attn_each):
-        # 1D splits the heads over tp; a 2D, 2.5D or 3D grid over one side of q ranks
-        split = mode.size if mode.name == TP_1D else mode.q
-        kv_heads = max(1, a.kv_heads // split)
-        heads = max(1, a.heads // split)
-        kv = 2 * act * kv_heads / heads
-        if ctx.cp_mode == RING:
-            hop, pair = ctx.coll("p2p", kv, ctx.cp), ctx.coll("p2p", 2 * kv, ctx.cp)
-            e, h = ring_exposed(c, hop, pair, attn / c, 2 * attn / c, rerun)
-            exposed += e
-            hidden += h
-            nbytes += (3 * c - 2) * kv
-            workspace = max(workspace, 2 * kv)
-        else:
-            f = c // math.gcd(kv_heads, c)
-            buffers = (act, act, f * kv / 2, f * kv / 2)  # q, output, k, v
-            sec = 2 * sum(ctx.coll("all_to_all", n, ctx.cp) for n in buffers)
-            exposed += sec * (1.5 if rerun else 1)
-            nbytes += 2 * sum(buffers) * (c - 1) / c
-    return CpCost(exposed, contention_s(hidden, ctx.hw), nbytes, workspace)
 
 
 def formulas() -> dict[str, sympy.Expr]:

@@ -6,15 +6,26 @@ executable search's grid search asks them before it prices a grid's states for a
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from autopar.cost import fp8
-from autopar.cost.comm import grid_gemm_bytes
-from autopar.cost.model import memory_time
-from autopar.modes import FP8, TP_1D, TP_2D, TP_25D
-from autopar.search.prepared import state_costs_of
+from autopar.cost.cp import context_floor
+from autopar.cost.model import (
+    ITEMSIZE,
+    attention_time,
+    gemm_time,
+    grid_comm,
+    local_gemm_shape,
+    memory_time,
+    state_params,
+)
+from autopar.modes import FP8, FULL, MEGATRON_SP, TP_1D
+from autopar.search.prepared import least_states, state_costs_of
 
-__all__ = ["grid_floor", "least_floor", "least_priced"]
+__all__ = ["grid_floor", "group_floor", "least_floor", "least_priced", "line_floor",
+           "state_floor"]
 
 
 def grid_floor(lt, state, b: int, ctx) -> float:
@@ -22,57 +33,117 @@ def grid_floor(lt, state, b: int, ctx) -> float:
     multi-dimensional tensor mode (``state.mode.name`` is not 1D, its size t > 1).
 
     Proof, term by term of `cost.model.state_cost` (time = forward + backward + recompute +
-    comm). Under a grid mode every GEMM is split t ways and over cp's c ranks, so one runs
-    ``f = flops / (t c)`` at ``_gemm_s``'s efficiency ``e f / (f + h)`` <= ``e``
-    (``gemm_efficiency``, ``gemm_half_flops``): at least ``(f + h) / (peak e)`` seconds,
-    peak being the compute dtype's FLOP/s (or fp8's, the faster, under fp8); the operand
-    traffic and the kernel floor only add. The memory-bound ops take ``max(mem_roof, ...)``
+    comm). forward = GEMMs + attention + memory-bound + fp8 casts, backward = 2 (forward -
+    forward casts) + backward casts + the chunked loss's remade logits, recompute >= 0:
+    time >= 3 (GEMMs + memory-bound) + comm. Under a grid mode every GEMM is split t ways
+    and over cp's c ranks (`_gemms_floor`). The memory-bound ops take ``max(mem_roof, ...)``
     with ``mem_roof`` the layer's traffic / (t c) over the memory bandwidth (left out under
-    compile, whose fused share is smaller). forward = GEMMs + attention + memory-bound +
-    fp8 casts, backward = 2 (forward - forward casts) + backward casts + the chunked loss's
-    remade logits, recompute >= 0: time >= 3 (GEMMs + memory-bound). comm: the grid's GEMM
-    collectives (`cost.model._multi_d_comm`) move, per weight GEMM, all-gathers of
-    ``v q / (q - 1)`` bytes over q ranks for each volume v (forward at least once, backward
-    once), and every all-gather algorithm (`cost.comm`: ring, doubling, hierarchical) moves
-    (q - 1)/q of its bytes at a per-byte time no less than the intra-node link's
-    (1 / intra_node_bandwidth; the inter-node betas are 1 / min(that, ...)), plus latencies
-    >= 0: at least v / intra_node_bandwidth each. 2.5D's depth all-reduce, cp's ring, fp8's
-    amaxes and the experts' all-to-alls only add. The collectives' floor is left out where the
-    profile carries fitted all-gather figures (`Hardware.collectives`), where a Context
-    names its own groups (``tp_groups``), or where a latency is negative."""
+    compile, whose fused share is smaller). comm: the grid's GEMM collectives as
+    `state_cost` prices them (`cost.model.grid_comm`, memoised in the Context, which the
+    pricing then reads back), and cp's around attention at least `cost.cp.context_floor`;
+    fp8's amaxes and the experts' all-to-alls only add."""
     hw, mode = ctx.hw, state.mode
     t, c = mode.size, ctx.cp.size
-    peak = hw.flops(fp8.compute_dtype(ctx.dtype))
-    if ctx.dtype == FP8:
-        peak = max(peak, float(hw.peak_flops.get(FP8, 0.0)))
-    rate, half = peak * hw.gemm_efficiency, hw.gemm_half_flops
-    gemms = 0.0
-    for g in lt.gemms:
-        if not g.expert:
-            f = g.flops(b) / (t * c)
-            if f > 0:
-                gemms += (f + half) / rate
+    gemms = _gemms_floor(lt, [True] * len(lt.gemms), t, c * mode.batch_split, b, ctx)
     mem = 0.0 if ctx.compile else memory_time(lt.traffic(b) / t / c, hw)
-    return 3 * (gemms + mem) + _comm_floor(lt, mode, b / c, ctx)
+    return 3 * (gemms + mem) + grid_comm(lt, mode, b, ctx, state.recompute == FULL)[0] + \
+        context_floor(lt, mode, b, ctx)
 
 
-def _comm_floor(lt, mode, batch: float, ctx) -> float:
-    """The grid's GEMM all-gathers at the intra-node link's bandwidth, latencies left out
-    (`grid_floor`'s proof); 0 where that proof does not hold."""
-    hw = ctx.hw
-    if (hw.collectives and "all_gather" in hw.collectives) or ctx.tp_groups or \
-            hw.intra_node_latency < 0 or hw.inter_node_latency < 0:
-        return 0.0
-    q, d = mode.q, mode.d
-    volume = 0.0
-    for mk, kn, mn in grid_gemm_bytes(lt, batch):
-        if mode.name == TP_2D:
-            volume += 3 * (q - 1) * (mk + kn) / q ** 2  # forward, backward twice as much
-        elif mode.name == TP_25D:
-            volume += 3 * (q - 1) * (mk / d + kn) / q ** 2
+def line_floor(lt, state, b: int, ctx) -> float:
+    """Seconds that ``state_cost(lt, state, b, ctx).time`` is never under, for a state of
+    1D tensor parallelism (of any size t, 1 included).
+
+    Proof, term by term of `cost.model.state_cost` as in `grid_floor`, with attention:
+    time >= 3 (GEMMs + attention + memory-bound) + comm. A GEMM the catalog splits
+    (``Sharded.gemm_split``) is split t ways and over cp, the others over cp alone
+    (`_gemms_floor`). Each fused attention core runs `attention_time` of its FLOPs over its
+    parts with as many keys as it likes (``keys = inf``: the kernel's fill is at most 1 at
+    any finite number) and no causal imbalance (>= 1): the least its price can be (an
+    unfused core's left out). The memory-bound ops take at least the layer's 1D traffic
+    (split values / t, replicated ones / t under Megatron-SP) over the memory bandwidth
+    (left out under compile). comm: the layout's tensor-parallel collectives as
+    `state_cost` prices them (`Context.coll`, memoised), each run at least once, and cp's
+    around attention at least `cost.cp.context_floor`; fp8's amaxes and the experts'
+    all-to-alls only add."""
+    hw, mode = ctx.hw, state.mode
+    t, c = mode.size, ctx.cp.size
+    sharded = lt.sharded[t]
+    sp = state.sp == MEGATRON_SP and t > 1
+    gemms = _gemms_floor(lt, sharded.gemm_split, t, c, b, ctx)
+    dtype = fp8.compute_dtype(ctx.dtype)
+    attention = 0.0
+    for a, split in zip(lt.attention if ctx.attention_kernel != "unfused" else (),
+                        sharded.attention_split):
+        attention += attention_time(a.flops(b) / ((t if split else 1) * c), math.inf,
+                                    a.causal, hw, dtype, ctx.attention_kernel)
+    mem = 0.0
+    if not ctx.compile:
+        traffic = sharded.traffic_split(b) + sharded.traffic_replicated(b) / (t if sp else 1)
+        mem = memory_time(traffic / c, hw)
+    comm = 0.0
+    if t > 1:
+        for op, _, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
+            n = nbytes(b) / c
+            if sp and op == "all_reduce" and lt.is_block:
+                comm += ctx.coll("reduce_scatter", n, ctx.tp) + ctx.coll("all_gather", n, ctx.tp)
+            else:
+                comm += ctx.coll(op, n, ctx.tp)
+    return 3 * (gemms + attention + mem) + comm + context_floor(lt, mode, b, ctx)
+
+
+def state_floor(lt, state, b: int, ctx) -> float:
+    """`line_floor` or `grid_floor`, as the state's tensor mode asks."""
+    if state.mode.name == TP_1D:
+        return line_floor(lt, state, b, ctx)
+    return grid_floor(lt, state, b, ctx)
+
+
+def _gemms_floor(lt, split, t: int, rows: int, b: int, ctx) -> float:
+    """Seconds of the layer's GEMMs (experts' aside) that `cost.model` never prices under:
+    a GEMM split t ways (``split``) and over cp's c ranks runs ``f`` FLOPs; outside fp8 at
+    exactly its price (`gemm_time` of its local shape, ``rows`` ways over tokens, with its
+    operand traffic); under fp8 at the efficiency curve ``e f / (f + h)`` <= ``e`` of the
+    fastest peak it may run at, ``(f + h) / (peak e)`` seconds (traffic and floor only add)."""
+    hw, c = ctx.hw, ctx.cp.size
+    dtype = fp8.compute_dtype(ctx.dtype)
+    under_fp8 = ctx.dtype == FP8
+    if under_fp8:
+        rate = max(hw.flops(dtype), float(hw.peak_flops.get(FP8, 0.0))) * hw.gemm_efficiency
+    itemsize = ITEMSIZE.get(dtype, 4)
+    out = 0.0
+    for g, cut in zip(lt.gemms, split):
+        if g.expert:
+            continue
+        parts = t if cut else 1
+        f = g.flops(b) / (parts * c)
+        if f <= 0:
+            continue
+        if under_fp8:
+            out += (f + hw.gemm_half_flops) / rate
         else:
-            volume += 2 * (q - 1) * (mk + kn + mn) / q ** 3
-    return volume / hw.intra_node_bandwidth
+            out += gemm_time(f, hw, dtype, local_gemm_shape(
+                g, b, parts * c // rows if g.weight else 1, rows if g.weight else parts * c),
+                itemsize)
+    return out
+
+
+def group_floor(search, kinds, b: int, ctx) -> tuple[float, float, float]:
+    """What a search with no base reads of the Prepared of ``kinds`` at micro-batch ``b``
+    under ``ctx`` before it makes it: lower bounds of its ``min_total`` and ``min_single``
+    (each kind at the least `state_floor` of the states `Prepared` prices for its least
+    seconds, `least_states`), and its ``min_params - min_experts`` to the bit (`state_params`:
+    the same values, summed alike), from the layers' sizes and collectives alone."""
+    fastest, params, experts = [], [], []
+    for (lt, states), (which, _) in zip(kinds, least_states(search, kinds, None)):
+        fastest.append(min(state_floor(lt, states[k], b, ctx) for k in which))
+        held = [state_params(lt, states[k], ctx) for k in which]
+        params.append(min(p for p, _ in held))
+        experts.append(min(e for _, e in held))
+    order = search.chain.order
+    counts = np.bincount(order, minlength=len(kinds))
+    return (float(np.dot(counts, fastest)), max(fastest[t] for t in dict.fromkeys(order)),
+            float(np.dot(counts, params)) - float(np.dot(counts, experts)))
 
 
 def _per_kind(kinds, base, which, least_of) -> list[float] | None:

@@ -275,7 +275,7 @@ def _executable_search(chain, world, options, constraints, progress) -> SearchRe
         key = cand.describe()
         if key not in seen:
             seen.add(key)
-            alternatives.append((cand, first._reason(cand, best)))
+            alternatives.append((cand, first.reason(cand, best)))
     return SearchResult(best, alternatives, sum(r.candidates for r in results),
                         time.perf_counter() - start, why.not_executable(options.executable),
                         options.attention_kernel, results[0].precision, options.compile,

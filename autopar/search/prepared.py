@@ -19,7 +19,7 @@ from autopar.search.partition import balance, choose_states
 @dataclass(kw_only=True)
 class Leaf:
     bound: float
-    order: int
+    order: tuple  # (its group's place, its schedule's): ties of bounds go to the first
     mesh: dict
     pl: dict
     grad_pl: object
@@ -36,6 +36,20 @@ class Leaf:
     device_of: list | None = None
     transfer: float | None = None  # seconds of one stage-boundary crossing
     fast: Fast | None = None  # its numbers with every layer in its fastest state
+
+
+@dataclass(eq=False)
+class Pending:
+    """A leaf group not made yet (`Search._run`): one group of a mesh's walk (cp mode, expert
+    split, micro-batch, ZeRO options, group number: `search._mesh_walk`), whose leaves are
+    made (and its Prepared priced) only once its floor (`floors.group_floor`) comes first."""
+
+    mesh: dict
+    walk: tuple
+    group: tuple
+    seq: int  # its place in leaf order
+    pipe: float = 0.0  # a lower bound of its leaves' pipeline seconds
+    dp: tuple | None = None  # (parameter bytes, their least sync) once its floor adds them
 
 
 @dataclass
@@ -81,7 +95,7 @@ class Priced:
         self.step_time, self.fits, self.memory_per_device, self.moved = \
             step_time, fits, memory, moved
         self.leaf, self.chosen = leaf, chosen
-        self._make = make  # () -> the Candidate (`search._candidate` and what it reads)
+        self._make = make  # () -> the Candidate (`result.candidate_of` and what it reads)
         self._whole = None
 
     def candidate(self):

@@ -15,7 +15,6 @@ import gc
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,7 +24,7 @@ from autopar.cost.hardware import Hardware
 from autopar.cost.hybrid import hybrid_split, zero_ranks
 from autopar.cost.layer import LayerChain
 from autopar.cost.model import Context
-from autopar.cost.precision import Precision, precision_of
+from autopar.cost.precision import precision_of
 from autopar.cost.schedule import stage_owner
 from autopar.cost.step import (
     USABLE_MEMORY,
@@ -46,24 +45,22 @@ from autopar.cost.step import (
     zero3_held,
 )
 from autopar.errors import PlanError
-from autopar.kernels.float8 import TENSORWISE
 from autopar.modes import (
     CP,
     DP,
     INTERLEAVED,
-    NO_PIPELINE,
-    NO_SP,
     ORDER,
     PP,
     TP,
     ZERO_BUBBLE,
 )
 from autopar.search import why
-from autopar.search.floors import least_floor, least_priced
+from autopar.search.floors import group_floor, least_floor, least_priced
 from autopar.search.partition import balance_within
 from autopar.search.prepared import (
     Fast,
     Leaf,
+    Pending,
     Prepared,
     Priced,
     cost_table,
@@ -71,76 +68,13 @@ from autopar.search.prepared import (
     least_total,
     plain_table,
 )
+from autopar.search.result import Candidate, SearchResult, better, candidate_of, result_of
 from autopar.search.space import Constraints, Options, Space, divisors
 
 __all__ = ["Candidate", "Constraints", "Options", "Search", "SearchResult", "collector_paused",
            "divisors"]
 
 _UNASKED = object()  # a cache's answer not asked for yet (where None is an answer)
-
-
-@dataclass(kw_only=True)
-class Candidate:
-    """One priced plan: its choices, its step seconds by part and its worst device's memory."""
-
-    mesh: dict
-    micro_batch: int
-    microbatches: int
-    schedule: str
-    chunks: int
-    zero: int
-    offload: bool
-    cp_mode: str | None
-    states: list  # LayerState per layer of the chain
-    stages: list  # stage (device) per layer
-    step_time: float
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    bubble_s: float = 0.0
-    dp_comm_s: float = 0.0
-    optimizer_s: float = 0.0
-    memory: dict = field(default_factory=dict)  # worst device: bytes by kind
-    memory_per_device: float = 0.0
-    step_workspace: float = 0.0  # worst device: the optimizer step's temporaries (bytes)
-    comm_bytes_per_device: float = 0.0
-    fits: bool = True
-    host_per_device: float = 0.0  # bytes offloaded to the host per device (ZeRO-Offload)
-    ep: int = 1  # experts split over ep ranks inside the dp x cp ranks
-    ep_comm_s: float = 0.0  # of comm_s: the all-to-alls on the ep axis
-    dp_shard: int | None = None  # HSDP: ZeRO over this many dp ranks (None: all of dp)
-
-    def describe(self) -> str:
-        m = self.mesh
-        modes = sorted({str(s.mode) for s in self.states if s.mode.size > 1}) or ["-"]
-        rc = sorted({s.recompute for s in self.states})
-        sp = sorted({s.sp for s in self.states} - {NO_SP})
-        parts = [f"pp{m[PP]} dp{m[DP]} cp{m[CP]} tp{m[TP]}"
-                 + (f" ep{self.ep}" if self.ep > 1 else ""), f"tp {'/'.join(modes)}"]
-        if sp:
-            parts.append("sp " + "/".join(sp))
-        if self.cp_mode:
-            parts.append(f"cp {self.cp_mode}")
-        if m[PP] > 1:
-            parts.append(f"{self.schedule}" + (f"x{self.chunks}" if self.schedule == INTERLEAVED
-                                               else ""))
-        parts.append(f"mb {self.micro_batch}x{self.microbatches}")
-        parts.append(f"zero {self.zero}" + ("+offload" if self.offload else "")
-                     + (f" shard {self.dp_shard}" if self.dp_shard else ""))
-        parts.append("recompute " + "/".join(rc))
-        return ", ".join(parts)
-
-
-@dataclass
-class SearchResult:
-    best: Candidate | None
-    alternatives: list  # (Candidate, reason) best first
-    candidates: int
-    time_s: float
-    left_out: list[str] = field(default_factory=list)
-    attention_kernel: str = "flash"
-    precision: Precision | None = None  # the state bytes per parameter it priced
-    compile: bool = False  # priced as parallelize(compile=True) runs it
-    fp8_recipe: str = TENSORWISE  # under fp8, the scaling recipe it priced
 
 
 class Search:
@@ -187,7 +121,8 @@ class Search:
         self._cutoff = float("inf")  # `run`'s: leaves whose bound reaches it are not made
         self.candidates = 0
         self.best_times: list[float] = []  # after `run`: the k best fitting step times
-        self._leaf_numbers = itertools.count()
+        self._group_seq = itertools.count()  # each leaf group's place in leaf order
+        self._floors: dict = {}  # `floors.group_floor` by group number (None: no states)
 
     # ------------------------------------------------------------------ the search
     def run(self, progress=None, cutoff: float = float("inf")) -> SearchResult:
@@ -201,24 +136,43 @@ class Search:
     def _run(self, progress, cutoff: float) -> SearchResult:
         start = time.perf_counter()
         self._cutoff = cutoff
-        meshes, leaves = self._all_leaves(progress)
-        if self.opt.executable is not None:  # (a search with no leaf raises before it)
-            self.left_out.extend(why.not_executable(self.opt.executable))
-        leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
+        meshes, queue = _queue(self, progress)
         top: list = []  # max-heap by time of the k best fitting candidates
         per_mesh: dict = {}
         bounds: dict = {}
-        for j, leaf in enumerate(leaves):
-            if progress and j % 64 == 0:
-                progress(len(meshes) + j * len(meshes) // len(leaves), 2 * len(meshes))
-            key = _mesh_key(leaf.mesh) + (leaf.split.ep if leaf.split is not None else 1,)
-            if leaf.bound >= min(cutoff, -top[0][0] if len(top) >= self.opt.top else cutoff):
+        skipped: list = []  # the Pending groups whose floor was past the k best
+        popped = made = 0
+        pushed = len(queue)
+        while queue:  # leaves (and groups not made yet) best bound first, ties to the first
+            bound, _, leaf = heapq.heappop(queue)
+            popped += 1
+            if progress and popped % 64 == 0:
+                progress(len(meshes) + popped * len(meshes) // pushed, 2 * len(meshes))
+            past = bound >= min(cutoff, -top[0][0] if len(top) >= self.opt.top else cutoff)
+            if leaf.__class__ is Pending:  # its floor is under every leaf's bound
+                if past:  # and so is every one of them
+                    skipped.append(leaf)
+                    continue
+                if leaf.dp is None:  # next, under its floor with the gradient sync
+                    floor = _with_sync(self, leaf)
+                    if floor < cutoff:
+                        heapq.heappush(queue, (floor, (leaf.seq, -1), leaf))
+                        pushed += 1
+                    continue
+                for made_leaf in _group_leaves(self, leaf):
+                    heapq.heappush(queue, (made_leaf.bound, made_leaf.order, made_leaf))
+                    made += 1
+                    pushed += 1
+                continue
+            made += 1
+            key = _leaf_key(leaf)
+            if past:
                 bounds.setdefault(key, leaf)
                 continue
             for cand in self._evaluate(leaf):
                 self.candidates += 1
                 prev = per_mesh.get(key)
-                if prev is None or _better(cand, prev):
+                if prev is None or better(cand, prev):
                     per_mesh[key] = cand
                 if cand.fits:
                     item = (-cand.step_time, -self.candidates, cand)
@@ -226,9 +180,15 @@ class Search:
                         heapq.heappush(top, item)
                     elif cand.step_time < -top[0][0]:
                         heapq.heapreplace(top, item)
+        if not made:
+            _no_leaf(self, meshes)
+        if self.opt.executable is not None:
+            self.left_out.extend(why.not_executable(self.opt.executable))
         self.best_times = sorted(-t for t, _, _ in top)
         per_mesh = {key: p.candidate() for key, p in per_mesh.items()}  # (the rest: compared)
-        return _result(self, per_mesh, bounds, time.perf_counter() - start)
+        if skipped and len(per_mesh) <= self.opt.top:  # `result_of` may read bounds of these
+            bounds = _with_skipped(self, bounds, skipped)
+        return result_of(self, per_mesh, bounds, time.perf_counter() - start)
 
     def every(self, progress=None) -> list[Candidate]:
         """Every candidate of the space, in leaf order, none skipped by a bound (for
@@ -245,32 +205,18 @@ class Search:
     def _all_leaves(self, progress=None) -> tuple[list[dict], list]:
         """The meshes this search allows and every leaf under them (mesh x cp mode x
         micro-batch x schedule), each with its lower bound, in a fixed order."""
-        world = self.world.devices
-        heads = min((a.heads for lt in self.chain.types for a in lt.attention), default=1)
-        meshes = self._shared.get("meshes")  # a grid search's are its base's (`_mesh_walk`)
-        if meshes is None:
-            meshes = self._shared["meshes"] = self.space.meshes(world)
-        if self._base is not None:
-            meshes = [m for m in meshes if self.space.has_grid(m[TP])]
-        if not meshes:
-            raise PlanError(why.no_mesh(self.c, self.chain, world, len(self.blocks)))
-        if self.c.ep not in (None, 1):
-            _check_ep(self.c, self.space, self.opt.executable, meshes)
+        meshes, heads = _meshes(self)
         leaves = []
         for i, mesh in enumerate(meshes):
             if progress:
                 progress(i, 2 * len(meshes))
             leaves.extend(self._leaves(mesh, heads))
-        if not leaves and self._cutoff < float("inf"):  # (read by no one: the first search's
-            # error is the one raised) cheaper than the sentences below
-            raise PlanError(f"every leaf is bounded above the {self._cutoff:.3f} s of the k "
-                            "best plans other searches found; none of it can enter the top k.")
         if not leaves:
-            raise PlanError(why.too_many_devices(self.space, meshes, world, self.opt.global_batch)
-                            or why.no_leaf(self.space, meshes, self.opt.global_batch))
+            _no_leaf(self, meshes)
         return meshes, leaves
 
-    def _reason(self, cand: Candidate, winner: Candidate | None) -> str:
+    def reason(self, cand: Candidate, winner: Candidate | None) -> str:
+        """Why `cand` lost to `winner` (`why.lost`)."""
         return why.lost(cand, winner, self.capacity, self.host_capacity)
 
     # ------------------------------------------------------------------ leaves
@@ -289,13 +235,7 @@ class Search:
         if key in self._cost_cache:
             return self._cost_cache[key]
         ctx_key = (pl[TP], pl[CP], cp_mode, ep_pl)
-        ctx = self._contexts.get(ctx_key)
-        if ctx is None:
-            ctx = self._contexts[ctx_key] = Context(self.hw, self.opt.dtype, pl[TP], pl[CP],
-                                                    cp_mode, self.opt.attention_kernel,
-                                                    ep=ep_pl, kept_high=self.kept_high,
-                                                    compile=self.opt.compile,
-                                                    fp8_recipe=self.opt.fp8_recipe)
+        ctx = self._context(ctx_key)
         base = _base_of(self, mesh, pl, cp_mode, b, split, per_type)
         if base is False:
             self._cost_cache[key] = None
@@ -307,15 +247,26 @@ class Search:
         prep = self._cost_cache[key] = Prepared(self, per_type, pl, b, context, base)
         return prep
 
+    def _context(self, key) -> Context:
+        """The cost Context of a (tp placement, cp placement, cp mode, ep placement)."""
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            ctx = self._contexts[key] = Context(self.hw, self.opt.dtype, key[0], key[1], key[2],
+                                                self.opt.attention_kernel, ep=key[3],
+                                                kept_high=self.kept_high,
+                                                compile=self.opt.compile,
+                                                fp8_recipe=self.opt.fp8_recipe)
+        return ctx
+
     def _leaves(self, mesh, heads):
         walk = _mesh_walk(self, mesh, heads)
         if walk is None:
             return []
-        pl, grad_pl, dp_cache, per_replica, groups = walk
-        pp = mesh[PP]
+        pl, pp, per_replica = walk[0], mesh[PP], walk[3]
         out = []
         preps, bounded = self._by_group, self._cutoff < float("inf")
-        for cp_mode, split, b, leaf_zeros, group in groups:
+        for cp_mode, split, b, leaf_zeros, group in walk[4]:
+            seq = next(self._group_seq)
             prep = preps.get(group, preps)  # (itself: not asked yet)
             if prep is preps:  # under a cutoff, its least seconds first (`least_total`)
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, bounded,
@@ -333,29 +284,7 @@ class Search:
                         _past(self, pp, m, prep / pp, self._singles.get(group, 0.0)):
                     continue
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
-            # lower bound without building the chain: every layer at its fastest state,
-            # stages perfectly balanced, parameters evenly spread (experts' sync left out:
-            # it runs over a smaller group)
-            avg = prep.min_total / pp
-            if m * avg >= self._cutoff:  # every schedule's pipeline takes m x avg or more
-                continue
-            slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
-            for schedule, v in _schedules(self, pp, m):
-                pipe = _pipe_bound(self, schedule, v, m, pp, avg, slowest)
-                if pipe >= self._cutoff:  # (with the sync's, no sooner: it takes no time off)
-                    continue
-                if dp_lb is None:  # (offloading leaves the sync as it is: once per stage, shard)
-                    dp_lb = min(self._dp_time((prep.min_params - prep.min_experts) / pp, z, m,
-                                              grad_pl, cache=None if shard else dp_cache,
-                                              hybrid=hybrid_split(mesh, shard,
-                                                                  self.world.per_node))
-                                for z, shard in dict.fromkeys((z, s) for z, _, s in leaf_zeros))
-                if pipe + dp_lb >= self._cutoff:
-                    continue  # another search's k best are faster
-                out.append(Leaf(bound=pipe + dp_lb, order=next(self._leaf_numbers),
-                                 mesh=dict(mesh), pl=pl, grad_pl=grad_pl, cp_mode=cp_mode,
-                                 b=b, m=m, schedule=schedule, v=v, prep=prep, zeros=leaf_zeros,
-                                 dp_cache=dp_cache, split=split))
+            out.extend(_made_leaves(self, mesh, walk, (cp_mode, split, b, leaf_zeros), prep, seq))
         return out
 
     # ------------------------------------------------------------------ pricing
@@ -511,7 +440,7 @@ class Search:
                                 if leaf.split is not None else 0.0)
         fits, memory = bool(memory <= self.capacity and host <= self.host_capacity), float(memory)
         return Priced(step["step_s"], fits, memory, moved, leaf, chosen, functools.partial(
-            _candidate, leaf, zero, offload, shard, chosen, step, total, parts, step_dev, host,
+            candidate_of, leaf, zero, offload, shard, chosen, step, total, parts, step_dev, host,
             wire, step["step_s"], fits, memory))
 
     def _experts_dev(self, leaf, chosen, device_of):
@@ -522,29 +451,146 @@ class Search:
         return np.bincount(device_of, weights=experts, minlength=leaf.mesh[PP])
 
 
-def _candidate(leaf, zero, offload, shard, chosen, step, total, parts, step_dev, host, wire,
-               step_time, fits, memory) -> Candidate:
-    """`Priced.candidate`: the whole Candidate of what `Search._priced` worked out."""
-    prep, mesh, device_of = leaf.prep, leaf.mesh, leaf.fast.device_of
-    on_slow = np.flatnonzero(device_of == int(np.argmax(step["per_rank_s"])))  # slowest
+def _with_skipped(search: Search, bounds: dict, skipped: list) -> dict:
+    """`bounds` (each mesh's first leaf past the k best) as a walk of every leaf would
+    have found it: with the leaves of the groups skipped whole, in leaf order."""
+    leaves = list(bounds.values())
+    for pending in skipped:
+        leaves.extend(_group_leaves(search, pending))
+    leaves.sort(key=lambda leaf: (leaf.bound, leaf.order))
+    out: dict = {}
+    for leaf in leaves:
+        out.setdefault(_leaf_key(leaf), leaf)
+    return out
 
-    def slow_sum(table) -> float:  # in layer order, as a running sum
-        return sum(table[on_slow, chosen[on_slow]].tolist())
 
-    worst_dev = int(np.argmax(total))
-    return Candidate(
-        mesh=dict(mesh), micro_batch=leaf.b, microbatches=leaf.m,
-        schedule=leaf.schedule if mesh[PP] > 1 else NO_PIPELINE, chunks=leaf.v, zero=zero,
-        offload=offload, cp_mode=leaf.cp_mode, states=prep.states_of(chosen.tolist()),
-        stages=leaf.stage_of, step_time=step_time,
-        compute_s=leaf.m * slow_sum(prep.compute_table),
-        comm_s=leaf.m * slow_sum(prep.comm_table),
-        bubble_s=step["bubble_s"], dp_comm_s=step["dp_s"], optimizer_s=step["optimizer_s"],
-        memory={k: float(v[worst_dev]) for k, v in parts.items()},
-        memory_per_device=memory, step_workspace=float(step_dev[worst_dev]),
-        comm_bytes_per_device=leaf.m * slow_sum(prep.comm_bytes_table) + wire,
-        fits=fits, host_per_device=host, ep=leaf.split.ep if leaf.split is not None else 1,
-        ep_comm_s=leaf.m * slow_sum(prep.ep_comm_table), dp_shard=shard)
+def _queue(search: Search, progress) -> tuple[list[dict], list]:
+    """The meshes and a heap of (bound, order, leaf): a grid search's leaves; a search
+    with no base, per group of leaves a `Pending` under its floor (`_group_floor`, no
+    leaf's bound is under it), whose Prepared is priced only once it comes first."""
+    if search._base is not None:
+        meshes, leaves = search._all_leaves(progress)
+        queue = [(leaf.bound, leaf.order, leaf) for leaf in leaves]
+    else:
+        meshes, heads = _meshes(search)
+        queue = []
+        for i, mesh in enumerate(meshes):
+            if progress:
+                progress(i, 2 * len(meshes))
+            walk = _mesh_walk(search, mesh, heads)
+            for group in walk[4] if walk is not None else ():
+                seq = next(search._group_seq)
+                pipe = _group_floor(search, mesh, walk, group)
+                if pipe is not None and pipe < search._cutoff:
+                    queue.append((pipe, (seq, -2), Pending(mesh, walk, group, seq, pipe)))
+    heapq.heapify(queue)
+    return meshes, queue
+
+
+def _meshes(search: Search) -> tuple[list[dict], int]:
+    """The meshes this search allows, and the fewest heads of an attention core."""
+    world = search.world.devices
+    heads = min((a.heads for lt in search.chain.types for a in lt.attention), default=1)
+    meshes = search._shared.get("meshes")  # a grid search's are its base's (`_mesh_walk`)
+    if meshes is None:
+        meshes = search._shared["meshes"] = search.space.meshes(world)
+    if search._base is not None:
+        meshes = [m for m in meshes if search.space.has_grid(m[TP])]
+    if not meshes:
+        raise PlanError(why.no_mesh(search.c, search.chain, world, len(search.blocks)))
+    if search.c.ep not in (None, 1):
+        why.check_ep(search.c, search.space, search.opt.executable, meshes)
+    return meshes, heads
+
+
+def _no_leaf(search: Search, meshes) -> None:
+    """Raise why the search has no leaf."""
+    if search._cutoff < float("inf"):  # (read by no one: the first search's error is the
+        # one raised) cheaper than the sentences below
+        raise PlanError(f"every leaf is bounded above the {search._cutoff:.3f} s of the k "
+                        "best plans other searches found; none of it can enter the top k.")
+    world = search.world.devices
+    raise PlanError(why.too_many_devices(search.space, meshes, world, search.opt.global_batch)
+                    or why.no_leaf(search.space, meshes, search.opt.global_batch))
+
+
+def _group_leaves(search: Search, pending: Pending) -> list:
+    """The leaves of a `Pending` group, its Prepared made."""
+    mesh, walk, group = pending.mesh, pending.walk, pending.group
+    prep = search._prepared(mesh, walk[0], group[0], group[2], group[1])
+    return _made_leaves(search, mesh, walk, group, prep, pending.seq, pending.dp)
+
+
+def _made_leaves(search: Search, mesh, walk, group, prep, seq: int,
+                 dp: tuple | None = None) -> list:
+    """The leaves of one group of a mesh's walk (cp mode, expert split, micro-batch, ZeRO
+    options) once its Prepared is made, each under the cutoff with its bound: every layer
+    at its fastest state, stages perfectly balanced, parameters evenly spread (experts'
+    sync left out: it runs over a smaller group)."""
+    pl, grad_pl, dp_cache, per_replica, _ = walk
+    cp_mode, split, b, leaf_zeros = group[:4]
+    pp, m = mesh[PP], per_replica // b
+    avg = prep.min_total / pp
+    if m * avg >= search._cutoff:  # every schedule's pipeline takes m x avg or more
+        return []
+    out = []
+    slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
+    for k, (schedule, v) in enumerate(_schedules(search, pp, m)):
+        pipe = _pipe_bound(search, schedule, v, m, pp, avg, slowest)
+        if pipe >= search._cutoff:  # (with the sync's, no sooner: it takes no time off)
+            continue
+        if dp_lb is None:  # (the floor's where it read these bytes: the same sync)
+            held = (prep.min_params - prep.min_experts) / pp
+            dp_lb = dp[1] if dp is not None and dp[0] == held else \
+                _dp_floor(search, mesh, walk, leaf_zeros, m, held)
+        if pipe + dp_lb >= search._cutoff:
+            continue  # another search's k best are faster
+        out.append(Leaf(bound=pipe + dp_lb, order=(seq, k), mesh=dict(mesh), pl=pl,
+                        grad_pl=grad_pl, cp_mode=cp_mode, b=b, m=m, schedule=schedule,
+                        v=v, prep=prep, zeros=leaf_zeros, dp_cache=dp_cache, split=split))
+    return out
+
+
+def _dp_floor(search: Search, mesh, walk, zeros, m: int, param_bytes: float) -> float:
+    """The least gradient sync of `param_bytes` per device over a leaf's ZeRO options
+    (offloading leaves the sync as it is: once per stage and shard)."""
+    grad_pl, dp_cache = walk[1], walk[2]
+    return min(search._dp_time(param_bytes, z, m, grad_pl, cache=None if shard else dp_cache,
+                               hybrid=hybrid_split(mesh, shard, search.world.per_node))
+               for z, shard in dict.fromkeys((z, s) for z, _, s in zeros))
+
+
+def _group_floor(search: Search, mesh, walk, group) -> float | None:
+    """A lower bound of the pipeline bound of every leaf of one group of a mesh's walk,
+    before its Prepared is made: each kind at its least `floors.state_floor`
+    (`floors.group_floor`, once per group number), and each schedule's pipeline bound
+    does not decrease in the least seconds (`_past`); None where the group has no leaf
+    (a kind of layer with no state, or no schedule). The product with 1 - 1e-9 covers
+    the rounding of the floors' sums."""
+    pl, per_replica = walk[0], walk[3]
+    cp_mode, split, b, _, number = group
+    if number not in search._floors:
+        kinds = search.space.kinds(mesh[TP], b, mesh[CP] > 1)
+        search._floors[number] = None if kinds is None else group_floor(
+            search, kinds, b, search._context((pl[TP], pl[CP], cp_mode, (
+                split.dispatch if split is not None else None))))
+    floor, pp, m = search._floors[number], mesh[PP], per_replica // b
+    plans = _schedules(search, pp, m)
+    if floor is None or not plans:
+        return None
+    avg = floor[0] / pp
+    return min(_pipe_bound(search, s, v, m, pp, avg, max(avg, floor[1]))
+               for s, v in plans) * (1 - 1e-9)
+
+
+def _with_sync(search: Search, pending: Pending) -> float:
+    """A `Pending`'s floor with its leaves' own least gradient sync (of the Prepared's
+    parameter bytes, `floors.group_floor`'s to the bit), kept for its leaves."""
+    mesh, walk, group = pending.mesh, pending.walk, pending.group
+    pp, m = mesh[PP], walk[3] // group[2]
+    held = search._floors[group[4]][2] / pp
+    pending.dp = (held, _dp_floor(search, mesh, walk, group[3], m, held))
+    return pending.pipe + pending.dp[1] * (1 - 1e-9)
 
 
 def _fitted(search: Search, leaf, chosen) -> tuple:
@@ -612,33 +658,6 @@ def collector_paused():
             gc.enable()
 
 
-def _result(search: Search, per_mesh: dict, bounds: dict, seconds: float) -> SearchResult:
-    """The winner (the fastest fitting candidate of every mesh) and the alternatives with
-    why each lost, then the meshes only bounded (at least how much slower), `top` in all."""
-    ranked = sorted(per_mesh.values(), key=lambda c: (not c.fits, c.step_time if c.fits
-                                                      else c.memory_per_device))
-    winner = ranked[0] if ranked and ranked[0].fits else None
-    alternatives = [(c, search._reason(c, winner)) for c in ranked[(1 if winner else 0):]]
-    for key, leaf in bounds.items():
-        if len(alternatives) >= search.opt.top:
-            break  # the rest would be cut below
-        if key not in per_mesh and winner is not None:
-            alternatives.append((_bound_candidate(leaf),
-                                 f"at least {100 * (leaf.bound / winner.step_time - 1):.1f}% "
-                                 "slower (lower bound: never fully priced)"))
-    return SearchResult(winner, alternatives[: search.opt.top], search.candidates, seconds,
-                        search.left_out, search.opt.attention_kernel, search.precision,
-                        search.opt.compile, search.opt.fp8_recipe)
-
-
-def _bound_candidate(leaf) -> Candidate:
-    prep = leaf.prep.build()
-    return Candidate(mesh=dict(leaf.mesh), micro_batch=leaf.b, microbatches=leaf.m,
-                     schedule=leaf.schedule, chunks=leaf.v, zero=0, offload=False,
-                     cp_mode=leaf.cp_mode, states=prep.states_of(prep.fast), stages=[],
-                     step_time=leaf.bound, ep=leaf.split.ep if leaf.split else 1)
-
-
 def _base_known(search: Search, kinds):
     """False where the base search's states of each kind are known to be `kinds` (`_base_of`
     decided it for this list): every leaf there is the base search's; else None."""
@@ -668,27 +687,6 @@ def _base_of(search: Search, mesh, pl, cp_mode, b, split, kinds):
     if not use:
         return None
     return search._base._prepared(mesh, pl, cp_mode, b, split) if adds else False
-
-
-def _check_ep(c: Constraints, space: Space, executable, meshes) -> None:
-    """One sentence for a fixed ep no mesh can take."""
-    ep, counts = c.ep, space.expert_counts()
-    if not counts:
-        raise PlanError(f"ep={ep} splits experts, but the model has no mixture-of-experts "
-                        "layer; drop ep.")
-    if any(n % ep for n in counts):
-        raise PlanError(f"{min(counts)} experts do not split over ep={ep} ranks; choose an "
-                        "expert-parallel size that divides the number of experts.")
-    if executable is not None and not executable.expert_with_cp and not any(space.ep_sizes(m) for m in meshes):
-        raise PlanError(f"ep={ep}: the runtime runs an expert axis inside the data-parallel "
-                        "ranks alone (no cp axis beside it), and no mesh of this world with "
-                        f"these constraints has dp divisible by {ep}; fix dp to a multiple "
-                        f"of {ep} and cp to 1.")
-    if not any(space.ep_sizes(m) for m in meshes):
-        raise PlanError(f"ep={ep} must divide the data-parallel ranks dp x cp, and no mesh "
-                        "of this world with these constraints has dp x cp divisible by "
-                        f"{ep}; fix dp (or cp) to a multiple of {ep}.")
-
 
 
 def _mesh_walk(search: Search, mesh, heads):
@@ -776,16 +774,13 @@ def _shared_placements(shared: dict, mesh, per_node: int):
     return hit
 
 
+def _leaf_key(leaf) -> tuple:
+    """The mesh (with its ep size) a leaf's candidates compete in."""
+    return _mesh_key(leaf.mesh) + (leaf.split.ep if leaf.split is not None else 1,)
+
+
 def _mesh_key(mesh) -> tuple:
     return (mesh[PP], mesh[DP], mesh[CP], mesh[TP])
-
-
-def _better(a: Candidate, b: Candidate) -> bool:
-    if a.fits != b.fits:
-        return a.fits
-    if a.fits:
-        return a.step_time < b.step_time
-    return a.memory_per_device < b.memory_per_device
 
 
 def _held(leaf, zero: int, precision, chosen=None) -> tuple[float, float] | None:

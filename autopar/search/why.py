@@ -7,6 +7,7 @@ import math
 
 from autopar.cost.hardware import GiB
 from autopar.cost.step import USABLE_MEMORY, host_capacity
+from autopar.errors import PlanError
 from autopar.modes import (
     CP,
     DP,
@@ -174,3 +175,24 @@ def nothing_fits(result, world) -> str:
 def _round_up(x: float, k: int) -> int:
     n = int(-(-x // 1))
     return -(-n // k) * k
+
+
+def check_ep(c, space, executable, meshes) -> None:
+    """One sentence for a fixed ep no mesh can take."""
+    ep, counts = c.ep, space.expert_counts()
+    if not counts:
+        raise PlanError(f"ep={ep} splits experts, but the model has no mixture-of-experts "
+                        "layer; drop ep.")
+    if any(n % ep for n in counts):
+        raise PlanError(f"{min(counts)} experts do not split over ep={ep} ranks; choose an "
+                        "expert-parallel size that divides the number of experts.")
+    if executable is not None and not executable.expert_with_cp and \
+            not any(space.ep_sizes(m) for m in meshes):
+        raise PlanError(f"ep={ep}: the runtime runs an expert axis inside the data-parallel "
+                        "ranks alone (no cp axis beside it), and no mesh of this world with "
+                        f"these constraints has dp divisible by {ep}; fix dp to a multiple "
+                        f"of {ep} and cp to 1.")
+    if not any(space.ep_sizes(m) for m in meshes):
+        raise PlanError(f"ep={ep} must divide the data-parallel ranks dp x cp, and no mesh "
+                        "of this world with these constraints has dp x cp divisible by "
+                        f"{ep}; fix dp (or cp) to a multiple of {ep}.")

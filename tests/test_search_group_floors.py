@@ -1,0 +1,127 @@
+"""The free search's group floors (`autopar.search.floors.state_floor`, `group_floor`): never
+over a state's priced seconds, parameters read to the bit, and a search that makes a group's
+Prepared only once its floor comes first returns what it returns with every group made."""
+
+import random
+
+import pytest
+
+from autopar.cost.comm import placements
+from autopar.cost.model import state_cost, state_params
+from autopar.models import workload
+from autopar.modes import CP, DP, FP8, ORDER, PP, RING, TP, ULYSSES
+from autopar.search import planner
+from autopar.search import search as search_module
+from autopar.search.floors import state_floor
+from autopar.search.prepared import Prepared
+from autopar.search.search import Options, Search
+from autopar.world import World
+
+SPECS = ("gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512",
+         "llama:layers=2,hidden=128,heads=8,kv_heads=2,vocab=512,seq=512",
+         "moe:layers=2,hidden=128,experts=4,top_k=2,seq=256")
+
+
+def _chain(spec, tp_sizes, **kw):
+    w = workload(spec, **kw)
+    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
+                           tokens_per_sample=w.tokens_per_sample, tp_sizes=tp_sizes,
+                           repeat={"blocks.1": w.layers - 1} if w.layers > 2 else None)
+
+
+@pytest.fixture(scope="module")
+def chains():
+    out = [_chain(spec, [1, 2, 4, 8, 16], max_layers=None) for spec in SPECS]
+    return out + [_chain("gpt3-175b", [1, 2, 4, 8, 16, 64], seq=2048)]
+
+
+def _result(res) -> list:
+    """Everything a search returns, to the bit."""
+    out = [res.candidates, res.left_out]
+    for cand, why in [(res.best, "")] + res.alternatives:
+        out.append((cand.describe(), float(cand.step_time).hex(),
+                    float(cand.memory_per_device).hex(), list(cand.stages), why))
+    return out
+
+
+def test_a_state_floor_is_never_over_its_seconds_on_random_layers_and_contexts(chains):
+    """60 random (model, device, dtype, compile, mesh, cp mode, micro-batch) draws: every
+    state of every kind (1D of any size, 2D, 2.5D, 3D), priced: its seconds are its floor or
+    more, and its parameter bytes are `state_params`' to the bit."""
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(60):
+        chain = rng.choice(chains)
+        device = rng.choice(["a100-80gb", "h100-80gb"])
+        dtype = rng.choice(["bf16", "fp32"] + ([FP8] if device == "h100-80gb" else []))
+        tp, cp = rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 1, 2, 4])
+        pp = rng.choice([1, 2])
+        world = World(pp * tp * cp * rng.choice([1, 2]), per_node=8, device=device)
+        options = Options(global_batch=64, dtype=dtype, compile=rng.random() < 0.3)
+        search = Search(chain, world, options)
+        mesh = {PP: pp, DP: world.devices // (pp * tp * cp), CP: cp, TP: tp}
+        pl = placements(mesh, ORDER, world.per_node)
+        b = rng.choice([1, 2, 4, 8])
+        prep = search._prepared(mesh, pl, rng.choice([RING, ULYSSES]) if cp > 1 else None, b)
+        if prep is None:
+            continue
+        ctx = prep.context[0]
+        for lt, states in prep.kinds:
+            for state in states:
+                cost = state_cost(lt, state, b, ctx)
+                assert 0 <= state_floor(lt, state, b, ctx) <= cost.time
+                assert state_params(lt, state, ctx) == (cost.params, cost.expert_params)
+                checked += 1
+    assert checked > 1000
+
+
+def _every_group(search, kinds, b, ctx):
+    """`floors.group_floor` with no bound of the seconds: every group made at once."""
+    return 0.0, 0.0, _real_group_floor(search, kinds, b, ctx)[2]
+
+
+_real_group_floor = search_module.group_floor
+
+
+@pytest.mark.parametrize("spec, devices, gb, constraints", [
+    (SPECS[0], 16, 32, {}), (SPECS[0], 64, 64, {}), (SPECS[1], 64, 128, {"cp": 2}),
+    (SPECS[2], 32, 64, {}), (SPECS[0], 16, 32, {"tp": 4, "pp": 2}),
+    (SPECS[1], 16, 64, {"tp": 2, "pp": 2, "zero": 3})])
+def test_the_group_floors_leave_the_free_search_as_it_was(chains, monkeypatch, spec, devices,
+                                                          gb, constraints):
+    """Best, alternatives (their reasons and the bounded meshes' "at least" too), candidate
+    count and notes: the same with the group floors as with every group's Prepared made
+    before a leaf is priced; and the best is the fastest fitting of every candidate."""
+    chain = chains[SPECS.index(spec)]
+    world = World(devices, per_node=8)
+    kw = dict(global_batch=gb, constraints=constraints, top=6)
+    got = planner.search(chain, world, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(search_module, "group_floor", _every_group)
+        plain = planner.search(chain, world, **kw)
+    assert _result(got) == _result(plain)
+    every = Search(chain, world, Options(global_batch=gb, top=6), constraints).every()
+    assert got.best.step_time == min(c.step_time for c in every if c.fits)
+
+
+def test_gpt3_free_search_leaves_groups_unpriced_by_their_floors(chains, monkeypatch):
+    """GPT-3 175B on 1024 A100 (bench_search's search): most leaf groups are never priced
+    (their floors pass the k best first), and the search returns what it returns with
+    every group's Prepared made."""
+    chain = chains[-1]
+    world = World(1024, per_node=8, device="a100-80gb")
+    made = []
+    real = Prepared.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Prepared, "__init__", init)
+    got = planner.search(chain, world, global_batch=1536)
+    floored = len(made)
+    made.clear()
+    monkeypatch.setattr(search_module, "group_floor", _every_group)
+    plain = planner.search(chain, world, global_batch=1536)
+    assert _result(got) == _result(plain)
+    assert 0 < floored < len(made) / 2
