@@ -298,6 +298,7 @@ class _Fingerprint:
         self.classes: dict = {}  # class -> its fingerprint, in the order first met
         self._index: dict = {}
         self._walked: dict = {}  # id -> fingerprint of objects walked by content
+        self._members: dict = {}  # class -> `members`, once a key (nn.Module is in every MRO)
 
     def ident(self, obj, pin: bool = False) -> int:
         try:
@@ -374,6 +375,11 @@ class _Fingerprint:
         return self._index[cls]
 
     def members(self, cls: type) -> tuple:
+        if cls not in self._members:
+            self._members[cls] = self._walk_members(cls)
+        return self._members[cls]
+
+    def _walk_members(self, cls: type) -> tuple:
         out = []
         for name, value in vars(cls).items():
             if name in _SKIPPED_MEMBERS or (cls is nn.Module and name not in _MODULE_MEMBERS):
