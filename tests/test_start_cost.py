@@ -121,6 +121,28 @@ def test_a_trace_generates_code_only_for_the_graphs_export_hands_back(monkeypatc
     assert torch.equal(traced.gm(x), model(x))
 
 
+def test_a_trace_cache_hit_generates_code_only_when_it_runs(monkeypatch):
+    """A hit of the trace cache (as is every start of a model after its first in a process)
+    and the entry it is copied from generate no Python code: the engine runs its rewritten
+    copies, not the traced graph. Run, the hit generates its code once and computes what
+    the model does."""
+    made = []
+    real = fx.Graph.python_code
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        return real(self, *args, **kwargs)
+
+    model = _Net()
+    first = trace(model, (torch.randn(3, 4),), train=False)
+    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    hit = trace(model, (torch.randn(3, 4),), train=False)
+    assert hit.gm is not first.gm and made == []
+    x = torch.randn(5, 4)
+    assert torch.equal(hit.gm(x), model(x)) and torch.equal(hit.gm(x), model(x))
+    assert made == [hit.graph]
+
+
 def test_a_reshape_of_whole_numbers_and_the_batch_needs_no_simplify(monkeypatch):
     """The runs of a reshape over whole numbers and multiples of the batch are told apart by
     sympy's assumptions alone (simplify costs a tenth of a second on its first call), and the

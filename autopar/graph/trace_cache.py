@@ -29,9 +29,10 @@ from collections import OrderedDict
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.graph.analysis import Layer
-from autopar.graph.ir import TracedGraph
+from autopar.graph.ir import TracedGraph, copy_nodes
 from autopar.graph.opaque import STANDS_FOR
 
 __all__ = ["MAX_ENTRIES", "CacheInfo", "clear", "enabled", "info", "key", "lookup", "stand_in_for",
@@ -175,23 +176,33 @@ def _copy(traced: TracedGraph, substitute: dict) -> TracedGraph:
 
 def _copy_graph_module(gm: fx.GraphModule, substitute: dict):
     """A new GraphModule of `gm`'s class, as export's `module()` builds one: the same
-    attributes (methods rebound), hooks and meta; a copied graph; a copied module tree."""
+    attributes (methods rebound), hooks and meta; a copied graph; a copied module tree. Its
+    Python code is generated when it first runs or its code is read (`_lazy_class`): the
+    engine runs its rewritten copies of a traced graph, not the traced graph itself."""
     graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
-    nodes: dict = {}
-    out = graph.graph_copy(gm.graph, nodes, return_output_node=True)
-    if out is not None:
-        value, old = out
-        nodes[old] = graph.output(value, type_expr=getattr(old, "type", None))
-        nodes[old].meta = dict(old.meta)
-    for old, new in nodes.items():
-        new.meta = {k: _shallow(v) for k, v in old.meta.items()}
+    nodes = copy_nodes(gm.graph, graph, _shallow)
     graph._codegen = copy.copy(gm.graph._codegen)  # (its specs are read only)
     clones: dict = {}
-    res = type(gm).__new__(type(gm))
+    res = object.__new__(_lazy_class(type(gm)))
     _copy_module_state(gm, res, substitute, clones)
     res.meta = {k: _shallow(v) for k, v in gm.meta.items()}
-    res.graph = graph  # (the setter recompiles the code)
+    res.graph = graph  # (the setter marks the code for generation at the first read)
     return res, nodes
+
+
+def _lazy_class(cls: type) -> type:
+    """A class for one copy of a `cls` instance, as GraphModule makes one per instance (its
+    `forward` is set on its class), that generates its code lazily as `_LazyGraphModule`
+    does: `_LazyGraphModule` before the first class of `cls`'s order that is neither such a
+    per-instance class nor lazy (export's `_StatefulGraphModule`, or GraphModule)."""
+    base = next(t for t in cls.__mro__ if t is not _LazyGraphModule
+                and t.__qualname__.split(".")[-1] != "GraphModuleImpl")
+    bases = (_LazyGraphModule,) if base is fx.GraphModule else (_LazyGraphModule, base)
+
+    class GraphModuleImpl(*bases):  # (the name GraphModule.__new__ looks past)
+        pass
+
+    return GraphModuleImpl
 
 
 def _copy_module_state(src: nn.Module, dst: nn.Module, substitute: dict, clones: dict) -> None:
@@ -287,6 +298,7 @@ class _Fingerprint:
         self.classes: dict = {}  # class -> its fingerprint, in the order first met
         self._index: dict = {}
         self._walked: dict = {}  # id -> fingerprint of objects walked by content
+        self._members: dict = {}  # class -> `members`, once a key (nn.Module is in every MRO)
 
     def ident(self, obj, pin: bool = False) -> int:
         try:
@@ -363,6 +375,11 @@ class _Fingerprint:
         return self._index[cls]
 
     def members(self, cls: type) -> tuple:
+        if cls not in self._members:
+            self._members[cls] = self._walk_members(cls)
+        return self._members[cls]
+
+    def _walk_members(self, cls: type) -> tuple:
         out = []
         for name, value in vars(cls).items():
             if name in _SKIPPED_MEMBERS or (cls is nn.Module and name not in _MODULE_MEMBERS):

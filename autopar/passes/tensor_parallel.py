@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from autopar.graph.ir import copy_nodes
 from autopar.kernels.collectives import Redistribute
 from autopar.kernels.modules import (
     GridCrossEntropy,
@@ -51,22 +52,7 @@ def clone_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node
     last edit's code runs (the inference graph a start solves for layouts never runs)."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen  # keeps export's pytree calling convention
-    mapping: dict[fx.Node, fx.Node] = {}
-    copied = mapping.__getitem__
-    for old in gm.graph.nodes:
-        if old.op == "output":
-            new = graph.output(fx.map_arg(old.args[0], copied))
-        else:
-            # (Graph.graph_copy would have create_node walk every argument for symbolic
-            # values; they are set on the node instead, each attribute set on a node costs a
-            # lookup-table update, so the meta dict is filled in place)
-            new = graph.create_node(old.op, old.target, name=old.name, type_expr=old.type)
-            if old.args:
-                new.args = fx.map_arg(old.args, copied)
-            if old.kwargs:
-                new.kwargs = fx.map_arg(old.kwargs, copied)
-        new.meta.update(old.meta)
-        mapping[old] = new
+    mapping = copy_nodes(gm.graph, graph)
     new_gm = _LazyGraphModule(gm, graph)
     new_gm.meta.update(gm.meta)
     return new_gm, mapping
