@@ -243,7 +243,7 @@ def test_offload_counts_against_the_hosts_memory(tmp_path):
         assert all(c.optimizer_s > 0 and c.memory["optimizer"] == 0 for c in cands)
         assert all(c.fits is fits for c in cands)
         if not fits:
-            assert "host memory short" in search._reason(cands[0], None)
+            assert "host memory short" in search.reason(cands[0], None)
             with pytest.raises(PlanError, match="offloads .* to the host"):
                 planner.to_plan(chain, world, search.run(), BATCH, "bf16", 0.0)
         else:
