@@ -2,9 +2,9 @@
 priced seconds, and the executable search they cut returns what it returns without them."""
 
 import pytest
+from chains import prepared_chain
 
 from autopar.cost.comm import placements
-from autopar.models import workload
 from autopar.modes import CP, DP, FP8, ORDER, PP, RUNTIME, TP, TP_1D
 from autopar.search import planner
 from autopar.search import search as search_module
@@ -16,21 +16,16 @@ from autopar.world import World
 SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"
 
 
-def _chain(spec, tp_sizes, **kw):
-    w = workload(spec, **kw)
-    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
-                           tokens_per_sample=w.tokens_per_sample, tp_sizes=tp_sizes,
-                           repeat={"blocks.1": w.layers - 1} if w.layers > 2 else None)
 
 
 @pytest.fixture(scope="module")
 def small():
-    return _chain(SMALL, [1, 2, 4, 8, 16], max_layers=None)
+    return prepared_chain(SMALL, [1, 2, 4, 8, 16], max_layers=None)
 
 
 @pytest.fixture(scope="module")
 def gpt3():
-    return _chain("gpt3-175b", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], seq=2048)
+    return prepared_chain("gpt3-175b", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], seq=2048)
 
 
 def _result(res) -> list:
@@ -164,7 +159,7 @@ def test_the_group_bounds_leave_the_executable_search_as_it_was(monkeypatch, spe
     kind), and the least seconds priced in the order of the floors (`floors.least_priced`):
     best, alternatives with their reasons, candidates and notes the same as with every
     group's least seconds priced whole and no pipeline bound before its Prepared."""
-    chain = _chain(spec, [1, 2, 4, 8, 16], max_layers=None)
+    chain = prepared_chain(spec, [1, 2, 4, 8, 16], max_layers=None)
     world = World(devices, per_node=8)
     kw = dict(global_batch=gb, executable=True, constraints=constraints, top=6)
     made = []

@@ -5,10 +5,10 @@ Prepared only once its floor comes first returns what it returns with every grou
 import random
 
 import pytest
+from chains import prepared_chain
 
 from autopar.cost.comm import placements
 from autopar.cost.model import state_cost, state_params
-from autopar.models import workload
 from autopar.modes import CP, DP, FP8, ORDER, PP, RING, TP, ULYSSES
 from autopar.search import planner
 from autopar.search import search as search_module
@@ -22,17 +22,12 @@ SPECS = ("gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512",
          "moe:layers=2,hidden=128,experts=4,top_k=2,seq=256")
 
 
-def _chain(spec, tp_sizes, **kw):
-    w = workload(spec, **kw)
-    return planner.prepare(w.model, w.inputs, loss_fn=w.loss_fn, example_target=w.target,
-                           tokens_per_sample=w.tokens_per_sample, tp_sizes=tp_sizes,
-                           repeat={"blocks.1": w.layers - 1} if w.layers > 2 else None)
 
 
 @pytest.fixture(scope="module")
 def chains():
-    out = [_chain(spec, [1, 2, 4, 8, 16], max_layers=None) for spec in SPECS]
-    return out + [_chain("gpt3-175b", [1, 2, 4, 8, 16, 64], seq=2048)]
+    out = [prepared_chain(spec, [1, 2, 4, 8, 16], max_layers=None) for spec in SPECS]
+    return out + [prepared_chain("gpt3-175b", [1, 2, 4, 8, 16, 64], seq=2048)]
 
 
 def _result(res) -> list:
