@@ -2,7 +2,7 @@
 priced seconds, and the executable search they cut returns what it returns without them."""
 
 import pytest
-from chains import prepared_chain
+from chains import prepared_chain, result_bits
 
 from autopar.cost.comm import placements
 from autopar.modes import CP, DP, FP8, ORDER, PP, RUNTIME, TP, TP_1D
@@ -26,15 +26,6 @@ def small():
 @pytest.fixture(scope="module")
 def gpt3():
     return prepared_chain("gpt3-175b", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], seq=2048)
-
-
-def _result(res) -> list:
-    """Everything a search returns, to the bit."""
-    out = [res.candidates, res.left_out]
-    for cand, why in [(res.best, "")] + res.alternatives:
-        out.append((cand.describe(), float(cand.step_time).hex(),
-                    float(cand.memory_per_device).hex(), list(cand.stages), why))
-    return out
 
 
 @pytest.mark.parametrize("dtype, compile, grid, tp, cp, device", [
@@ -85,7 +76,7 @@ def test_the_floors_leave_the_executable_search_as_it_was(small, monkeypatch, de
     with_floors = planner.search(small, world, **kw)
     monkeypatch.setattr(search_module, "least_floor", _no_floor)
     without = planner.search(small, world, **kw)
-    assert _result(with_floors) == _result(without)
+    assert result_bits(with_floors) == result_bits(without)
     every = planner.executable_candidates(small, world, global_batch=gb, dtype="bf16",
                                           constraints=constraints)
     fastest = min((c for c in every if c.fits), key=lambda c: c.step_time)
@@ -119,7 +110,7 @@ def test_gpt3_grid_searches_skip_groups_by_their_floors_alone(gpt3, monkeypatch)
 
     got, floors = counted(True)
     plain, none = counted(False)
-    assert _result(got) == _result(plain)
+    assert result_bits(got) == result_bits(plain)
     assert floors > 0 and none == 0 and counts[True] < counts[False]
 
 
@@ -174,7 +165,7 @@ def test_the_group_bounds_leave_the_executable_search_as_it_was(monkeypatch, spe
     monkeypatch.setattr(search_module, "_past", _never_past)
     monkeypatch.setattr(search_module, "least_priced", _exact_least)
     plain = planner.search(chain, world, **kw)
-    assert _result(bounded) == _result(plain)
+    assert result_bits(bounded) == result_bits(plain)
     assert made  # the bound was asked
 
 

@@ -5,7 +5,7 @@ Prepared only once its floor comes first returns what it returns with every grou
 import random
 
 import pytest
-from chains import prepared_chain
+from chains import prepared_chain, result_bits
 
 from autopar.cost.comm import placements
 from autopar.cost.model import state_cost, state_params
@@ -28,15 +28,6 @@ SPECS = ("gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512",
 def chains():
     out = [prepared_chain(spec, [1, 2, 4, 8, 16], max_layers=None) for spec in SPECS]
     return out + [prepared_chain("gpt3-175b", [1, 2, 4, 8, 16, 64], seq=2048)]
-
-
-def _result(res) -> list:
-    """Everything a search returns, to the bit."""
-    out = [res.candidates, res.left_out]
-    for cand, why in [(res.best, "")] + res.alternatives:
-        out.append((cand.describe(), float(cand.step_time).hex(),
-                    float(cand.memory_per_device).hex(), list(cand.stages), why))
-    return out
 
 
 def test_a_state_floor_is_never_over_its_seconds_on_random_layers_and_contexts(chains):
@@ -94,7 +85,7 @@ def test_the_group_floors_leave_the_free_search_as_it_was(chains, monkeypatch, s
     with monkeypatch.context() as m:
         m.setattr(search_module, "group_floor", _every_group)
         plain = planner.search(chain, world, **kw)
-    assert _result(got) == _result(plain)
+    assert result_bits(got) == result_bits(plain)
     every = Search(chain, world, Options(global_batch=gb, top=6), constraints).every()
     assert got.best.step_time == min(c.step_time for c in every if c.fits)
 
@@ -118,5 +109,5 @@ def test_gpt3_free_search_leaves_groups_unpriced_by_their_floors(chains, monkeyp
     made.clear()
     monkeypatch.setattr(search_module, "group_floor", _every_group)
     plain = planner.search(chain, world, global_batch=1536)
-    assert _result(got) == _result(plain)
+    assert result_bits(got) == result_bits(plain)
     assert 0 < floored < len(made) / 2

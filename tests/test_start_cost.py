@@ -33,14 +33,7 @@ def test_a_cloned_graph_generates_its_code_once_when_it_first_runs(monkeypatch):
     """A pass's recompile() after each edit only marks the code stale: the code is generated
     when the graph runs (or its code is read), once, and computes what the original does."""
     gm = fx.symbolic_trace(_Net())
-    made = []
-    real = fx.Graph.python_code
-
-    def counted(self, *args, **kwargs):
-        made.append(self)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    made = _count_code(monkeypatch)
     out, mapping = clone_graph_module(gm)
     out.recompile()
     out.recompile()
@@ -98,11 +91,8 @@ def test_a_training_start_rewrites_the_inference_graph_only_when_it_is_read(monk
     assert len(rewrites) == 2 and engine.chunked_losses == 1
 
 
-def test_a_trace_generates_code_only_for_the_graphs_export_hands_back(monkeypatch):
-    """torch.export builds graph modules on the way (11 code generations a trace before):
-    made lazy, and with no input-guard function to generate and then drop, a trace generates
-    Python code only for the program and the unlifted module it returns. The graph is the
-    same: no guard pins the traced batch, and it computes what the model does."""
+def _count_code(monkeypatch) -> list:
+    """The graphs whose Python code is generated from now on, in order."""
     made = []
     real = fx.Graph.python_code
 
@@ -110,9 +100,18 @@ def test_a_trace_generates_code_only_for_the_graphs_export_hands_back(monkeypatc
         made.append(self)
         return real(self, *args, **kwargs)
 
+    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    return made
+
+
+def test_a_trace_generates_code_only_for_the_graphs_export_hands_back(monkeypatch):
+    """torch.export builds graph modules on the way (11 code generations a trace before):
+    made lazy, and with no input-guard function to generate and then drop, a trace generates
+    Python code only for the program and the unlifted module it returns. The graph is the
+    same: no guard pins the traced batch, and it computes what the model does."""
     model = _Net()
     monkeypatch.setenv("AUTOPAR_TRACE_CACHE", "0")  # (a hit would copy, not trace)
-    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    made = _count_code(monkeypatch)
     traced = trace(model, (torch.randn(3, 4),), train=False)
     assert len(made) <= 4, len(made)
     assert not hasattr(traced.gm, "_guards_fn")
@@ -126,16 +125,9 @@ def test_a_trace_cache_hit_generates_code_only_when_it_runs(monkeypatch):
     and the entry it is copied from generate no Python code: the engine runs its rewritten
     copies, not the traced graph. Run, the hit generates its code once and computes what
     the model does."""
-    made = []
-    real = fx.Graph.python_code
-
-    def counted(self, *args, **kwargs):
-        made.append(self)
-        return real(self, *args, **kwargs)
-
     model = _Net()
     first = trace(model, (torch.randn(3, 4),), train=False)
-    monkeypatch.setattr(fx.Graph, "python_code", counted)
+    made = _count_code(monkeypatch)
     hit = trace(model, (torch.randn(3, 4),), train=False)
     assert hit.gm is not first.gm and made == []
     x = torch.randn(5, 4)
