@@ -14,17 +14,16 @@ import math
 import pytest
 
 from autopar import World, plan
+from autopar.cost.cp import contention_s, ring_exposed
 from autopar.cost.hardware import Hardware, load_hardware
 from autopar.cost.model import (
     EFFECTS,
     attention_time,
     causal_imbalance,
-    contention_s,
     gemm_time,
     gemm_traffic_s,
     local_gemm_shape,
     memory_time,
-    ring_exposed,
 )
 from autopar.errors import WorldError
 from autopar.models import workload

@@ -161,8 +161,9 @@ def test_planner_prices_ulysses_beside_2d_as_the_solution_sends():
     import sympy
 
     from autopar.cost.comm import Placement
+    from autopar.cost.cp import context_comm
     from autopar.cost.hardware import load_hardware
-    from autopar.cost.model import Context, TensorMode, _context_comm
+    from autopar.cost.model import Context, TensorMode
     from autopar.graph.ir import BATCH
     from autopar.graph.trace import trace
     from autopar.models import workload
@@ -176,7 +177,7 @@ def test_planner_prices_ulysses_beside_2d_as_the_solution_sends():
     ctx = Context(load_hardware("a100-80gb"), "fp32", Placement(4, 4), Placement(2, 2),
                   "ulysses")
     mode = TensorMode("2d", 4, q=2)
-    priced = _context_comm(block, mode, 4, ctx, [0.0], False).nbytes * 2  # c / (c - 1)
+    priced = context_comm(block, mode, 4, ctx, [0.0], False).nbytes * 2  # c / (c - 1)
 
     plan = autopar.Plan.from_dict(cp_grid("ulysses", "2d"), 8)
     traced = trace(w.model, tuple(w.inputs), loss_fn=w.loss_fn, example_target=w.target,

@@ -26,8 +26,7 @@ import sympy
 from autopar.cost import chunked_loss, fp8
 from autopar.cost import experts as moe_cost
 from autopar.cost.comm import Placement, collective_time, grid_gemm_bytes
-from autopar.cost.cp import CpCost, contention_s, context_comm, ring_exposed  # noqa: F401
-from autopar.cost.cp import context_comm as _context_comm  # noqa: F401  (its old name)
+from autopar.cost.cp import context_comm
 from autopar.cost.hardware import Hardware
 from autopar.cost.layer import ZERO, Attention, Gemm, LayerType
 from autopar.cost.state import StepTemps
@@ -507,12 +506,10 @@ def state_cost(lt: LayerType, state: LayerState, batch: float, ctx: Context) -> 
     effects["memory-bound ops"] = runs * lay.mem_roof
     effects["kernel launch floor"] = runs * (lay.mem_fwd - lay.mem_roof)  # beyond their bytes
     effects[FUSION] = runs * (lay.fused_fwd - lay.mem_fwd)  # <= 0
-    ep_comm = ep_bytes = expert_params = 0.0
+    ep_comm = ep_bytes = 0.0
     ep, imbalance = lay.ep, lay.imbalance
-    # the tp ranks each expert is split over (the engine keeps them whole beside cp)
-    cut = sharded.expert_split if one_d and c == 1 else 1
+    cut, expert_params = _expert_share(lt, sharded, one_d, c, ep)
     if lt.experts is not None:
-        expert_params = lt.experts.param_bytes / ep / cut
         if ep > 1:
             reruns = 2 if state.recompute == FULL else 1
             ep_comm, ep_bytes, _ = moe_cost.alltoall_s(lt.experts, batch, c, ctx.ep, ctx.hw,
@@ -579,12 +576,17 @@ def state_params(lt: LayerType, state: LayerState, ctx: Context) -> tuple[float,
     mode = state.mode
     one_d = mode.name == TP_1D
     sharded = lt.sharded[mode.size if one_d else 1]
-    expert_params = 0.0
-    if lt.experts is not None:
-        ep = ctx.ep.size if ctx.ep is not None else 1
-        cut = sharded.expert_split if one_d and ctx.cp.size == 1 else 1
-        expert_params = lt.experts.param_bytes / ep / cut
+    ep = ctx.ep.size if ctx.ep is not None else 1
+    _, expert_params = _expert_share(lt, sharded, one_d, ctx.cp.size, ep)
     return _params_held(lt, mode, sharded, expert_params), expert_params
+
+
+def _expert_share(lt: LayerType, sharded, one_d: bool, c: int, ep: int) -> tuple[int, float]:
+    """(the tp ranks each expert is split over, the experts' parameter bytes per device):
+    each of ep ranks holds E/ep experts, split over 1D tp (kept whole beside cp)."""
+    cut = sharded.expert_split if one_d and c == 1 else 1
+    expert = lt.experts.param_bytes / ep / cut if lt.experts is not None else 0.0
+    return cut, expert
 
 
 def _fp8_amax(gemms: int, t: int, full: bool, ctx: Context, wire: bool = False) -> float:
