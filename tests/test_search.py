@@ -648,7 +648,7 @@ def test_a_shared_context_prices_each_state_as_a_fresh_one(small):
 
 def test_recomputing_never_speeds_a_layout_nor_changes_its_bytes_held(small):
     """The search bounds a leaf from each layout's least-recomputing state alone
-    (`_least_recompute`): recomputation only adds time (compute and rerun collectives),
+    (`least_recompute`): recomputation only adds time (compute and rerun collectives),
     and parameters and workspace do not depend on it."""
     from autopar.cost.model import state_cost
 

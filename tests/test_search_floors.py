@@ -75,6 +75,7 @@ def test_the_floors_leave_the_executable_search_as_it_was(small, monkeypatch, de
     kw = dict(global_batch=gb, executable=True, constraints=constraints, top=6)
     with_floors = planner.search(small, world, **kw)
     monkeypatch.setattr(search_module, "least_floor", _no_floor)
+    monkeypatch.setattr(search_module, "grid_past", _never_past)
     without = planner.search(small, world, **kw)
     assert result_bits(with_floors) == result_bits(without)
     every = planner.executable_candidates(small, world, global_batch=gb, dtype="bf16",
@@ -101,6 +102,7 @@ def test_gpt3_grid_searches_skip_groups_by_their_floors_alone(gpt3, monkeypatch)
         monkeypatch.setattr(search_module.Search, "__init__", init)
         if not floors:
             monkeypatch.setattr(search_module, "least_floor", _no_floor)
+            monkeypatch.setattr(search_module, "grid_past", _never_past)
         res = planner.search(gpt3, world, global_batch=512, executable=True)
         monkeypatch.undo()
         tables = made[0]._state_costs
@@ -145,24 +147,28 @@ def _never_past(*args):
     ("moe:layers=2,hidden=128,experts=4,top_k=2,seq=256", 32, 64, {})])
 def test_the_group_bounds_leave_the_executable_search_as_it_was(monkeypatch, spec, devices, gb,
                                                                 constraints):
-    """The groups a grid search leaves out before pricing them (`search._past`: each
-    schedule's pipeline bound from a Floor's least seconds and its bound of the slowest
-    kind), and the least seconds priced in the order of the floors (`floors.least_priced`):
-    best, alternatives with their reasons, candidates and notes the same as with every
-    group's least seconds priced whole and no pipeline bound before its Prepared."""
+    """The groups a grid search leaves out before pricing them (`bounds.grid_past`: its
+    floors, before anything is priced; `bounds.past`: each schedule's pipeline bound from a
+    Floor's least seconds and its bound of the slowest kind), and the least seconds priced
+    in the order of the floors (`floors.least_priced`): best, alternatives with their
+    reasons, candidates and notes the same as with every group's least seconds priced whole
+    and no pipeline bound before its Prepared."""
     chain = prepared_chain(spec, [1, 2, 4, 8, 16], max_layers=None)
     world = World(devices, per_node=8)
     kw = dict(global_batch=gb, executable=True, constraints=constraints, top=6)
     made = []
-    real = search_module._past
 
-    def past(*args):
-        made.append(real(*args))
-        return made[-1]
+    def asked(real):
+        def bound(*args):
+            made.append(real(*args))
+            return made[-1]
+        return bound
 
-    monkeypatch.setattr(search_module, "_past", past)
+    monkeypatch.setattr(search_module, "past", asked(search_module.past))
+    monkeypatch.setattr(search_module, "grid_past", asked(search_module.grid_past))
     bounded = planner.search(chain, world, **kw)
-    monkeypatch.setattr(search_module, "_past", _never_past)
+    monkeypatch.setattr(search_module, "past", _never_past)
+    monkeypatch.setattr(search_module, "grid_past", _never_past)
     monkeypatch.setattr(search_module, "least_priced", _exact_least)
     plain = planner.search(chain, world, **kw)
     assert result_bits(bounded) == result_bits(plain)

@@ -10,9 +10,9 @@ from chains import prepared_chain, result_bits
 from autopar.cost.comm import placements
 from autopar.cost.model import state_cost, state_params
 from autopar.modes import CP, DP, FP8, ORDER, PP, RING, TP, ULYSSES
+from autopar.search import bounds as bounds_module
 from autopar.search import planner
-from autopar.search import search as search_module
-from autopar.search.floors import state_floor
+from autopar.search.floors import state_floor, state_work
 from autopar.search.prepared import Prepared
 from autopar.search.search import Options, Search
 from autopar.world import World
@@ -33,7 +33,8 @@ def chains():
 def test_a_state_floor_is_never_over_its_seconds_on_random_layers_and_contexts(chains):
     """60 random (model, device, dtype, compile, mesh, cp mode, micro-batch) draws: every
     state of every kind (1D of any size, 2D, 2.5D, 3D), priced: its seconds are its floor or
-    more, and its parameter bytes are `state_params`' to the bit."""
+    more, the floor its work (`state_work`, no collective) or more, and its parameter bytes
+    are `state_params`' to the bit."""
     rng = random.Random(7)
     checked = 0
     for _ in range(60):
@@ -55,18 +56,16 @@ def test_a_state_floor_is_never_over_its_seconds_on_random_layers_and_contexts(c
         for lt, states in prep.kinds:
             for state in states:
                 cost = state_cost(lt, state, b, ctx)
-                assert 0 <= state_floor(lt, state, b, ctx) <= cost.time
+                work = state_work(lt, state, b, ctx)
+                assert 0 <= work <= state_floor(lt, state, b, ctx) <= cost.time
                 assert state_params(lt, state, ctx) == (cost.params, cost.expert_params)
                 checked += 1
     assert checked > 1000
 
 
-def _every_group(search, kinds, b, ctx):
+def _every_group(search, kinds, b, ctx, work=False):
     """`floors.group_floor` with no bound of the seconds: every group made at once."""
-    return 0.0, 0.0, _real_group_floor(search, kinds, b, ctx)[2]
-
-
-_real_group_floor = search_module.group_floor
+    return 0.0, 0.0
 
 
 @pytest.mark.parametrize("spec, devices, gb, constraints", [
@@ -83,7 +82,7 @@ def test_the_group_floors_leave_the_free_search_as_it_was(chains, monkeypatch, s
     kw = dict(global_batch=gb, constraints=constraints, top=6)
     got = planner.search(chain, world, **kw)
     with monkeypatch.context() as m:
-        m.setattr(search_module, "group_floor", _every_group)
+        m.setattr(bounds_module, "group_floor", _every_group)
         plain = planner.search(chain, world, **kw)
     assert result_bits(got) == result_bits(plain)
     every = Search(chain, world, Options(global_batch=gb, top=6), constraints).every()
@@ -107,7 +106,7 @@ def test_gpt3_free_search_leaves_groups_unpriced_by_their_floors(chains, monkeyp
     got = planner.search(chain, world, global_batch=1536)
     floored = len(made)
     made.clear()
-    monkeypatch.setattr(search_module, "group_floor", _every_group)
+    monkeypatch.setattr(bounds_module, "group_floor", _every_group)
     plain = planner.search(chain, world, global_batch=1536)
     assert result_bits(got) == result_bits(plain)
     assert 0 < floored < len(made) / 2

@@ -107,6 +107,12 @@ class Placement:
         if self.sharing < 1 or (self.node_size is not None and self.node_size < 1):
             raise ValueError(f"sharing ({self.sharing}) and node_size ({self.node_size}) "
                              "must be at least 1.")
+        # hashed once: placements key every collective's and layer's memo
+        object.__setattr__(self, "_hash", hash((self.size, self.per_node, self.sharing,
+                                                self.node_size)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def spans_nodes(self) -> bool:

@@ -22,10 +22,10 @@ from autopar.cost.model import (
     state_params,
 )
 from autopar.modes import FP8, FULL, MEGATRON_SP, TP_1D
-from autopar.search.prepared import least_states, state_costs_of
+from autopar.search.prepared import least_recompute, state_costs_of
 
-__all__ = ["grid_floor", "group_floor", "least_floor", "least_priced", "line_floor",
-           "state_floor"]
+__all__ = ["cached_floor", "grid_floor", "grid_work", "group_floor", "group_params", "line_work", "state_work",
+           "least_floor", "least_priced", "line_floor", "state_floor"]
 
 
 def grid_floor(lt, state, b: int, ctx) -> float:
@@ -42,12 +42,20 @@ def grid_floor(lt, state, b: int, ctx) -> float:
     `state_cost` prices them (`cost.model.grid_comm`, memoised in the Context, which the
     pricing then reads back), and cp's around attention at least `cost.cp.context_floor`;
     fp8's amaxes and the experts' all-to-alls only add."""
+    mode = state.mode
+    return grid_work(lt, state, b, ctx) + grid_comm(lt, mode, b, ctx, state.recompute ==
+                                                     FULL)[0] + context_floor(lt, mode, b, ctx)
+
+
+def grid_work(lt, state, b: int, ctx) -> float:
+    """`grid_floor`'s 3 (GEMMs + memory-bound) alone: never over it (the collectives' seconds
+    it adds are >= 0, and adding them rounds to no less), read without pricing a
+    collective."""
     hw, mode = ctx.hw, state.mode
     t, c = mode.size, ctx.cp.size
     gemms = _gemms_floor(lt, [True] * len(lt.gemms), t, c * mode.batch_split, b, ctx)
     mem = 0.0 if ctx.compile else memory_time(lt.traffic(b) / t / c, hw)
-    return 3 * (gemms + mem) + grid_comm(lt, mode, b, ctx, state.recompute == FULL)[0] + \
-        context_floor(lt, mode, b, ctx)
+    return 3 * (gemms + mem)
 
 
 def line_floor(lt, state, b: int, ctx) -> float:
@@ -66,6 +74,26 @@ def line_floor(lt, state, b: int, ctx) -> float:
     `state_cost` prices them (`Context.coll`, memoised), each run at least once, and cp's
     around attention at least `cost.cp.context_floor`; fp8's amaxes and the experts'
     all-to-alls only add."""
+    mode = state.mode
+    t, c = mode.size, ctx.cp.size
+    sharded = lt.sharded[t]
+    sp = state.sp == MEGATRON_SP and t > 1
+    comm = 0.0
+    if t > 1:
+        for op, _, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
+            n = nbytes(b) / c
+            if sp and op == "all_reduce" and lt.is_block:
+                comm += ctx.coll("reduce_scatter", n, ctx.tp) + ctx.coll("all_gather", n, ctx.tp)
+            else:
+                comm += ctx.coll(op, n, ctx.tp)
+    return line_work(lt, state, b, ctx) + comm + context_floor(lt, mode, b, ctx)
+
+
+def line_work(lt, state, b: int, ctx) -> float:
+    """`line_floor`'s 3 (GEMMs + attention + memory-bound) alone: never over it (the
+    collectives' seconds it adds are >= 0, and adding them rounds to no less), read without
+    pricing a collective: from the layer, the state's tensor size and sequence split, the
+    micro-batch and the Context's device, dtype, attention kernel, compile and cp size."""
     hw, mode = ctx.hw, state.mode
     t, c = mode.size, ctx.cp.size
     sharded = lt.sharded[t]
@@ -81,15 +109,14 @@ def line_floor(lt, state, b: int, ctx) -> float:
     if not ctx.compile:
         traffic = sharded.traffic_split(b) + sharded.traffic_replicated(b) / (t if sp else 1)
         mem = memory_time(traffic / c, hw)
-    comm = 0.0
-    if t > 1:
-        for op, _, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
-            n = nbytes(b) / c
-            if sp and op == "all_reduce" and lt.is_block:
-                comm += ctx.coll("reduce_scatter", n, ctx.tp) + ctx.coll("all_gather", n, ctx.tp)
-            else:
-                comm += ctx.coll(op, n, ctx.tp)
-    return 3 * (gemms + attention + mem) + comm + context_floor(lt, mode, b, ctx)
+    return 3 * (gemms + attention + mem)
+
+
+def state_work(lt, state, b: int, ctx) -> float:
+    """`line_work` or `grid_work`: a lower bound of `state_floor` with no collective in it."""
+    if state.mode.name == TP_1D:
+        return line_work(lt, state, b, ctx)
+    return grid_work(lt, state, b, ctx)
 
 
 def state_floor(lt, state, b: int, ctx) -> float:
@@ -128,22 +155,95 @@ def _gemms_floor(lt, split, t: int, rows: int, b: int, ctx) -> float:
     return out
 
 
-def group_floor(search, kinds, b: int, ctx) -> tuple[float, float, float]:
-    """What a search with no base reads of the Prepared of ``kinds`` at micro-batch ``b``
-    under ``ctx`` before it makes it: lower bounds of its ``min_total`` and ``min_single``
-    (each kind at the least `state_floor` of the states `Prepared` prices for its least
-    seconds, `least_states`), and its ``min_params - min_experts`` to the bit (`state_params`:
-    the same values, summed alike), from the layers' sizes and collectives alone."""
-    fastest, params, experts = [], [], []
-    for (lt, states), (which, _) in zip(kinds, least_states(search, kinds, None)):
-        fastest.append(min(state_floor(lt, states[k], b, ctx) for k in which))
+def group_floor(search, kinds, b: int, ctx, work: bool = False) -> tuple[float, float]:
+    """Lower bounds of the ``min_total`` and ``min_single`` of the Prepared of ``kinds`` at
+    micro-batch ``b`` under ``ctx``, read before a search makes it: each kind at the least
+    `state_floor` of its states with the least recomputation per layout, whose least seconds
+    every Prepared's ``least`` is, with or without a base (`least_states`), from the layers'
+    sizes and collectives alone; with `work`, at the least `state_work` instead (lower still,
+    and shared by the groups of one tensor size, cp size and micro-batch: `cached_work`)."""
+    if work:
+        fastest = [min(cached_work(search, lt, states[k], b, ctx) for k in which)
+                   for (lt, states), which in zip(kinds, _least_of(search, kinds))]
+    else:
+        fastest = [_least_floor_of(search, lt, [states[k] for k in which], b, ctx)
+                   for (lt, states), which in zip(kinds, _least_of(search, kinds))]
+    order = search.chain.order
+    counts = np.bincount(order, minlength=len(kinds))
+    return float(np.dot(counts, fastest)), max(fastest[t] for t in dict.fromkeys(order))
+
+
+def cached_work(search, lt, state, b: int, ctx) -> float:
+    """`state_work`, once per layer kind, state, micro-batch and what of the Context it
+    reads (device, dtype, attention kernel, compile, cp size: not the placements) for every
+    search sharing `search`'s caches."""
+    table = search._shared.get("state work")
+    if table is None:
+        table = search._shared["state work"] = {}
+    key = (id(lt), id(state), b, ctx.cp.size, id(ctx.hw), ctx.dtype, ctx.attention_kernel,
+           ctx.compile)
+    hit = table.get(key)
+    if hit is None:
+        hit = table[key] = state_work(lt, state, b, ctx)
+    return hit
+
+
+def group_params(search, kinds, ctx) -> float:
+    """The ``min_params - min_experts`` of the Prepared of ``kinds`` under ``ctx`` of a search
+    with no base, to the bit, before it makes it (`state_params`: the same values as its
+    states' costs, summed alike)."""
+    params, experts = [], []
+    for (lt, states), which in zip(kinds, _least_of(search, kinds)):
         held = [state_params(lt, states[k], ctx) for k in which]
         params.append(min(p for p, _ in held))
         experts.append(min(e for _, e in held))
-    order = search.chain.order
-    counts = np.bincount(order, minlength=len(kinds))
-    return (float(np.dot(counts, fastest)), max(fastest[t] for t in dict.fromkeys(order)),
-            float(np.dot(counts, params)) - float(np.dot(counts, experts)))
+    counts = np.bincount(search.chain.order, minlength=len(kinds))
+    return float(np.dot(counts, params)) - float(np.dot(counts, experts))
+
+
+def _least_floor_of(search, lt, states, b: int, ctx) -> float:
+    """The least `state_floor` of ``states``, to the bit, pricing the grid ones' collectives
+    (`grid_floor`) only where their `grid_work` is under the least floor found so far (1D
+    states', then the grid ones' in the order of their work): a state left out has a floor
+    of at least its work, at least that least, so the minimum (exact in any order) is the
+    one of every state's floor."""
+    least, grids = float("inf"), []
+    for state in states:
+        if state.mode.name == TP_1D:
+            least = min(least, cached_floor(search, lt, state, b, ctx))
+        else:
+            grids.append((cached_floor(search, lt, state, b, ctx, grid_work), len(grids), state))
+    for work, _, state in sorted(grids):
+        if work >= least:
+            break
+        least = min(least, cached_floor(search, lt, state, b, ctx))
+    return least
+
+
+def _least_of(search, kinds) -> list:
+    """`least_recompute` of each kind's states, once per state list (`Space.kinds`' lists
+    are one object per tensor size, micro-batch and cp) and search."""
+    key = ("least recompute", id(kinds))
+    hit = search._cost_cache.get(key)
+    if hit is None:
+        hit = search._cost_cache[key] = [least_recompute(states) for _, states in kinds]
+    return hit
+
+
+def cached_floor(search, lt, state, b: int, ctx, floor=None) -> float:
+    """`state_floor` (or ``floor``: `grid_work`), once per layer kind, state, micro-batch and
+    Context for every search sharing `search`'s caches (an executable search's grid searches
+    read the 1D states' floors its 1D search found). Keyed by identity: the kinds are the
+    chain's, each state value one object (`space._state`) and each Context one per placement
+    in those caches."""
+    table = search._shared.get("state floors")
+    if table is None:
+        table = search._shared["state floors"] = {}
+    key = (id(lt), id(state), b, id(ctx), floor)
+    hit = table.get(key)
+    if hit is None:
+        hit = table[key] = (floor or state_floor)(lt, state, b, ctx)
+    return hit
 
 
 def _per_kind(kinds, base, which, least_of) -> list[float] | None:
@@ -176,7 +276,7 @@ def least_floor(search, kinds, b: int, context, base, which) -> tuple[float, flo
     def bound(t, lt, states, idx, joined):
         if any(states[k].mode.name == TP_1D for k in idx):
             return None
-        floor = min(grid_floor(lt, states[k], b, ctx) for k in idx)
+        floor = min(cached_floor(search, lt, states[k], b, ctx) for k in idx)
         return min(base.least[t][0], floor) if joined else floor
 
     fastest = _per_kind(kinds, base, which, bound)
@@ -201,7 +301,7 @@ def least_priced(search, kinds, b: int, context, base, which) -> float:
     def priced(t, lt, states, idx, joined):
         least = base.least[t][0] if joined else float("inf")
         floors = sorted((-float("inf") if states[k].mode.name == TP_1D else
-                         grid_floor(lt, states[k], b, ctx), n, k) for n, k in enumerate(idx))
+                         cached_floor(search, lt, states[k], b, ctx), n, k) for n, k in enumerate(idx))
         for floor, _, k in floors:
             if floor >= least:
                 break

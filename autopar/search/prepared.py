@@ -42,13 +42,15 @@ class Leaf:
 class Pending:
     """A leaf group not made yet (`Search._run`): one group of a mesh's walk (cp mode, expert
     split, micro-batch, ZeRO options, group number: `search._mesh_walk`), whose leaves are
-    made (and its Prepared priced) only once its floor (`floors.group_floor`) comes first."""
+    made (and its Prepared priced) only once its floor (`floors.group_floor`) comes first,
+    itself read only once the floor of its work (`floors.state_work`) comes first."""
 
     mesh: dict
     walk: tuple
     group: tuple
     seq: int  # its place in leaf order
     pipe: float = 0.0  # a lower bound of its leaves' pipeline seconds
+    full: bool = True  # whether `pipe` is read from the state floors (False: their work)
     dp: tuple | None = None  # (parameter bytes, their least sync) once its floor adds them
 
 
@@ -346,8 +348,11 @@ class Prepared:
         ``fixed`` bytes leave for its ``in_flight`` micro-batches' activations, then
         `relayout` the layers beside the ones moved."""
         fitted: set = set()
-        for d in range(len(total)):
-            if total[d] > capacity:
+        # (in plain floats: the same values, and `fit`'s loops then run on floats, not on
+        # numpy scalars)
+        fixed, in_flight = fixed.tolist(), in_flight.tolist()
+        for d, held in enumerate(total.tolist()):
+            if held > capacity:
                 self.fit(chosen, fast.layers_of(d), (capacity - fixed[d]) / in_flight[d],
                          fitted, fast.groups_of(d, self))
         self.relayout(chosen, fitted)
@@ -533,9 +538,9 @@ def least_states(search, kinds, base) -> list:
             if n and len(states) == n:
                 hit.append((None, True))
             elif n and not {s.layout for s in states[n:]} & {s.layout for s in states[:n]}:
-                hit.append(([n + k for k in _least_recompute(states[n:])], True))
+                hit.append(([n + k for k in least_recompute(states[n:])], True))
             else:
-                hit.append((_least_recompute(states), False))
+                hit.append((least_recompute(states), False))
     return hit
 
 
@@ -562,7 +567,7 @@ def _beats(b, c) -> bool:
     return b.time < c.time and b.activations <= c.activations
 
 
-def _least_recompute(states) -> list[int]:
+def least_recompute(states) -> list[int]:
     """Per layout, the index of its state with the least recomputation, in state order."""
     best: dict = {}
     for k, s in enumerate(states):

@@ -48,14 +48,22 @@ from autopar.errors import PlanError
 from autopar.modes import (
     CP,
     DP,
-    INTERLEAVED,
     ORDER,
     PP,
     TP,
     ZERO_BUBBLE,
 )
 from autopar.search import why
-from autopar.search.floors import group_floor, least_floor, least_priced
+from autopar.search.bounds import (
+    dp_floor,
+    grid_past,
+    group_bound,
+    past,
+    pipe_bound,
+    schedules_of,
+    with_sync,
+)
+from autopar.search.floors import least_floor, least_priced
 from autopar.search.partition import balance_within
 from autopar.search.prepared import (
     Fast,
@@ -122,7 +130,8 @@ class Search:
         self.candidates = 0
         self.best_times: list[float] = []  # after `run`: the k best fitting step times
         self._group_seq = itertools.count()  # each leaf group's place in leaf order
-        self._floors: dict = {}  # `floors.group_floor` by group number (None: no states)
+        self._floors: dict = {}  # `floors.group_floor` by group number (None: no states),
+        # and `floors.group_params` by ("params", group number)
 
     # ------------------------------------------------------------------ the search
     def run(self, progress=None, cutoff: float = float("inf")) -> SearchResult:
@@ -153,8 +162,15 @@ class Search:
                 if past:  # and so is every one of them
                     skipped.append(leaf)
                     continue
+                if not leaf.full:  # next, under its floor with the collectives
+                    leaf.full, leaf.pipe = True, group_bound(self, leaf.mesh, leaf.walk,
+                                                             leaf.group)
+                    if leaf.pipe < cutoff:
+                        heapq.heappush(queue, (leaf.pipe, (leaf.seq, -2), leaf))
+                        pushed += 1
+                    continue
                 if leaf.dp is None:  # next, under its floor with the gradient sync
-                    floor = _with_sync(self, leaf)
+                    floor = with_sync(self, leaf)
                     if floor < cutoff:
                         heapq.heappush(queue, (floor, (leaf.seq, -1), leaf))
                         pushed += 1
@@ -268,6 +284,9 @@ class Search:
         for cp_mode, split, b, leaf_zeros, group in walk[4]:
             seq = next(self._group_seq)
             prep = preps.get(group, preps)  # (itself: not asked yet)
+            if prep is preps and bounded and grid_past(self, mesh, walk, (
+                    cp_mode, split, b, leaf_zeros, group)):
+                continue  # (not kept: another mesh of this group may have fewer micro-batches)
             if prep is preps:  # under a cutoff, its least seconds first (`least_total`)
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, bounded,
                                                      bounded)
@@ -275,13 +294,13 @@ class Search:
                 continue
             m = per_replica // b
             if prep.__class__ is Floor:  # a bound of the least seconds, nothing priced for it
-                if m * (prep / pp) >= self._cutoff or _past(self, pp, m, prep / pp, prep.single):
+                if m * (prep / pp) >= self._cutoff or past(self, pp, m, prep / pp, prep.single):
                     continue
                 self._singles[group] = prep.single
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split, True)
             if prep.__class__ is float:  # the Prepared's min_total: made once a leaf needs it
                 if m * (prep / pp) >= self._cutoff or \
-                        _past(self, pp, m, prep / pp, self._singles.get(group, 0.0)):
+                        past(self, pp, m, prep / pp, self._singles.get(group, 0.0)):
                     continue
                 prep = preps[group] = self._prepared(mesh, pl, cp_mode, b, split)
             out.extend(_made_leaves(self, mesh, walk, (cp_mode, split, b, leaf_zeros), prep, seq))
@@ -466,8 +485,9 @@ def _with_skipped(search: Search, bounds: dict, skipped: list) -> dict:
 
 def _queue(search: Search, progress) -> tuple[list[dict], list]:
     """The meshes and a heap of (bound, order, leaf): a grid search's leaves; a search
-    with no base, per group of leaves a `Pending` under its floor (`_group_floor`, no
-    leaf's bound is under it), whose Prepared is priced only once it comes first."""
+    with no base, per group of leaves a `Pending` under the floor of its work (`group_bound`
+    with `work`: no leaf's bound is under it), whose floor with the collectives is read only
+    once it comes first, and its Prepared priced only once that floor comes first."""
     if search._base is not None:
         meshes, leaves = search._all_leaves(progress)
         queue = [(leaf.bound, leaf.order, leaf) for leaf in leaves]
@@ -480,9 +500,10 @@ def _queue(search: Search, progress) -> tuple[list[dict], list]:
             walk = _mesh_walk(search, mesh, heads)
             for group in walk[4] if walk is not None else ():
                 seq = next(search._group_seq)
-                pipe = _group_floor(search, mesh, walk, group)
+                pipe = group_bound(search, mesh, walk, group, work=True)
                 if pipe is not None and pipe < search._cutoff:
-                    queue.append((pipe, (seq, -2), Pending(mesh, walk, group, seq, pipe)))
+                    queue.append((pipe, (seq, -3), Pending(mesh, walk, group, seq, pipe,
+                                                           full=False)))
     heapq.heapify(queue)
     return meshes, queue
 
@@ -535,62 +556,20 @@ def _made_leaves(search: Search, mesh, walk, group, prep, seq: int,
         return []
     out = []
     slowest, dp_lb = max(avg, prep.min_single), None  # dp's: once a leaf needs it
-    for k, (schedule, v) in enumerate(_schedules(search, pp, m)):
-        pipe = _pipe_bound(search, schedule, v, m, pp, avg, slowest)
+    for k, (schedule, v) in enumerate(schedules_of(search, pp, m)):
+        pipe = pipe_bound(search, schedule, v, m, pp, avg, slowest)
         if pipe >= search._cutoff:  # (with the sync's, no sooner: it takes no time off)
             continue
         if dp_lb is None:  # (the floor's where it read these bytes: the same sync)
             held = (prep.min_params - prep.min_experts) / pp
             dp_lb = dp[1] if dp is not None and dp[0] == held else \
-                _dp_floor(search, mesh, walk, leaf_zeros, m, held)
+                dp_floor(search, mesh, walk, leaf_zeros, m, held)
         if pipe + dp_lb >= search._cutoff:
             continue  # another search's k best are faster
         out.append(Leaf(bound=pipe + dp_lb, order=(seq, k), mesh=dict(mesh), pl=pl,
                         grad_pl=grad_pl, cp_mode=cp_mode, b=b, m=m, schedule=schedule,
                         v=v, prep=prep, zeros=leaf_zeros, dp_cache=dp_cache, split=split))
     return out
-
-
-def _dp_floor(search: Search, mesh, walk, zeros, m: int, param_bytes: float) -> float:
-    """The least gradient sync of `param_bytes` per device over a leaf's ZeRO options
-    (offloading leaves the sync as it is: once per stage and shard)."""
-    grad_pl, dp_cache = walk[1], walk[2]
-    return min(search._dp_time(param_bytes, z, m, grad_pl, cache=None if shard else dp_cache,
-                               hybrid=hybrid_split(mesh, shard, search.world.per_node))
-               for z, shard in dict.fromkeys((z, s) for z, _, s in zeros))
-
-
-def _group_floor(search: Search, mesh, walk, group) -> float | None:
-    """A lower bound of the pipeline bound of every leaf of one group of a mesh's walk,
-    before its Prepared is made: each kind at its least `floors.state_floor`
-    (`floors.group_floor`, once per group number), and each schedule's pipeline bound
-    does not decrease in the least seconds (`_past`); None where the group has no leaf
-    (a kind of layer with no state, or no schedule). The product with 1 - 1e-9 covers
-    the rounding of the floors' sums."""
-    pl, per_replica = walk[0], walk[3]
-    cp_mode, split, b, _, number = group
-    if number not in search._floors:
-        kinds = search.space.kinds(mesh[TP], b, mesh[CP] > 1)
-        search._floors[number] = None if kinds is None else group_floor(
-            search, kinds, b, search._context((pl[TP], pl[CP], cp_mode, (
-                split.dispatch if split is not None else None))))
-    floor, pp, m = search._floors[number], mesh[PP], per_replica // b
-    plans = _schedules(search, pp, m)
-    if floor is None or not plans:
-        return None
-    avg = floor[0] / pp
-    return min(_pipe_bound(search, s, v, m, pp, avg, max(avg, floor[1]))
-               for s, v in plans) * (1 - 1e-9)
-
-
-def _with_sync(search: Search, pending: Pending) -> float:
-    """A `Pending`'s floor with its leaves' own least gradient sync (of the Prepared's
-    parameter bytes, `floors.group_floor`'s to the bit), kept for its leaves."""
-    mesh, walk, group = pending.mesh, pending.walk, pending.group
-    pp, m = mesh[PP], walk[3] // group[2]
-    held = search._floors[group[4]][2] / pp
-    pending.dp = (held, _dp_floor(search, mesh, walk, group[3], m, held))
-    return pending.pipe + pending.dp[1] * (1 - 1e-9)
 
 
 def _fitted(search: Search, leaf, chosen) -> tuple:
@@ -721,46 +700,6 @@ def _mesh_walk(search: Search, mesh, heads):
                 [group for group in groups if group[3]])
     search._shared[key] = walk
     return walk
-
-
-def _pipe_bound(search: Search, schedule: str, v: int, m: int, pp: int, avg: float,
-                slowest: float) -> float:
-    """A leaf's pipeline seconds at least (`Search._leaves`): every layer at its fastest, the
-    stages `avg` seconds each, none under `slowest` (>= avg); non-decreasing in both."""
-    if pp == 1:
-        pipe = m * slowest
-    elif schedule == INTERLEAVED:
-        pipe = m * slowest + (pp - 1) * avg / v
-    elif schedule == ZERO_BUBBLE:
-        pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
-    else:
-        pipe = (m - 1) * slowest + pp * avg
-    if pp > 1 and search.hw.compute_share < 1:  # cores shared (time_shared): no less than
-        # the pipeline's work spread over its cores, nor the schedule at a whole core per rank
-        pipe = max(m * avg, search.hw.compute_share * pipe)
-    return pipe
-
-
-def _past(search: Search, pp: int, m: int, avg: float, single: float) -> bool:
-    """Whether no leaf of a group can be under the cutoff, read before its Prepared is made:
-    `avg` and `single` are lower bounds of its ``min_total / pp`` and ``min_single`` (a
-    `Floor`'s, or the exact least seconds with a Floor's single, or 0), and `_pipe_bound`
-    does not decrease in either (rounding is monotone), so each schedule's pipeline bound
-    with them is at most the leaf's, which its gradient sync's bound (>= 0) only raises."""
-    slowest = max(avg, single)
-    return all(_pipe_bound(search, schedule, v, m, pp, avg, slowest) >= search._cutoff
-               for schedule, v in _schedules(search, pp, m))
-
-
-def _schedules(search: Search, pp: int, m: int) -> list:
-    """`Space.schedules` whose stages the chain's layers can fill, once per (pp, m) for
-    every search sharing these caches (the same for a grid search as for its base)."""
-    key = ("schedules", pp, m)
-    hit = search._shared.get(key)
-    if hit is None:
-        hit = search._shared[key] = [(s, v) for s, v in search.space.schedules(pp, m)
-                                     if pp * v <= len(search.chain.order)]
-    return hit
 
 
 def _shared_placements(shared: dict, mesh, per_node: int):

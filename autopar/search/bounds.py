@@ -1,0 +1,117 @@
+"""Bounds of a search's leaf groups read before their states are priced: each schedule's
+pipeline bound (`pipe_bound`) from a group's least seconds or their floors
+(`floors.group_floor`), and the least gradient sync of its parameters (`dp_floor`): the
+free search orders its `Pending` groups by them, a grid search leaves groups out by them."""
+
+from __future__ import annotations
+
+from autopar.cost.hybrid import hybrid_split
+from autopar.modes import CP, INTERLEAVED, PP, TP, ZERO_BUBBLE
+from autopar.search.floors import group_floor, group_params
+from autopar.search.prepared import Pending
+
+__all__ = ["dp_floor", "grid_past", "group_bound", "past", "pipe_bound", "schedules_of",
+           "with_sync"]
+
+
+def dp_floor(search, mesh, walk, zeros, m: int, param_bytes: float) -> float:
+    """The least gradient sync of `param_bytes` per device over a leaf's ZeRO options
+    (offloading leaves the sync as it is: once per stage and shard)."""
+    grad_pl, dp_cache = walk[1], walk[2]
+    return min(search._dp_time(param_bytes, z, m, grad_pl, cache=None if shard else dp_cache,
+                               hybrid=hybrid_split(mesh, shard, search.world.per_node))
+               for z, shard in dict.fromkeys((z, s) for z, _, s in zeros))
+
+
+def group_bound(search, mesh, walk, group, work: bool = False) -> float | None:
+    """A lower bound of the pipeline bound of every leaf of one group of a mesh's walk,
+    before its Prepared is made: each kind at its least `floors.state_floor`
+    (`floors.group_floor`, once per group number; with `work`, at its least
+    `floors.state_work`, a lower bound of that floor read with no collective priced), and
+    each schedule's pipeline bound does not decrease in the least seconds (`past`); None
+    where the group has no leaf (a kind of layer with no state, or no schedule). The
+    product with 1 - 1e-9 covers the rounding of the floors' sums."""
+    pl, per_replica = walk[0], walk[3]
+    cp_mode, split, b, _, number = group
+    key = ("work", number) if work else number
+    if key not in search._floors:
+        kinds = search.space.kinds(mesh[TP], b, mesh[CP] > 1)
+        search._floors[key] = None if kinds is None else group_floor(
+            search, kinds, b, search._context((pl[TP], pl[CP], cp_mode, (
+                split.dispatch if split is not None else None))), work)
+    floor, pp, m = search._floors[key], mesh[PP], per_replica // b
+    plans = schedules_of(search, pp, m)
+    if floor is None or not plans:
+        return None
+    avg = floor[0] / pp
+    return min(pipe_bound(search, s, v, m, pp, avg, max(avg, floor[1]))
+               for s, v in plans) * (1 - 1e-9)
+
+
+def grid_past(search, mesh, walk, group) -> bool:
+    """Whether a grid search's group has no leaf under its cutoff, read from
+    `group_bound` alone (the bound of its work first, then with the collectives), before any Prepared (its own or its base search's) is priced: its
+    floor is under every leaf's pipeline bound, which the gradient sync's bound only raises
+    (False where the group's states are the base search's: `_prepared` drops it at once)."""
+    if not search.space.takes_grid(mesh[TP], group[2], mesh[CP] > 1):
+        return False
+    pipe = group_bound(search, mesh, walk, group, work=True)  # (first the one shared more)
+    return pipe is None or pipe >= search._cutoff or \
+        group_bound(search, mesh, walk, group) >= search._cutoff
+
+
+def with_sync(search, pending: Pending) -> float:
+    """A `Pending`'s floor with its leaves' own least gradient sync (of the Prepared's
+    parameter bytes, `floors.group_params`, to the bit), kept for its leaves."""
+    mesh, walk, group = pending.mesh, pending.walk, pending.group
+    pp, m = mesh[PP], walk[3] // group[2]
+    number = group[4]
+    params = search._floors.get(("params", number))
+    if params is None:
+        pl, cp_mode, split = walk[0], group[0], group[1]
+        params = search._floors[("params", number)] = group_params(
+            search, search.space.kinds(mesh[TP], group[2], mesh[CP] > 1), search._context((
+                pl[TP], pl[CP], cp_mode, split.dispatch if split is not None else None)))
+    held = params / pp
+    pending.dp = (held, dp_floor(search, mesh, walk, group[3], m, held))
+    return pending.pipe + pending.dp[1] * (1 - 1e-9)
+
+
+def pipe_bound(search, schedule: str, v: int, m: int, pp: int, avg: float,
+                slowest: float) -> float:
+    """A leaf's pipeline seconds at least (`Search._leaves`): every layer at its fastest, the
+    stages `avg` seconds each, none under `slowest` (>= avg); non-decreasing in both."""
+    if pp == 1:
+        pipe = m * slowest
+    elif schedule == INTERLEAVED:
+        pipe = m * slowest + (pp - 1) * avg / v
+    elif schedule == ZERO_BUBBLE:
+        pipe = m * slowest + (pp - 1) * slowest / (6 if m >= 2 * pp else 3)
+    else:
+        pipe = (m - 1) * slowest + pp * avg
+    if pp > 1 and search.hw.compute_share < 1:  # cores shared (time_shared): no less than
+        # the pipeline's work spread over its cores, nor the schedule at a whole core per rank
+        pipe = max(m * avg, search.hw.compute_share * pipe)
+    return pipe
+
+
+def past(search, pp: int, m: int, avg: float, single: float) -> bool:
+    """Whether no leaf of a group can be under the cutoff, read before its Prepared is made:
+    `avg` and `single` are lower bounds of its ``min_total / pp`` and ``min_single`` (a
+    `Floor`'s, or the exact least seconds with a Floor's single, or 0), and `pipe_bound`
+    does not decrease in either (rounding is monotone), so each schedule's pipeline bound
+    with them is at most the leaf's, which its gradient sync's bound (>= 0) only raises."""
+    slowest = max(avg, single)
+    return all(pipe_bound(search, schedule, v, m, pp, avg, slowest) >= search._cutoff
+               for schedule, v in schedules_of(search, pp, m))
+
+
+def schedules_of(search, pp: int, m: int) -> list:
+    """`Space.schedules` whose stages the chain's layers can fill, once per (pp, m) for
+    every search sharing these caches (the same for a grid search as for its base)."""
+    key = ("schedules", pp, m)
+    hit = search._shared.get(key)
+    if hit is None:
+        hit = search._shared[key] = [(s, v) for s, v in search.space.schedules(pp, m)
+                                     if pp * v <= len(search.chain.order)]
+    return hit
