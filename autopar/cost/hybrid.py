@@ -52,16 +52,23 @@ def zero_ranks(mesh: dict, dp_shard: int | None) -> int:
 
 
 def replicas_time(param_bytes: float, zero: int, m: int, split: HybridSplit, hw: Hardware,
-                  units: int = 1) -> float:
+                  units: int = 1, cache: dict | None = None) -> float:
     """Seconds of the replicas' all-reduces: each reduce-scatter's piece (1/shard of its
     bytes) summed over dp_replicate; once per step under ZeRO-1, per micro-batch under
-    ZeRO-2 and 3, and per layer (`units`) under ZeRO-3, as the runtime sends them."""
+    ZeRO-2 and 3, and per layer (`units`) under ZeRO-3, as the runtime sends them.
+    `cache`: a piece's all-reduce seconds by (piece bytes, replica placement), on `hw`."""
     if split.replicate.size <= 1 or not zero:
         return 0.0
     sends = units if zero == 3 else 1
     runs = m if zero >= 2 else 1
     piece = param_bytes / split.shard.size / sends
-    return runs * sends * collective_time("all_reduce", piece, split.replicate, hw)
+    key = (piece, split.replicate)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        hit = collective_time("all_reduce", piece, split.replicate, hw)
+        if cache is not None:
+            cache[key] = hit
+    return runs * sends * hit
 
 
 def replicas_wire_bytes(param_bytes: float, split: HybridSplit) -> float:

@@ -280,11 +280,12 @@ def sync_time(param_bytes: float, zero: int, m: int, grad_pl, hw: Hardware, unit
               gather: float = 1.0) -> float:
     """`dp_time` over `grad_pl`; under HSDP (`hybrid`) over the shard group, plus the
     replicas' all-reduce of each piece (`cost.hybrid.replicas_time`); `cache`: seconds by
-    bytes of the placement the ZeRO collectives run on; `gather` as `dp_time`'s."""
+    bytes of the placement the ZeRO collectives run on (and the replicas' by their piece
+    and placement, keyed apart); `gather` as `dp_time`'s."""
     if hybrid is None:
         return dp_time(param_bytes, zero, m, grad_pl, hw, units, cache, gather)
     return dp_time(param_bytes, zero, m, hybrid.shard, hw, units, cache, gather) + \
-        replicas_time(param_bytes, zero, m, hybrid, hw, units)
+        replicas_time(param_bytes, zero, m, hybrid, hw, units, cache)
 
 
 def sync_bytes(worst: float, replicas: int, zero: int, offload: bool, precision,

@@ -24,11 +24,12 @@ from autopar.cost.model import (
 from autopar.modes import FP8, FULL, MEGATRON_SP, TP_1D
 from autopar.search.prepared import least_recompute, state_costs_of
 
-__all__ = ["cached_floor", "grid_floor", "grid_work", "group_floor", "group_params", "line_work", "state_work",
-           "least_floor", "least_priced", "line_floor", "state_floor"]
+__all__ = ["cached_floor", "grid_floor", "grid_work", "group_floor",
+           "group_params", "least_floor", "least_priced", "line_floor", "line_work",
+           "state_floor", "state_work"]
 
 
-def grid_floor(lt, state, b: int, ctx) -> float:
+def grid_floor(lt, state, b: int, ctx, work: float | None = None) -> float:
     """Seconds that ``state_cost(lt, state, b, ctx).time`` is never under, for a state of a
     multi-dimensional tensor mode (``state.mode.name`` is not 1D, its size t > 1).
 
@@ -41,9 +42,12 @@ def grid_floor(lt, state, b: int, ctx) -> float:
     compile, whose fused share is smaller). comm: the grid's GEMM collectives as
     `state_cost` prices them (`cost.model.grid_comm`, memoised in the Context, which the
     pricing then reads back), and cp's around attention at least `cost.cp.context_floor`;
-    fp8's amaxes and the experts' all-to-alls only add."""
+    fp8's amaxes and the experts' all-to-alls only add. ``work``: its `grid_work`, where
+    read already."""
     mode = state.mode
-    return grid_work(lt, state, b, ctx) + grid_comm(lt, mode, b, ctx, state.recompute ==
+    if work is None:
+        work = grid_work(lt, state, b, ctx)
+    return work + grid_comm(lt, mode, b, ctx, state.recompute ==
                                                      FULL)[0] + context_floor(lt, mode, b, ctx)
 
 
@@ -58,7 +62,7 @@ def grid_work(lt, state, b: int, ctx) -> float:
     return 3 * (gemms + mem)
 
 
-def line_floor(lt, state, b: int, ctx) -> float:
+def line_floor(lt, state, b: int, ctx, work: float | None = None) -> float:
     """Seconds that ``state_cost(lt, state, b, ctx).time`` is never under, for a state of
     1D tensor parallelism (of any size t, 1 included).
 
@@ -73,11 +77,13 @@ def line_floor(lt, state, b: int, ctx) -> float:
     (left out under compile). comm: the layout's tensor-parallel collectives as
     `state_cost` prices them (`Context.coll`, memoised), each run at least once, and cp's
     around attention at least `cost.cp.context_floor`; fp8's amaxes and the experts'
-    all-to-alls only add."""
+    all-to-alls only add. ``work``: its `line_work`, where read already."""
     mode = state.mode
     t, c = mode.size, ctx.cp.size
     sharded = lt.sharded[t]
     sp = state.sp == MEGATRON_SP and t > 1
+    if work is None:
+        work = line_work(lt, state, b, ctx)
     comm = 0.0
     if t > 1:
         for op, _, nbytes in sharded.comm + (sharded.expert_comm if c == 1 else []):
@@ -86,7 +92,7 @@ def line_floor(lt, state, b: int, ctx) -> float:
                 comm += ctx.coll("reduce_scatter", n, ctx.tp) + ctx.coll("all_gather", n, ctx.tp)
             else:
                 comm += ctx.coll(op, n, ctx.tp)
-    return line_work(lt, state, b, ctx) + comm + context_floor(lt, mode, b, ctx)
+    return work + comm + context_floor(lt, mode, b, ctx)
 
 
 def line_work(lt, state, b: int, ctx) -> float:
@@ -119,11 +125,12 @@ def state_work(lt, state, b: int, ctx) -> float:
     return grid_work(lt, state, b, ctx)
 
 
-def state_floor(lt, state, b: int, ctx) -> float:
-    """`line_floor` or `grid_floor`, as the state's tensor mode asks."""
+def state_floor(lt, state, b: int, ctx, work: float | None = None) -> float:
+    """`line_floor` or `grid_floor`, as the state's tensor mode asks (``work``: its
+    `state_work`, where read already)."""
     if state.mode.name == TP_1D:
-        return line_floor(lt, state, b, ctx)
-    return grid_floor(lt, state, b, ctx)
+        return line_floor(lt, state, b, ctx, work)
+    return grid_floor(lt, state, b, ctx, work)
 
 
 def _gemms_floor(lt, split, t: int, rows: int, b: int, ctx) -> float:
@@ -161,30 +168,37 @@ def group_floor(search, kinds, b: int, ctx, work: bool = False) -> tuple[float, 
     `state_floor` of its states with the least recomputation per layout, whose least seconds
     every Prepared's ``least`` is, with or without a base (`least_states`), from the layers'
     sizes and collectives alone; with `work`, at the least `state_work` instead (lower still,
-    and shared by the groups of one tensor size, cp size and micro-batch: `cached_work`)."""
+    and the same for the groups of one state list, micro-batch and cp size, which share it:
+    `_works`)."""
     if work:
-        fastest = [min(cached_work(search, lt, states[k], b, ctx) for k in which)
-                   for (lt, states), which in zip(kinds, _least_of(search, kinds))]
-    else:
-        fastest = [_least_floor_of(search, lt, [states[k] for k in which], b, ctx)
-                   for (lt, states), which in zip(kinds, _least_of(search, kinds))]
+        key = ("work floor", id(kinds), b, ctx.cp.size)
+        hit = search._cost_cache.get(key)
+        if hit is None:
+            hit = search._cost_cache[key] = _sums(search, kinds, [
+                works[0][0] for works in _works(search, kinds, b, ctx)])
+        return hit
+    return _sums(search, kinds, [_least_floor_of(search, lt, works, b, ctx) for (lt, _), works
+                                 in zip(kinds, _works(search, kinds, b, ctx))])
+
+
+def _sums(search, kinds, fastest) -> tuple[float, float]:
+    """(the chain's sum of its kinds' seconds ``fastest``, the most of them it holds)."""
     order = search.chain.order
     counts = np.bincount(order, minlength=len(kinds))
     return float(np.dot(counts, fastest)), max(fastest[t] for t in dict.fromkeys(order))
 
 
-def cached_work(search, lt, state, b: int, ctx) -> float:
-    """`state_work`, once per layer kind, state, micro-batch and what of the Context it
-    reads (device, dtype, attention kernel, compile, cp size: not the placements) for every
-    search sharing `search`'s caches."""
-    table = search._shared.get("state work")
-    if table is None:
-        table = search._shared["state work"] = {}
-    key = (id(lt), id(state), b, ctx.cp.size, id(ctx.hw), ctx.dtype, ctx.attention_kernel,
-           ctx.compile)
-    hit = table.get(key)
+def _works(search, kinds, b: int, ctx) -> list:
+    """Per kind, (`state_work`, place, state) of its states with the least recomputation per
+    layout (`least_recompute`), least work first: once per state list, micro-batch and cp
+    size in a search (its Contexts share the device, dtype, kernel and compile)."""
+    key = ("works", id(kinds), b, ctx.cp.size)
+    hit = search._cost_cache.get(key)
     if hit is None:
-        hit = table[key] = state_work(lt, state, b, ctx)
+        hit = search._cost_cache[key] = [
+            sorted((state_work(lt, states[k], b, ctx), n, states[k]) for n, k in
+                   enumerate(which)) for (lt, states), which in zip(kinds, _least_of(search,
+                                                                                   kinds))]
     return hit
 
 
@@ -201,22 +215,17 @@ def group_params(search, kinds, ctx) -> float:
     return float(np.dot(counts, params)) - float(np.dot(counts, experts))
 
 
-def _least_floor_of(search, lt, states, b: int, ctx) -> float:
-    """The least `state_floor` of ``states``, to the bit, pricing the grid ones' collectives
-    (`grid_floor`) only where their `grid_work` is under the least floor found so far (1D
-    states', then the grid ones' in the order of their work): a state left out has a floor
-    of at least its work, at least that least, so the minimum (exact in any order) is the
-    one of every state's floor."""
-    least, grids = float("inf"), []
-    for state in states:
-        if state.mode.name == TP_1D:
-            least = min(least, cached_floor(search, lt, state, b, ctx))
-        else:
-            grids.append((cached_floor(search, lt, state, b, ctx, grid_work), len(grids), state))
-    for work, _, state in sorted(grids):
+def _least_floor_of(search, lt, works, b: int, ctx) -> float:
+    """The least `state_floor` of the states of ``works`` (`_works`' of one kind), to the
+    bit, reading a state's floor (its collectives priced) only where its `state_work` is
+    under the least floor found so far, in the order of their work: a state left out has a
+    floor of at least its work, at least that least, so the minimum (exact in any order) is
+    the one of every state's floor."""
+    least = float("inf")
+    for work, _, state in works:
         if work >= least:
             break
-        least = min(least, cached_floor(search, lt, state, b, ctx))
+        least = min(least, cached_floor(search, lt, state, b, ctx, work))
     return least
 
 
@@ -230,19 +239,19 @@ def _least_of(search, kinds) -> list:
     return hit
 
 
-def cached_floor(search, lt, state, b: int, ctx, floor=None) -> float:
-    """`state_floor` (or ``floor``: `grid_work`), once per layer kind, state, micro-batch and
-    Context for every search sharing `search`'s caches (an executable search's grid searches
-    read the 1D states' floors its 1D search found). Keyed by identity: the kinds are the
-    chain's, each state value one object (`space._state`) and each Context one per placement
-    in those caches."""
+def cached_floor(search, lt, state, b: int, ctx, work: float | None = None) -> float:
+    """`state_floor` (``work``: its `state_work`, where read already), once per layer kind,
+    state, micro-batch and Context for every search sharing `search`'s caches (an executable
+    search's grid searches read the 1D states' floors its 1D search found). Keyed by
+    identity: the kinds are the chain's, each state value one object (`space._state`) and
+    each Context one per placement in those caches."""
     table = search._shared.get("state floors")
     if table is None:
         table = search._shared["state floors"] = {}
-    key = (id(lt), id(state), b, id(ctx), floor)
+    key = (id(lt), id(state), b, id(ctx))
     hit = table.get(key)
     if hit is None:
-        hit = table[key] = (floor or state_floor)(lt, state, b, ctx)
+        hit = table[key] = state_floor(lt, state, b, ctx, work)
     return hit
 
 

@@ -29,8 +29,8 @@ def balance(costs, k: int) -> list[int]:
     def cuts(limit: float, ends: list | None = None) -> bool:
         """Whether greedy stages within ``limit`` number k or fewer (their ends into `ends`)."""
         reach, start, used = limit * (1 + 1e-12), 0, 0
-        while start < n:
-            end = right(prefix, prefix[start] + reach) - 1
+        while start < n:  # (prefix[:start + 1] <= prefix[start] + reach: costs >= 0)
+            end = right(prefix, prefix[start] + reach, start + 1) - 1
             if end <= start:
                 end = start + 1
             used += 1
@@ -55,7 +55,8 @@ def balance(costs, k: int) -> list[int]:
     cuts(hi, ends)
     # give every stage at least one layer: split the last stages' tails if greedy used fewer
     while len(ends) < k:
-        widest = max(range(len(ends)), key=lambda s: ends[s] - (ends[s - 1] if s else 0))
+        widths = [b - a for a, b in zip([0] + ends, ends)]
+        widest = widths.index(max(widths))  # (the first of the widest)
         start = ends[widest - 1] if widest else 0
         if ends[widest] - start < 2:
             break
