@@ -1,7 +1,7 @@
 """What compile can take out of one ZeRO-3 block: CPU seconds of its forward and backward.
 
     python benchmarks/bench_compile_block.py [--hidden 768] [--tokens 256] [--dp 2]
-                                             [--rounds 12]
+                                             [--rounds 12] [--inductor JSON]
 
 One process, one thread, no collectives: a GPT block's twelve parameters lie as a ZeRO-3
 all-gather leaves them ([dp, chunk]: each rank's piece of every member, padded), and each
@@ -15,6 +15,8 @@ input (the same layout), as a step does between its gather and its reduce-scatte
                weight is a view, a linear is one GEMM per rank's rows (their outputs
                written into the concatenated activation), and the buffer's gradient is the
                reduce-scatter's input, with no copy of a whole parameter either way
+    NAME       with --inductor '{"NAME": {option: value}}': compiled as `compiled`, with
+               those inductor options (max_autotune, its GEMM backends, ...)
 
 The variants take turns for --rounds rounds after their first (compiling) runs; the
 ratios are medians over rounds of the pair's CPU seconds (process time). It also times the
@@ -37,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gloo_world import results_path  # noqa: E402
 
+from autopar.runtime.compile import cpu_options  # noqa: E402
 from autopar.runtime.zero import read_padded, write_padded  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -123,9 +126,14 @@ def _raw_block(x, buf, layout, heads):
     return block(x, heads, *layout.members(buf))
 
 
-def variants(layout: Layout, heads: int, buf: torch.Tensor, x: torch.Tensor) -> dict:
-    compiled = torch.compile(block, fullgraph=True, dynamic=False)
-    raw = torch.compile(_raw_block, fullgraph=True, dynamic=False)
+def variants(layout: Layout, heads: int, buf: torch.Tensor, x: torch.Tensor,
+             options: dict | None = None) -> dict:
+    base = cpu_options()  # as compile=True's regions: the vector width named
+    compiled = torch.compile(block, fullgraph=True, dynamic=False, options=base)
+    raw = torch.compile(_raw_block, fullgraph=True, dynamic=False, options=base)
+    extra = {name: torch.compile(block, fullgraph=True, dynamic=False,
+                                 options={**base, **opts})
+             for name, opts in (options or {}).items()}
 
     def around(fn):
         def run():
@@ -139,7 +147,8 @@ def variants(layout: Layout, heads: int, buf: torch.Tensor, x: torch.Tensor) -> 
         b, xx = buf.detach().requires_grad_(), x.detach().requires_grad_()
         return torch.autograd.grad(raw(xx, b, layout, heads).sum(), [xx, b])
 
-    return {"eager": around(block), "compiled": around(compiled), "raw": run_raw}
+    return {"eager": around(block), "compiled": around(compiled), "raw": run_raw,
+            **{name: around(fn) for name, fn in extra.items()}}
 
 
 def _copies(layout: Layout, buf: torch.Tensor, grads) -> float:
@@ -155,6 +164,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256, help="a rank's tokens (2 rows)")
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--inductor", default="{}",
+                        help="JSON {name: inductor options}: more compiled variants")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -162,7 +173,7 @@ def main() -> int:
     heads = max(1, args.hidden // 64)
     buf = layout.gathered([torch.randn(s) * 0.02 for s in layout.shapes])
     x = torch.randn(2, args.tokens // 2, args.hidden)
-    runs = variants(layout, heads, buf, x)
+    runs = variants(layout, heads, buf, x, json.loads(args.inductor))
     first = {name: run() for name, run in runs.items()}  # compiles
     worst = 0.0
     for gx, gbuf in first.values():

@@ -17,7 +17,9 @@ only itself), in this order:
     overhead   one model's step through `parallelize(..., world 1)` beside the same model
                in plain PyTorch eager (autocast bf16) and under torch.compile.
     ranks      two processes on the one device (gloo; NCCL refuses two ranks per GPU):
-               tensor 2, ZeRO-3 over dp 2 and pipeline 2, each equal to one device in bf16.
+               tensor 2, ZeRO-3 over dp 2 and pipeline 2, each equal to one device in bf16;
+               then ZeRO-3 compiled (`compile=True`) beside ZeRO-3 eager, their steps taking
+               turns: the step time's ratio and the losses of the two, which must be equal.
 
 One table last; JSON in DIR (default benchmarks/results/gpu_truth, or $OUT/gpu_truth when
 the device tool's OUT is set). Before it starts it refuses, in one sentence, when the
@@ -48,7 +50,7 @@ sys.path.insert(0, ROOT)
 # Seconds each section is expected to take on an H100/H200 (full) and on the CPU (quick):
 # the budget check adds them up before anything starts.
 ESTIMATE_S = {"calibrate": (70, 60), "predict": (200, 60), "overhead": (110, 45),
-              "ranks": (90, 60)}
+              "ranks": (130, 60)}
 SECTIONS = tuple(ESTIMATE_S)
 
 # name -> (zoo spec, batch); shapes of real models' blocks, few of them
@@ -71,6 +73,8 @@ QUICK_RANK_MODEL = ("llama:layers=2,hidden=64,heads=4,kv_heads=4,ffn=128,vocab=2
 # Llama-3 8B's GEMMs as one rank of tp = 1, 2, 4, 8 runs them (M tokens, K, N)
 LLAMA8B = dict(hidden=4096, q=4096, kv=1024, ffn=14336, vocab=128256)
 STEP_GOAL, MEMORY_GOAL, OVERHEAD_GOAL, LOSS_TOLERANCE = 0.10, 0.05, 0.03, 0.02
+COMPILED_ZERO3_GOAL = 0.97  # compiled ZeRO-3's step at most this much of eager ZeRO-3's (#33)
+ZERO3 = {"data": 2, "zero": {"stage": 3}}
 
 
 def lm_loss(logits, target):
@@ -318,7 +322,7 @@ def section_overhead(args, device) -> dict:
 # ------------------------------------------------------------------------- ranks
 def rank_plans() -> dict[str, dict]:
     return {"tensor 2": {"tensor": {"size": 2, "mode": "1d"}},
-            "zero3 dp 2": {"data": 2, "zero": {"stage": 3}},
+            "zero3 dp 2": ZERO3,
             "pipeline 2": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}
 
 
@@ -349,7 +353,7 @@ def _rank_worker(rank, world, port, args, path):
         opt.step()
         opt.zero_grad(set_to_none=True)
         reference.append(float(loss))
-    rows = {}
+    rows, eager_zero3 = {}, None
     for name, plan in rank_plans().items():
         try:
             engine = autopar.parallelize(copy.deepcopy(model), world, example_inputs=(x[:2],),
@@ -361,15 +365,63 @@ def _rank_worker(rank, world, port, args, path):
                           "error_rel": max(abs(a - b) / abs(b) for a, b in zip(losses,
                                                                                reference)),
                           "comm_bytes": sum(r.bytes for r in engine.comm_log)}
+            if plan is ZERO3:
+                eager_zero3 = engine  # the eager side of _compiled_zero3
             engine = None
         except Exception as e:  # noqa: BLE001 - the sentence is the result
             rows[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400],
                           "traceback": traceback.format_exc()[-3000:]}
         dist.barrier()
+    try:
+        compiled = _compiled_zero3(eager_zero3, model, world, (x, y), args, device)
+    except Exception as e:  # noqa: BLE001 - the sentence is the result
+        compiled = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400],
+                    "traceback": traceback.format_exc()[-3000:]}
     if rank == 0:
         with open(path, "w") as f:
-            json.dump({"spec": spec, "batch": batch, "plans": rows}, f, indent=1)
+            json.dump({"spec": spec, "batch": batch, "plans": rows,
+                       "zero3_compiled": compiled}, f, indent=1)
     dist.destroy_process_group()
+
+
+def _compiled_zero3(eager, model, world, batch, args, device, steps: int = 6) -> dict:
+    """ZeRO-3 compiled beside ZeRO-3 eager (`eager`, the engine the plans above trained 3
+    steps): the compiled engine's first 3 steps, whose losses must equal eager's first 3,
+    then `steps` rounds of one step of each, the order alternating; the median step times
+    and the median of the rounds' ratios."""
+    import copy
+
+    import torch.distributed as dist
+
+    import autopar
+
+    x, y = batch
+    engine = autopar.parallelize(copy.deepcopy(model), world, example_inputs=(x[:2],),
+                                 loss_fn=lm_loss, optimizer=_adamw(),
+                                 plan=copy.deepcopy(ZERO3),
+                                 precision="bf16", compile=True)
+    # the CPU test passes --compile-backend eager: the regions' code path, not inductor's C++
+    engine.regions.backend = args.compile_backend
+    start = time.perf_counter()
+    losses = [engine.train_step(x, y)]
+    first = time.perf_counter() - start
+    losses += [engine.train_step(x, y) for _ in range(2)]
+    engines = {"eager": eager, "compiled": engine}
+    times = {name: [] for name in engines}
+    for step in range(steps):
+        for name in engines if step % 2 == 0 else list(engines)[::-1]:
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            engines[name].train_step(x, y)
+            _sync(device)
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+    return {"backend": args.compile_backend, "first_step_s": first, "losses": losses,
+            "step_s": {name: statistics.median(t) for name, t in times.items()},
+            "ratio": statistics.median(c / e for c, e in zip(times["compiled"],
+                                                             times["eager"])),
+            "regions": engine.regions.regions}
 
 
 def section_ranks(args, device) -> dict:
@@ -468,6 +520,21 @@ def summarize(results: dict) -> list[dict]:
                          "device (loss)", "measured": r["losses"][-1],
                          "predicted": r["reference"][-1], "ratio": 1 + r["error_rel"],
                          "goal": LOSS_TOLERANCE})
+    z3 = results.get("ranks", {}).get("zero3_compiled")
+    eager_z3 = results.get("ranks", {}).get("plans", {}).get("zero3 dp 2", {})
+
+    if z3 and "error" in z3:
+        rows.append({"check": "ranks", "what": f"zero3 compiled: {z3['error']}",
+                     "measured": None, "predicted": None, "ratio": None, "goal": None,
+                     "failed": True})
+    elif z3:
+        diff = max(abs(a - b) / abs(b) for a, b in zip(z3["losses"], eager_z3.get(
+            "losses", [float("nan")])))
+        rows.append({"check": "ranks", "what": "zero3 compiled / eager (step s; loss diff "
+                     f"{diff:.1e})", "measured": z3["step_s"]["compiled"],
+                     "predicted": z3["step_s"]["eager"], "ratio": z3["ratio"],
+                     "goal": COMPILED_ZERO3_GOAL,
+                     "goal_text": f"at most {COMPILED_ZERO3_GOAL:.2f}x"})
     for name, res in results.items():
         if "error" in res:
             rows.append({"check": name, "what": f"section failed: {res['error']}",
@@ -501,6 +568,7 @@ def print_table(rows: list[dict], header: str) -> None:
         goal = "" if r["goal"] is None else f"within {r['goal']:.0%}"
         if r["check"] == "overhead" and r["goal"] is not None:
             goal = f"at most +{r['goal']:.0%}"
+        goal = r.get("goal_text", goal)
         print(f"{r['check']:<9} {r['what'][:52]:<52} {_fmt(r['measured'], '.4g'):>10} "
               f"{_fmt(r['predicted'], '.4g'):>10} {_fmt(r['ratio']):>9}  {goal}")
 

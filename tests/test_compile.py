@@ -22,7 +22,7 @@ from test_fp8_runtime import hf_gpt2
 import autopar
 from autopar.errors import PlanError
 from autopar.models import build as zoo_build
-from autopar.runtime.compile import PREFIX, Region, compilable
+from autopar.runtime.compile import PREFIX, Region, compilable, cpu_options
 
 
 def _deep_gpt(batch: int):
@@ -232,6 +232,18 @@ def test_compile_argument_is_checked():
     with pytest.raises(PlanError, match="compile must be True or False"):
         autopar.parallelize(model, 1, example_inputs=(x,), plan={}, compile="yes")
     assert PREFIX == "autopar_region"
+
+
+def test_regions_name_the_vector_width():
+    """Inductor's graph cache key does not hold the vector width of the C++ it generates, so
+    the regions name it (cpp.simdlen): a process whose width probe failed (scalar loops) and
+    one whose probe worked never share compiled regions. Where ATen runs AVX2 kernels the
+    probe must find a width too, else inductor's kernels here are scalar."""
+    width = cpu_options()["cpp.simdlen"]
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    assert width == pick_vec_isa().bit_width()
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert width >= 256
 
 
 def test_planner_prices_fusion():

@@ -110,4 +110,9 @@ def test_every_section_runs_on_the_cpu(tmp_path):
     for name, plan in sections["ranks"]["plans"].items():
         assert plan["error_rel"] <= gpu_truth.LOSS_TOLERANCE, name
         assert plan["comm_bytes"] > 0, name
+    z3 = sections["ranks"]["zero3_compiled"]  # compiled ZeRO-3 beside eager: equal losses
+    assert "error" not in z3, z3.get("traceback")
+    assert z3["losses"] == sections["ranks"]["plans"]["zero3 dp 2"]["losses"]
+    assert z3["regions"] > 0
+    assert z3["step_s"]["compiled"] > 0 and z3["step_s"]["eager"] > 0 and z3["ratio"] > 0
     assert "gpu_truth on cpu" in out.stdout

@@ -39,8 +39,9 @@ class CompiledRegions:
     def function_for(self, sub: fx.GraphModule) -> nn.Module:
         key = sub.code
         if key not in self.functions:
+            options = cpu_options() if self.backend == "inductor" else None
             self.functions[key] = torch.compile(sub, backend=self.backend, fullgraph=True,
-                                                dynamic=False)
+                                                dynamic=False, options=options)
         return self.functions[key]
 
     def compile_graph(self, gm: fx.GraphModule) -> int:
@@ -88,6 +89,19 @@ class Region(nn.Module):
 
     def forward(self, *args):
         return self.function(*args)
+
+
+def cpu_options() -> dict:
+    """Inductor's options for the regions: the vector width its C++ kernels are generated for,
+    named, so that it enters inductor's graph cache key. Inductor picks the width by building
+    and loading a probe library in a child interpreter; where that probe fails (a module in
+    the working directory shadowing one of the standard library's, for instance) it writes
+    scalar loops, and the cache, whose key does not hold the width, then hands those scalar
+    kernels to every later process compiling the same graph (GELU 7x slower than
+    vectorized, docs/compile.md). Naming the width keeps the two apart."""
+    from torch._inductor import cpu_vec_isa
+
+    return {"cpp.simdlen": cpu_vec_isa.pick_vec_isa().bit_width()}
 
 
 def compile_graphs(regions: CompiledRegions | None, graphs) -> None:
