@@ -23,7 +23,7 @@ from autopar.models import workload
 from autopar.plans import Plan
 from autopar.search import planner
 from autopar.search.partition import balance, balance_dp, balance_within, choose_states
-from autopar.search.prepared import _counts
+from autopar.search.prepared import _count_order, _count_with, _counts
 from autopar.world import World
 
 SMALL = "gpt:layers=2,hidden=128,heads=8,vocab=512,seq=512"
@@ -157,6 +157,26 @@ def test_counts_is_the_cheapest_assignment_within_budget():
         assert sum(times[k] for k in assignment) == pytest.approx(t, abs=1e-9)
         assert sum(mems[k] for k in assignment) == pytest.approx(mem) and mem <= budget + 1e-9
 
+
+def test_counts_memo_answers_as_a_fresh_count():
+    """`_count_with`'s memo (shared by a search's Prepareds) returns what a fresh count
+    would, also for another kind's lists of equal values."""
+    rng = random.Random(11)
+    memo: dict = {}
+    cases = []
+    for _ in range(150):
+        times = [rng.uniform(0, 4) for _ in range(3)]
+        mems = [float(rng.randint(1, 12)) for _ in range(3)]
+        n = rng.randint(1, 8)
+        cases.append((times, mems, n, float(rng.randint(0, 12 * n))))
+    hits = 0
+    for times, mems, n, budget in cases + cases:
+        order = _count_order([0, 1, 2], list(times), list(mems))
+        before = len(memo)
+        got = _count_with(order, list(times), list(mems), n, budget, memo)
+        hits += len(memo) == before and order[1] is not None and len(order[2]) == 1
+        assert got == _count_with(order, times, mems, n, budget)
+    assert hits >= len(cases)
 
 def test_choose_states_is_the_cheapest_path():
     rng = np.random.default_rng(3)

@@ -151,6 +151,9 @@ class Prepared:
         self._runs: dict = {}  # `relayout`'s paths by run and the states at its ends
         self._unfitted: dict = {}  # `_unfitted_times` by layer
         self._least_mem: dict = {}  # `_least_memory` by layer
+        # `_counts_one`'s answers by the values that decide them, shared by every Prepared of
+        # the search (and its grid searches): other meshes price a kind alike
+        self._counts_memo: dict = search._shared.setdefault("counts", {})
         self.splits: dict = {}  # `Search._memory_split`'s, by schedule, pp, m and ZeRO option
         self.state_rows = [states for _, states in kinds]
         self.state_rows = [self.state_rows[t] for t in order]  # per layer: its kind's states
@@ -374,7 +377,8 @@ class Prepared:
                 break
             best = None
             for lay, order in layouts:
-                counts = _count_with(order, times, row, len(members), used + spare)
+                counts = _count_with(order, times, row, len(members), used + spare,
+                                     self._counts_memo)
                 if counts is None:
                     continue
                 # leaving the neighbours' layout costs a conversion in and one out
@@ -596,8 +600,9 @@ def _count_order(options, times, mems):
     return fast, second, [k for k in rest if k != second]
 
 
-def _count_with(order, times, mems, n, budget):
-    """`_counts` from the `_count_order` of its options."""
+def _count_with(order, times, mems, n, budget, memo: dict | None = None):
+    """`_counts` from the `_count_order` of its options (`_counts_one`'s answers kept in
+    ``memo``; callers only read the assignments)."""
     if order is None:
         return None
     fast, second, others = order
@@ -605,7 +610,15 @@ def _count_with(order, times, mems, n, budget):
         mem = n * mems[fast]
         return (n * times[fast], mem, [fast] * n) if mem <= budget else None
     if len(others) == 1:  # three recompute levels: one loop, as below
-        return _counts_one(fast, second, others[0], times, mems, n, budget)
+        other = others[0]
+        if memo is None:
+            return _counts_one(fast, second, other, times, mems, n, budget)
+        key = (fast, second, other, times[fast], times[second], times[other], mems[fast],
+               mems[second], mems[other], n, budget)
+        hit = memo.get(key, memo)
+        if hit is memo:
+            hit = memo[key] = _counts_one(fast, second, other, times, mems, n, budget)
+        return hit
     best = None
     # each "other" option gets a count; with three recompute levels that is one loop
     for combo in _compositions(n, len(others)):

@@ -590,8 +590,13 @@ def _fitted(search: Search, leaf, chosen) -> tuple:
     params_dev = np.bincount(device_of, weights=params, minlength=pp)
     biggest = float(params.max()) if len(params) else 0.0
     experts_dev = search._experts_dev(leaf, chosen, device_of)
-    temps_dev = step_temps_dev(*(prep.take(t, chosen) for t in prep.temp_tables),
-                               device_of, pp)
+    # by its inputs' values, shared by the search's leaves (GPT-3/1024: 27 distinct of 707)
+    temps = [prep.take(t, chosen) for t in prep.temp_tables]
+    temps_key = (*(t.tobytes() for t in temps), device_of.tobytes(), pp)
+    memo = search._shared.setdefault("temps", {})
+    temps_dev = memo.get(temps_key)
+    if temps_dev is None:
+        temps_dev = memo[temps_key] = step_temps_dev(*temps, device_of, pp)
     hit = leaf.fast.fitted[key] = (acts_dev, params, params_dev, biggest, experts_dev,
                                    temps_dev)
     return hit
