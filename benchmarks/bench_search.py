@@ -5,7 +5,7 @@
 
 (a) Search time. GPT-3 175B (96 layers, hidden 12288) on 1024 A100-80GB, 8 per node,
 global batch 1536, sequence 2048: `prepare` (trace two blocks and read the layer costs)
-and `search` timed separately, the search as the median of three runs (its CPU time too, and
+and `search` timed separately, the search as the median of five runs (its CPU time too, and
 the `--executable` search's beside it, which should take no longer), and the command
 line `python -m autopar.cli explain gpt3-175b ... --format json` end to end in a fresh
 process. Targets: search < 1 s, end to end < 10 s. Beside them a machine reference: the CPU
@@ -114,6 +114,7 @@ def gpt3_chain():
 
 
 REFERENCE_ADDITIONS = 10_000_000
+ROUNDS = 5  # the free and the executable search, in turn: their medians (and least) compared
 
 
 def machine_reference() -> float:
@@ -135,7 +136,7 @@ def time_search(skip_cli: bool) -> dict:
     prepare_s = time.perf_counter() - start
     world = World(1024, per_node=8, device="a100-80gb")
     runs, cpu, exe_cpu = [], [], []
-    for _ in range(3):  # the free and the executable search in turn: the same load on both
+    for _ in range(ROUNDS):  # the free and the executable search in turn: the same load on both
         start, start_cpu = time.perf_counter(), time.process_time()
         res = planner.search(chain, world, global_batch=1536)
         runs.append((time.perf_counter() - start, res))
@@ -149,7 +150,7 @@ def time_search(skip_cli: bool) -> dict:
     # quiet machine, and what other processes' load on a shared one does not inflate
     out = {"model": "gpt3-175b", "world": 1024, "per_node": 8, "global_batch": 1536,
            "seq": 2048, "prepare_s": prepare_s, "search_s": search_s,
-           "search_cpu_s": statistics.median(cpu),
+           "search_cpu_s": statistics.median(cpu), "search_cpu_runs_s": cpu,
            "search_runs_s": [t for t, _ in runs], "candidates": res.candidates,
            "executable_cpu_s": statistics.median(exe_cpu), "executable_cpu_runs_s": exe_cpu,
            "executable_candidates": exe.candidates, "executable_plan": exe.best.describe(),
@@ -189,10 +190,11 @@ def print_time(t: dict) -> None:
     print(f"  prepare (trace + layer costs)   {t['prepare_s']:8.2f} s")
     runs = ", ".join(f"{x:.3f}" for x in t["search_runs_s"])
     ok = "meets" if t["search_s"] < 1 else "MISSES"
-    print(f"  search (median of 3)            {t['search_s']:8.3f} s   [{runs}]  "
+    n = len(t["search_runs_s"])
+    print(f"  search (median of {n})            {t['search_s']:8.3f} s   [{runs}]  "
           f"{ok} target < 1 s  ({t['candidates']} candidates priced)")
     ok = "meets" if t["search_cpu_s"] < 1 else "MISSES"
-    print(f"  search CPU time (median of 3)   {t['search_cpu_s']:8.3f} s   {ok} target < 1 s "
+    print(f"  search CPU time (median of {n})   {t['search_cpu_s']:8.3f} s   {ok} target < 1 s "
           "(the wall clock of a quiet machine; load on a shared one does not inflate it)")
     if "reference_cpu_s" in t:
         ref = t["reference_cpu_s"]
@@ -203,9 +205,10 @@ def print_time(t: dict) -> None:
     ratio = t["executable_cpu_s"] / t["search_cpu_s"]
     ok = "meets" if ratio <= 1 else "MISSES"
     runs = ", ".join(f"{x:.3f}" for x in t["executable_cpu_runs_s"])
+    least = min(t["executable_cpu_runs_s"]) / min(t["search_cpu_runs_s"])
     print(f"  --executable CPU time (median)  {t['executable_cpu_s']:8.3f} s   [{runs}]  "
-          f"{ratio:.3f}x the free search: {ok} target: no slower "
-          f"({t['executable_candidates']} candidates priced)")
+          f"{ratio:.3f}x the free search (the least of each: {least:.3f}x): {ok} target: no "
+          f"slower ({t['executable_candidates']} candidates priced)")
     cli = t["cli"]
     if cli is not None:
         ok = "meets" if cli["wall_s"] < 10 and cli["status"] == "ok" else "MISSES"

@@ -169,13 +169,18 @@ class Context:
     # collective and layer-layout prices already worked out under this context: the states
     # of one layer differ only in recompute and share its layout's compute and collectives
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # prices that read only the hardware and what their keys hold (collectives by their
+    # placement, a grid's GEMM collectives by the tensor placement): shared by the contexts
+    # of one search, which differ in the cp placement and mode (None: this context's own)
+    shared: dict | None = field(default=None, repr=False, compare=False)
 
     def coll(self, op: str, nbytes: float, placement: Placement) -> float:
         """Seconds of one collective under this context's hardware (memoised)."""
+        memo = self._memo if self.shared is None else self.shared
         key = (op, nbytes, placement)
-        hit = self._memo.get(key)
+        hit = memo.get(key)
         if hit is None:
-            hit = self._memo[key] = _coll(op, nbytes, placement, self.hw)
+            hit = memo[key] = _coll(op, nbytes, placement, self.hw)
         return hit
 
     def of_layer(self, key: tuple, lt: LayerType, price):
@@ -670,8 +675,17 @@ def grid_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     """(seconds, wire bytes) of the weight GEMMs' collectives of one layer under a 2D, 2.5D
     or 3D ``mode`` for a micro-batch of ``batch`` samples (`_multi_d_comm`), memoised in
     ``ctx``: `state_cost` prices them so, and the search's floors read the same figures."""
-    return ctx.of_layer(("multi-d", mode, batch, full_recompute), lt, lambda: _multi_d_comm(
-        lt, mode, batch / ctx.cp.size, ctx, full_recompute))
+    if ctx.shared is None or ctx.tp_groups is not None:
+        return ctx.of_layer(("multi-d", mode, batch, full_recompute), lt, lambda: _multi_d_comm(
+            lt, mode, batch / ctx.cp.size, ctx, full_recompute))
+    # it reads the tensor placement and the cp size alone: one price for every cp placement
+    # and mode
+    key = ("multi-d", id(lt), mode, batch / ctx.cp.size, full_recompute, ctx.tp)
+    hit = ctx.shared.get(key)
+    if hit is None or hit[0] is not lt:
+        hit = ctx.shared[key] = (lt, _multi_d_comm(lt, mode, batch / ctx.cp.size, ctx,
+                                                   full_recompute))
+    return hit[1]
 
 
 def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from autopar.cost.hybrid import hybrid_split
 from autopar.modes import CP, INTERLEAVED, PP, TP, ZERO_BUBBLE
-from autopar.search.floors import group_floor, group_params
+from autopar.search.floors import base_lists, group_floor, group_params
 from autopar.search.prepared import Pending
 
 __all__ = ["dp_floor", "grid_past", "group_bound", "past", "pipe_bound", "schedules_of",
-           "with_sync"]
+           "sync_floor", "with_sync"]
 
 
 def dp_floor(search, mesh, walk, zeros, m: int, param_bytes: float) -> float:
@@ -38,7 +38,8 @@ def group_bound(search, mesh, walk, group, work: bool = False) -> float | None:
         kinds = search.space.kinds(mesh[TP], b, mesh[CP] > 1)
         search._floors[key] = None if kinds is None else group_floor(
             search, kinds, b, search._context((pl[TP], pl[CP], cp_mode, (
-                split.dispatch if split is not None else None))), work)
+                split.dispatch if split is not None else None))), work,
+            base_lists(search, mesh, b, kinds) if search._base is not None else None)
     floor, pp, m = search._floors[key], mesh[PP], per_replica // b
     plans = schedules_of(search, pp, m)
     if floor is None or not plans:
@@ -49,15 +50,59 @@ def group_bound(search, mesh, walk, group, work: bool = False) -> float | None:
 
 
 def grid_past(search, mesh, walk, group) -> bool:
-    """Whether a grid search's group has no leaf under its cutoff, read from
-    `group_bound` alone (the bound of its work first, then with the collectives), before any Prepared (its own or its base search's) is priced: its
-    floor is under every leaf's pipeline bound, which the gradient sync's bound only raises
-    (False where the group's states are the base search's: `_prepared` drops it at once)."""
+    """Whether a grid search's group has no leaf under its cutoff, read before any Prepared
+    (its own or its base search's) is priced: from `group_bound` (the bound of its work
+    first, then with the collectives), then with its least gradient sync (`sync_floor`):
+    its floor is under every leaf's bound (False where the group's states are the base
+    search's: `_prepared` drops it at once). A group number whose floor alone puts its
+    meshes of so many micro-batches per stage past (`_throughput_past`) is past for each
+    mesh of as many or more that meets it after."""
+    number = group[4]
+    rate = search._floors.get(("past", number))
+    if rate is not None and (walk[3] // group[2]) / mesh[PP] >= rate:
+        return True
     if not search.space.takes_grid(mesh[TP], group[2], mesh[CP] > 1):
         return False
     pipe = group_bound(search, mesh, walk, group, work=True)  # (first the one shared more)
-    return pipe is None or pipe >= search._cutoff or \
-        group_bound(search, mesh, walk, group) >= search._cutoff
+    if pipe is None or pipe >= search._cutoff:
+        _throughput_past(search, mesh, walk, group, ("work", number))
+        return True
+    pipe = group_bound(search, mesh, walk, group)
+    if pipe >= search._cutoff:
+        _throughput_past(search, mesh, walk, group, number)
+        return True
+    return pipe + sync_floor(search, mesh, walk, group) * (1 - 1e-9) >= search._cutoff
+
+
+def _throughput_past(search, mesh, walk, group, key) -> None:
+    """Where the floor of ``group``'s number (``search._floors[key]``) puts this mesh past
+    by its throughput alone, keep the micro-batches per stage ``m / pp`` it takes: every
+    schedule's `pipe_bound` is at least ``m x avg`` = ``(m / pp) x`` the floor's seconds,
+    which grows with ``m / pp`` (``global batch x cp x tp / (devices x b)`` on a mesh of the
+    whole world: the same for every mesh of the number, whose tp, cp and micro-batch are
+    its own), so every mesh of the number with as many is past too; none where it has no
+    states. The margin 2e-9 covers the rounding of ``m x (total / pp)`` against this
+    product."""
+    floor = search._floors[key]
+    rate = (walk[3] // group[2]) / mesh[PP]
+    if floor is None:
+        search._floors[("past", group[4])] = 0.0
+    elif rate * floor[0] * (1 - 2e-9) >= search._cutoff:
+        known = search._floors.get(("past", group[4]))
+        search._floors[("past", group[4])] = rate if known is None else min(known, rate)
+
+
+def sync_floor(search, mesh, walk, group) -> float:
+    """The least gradient sync of a group's leaves (`dp_floor` of its least parameter bytes,
+    `floors.group_params`, per pipeline rank), read before its Prepared is made."""
+    pp, m, number = mesh[PP], walk[3] // group[2], group[4]
+    params = search._floors.get(("params", number))
+    if params is None:
+        pl, cp_mode, split = walk[0], group[0], group[1]
+        params = search._floors[("params", number)] = group_params(
+            search, search.space.kinds(mesh[TP], group[2], mesh[CP] > 1), search._context((
+                pl[TP], pl[CP], cp_mode, split.dispatch if split is not None else None)))
+    return dp_floor(search, mesh, walk, group[3], m, params / pp)
 
 
 def with_sync(search, pending: Pending) -> float:

@@ -21,10 +21,10 @@ from autopar.cost.model import (
     memory_time,
     state_params,
 )
-from autopar.modes import FP8, FULL, MEGATRON_SP, TP_1D
+from autopar.modes import CP, FP8, FULL, MEGATRON_SP, TP, TP_1D
 from autopar.search.prepared import least_recompute, state_costs_of
 
-__all__ = ["cached_floor", "grid_floor", "grid_work", "group_floor",
+__all__ = ["base_lists", "cached_floor", "grid_floor", "grid_work", "group_floor",
            "group_params", "least_floor", "least_priced", "line_floor", "line_work",
            "state_floor", "state_work"]
 
@@ -162,23 +162,102 @@ def _gemms_floor(lt, split, t: int, rows: int, b: int, ctx) -> float:
     return out
 
 
-def group_floor(search, kinds, b: int, ctx, work: bool = False) -> tuple[float, float]:
+def group_floor(search, kinds, b: int, ctx, work: bool = False,
+                had: list | None = None) -> tuple[float, float]:
     """Lower bounds of the ``min_total`` and ``min_single`` of the Prepared of ``kinds`` at
     micro-batch ``b`` under ``ctx``, read before a search makes it: each kind at the least
     `state_floor` of its states with the least recomputation per layout, whose least seconds
     every Prepared's ``least`` is, with or without a base (`least_states`), from the layers'
     sizes and collectives alone; with `work`, at the least `state_work` instead (lower still,
-    and the same for the groups of one state list, micro-batch and cp size, which share it:
-    `_works`)."""
+    and the same for the groups of one state list, micro-batch and cp size, which share it).
+    ``had``: a grid search's `base_lists` of ``kinds``, where its base (1D) search's lists
+    begin these: each kind's least over the base's states is then read from what the
+    searches sharing these caches found for those lists (`_kind_floors`), beside the least
+    over the layouts past them (`_new_works`); the same minimum over the same states."""
     if work:
         key = ("work floor", id(kinds), b, ctx.cp.size)
         hit = search._cost_cache.get(key)
         if hit is None:
-            hit = search._cost_cache[key] = _sums(search, kinds, [
-                works[0][0] for works in _works(search, kinds, b, ctx)])
+            hit = search._cost_cache[key] = _sums(search, kinds, _with_new(
+                search, kinds, b, ctx, True, had))
         return hit
-    return _sums(search, kinds, [_least_floor_of(search, lt, works, b, ctx) for (lt, _), works
-                                 in zip(kinds, _works(search, kinds, b, ctx))])
+    return _sums(search, kinds, _with_new(search, kinds, b, ctx, False, had))
+
+
+def _with_new(search, kinds, b: int, ctx, work: bool, had) -> list[float]:
+    """`group_floor`'s least seconds of each kind (`state_work` with `work`, else
+    `state_floor`): `_kind_floors` of ``kinds``, or of ``had`` beside the layouts past it."""
+    if had is None:
+        return _kind_floors(search, kinds, b, ctx, work, search._base is None)
+    out = list(_kind_floors(search, had, b, ctx, work, True))
+    for t, ((lt, states), (_, old)) in enumerate(zip(kinds, had)):
+        if len(states) > len(old):
+            works = _new_works(search, lt, states, len(old), b, ctx)
+            out[t] = min(out[t], works[0][0]) if work else \
+                _least_floor_of(search, lt, works, b, ctx, out[t])
+    return out
+
+
+def _kind_floors(search, kinds, b: int, ctx, work: bool, shared: bool) -> list[float]:
+    """Per kind of ``kinds`` (one of `Space.kinds`' lists), the least `state_work` (with
+    `work`) or `state_floor` of its states with the least recomputation per layout: once
+    per list, micro-batch and cp size (`state_work`) or Context, for every search sharing
+    these caches where the list is `shared`, a search's with no base (the base lists its
+    grid searches read), else in the search's own (a grid search's lists go with it, and
+    the shared caches key lists by identity)."""
+    table = search._shared if shared else search._cost_cache
+    key = ("kind floors", id(kinds), b, ctx.cp.size if work else id(ctx))
+    hit = table.get(key)
+    if hit is None:
+        works = _works(search, table, kinds, b, ctx)
+        hit = table[key] = [w[0][0] for w in works] if work else [
+            _least_floor_of(search, lt, ws, b, ctx) for (lt, _), ws in zip(kinds, works)]
+    return hit
+
+
+def base_lists(search, mesh, b: int, kinds) -> list | None:
+    """The base (1D) search's `Space.kinds` of a grid search's ``kinds`` (the same tensor
+    size, micro-batch and cp), where each of its state lists begins the grid's list of the
+    same kind (`Search._base_of`'s test); else None. Once per list and search."""
+    if search._base is None:
+        return None
+    key = ("base lists", id(kinds))
+    if key not in search._cost_cache:
+        had = search._base.space.kinds(mesh[TP], b, mesh[CP] > 1)
+        search._cost_cache[key] = had if had is not None and all(
+            states[:len(old)] == old for (_, states), (_, old) in zip(kinds, had)) else None
+    return search._cost_cache[key]
+
+
+def _works(search, table: dict, kinds, b: int, ctx) -> list:
+    """Per kind, `_sorted_works` of its states: once per state list, micro-batch and cp
+    size in ``table`` (its Contexts share the device, dtype, kernel and compile)."""
+    key = ("works", id(kinds), b, ctx.cp.size)
+    hit = table.get(key)
+    if hit is None:
+        hit = table[key] = [_sorted_works(lt, states, which, b, ctx) for (lt, states), which
+                            in zip(kinds, _least_of(search, kinds))]
+    return hit
+
+
+def _new_works(search, lt, states, n: int, b: int, ctx) -> list:
+    """`_sorted_works` of the states of ``states`` in the layouts of its states past the
+    first ``n`` (once per list, micro-batch and cp size in a search)."""
+    key = ("new works", id(states), n, b, ctx.cp.size)
+    hit = search._cost_cache.get(key)
+    if hit is None:
+        layouts = {s.layout for s in states[n:]}
+        states = [s for s in states if s.layout in layouts]
+        hit = search._cost_cache[key] = _sorted_works(lt, states, least_recompute(states), b,
+                                                      ctx)
+    return hit
+
+
+def _sorted_works(lt, states, which, b: int, ctx) -> list:
+    """(`state_work`, place, state) of the states of ``states`` at the indices ``which``
+    (each layout's state with the least recomputation, `least_recompute`), least work
+    first."""
+    return sorted((state_work(lt, states[k], b, ctx), n, states[k]) for n, k in enumerate(which))
 
 
 def _sums(search, kinds, fastest) -> tuple[float, float]:
@@ -186,20 +265,6 @@ def _sums(search, kinds, fastest) -> tuple[float, float]:
     order = search.chain.order
     counts = np.bincount(order, minlength=len(kinds))
     return float(np.dot(counts, fastest)), max(fastest[t] for t in dict.fromkeys(order))
-
-
-def _works(search, kinds, b: int, ctx) -> list:
-    """Per kind, (`state_work`, place, state) of its states with the least recomputation per
-    layout (`least_recompute`), least work first: once per state list, micro-batch and cp
-    size in a search (its Contexts share the device, dtype, kernel and compile)."""
-    key = ("works", id(kinds), b, ctx.cp.size)
-    hit = search._cost_cache.get(key)
-    if hit is None:
-        hit = search._cost_cache[key] = [
-            sorted((state_work(lt, states[k], b, ctx), n, states[k]) for n, k in
-                   enumerate(which)) for (lt, states), which in zip(kinds, _least_of(search,
-                                                                                   kinds))]
-    return hit
 
 
 def group_params(search, kinds, ctx) -> float:
@@ -215,13 +280,12 @@ def group_params(search, kinds, ctx) -> float:
     return float(np.dot(counts, params)) - float(np.dot(counts, experts))
 
 
-def _least_floor_of(search, lt, works, b: int, ctx) -> float:
-    """The least `state_floor` of the states of ``works`` (`_works`' of one kind), to the
-    bit, reading a state's floor (its collectives priced) only where its `state_work` is
-    under the least floor found so far, in the order of their work: a state left out has a
-    floor of at least its work, at least that least, so the minimum (exact in any order) is
-    the one of every state's floor."""
-    least = float("inf")
+def _least_floor_of(search, lt, works, b: int, ctx, least: float = math.inf) -> float:
+    """The least of ``least`` and the `state_floor` of the states of ``works``
+    (`_sorted_works`' of one kind), to the bit, reading a state's floor (its collectives
+    priced) only where its `state_work` is under the least floor found so far, in the order
+    of their work: a state left out has a floor of at least its work, at least that least,
+    so the minimum (exact in any order) is the one of every state's floor."""
     for work, _, state in works:
         if work >= least:
             break

@@ -271,7 +271,8 @@ class Search:
                                                 self.opt.attention_kernel, ep=key[3],
                                                 kept_high=self.kept_high,
                                                 compile=self.opt.compile,
-                                                fp8_recipe=self.opt.fp8_recipe)
+                                                fp8_recipe=self.opt.fp8_recipe,
+                                                shared=self._shared.setdefault("prices", {}))
         return ctx
 
     def _leaves(self, mesh, heads):
