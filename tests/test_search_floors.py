@@ -1,13 +1,17 @@
 """The grid searches' priced-free floors (`autopar.search.floors`): never over a grid state's
 priced seconds, and the executable search they cut returns what it returns without them."""
 
+import dataclasses
+
 import pytest
 from chains import prepared_chain, result_bits
 
 from autopar.cost.comm import placements
+from autopar.cost.model import state_cost
 from autopar.modes import CP, DP, FP8, ORDER, PP, RUNTIME, TP, TP_1D
-from autopar.search import planner
+from autopar.search import floors, planner
 from autopar.search import search as search_module
+from autopar.search.bounds import group_bound
 from autopar.search.floors import grid_floor
 from autopar.search.prepared import least_total
 from autopar.search.search import Floor, Options, Search
@@ -206,3 +210,98 @@ def test_least_priced_is_least_total_to_the_bit(gpt3, monkeypatch):
             assert priced <= all_priced
             fewer += priced < all_priced
     assert asked and fewer
+
+
+def _grid_searches(chain, world, gb, grids):
+    """The executable 1D search over `chain` (run) and a grid search per entry of `grids`
+    beside it, sharing its caches (not run)."""
+    options = Options(global_batch=gb, executable=RUNTIME)
+    sp_seq = planner._sequence_parallel_length(chain, world.devices)
+    tables: dict = {}
+    base = Search(chain, world, planner._narrowed(options, None, sp_seq), state_costs=tables)
+    base.run()
+    return base, [Search(chain, world, planner._narrowed(options, grid, sp_seq),
+                         state_costs=tables, base=base) for grid in grids]
+
+
+def test_a_grid_search_reads_its_base_floors_to_the_bit(gpt3):
+    """GPT-3 on 512 A100, the 2D and 3D grid searches beside the 1D one: each group floor read
+    from the 1D search's floors of its own lists (`base_lists`) beside the least over the
+    layouts the grid adds is the floor over the whole lists, to the bit, work and collectives."""
+    world = World(512, per_node=8, device="a100-80gb")
+    base, grids = _grid_searches(gpt3, world, 512, [("2d", None), ("3d", None)])
+    asked = 0
+    for grid in grids:
+        for tp, cp in ((4, 1), (8, 1), (16, 1), (4, 2), (64, 1)):
+            mesh = {PP: 8, DP: 512 // (8 * tp * cp), CP: cp, TP: tp}
+            pl = placements(mesh, ORDER, world.per_node)
+            for b in (1, 2, 4):
+                kinds = grid.space.kinds(tp, b, cp > 1)
+                had = floors.base_lists(grid, mesh, b, kinds) if kinds is not None else None
+                if had is None or not grid.space.takes_grid(tp, b, cp > 1):
+                    continue
+                ctx = grid._context((pl[TP], pl[CP], "ring" if cp > 1 else None, None))
+                for work in (True, False):
+                    shared = floors.group_floor(grid, kinds, b, ctx, work, had)
+                    whole = floors.group_floor(grid, kinds, b, ctx, work)
+                    assert [x.hex() for x in shared] == [x.hex() for x in whole]
+                    asked += 1
+    assert asked >= 8
+
+
+def test_a_group_number_past_by_throughput_is_past_on_every_mesh_it_names(gpt3):
+    """The numbers a grid search marks past by their floor's work per stage
+    (`bounds._throughput_past`): on every mesh of the 1D walk holding that number with as
+    many micro-batches per stage or more, each schedule's bound of the group (its floor with
+    the collectives, which its work's only lowers) is at the cutoff or over."""
+    world = World(512, per_node=8, device="a100-80gb")
+    got = planner.search(gpt3, world, global_batch=512)  # (the k best: the grids' cutoff)
+    base, grids = _grid_searches(gpt3, world, 512, [("2d", None), ("2.5d", 2)])
+    cutoff = sorted([got.best.step_time] + [c.step_time for c, _ in got.alternatives
+                                            if c.fits])[-1]
+    checked = 0
+    for grid in grids:
+        grid._cutoff = cutoff
+        meshes, heads = search_module._meshes(grid)
+        for mesh in meshes:
+            walk = search_module._mesh_walk(grid, mesh, heads)
+            for group in walk[4] if walk is not None else ():
+                search_module.grid_past(grid, mesh, walk, group)
+        marked = {k[1]: r for k, r in grid._floors.items() if isinstance(k, tuple) and
+                  k[0] == "past"}
+        for mesh in meshes:
+            walk = search_module._mesh_walk(grid, mesh, heads)
+            for group in walk[4] if walk is not None else ():
+                rate = marked.get(group[4])
+                if rate is None or (walk[3] // group[2]) / mesh[PP] < rate:
+                    continue
+                bound = group_bound(grid, mesh, walk, group)  # (with its collectives)
+                assert bound is None or bound >= cutoff
+                checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("grid, cp_modes", [(("2d", None), ("ring", "ulysses")),
+                                           (("3d", None), ("ring", "ulysses"))])
+def test_contexts_sharing_their_prices_price_as_each_alone(small, grid, cp_modes):
+    """A search's contexts share collective prices and a grid's GEMM collectives by tensor
+    placement (`Context.shared`): every state of every kind costs, to the bit, what a context
+    with prices of its own gives, for each cp mode and placement in turn."""
+    world = World(64, per_node=8)
+    options = Options(global_batch=64, executable=RUNTIME)
+    sp_seq = planner._sequence_parallel_length(small, world.devices)
+    search = Search(small, world, planner._narrowed(options, grid, sp_seq))
+    checked = 0
+    for tp, cp in ((4, 2), (8, 2), (8, 4)):
+        for mode in cp_modes:
+            mesh = {PP: 1, DP: 64 // (tp * cp), CP: cp, TP: tp}
+            pl = placements(mesh, ORDER, world.per_node)
+            ctx = search._context((pl[TP], pl[CP], mode, None))
+            alone = dataclasses.replace(ctx, shared=None, _memo={})
+            for b in (2, 4):
+                kinds = search.space.kinds(tp, b, True)
+                for lt, states in kinds or ():
+                    for state in states:
+                        assert state_cost(lt, state, b, ctx) == state_cost(lt, state, b, alone)
+                        checked += state.mode.name != TP_1D
+    assert ctx.shared is not None and checked

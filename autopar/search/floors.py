@@ -262,9 +262,14 @@ def _sorted_works(lt, states, which, b: int, ctx) -> list:
 
 def _sums(search, kinds, fastest) -> tuple[float, float]:
     """(the chain's sum of its kinds' seconds ``fastest``, the most of them it holds)."""
-    order = search.chain.order
-    counts = np.bincount(order, minlength=len(kinds))
-    return float(np.dot(counts, fastest)), max(fastest[t] for t in dict.fromkeys(order))
+    key = ("kind counts", len(kinds))
+    hit = search._cost_cache.get(key)
+    if hit is None:  # (the chain's layers per kind, and the kinds it holds: once a search)
+        order = search.chain.order
+        hit = search._cost_cache[key] = (np.bincount(order, minlength=len(kinds)),
+                                         list(dict.fromkeys(order)))
+    counts, present = hit
+    return float(np.dot(counts, fastest)), max(fastest[t] for t in present)
 
 
 def group_params(search, kinds, ctx) -> float:
