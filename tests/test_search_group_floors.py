@@ -63,7 +63,7 @@ def test_a_state_floor_is_never_over_its_seconds_on_random_layers_and_contexts(c
     assert checked > 1000
 
 
-def _every_group(search, kinds, b, ctx, work=False):
+def _every_group(search, kinds, b, ctx, work=False, had=None):
     """`floors.group_floor` with no bound of the seconds: every group made at once."""
     return 0.0, 0.0
 
