@@ -11,7 +11,7 @@ from autopar.search.floors import base_lists, group_floor, group_params
 from autopar.search.prepared import Pending
 
 __all__ = ["dp_floor", "grid_past", "group_bound", "past", "pipe_bound", "schedules_of",
-           "sync_floor", "with_sync"]
+           "sync_past", "with_sync"]
 
 
 def dp_floor(search, mesh, walk, zeros, m: int, param_bytes: float) -> float:
@@ -52,7 +52,7 @@ def group_bound(search, mesh, walk, group, work: bool = False) -> float | None:
 def grid_past(search, mesh, walk, group) -> bool:
     """Whether a grid search's group has no leaf under its cutoff, read before any Prepared
     (its own or its base search's) is priced: from `group_bound` (the bound of its work
-    first, then with the collectives), then with its least gradient sync (`sync_floor`):
+    first, then with the collectives), then with its least gradient sync (`sync_past`):
     its floor is under every leaf's bound (False where the group's states are the base
     search's: `_prepared` drops it at once). A group number whose floor alone puts its
     meshes of so many micro-batches per stage past (`_throughput_past`) is past for each
@@ -71,7 +71,7 @@ def grid_past(search, mesh, walk, group) -> bool:
     if pipe >= search._cutoff:
         _throughput_past(search, mesh, walk, group, number)
         return True
-    return pipe + sync_floor(search, mesh, walk, group) * (1 - 1e-9) >= search._cutoff
+    return sync_past(search, mesh, walk, group, pipe)
 
 
 def _throughput_past(search, mesh, walk, group, key) -> None:
@@ -92,9 +92,12 @@ def _throughput_past(search, mesh, walk, group, key) -> None:
         search._floors[("past", group[4])] = rate if known is None else min(known, rate)
 
 
-def sync_floor(search, mesh, walk, group) -> float:
-    """The least gradient sync of a group's leaves (`dp_floor` of its least parameter bytes,
-    `floors.group_params`, per pipeline rank), read before its Prepared is made."""
+def sync_past(search, mesh, walk, group, pipe: float) -> bool:
+    """Whether ``pipe`` (a lower bound of the group's leaves' pipeline seconds) plus their
+    least gradient sync (`dp_floor` of the group's least parameter bytes per pipeline rank,
+    `floors.group_params`) is at the cutoff or over, read before its Prepared is made: the
+    ZeRO options' syncs in turn, stopping at the first under what the cutoff leaves (the
+    least is then under it too)."""
     pp, m, number = mesh[PP], walk[3] // group[2], group[4]
     params = search._floors.get(("params", number))
     if params is None:
@@ -102,7 +105,13 @@ def sync_floor(search, mesh, walk, group) -> float:
         params = search._floors[("params", number)] = group_params(
             search, search.space.kinds(mesh[TP], group[2], mesh[CP] > 1), search._context((
                 pl[TP], pl[CP], cp_mode, split.dispatch if split is not None else None)))
-    return dp_floor(search, mesh, walk, group[3], m, params / pp)
+    grad_pl, dp_cache, held = walk[1], walk[2], params / pp
+    for z, shard in dict.fromkeys((z, s) for z, _, s in group[3]):
+        sync = search._dp_time(held, z, m, grad_pl, cache=None if shard else dp_cache,
+                               hybrid=hybrid_split(mesh, shard, search.world.per_node))
+        if pipe + sync * (1 - 1e-9) < search._cutoff:
+            return False
+    return True
 
 
 def with_sync(search, pending: Pending) -> float:
