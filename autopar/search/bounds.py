@@ -98,14 +98,8 @@ def sync_past(search, mesh, walk, group, pipe: float) -> bool:
     `floors.group_params`) is at the cutoff or over, read before its Prepared is made: the
     ZeRO options' syncs in turn, stopping at the first under what the cutoff leaves (the
     least is then under it too)."""
-    pp, m, number = mesh[PP], walk[3] // group[2], group[4]
-    params = search._floors.get(("params", number))
-    if params is None:
-        pl, cp_mode, split = walk[0], group[0], group[1]
-        params = search._floors[("params", number)] = group_params(
-            search, search.space.kinds(mesh[TP], group[2], mesh[CP] > 1), search._context((
-                pl[TP], pl[CP], cp_mode, split.dispatch if split is not None else None)))
-    grad_pl, dp_cache, held = walk[1], walk[2], params / pp
+    m = walk[3] // group[2]
+    grad_pl, dp_cache, held = walk[1], walk[2], _params(search, mesh, walk, group) / mesh[PP]
     for z, shard in dict.fromkeys((z, s) for z, _, s in group[3]):
         sync = search._dp_time(held, z, m, grad_pl, cache=None if shard else dp_cache,
                                hybrid=hybrid_split(mesh, shard, search.world.per_node))
@@ -118,7 +112,13 @@ def with_sync(search, pending: Pending) -> float:
     """A `Pending`'s floor with its leaves' own least gradient sync (of the Prepared's
     parameter bytes, `floors.group_params`, to the bit), kept for its leaves."""
     mesh, walk, group = pending.mesh, pending.walk, pending.group
-    pp, m = mesh[PP], walk[3] // group[2]
+    held = _params(search, mesh, walk, group) / mesh[PP]
+    pending.dp = (held, dp_floor(search, mesh, walk, group[3], walk[3] // group[2], held))
+    return pending.pipe + pending.dp[1] * (1 - 1e-9)
+
+
+def _params(search, mesh, walk, group) -> float:
+    """`floors.group_params` of a group, once per group number and search."""
     number = group[4]
     params = search._floors.get(("params", number))
     if params is None:
@@ -126,9 +126,7 @@ def with_sync(search, pending: Pending) -> float:
         params = search._floors[("params", number)] = group_params(
             search, search.space.kinds(mesh[TP], group[2], mesh[CP] > 1), search._context((
                 pl[TP], pl[CP], cp_mode, split.dispatch if split is not None else None)))
-    held = params / pp
-    pending.dp = (held, dp_floor(search, mesh, walk, group[3], m, held))
-    return pending.pipe + pending.dp[1] * (1 - 1e-9)
+    return params
 
 
 def pipe_bound(search, schedule: str, v: int, m: int, pp: int, avg: float,
