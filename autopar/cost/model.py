@@ -183,13 +183,16 @@ class Context:
             hit = memo[key] = _coll(op, nbytes, placement, self.hw)
         return hit
 
-    def of_layer(self, key: tuple, lt: LayerType, price):
+    def of_layer(self, key: tuple, lt: LayerType, price, shared: bool = False):
         """``price()``, memoised under ``key`` for the layer kind ``lt`` (held by identity:
-        a layer kind is priced from its own numbers, and a new one never hits)."""
+        a layer kind is priced from its own numbers, and a new one never hits); `shared`: in
+        the prices shared with the search's other contexts, where ``key`` holds all the
+        price reads of this context (this context's own where it shares none)."""
+        memo = self.shared if shared and self.shared is not None else self._memo
         key = (id(lt), *key)
-        hit = self._memo.get(key)
+        hit = memo.get(key)
         if hit is None or hit[0] is not lt:
-            hit = self._memo[key] = (lt, price())
+            hit = memo[key] = (lt, price())
         return hit[1]
 
 
@@ -675,17 +678,13 @@ def grid_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,
     """(seconds, wire bytes) of the weight GEMMs' collectives of one layer under a 2D, 2.5D
     or 3D ``mode`` for a micro-batch of ``batch`` samples (`_multi_d_comm`), memoised in
     ``ctx``: `state_cost` prices them so, and the search's floors read the same figures."""
-    if ctx.shared is None or ctx.tp_groups is not None:
-        return ctx.of_layer(("multi-d", mode, batch, full_recompute), lt, lambda: _multi_d_comm(
-            lt, mode, batch / ctx.cp.size, ctx, full_recompute))
-    # it reads the tensor placement and the cp size alone: one price for every cp placement
-    # and mode
-    key = ("multi-d", id(lt), mode, batch / ctx.cp.size, full_recompute, ctx.tp)
-    hit = ctx.shared.get(key)
-    if hit is None or hit[0] is not lt:
-        hit = ctx.shared[key] = (lt, _multi_d_comm(lt, mode, batch / ctx.cp.size, ctx,
-                                                   full_recompute))
-    return hit[1]
+    # without tp_groups it reads the tensor placement and the cp size alone: one price for
+    # every cp placement and mode, shared by the search's contexts
+    shared = ctx.tp_groups is None
+    key = ("multi-d", mode, batch / ctx.cp.size, full_recompute, ctx.tp) if shared else \
+        ("multi-d", mode, batch, full_recompute)
+    return ctx.of_layer(key, lt, lambda: _multi_d_comm(lt, mode, batch / ctx.cp.size, ctx,
+                                                       full_recompute), shared)
 
 
 def _multi_d_comm(lt: LayerType, mode: TensorMode, batch: float, ctx: Context,

@@ -58,25 +58,25 @@ def grid_past(search, mesh, walk, group) -> bool:
     meshes of so many micro-batches per stage past (`_throughput_past`) is past for each
     mesh of as many or more that meets it after."""
     number = group[4]
-    rate = search._floors.get(("past", number))
-    if rate is not None and (walk[3] // group[2]) / mesh[PP] >= rate:
+    rate, past_from = (walk[3] // group[2]) / mesh[PP], search._floors.get(("past", number))
+    if past_from is not None and rate >= past_from:
         return True
     if not search.space.takes_grid(mesh[TP], group[2], mesh[CP] > 1):
         return False
     pipe = group_bound(search, mesh, walk, group, work=True)  # (first the one shared more)
     if pipe is None or pipe >= search._cutoff:
-        _throughput_past(search, mesh, walk, group, ("work", number))
+        _throughput_past(search, group, ("work", number), rate)
         return True
     pipe = group_bound(search, mesh, walk, group)
     if pipe >= search._cutoff:
-        _throughput_past(search, mesh, walk, group, number)
+        _throughput_past(search, group, number, rate)
         return True
     return sync_past(search, mesh, walk, group, pipe)
 
 
-def _throughput_past(search, mesh, walk, group, key) -> None:
-    """Where the floor of ``group``'s number (``search._floors[key]``) puts this mesh past
-    by its throughput alone, keep the micro-batches per stage ``m / pp`` it takes: every
+def _throughput_past(search, group, key, rate: float) -> None:
+    """Where the floor of ``group``'s number (``search._floors[key]``) puts a mesh past by
+    its throughput alone, keep the micro-batches per stage ``rate`` (``m / pp``) it takes: every
     schedule's `pipe_bound` is at least ``m x avg`` = ``(m / pp) x`` the floor's seconds,
     which grows with ``m / pp`` (``global batch x cp x tp / (devices x b)`` on a mesh of the
     whole world: the same for every mesh of the number, whose tp, cp and micro-batch are
@@ -84,7 +84,6 @@ def _throughput_past(search, mesh, walk, group, key) -> None:
     states. The margin 2e-9 covers the rounding of ``m x (total / pp)`` against this
     product."""
     floor = search._floors[key]
-    rate = (walk[3] // group[2]) / mesh[PP]
     if floor is None:
         search._floors[("past", group[4])] = 0.0
     elif rate * floor[0] * (1 - 2e-9) >= search._cutoff:

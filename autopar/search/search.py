@@ -63,7 +63,7 @@ from autopar.search.bounds import (
     schedules_of,
     with_sync,
 )
-from autopar.search.floors import least_floor, least_priced
+from autopar.search.floors import base_lists, least_floor, least_priced
 from autopar.search.partition import balance_within
 from autopar.search.prepared import (
     Fast,
@@ -663,11 +663,9 @@ def _base_of(search: Search, mesh, pl, cp_mode, b, split, kinds):
     # base's Prepared asked for only where its leaves are to be priced
     known = search._cost_cache.get(("base of", id(kinds)))
     if known is None:
-        base = search._base._prepared(mesh, pl, cp_mode, b, split)
-        use = base is not None and not any(states[:len(had)] != had for (_, states), (_, had)
-                                           in zip(kinds, base.kinds))
-        known = search._cost_cache[("base of", id(kinds))] = (use, use and any(
-            len(s) > len(had) for (_, s), (_, had) in zip(kinds, base.kinds)))
+        had = base_lists(search, mesh, b, kinds)  # (the base's lists, where they begin these)
+        adds = had is not None and any(len(s) > len(old) for (_, s), (_, old) in zip(kinds, had))
+        known = search._cost_cache[("base of", id(kinds))] = (had is not None, adds)
     use, adds = known
     if not use:
         return None

@@ -196,7 +196,8 @@ class Space:
         self._states: dict = {}
         self._kinds: dict = {}  # (tp, micro-batch, beside cp) -> `kinds`
         self._split_states: dict = {}  # (kind, tp, beside cp) -> `_splits`
-        self._grid_splits: dict = {}  # (tp, beside cp) -> grid batch splits; with b: `takes_grid`
+        self._grid_splits: dict = {}  # (tp, beside cp) -> the grid states' batch splits
+        self._takes_grid: dict = {}  # (tp, micro-batch, beside cp) -> `takes_grid`
         self._modes: dict = {}  # (tp, block) -> `tp_modes`
         self._grids: dict = {}  # tp -> `has_grid`
 
@@ -290,14 +291,14 @@ class Space:
         micro-batch `b` (`kinds`' filters): where none has, a grid search's states there are
         its base search's 1D ones, or none."""
         key = (tp, b, beside_cp)
-        hit = self._grid_splits.get(key)
+        hit = self._takes_grid.get(key)
         if hit is None:
             splits = self._grid_splits.get((tp, beside_cp))
             if splits is None:
                 splits = self._grid_splits[(tp, beside_cp)] = {
                     split for lt in self.chain.types for s, split
                     in self._splits(lt, tp, beside_cp) if s.mode.name != TP_1D}
-            hit = self._grid_splits[key] = any(b % split == 0 for split in splits)
+            hit = self._takes_grid[key] = any(b % split == 0 for split in splits)
         return hit
 
     def _splits(self, lt, tp: int, beside_cp: bool) -> list[tuple[LayerState, int]]:
