@@ -5,8 +5,10 @@
 
 (a) Search time. GPT-3 175B (96 layers, hidden 12288) on 1024 A100-80GB, 8 per node,
 global batch 1536, sequence 2048: `prepare` (trace two blocks and read the layer costs)
-and `search` timed separately, the search as the median of five runs (its CPU time too, and
-the `--executable` search's beside it, which should take no longer), and the command
+and `search` timed separately, the search as the median of six runs (its CPU time too, and
+the `--executable` search's beside it, which should take no longer: the two by turns, each
+first in every other round, with each round's ratio, the executable search's own 1D search
+timed alone, and each search's Python calls counted, a figure no load moves), and the command
 line `python -m autopar.cli explain gpt3-175b ... --format json` end to end in a fresh
 process. Targets: search < 1 s, end to end < 10 s. Beside them a machine reference: the CPU
 seconds of a fixed pure-Python loop (10M additions, the least of two), and the search's CPU
@@ -58,11 +60,13 @@ whatever else the machine runs: compare the ratios of one run.
 """
 
 import argparse
+import cProfile
 import dataclasses
 import itertools
 import json
 import math
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -92,7 +96,7 @@ from autopar.cost.step import (  # noqa: E402
 )
 from autopar.errors import PlanError  # noqa: E402
 from autopar.models import workload  # noqa: E402
-from autopar.modes import ORDER, RECOMPUTE, SCHEDULES  # noqa: E402
+from autopar.modes import ORDER, RECOMPUTE, RUNTIME, SCHEDULES  # noqa: E402
 from autopar.search import planner  # noqa: E402
 from autopar.search.partition import balance, balance_within  # noqa: E402
 from autopar.search.search import Constraints, Options, Search  # noqa: E402
@@ -114,7 +118,7 @@ def gpt3_chain():
 
 
 REFERENCE_ADDITIONS = 10_000_000
-ROUNDS = 5  # the free and the executable search, in turn: their medians (and least) compared
+ROUNDS = 6  # the free and the executable search, each first in every other round
 
 
 def machine_reference() -> float:
@@ -135,15 +139,21 @@ def time_search(skip_cli: bool) -> dict:
     chain = gpt3_chain()
     prepare_s = time.perf_counter() - start
     world = World(1024, per_node=8, device="a100-80gb")
-    runs, cpu, exe_cpu = [], [], []
-    for _ in range(ROUNDS):  # the free and the executable search in turn: the same load on both
-        start, start_cpu = time.perf_counter(), time.process_time()
-        res = planner.search(chain, world, global_batch=1536)
-        runs.append((time.perf_counter() - start, res))
-        cpu.append(time.process_time() - start_cpu)
-        start_cpu = time.process_time()
-        exe = planner.search(chain, world, global_batch=1536, executable=True)
-        exe_cpu.append(time.process_time() - start_cpu)
+    runs, cpu, exe_cpu, line_cpu = [], [], [], []
+    for i in range(ROUNDS):  # in turn, the same load on both, each first in every other
+        # round so neither holds one place (the second of a pair read 0.92x the first in one
+        # run of eight pairs, 1.01x in another; over sixteen neither order was faster)
+        for executable in (False, True) if i % 2 == 0 else (True, False):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            found = planner.search(chain, world, global_batch=1536, executable=executable)
+            if executable:
+                exe = found
+                exe_cpu.append(time.process_time() - start_cpu)
+            else:
+                res = found
+                runs.append((time.perf_counter() - start, res))
+                cpu.append(time.process_time() - start_cpu)
+        line_cpu.append(_line_search_cpu(chain, world, 1536))
     search_s = statistics.median(t for t, _ in runs)
     res = runs[0][1]
     # the process's own CPU seconds (all its threads): about what the wall clock reads on a
@@ -154,12 +164,45 @@ def time_search(skip_cli: bool) -> dict:
            "search_runs_s": [t for t, _ in runs], "candidates": res.candidates,
            "executable_cpu_s": statistics.median(exe_cpu), "executable_cpu_runs_s": exe_cpu,
            "executable_candidates": exe.candidates, "executable_plan": exe.best.describe(),
+           "executable_1d_cpu_s": statistics.median(line_cpu), "executable_1d_cpu_runs_s": line_cpu,
+           "calls": _calls(chain, world, 1536),
            "plan": res.best.describe(), "step_time_s": res.best.step_time,
            "memory_gib": res.best.memory_per_device / 2 ** 30,
            "reference_cpu_s": min(reference, machine_reference()),
            "reference_additions": REFERENCE_ADDITIONS}
     out["cli"] = None if skip_cli else time_cli()
     return out
+
+
+def _line_search_cpu(chain, world, global_batch: int) -> float:
+    """CPU seconds of the executable search's first search alone: 1D layers only, over the
+    same space and options (`planner._narrowed` with no grid), before any grid's search.
+    What the executable search takes past it is its grid searches' (and the merge)."""
+    options = Options(global_batch=global_batch, executable=RUNTIME)
+    sp_seq = planner._sequence_parallel_length(chain, world.devices)
+    start = time.process_time()
+    with planner.collector_paused():  # (as `planner.search` runs it)
+        Search(chain, world, planner._narrowed(options, None, sp_seq), None, {}, settled={}).run()
+    return time.process_time() - start
+
+
+def _calls(chain, world, global_batch: int) -> dict:
+    """Python function calls of one free search, one executable search and the executable
+    search's 1D search alone (`cProfile`'s count: the same on any machine and at any load, so
+    two trees compare by it where their seconds swing by more than their gap)."""
+    def counted(fn) -> int:
+        profile = cProfile.Profile()
+        profile.runcall(fn)
+        return pstats.Stats(profile).total_calls
+
+    options = Options(global_batch=global_batch, executable=RUNTIME)
+    sp_seq = planner._sequence_parallel_length(chain, world.devices)
+    line = planner._narrowed(options, None, sp_seq)
+    return {"free": counted(lambda: planner.search(chain, world, global_batch=global_batch)),
+            "executable": counted(lambda: planner.search(chain, world, global_batch=global_batch,
+                                                         executable=True)),
+            "executable_1d": counted(lambda: Search(chain, world, line, None, {},
+                                                    settled={}).run())}
 
 
 def time_cli() -> dict:
@@ -209,6 +252,18 @@ def print_time(t: dict) -> None:
     print(f"  --executable CPU time (median)  {t['executable_cpu_s']:8.3f} s   [{runs}]  "
           f"{ratio:.3f}x the free search (the least of each: {least:.3f}x): {ok} target: no "
           f"slower ({t['executable_candidates']} candidates priced)")
+    if "executable_1d_cpu_s" in t:
+        line, free, exe = t["executable_1d_cpu_s"], t["search_cpu_s"], t["executable_cpu_s"]
+        paired = [e / f for e, f in zip(t["executable_cpu_runs_s"], t["search_cpu_runs_s"])]
+        print(f"    each round's ratio            {', '.join(f'{r:.3f}' for r in paired)}")
+        print(f"    of which its 1D search        {line:8.3f} s   ({line / free:.3f}x the free "
+              f"search: the same 1D leaves priced, without the grid states), and its grid "
+              f"searches {1000 * (exe - line):.0f} ms ({(exe - line) / free:.3f}x)")
+    if t.get("calls"):
+        c = t["calls"]
+        print(f"  Python calls (cProfile; free of load)  free {c['free'] / 1e6:.3f}M, --executable "
+              f"{c['executable'] / 1e6:.3f}M ({c['executable'] / c['free']:.3f}x): its 1D search "
+              f"{c['executable_1d'] / 1e6:.3f}M, the rest {(c['executable'] - c['executable_1d']) / 1e6:.3f}M")
     cli = t["cli"]
     if cli is not None:
         ok = "meets" if cli["wall_s"] < 10 and cli["status"] == "ok" else "MISSES"

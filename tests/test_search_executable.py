@@ -6,6 +6,9 @@ an earlier search already priced alike; the winner must stay the one of searchin
 space whole, at no more candidates than the free search prices.
 """
 
+import os
+import sys
+
 import pytest
 
 from autopar.cost.comm import placements
@@ -256,3 +259,31 @@ def test_the_shared_state_costs_are_found_by_identity_once_per_context(small):
     lt, states = prep.kinds[-1]
     again = state_costs_of(lt, states, 8, *prep.context)
     assert all(a is b for a, b in zip(again, prep.per_type[-1][1]))
+
+
+def test_bench_search_times_the_executable_searchs_own_1d_search(small, monkeypatch):
+    """bench_search splits the executable search's CPU into its 1D search and the rest by
+    running that 1D search alone: it must be the same search (the same best plan and the
+    same candidates priced) as the one the executable search runs first, and its Python
+    call count, which the bench prints beside the seconds, a part of the executable one's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_search
+
+    world = World(16, per_node=8)
+    first = []
+    real = Search.run
+
+    def run(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if self._base is None:
+            first.append((self.candidates, _signature(out.best)))
+        return out
+
+    monkeypatch.setattr(Search, "run", run)
+    planner.search(small, world, global_batch=32, executable=True)
+    alone = bench_search._line_search_cpu(small, world, 32)
+    assert len(first) == 2 and first[0] == first[1] and first[0][0] > 0 and alone > 0
+    monkeypatch.undo()
+    calls = bench_search._calls(small, world, 32)
+    assert 0 < calls["executable_1d"] < calls["executable"]
+    assert calls["free"] > 0
