@@ -189,7 +189,9 @@ def _line_search_cpu(chain, world, global_batch: int) -> float:
 def _calls(chain, world, global_batch: int) -> dict:
     """Python function calls of one free search, one executable search and the executable
     search's 1D search alone (`cProfile`'s count: the same on any machine and at any load, so
-    two trees compare by it where their seconds swing by more than their gap)."""
+    two trees compare by it where their seconds swing by more than their gap; the order of
+    set iteration, which the process's hash seed sets, moves it by up to 0.7%, so compare
+    two trees under one ``PYTHONHASHSEED``)."""
     def counted(fn) -> int:
         profile = cProfile.Profile()
         profile.runcall(fn)
@@ -253,15 +255,18 @@ def print_time(t: dict) -> None:
           f"{ratio:.3f}x the free search (the least of each: {least:.3f}x): {ok} target: no "
           f"slower ({t['executable_candidates']} candidates priced)")
     if "executable_1d_cpu_s" in t:
-        line, free, exe = t["executable_1d_cpu_s"], t["search_cpu_s"], t["executable_cpu_s"]
+        line, free = t["executable_1d_cpu_s"], t["search_cpu_s"]
         paired = [e / f for e, f in zip(t["executable_cpu_runs_s"], t["search_cpu_runs_s"])]
         print(f"    each round's ratio            {', '.join(f'{r:.3f}' for r in paired)}")
+        rest = statistics.median(e - x for e, x in zip(t["executable_cpu_runs_s"],
+                                                        t["executable_1d_cpu_runs_s"]))
         print(f"    of which its 1D search        {line:8.3f} s   ({line / free:.3f}x the free "
               f"search: the same 1D leaves priced, without the grid states), and its grid "
-              f"searches {1000 * (exe - line):.0f} ms ({(exe - line) / free:.3f}x)")
+              f"searches about {1000 * rest:.0f} ms (the median of each round's difference, "
+              f"{rest / free:.3f}x)")
     if t.get("calls"):
         c = t["calls"]
-        print(f"  Python calls (cProfile; free of load)  free {c['free'] / 1e6:.3f}M, --executable "
+        print(f"  Python calls (cProfile; no load moves them)  free {c['free'] / 1e6:.3f}M, --executable "
               f"{c['executable'] / 1e6:.3f}M ({c['executable'] / c['free']:.3f}x): its 1D search "
               f"{c['executable_1d'] / 1e6:.3f}M, the rest {(c['executable'] - c['executable_1d']) / 1e6:.3f}M")
     cli = t["cli"]
