@@ -174,15 +174,22 @@ def time_search(skip_cli: bool) -> dict:
     return out
 
 
-def _line_search_cpu(chain, world, global_batch: int) -> float:
-    """CPU seconds of the executable search's first search alone: 1D layers only, over the
-    same space and options (`planner._narrowed` with no grid), before any grid's search.
-    What the executable search takes past it is its grid searches' (and the merge)."""
+def _line_search(chain, world, global_batch: int) -> Search:
+    """The executable search's first search, made alone: 1D layers only, over the same space
+    and options (`planner._narrowed` with no grid), with its own shared tables as the
+    executable search gives it, before any grid's search."""
     options = Options(global_batch=global_batch, executable=RUNTIME)
     sp_seq = planner._sequence_parallel_length(chain, world.devices)
+    return Search(chain, world, planner._narrowed(options, None, sp_seq), None, {}, settled={})
+
+
+def _line_search_cpu(chain, world, global_batch: int) -> float:
+    """CPU seconds of `_line_search` run: what the executable search takes past it is its
+    grid searches' (and the merge)."""
+    search = _line_search(chain, world, global_batch)
     start = time.process_time()
     with planner.collector_paused():  # (as `planner.search` runs it)
-        Search(chain, world, planner._narrowed(options, None, sp_seq), None, {}, settled={}).run()
+        search.run()
     return time.process_time() - start
 
 
@@ -197,14 +204,11 @@ def _calls(chain, world, global_batch: int) -> dict:
         profile.runcall(fn)
         return pstats.Stats(profile).total_calls
 
-    options = Options(global_batch=global_batch, executable=RUNTIME)
-    sp_seq = planner._sequence_parallel_length(chain, world.devices)
-    line = planner._narrowed(options, None, sp_seq)
+    line = _line_search(chain, world, global_batch)
     return {"free": counted(lambda: planner.search(chain, world, global_batch=global_batch)),
             "executable": counted(lambda: planner.search(chain, world, global_batch=global_batch,
                                                          executable=True)),
-            "executable_1d": counted(lambda: Search(chain, world, line, None, {},
-                                                    settled={}).run())}
+            "executable_1d": counted(line.run)}
 
 
 def time_cli() -> dict:
