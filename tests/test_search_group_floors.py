@@ -12,7 +12,8 @@ from autopar.cost.model import state_cost, state_params
 from autopar.modes import CP, DP, FP8, ORDER, PP, RING, TP, ULYSSES
 from autopar.search import bounds as bounds_module
 from autopar.search import planner
-from autopar.search.floors import state_floor, state_work
+from autopar.search import search as search_module
+from autopar.search.floors import group_params, state_floor, state_work
 from autopar.search.prepared import Prepared
 from autopar.search.search import Options, Search
 from autopar.world import World
@@ -110,3 +111,37 @@ def test_gpt3_free_search_leaves_groups_unpriced_by_their_floors(chains, monkeyp
     plain = planner.search(chain, world, global_batch=1536)
     assert result_bits(got) == result_bits(plain)
     assert 0 < floored < len(made) / 2
+
+
+@pytest.mark.parametrize("spec, devices", [(SPECS[2], 32), (SPECS[1], 64)])
+def test_a_groups_parameter_bytes_shared_by_list_are_its_own_to_the_bit(chains, spec, devices):
+    """The least parameter bytes of a group's gradient sync (`bounds._params`), read once per
+    state list, cp size and ep size for the group numbers that share them, are on every group
+    of every mesh (every cp mode, placement and expert split) what `floors.group_params` gives
+    with the group's own Context, and the ``min_params - min_experts`` of its Prepared."""
+    chain = chains[SPECS.index(spec)]
+    world = World(devices, per_node=8)
+    search = Search(chain, world, Options(global_batch=64))
+    meshes, heads = search_module._meshes(search)
+    checked = shared = experts = 0
+    for mesh in meshes:
+        walk = search_module._mesh_walk(search, mesh, heads)
+        for group in walk[4] if walk is not None else ():
+            cp_mode, split, b = group[:3]
+            kinds = search.space.kinds(mesh[TP], b, mesh[CP] > 1)
+            if kinds is None:
+                continue
+            ep = split.ep if split is not None else 1
+            shared += ("params", group[4]) not in search._floors and \
+                ("params", id(kinds), mesh[CP], ep) in search._floors
+            experts += ep > 1
+            got = bounds_module._params(search, mesh, walk, group)
+            ctx = search._context((walk[0][TP], walk[0][CP], cp_mode,
+                                   split.dispatch if split is not None else None))
+            assert got.hex() == group_params(search, kinds, ctx).hex()
+            prep = search._prepared(mesh, walk[0], cp_mode, b, split)
+            assert got.hex() == float(prep.min_params - prep.min_experts).hex()
+            checked += 1
+    # (the MoE spec's groups: expert splits, each number its own list; the Llama spec's: cp
+    # placements and modes, several numbers to a list)
+    assert checked >= 50 and (experts >= 10 if "moe" in spec else shared >= 10)

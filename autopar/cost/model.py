@@ -99,9 +99,10 @@ class TensorMode:
     q: int = 1
     d: int = 1
 
-    @property
+    @functools.cached_property
     def batch_split(self) -> int:
-        """How many ways the multi-dimensional modes split the micro-batch of activations."""
+        """How many ways the multi-dimensional modes split the micro-batch of activations
+        (read once per mode)."""
         return {TP_1D: 1, TP_2D: self.q, TP_25D: self.q * self.d, TP_3D: self.q * self.q}[self.name]
 
     def __str__(self) -> str:
@@ -139,9 +140,10 @@ class LayerState:
     sp: str = NO_SP
     recompute: str = NO_RECOMPUTE
 
-    @property
+    @functools.cached_property
     def layout(self) -> tuple:
-        """What the layer hands its neighbour: equal layouts need no conversion."""
+        """What the layer hands its neighbour: equal layouts need no conversion (read once
+        per state: the search asks it of the same states many times)."""
         return (self.mode.name, self.mode.q, self.mode.d, self.sp)
 
 

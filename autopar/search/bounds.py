@@ -53,16 +53,15 @@ def grid_past(search, mesh, walk, group) -> bool:
     """Whether a grid search's group has no leaf under its cutoff, read before any Prepared
     (its own or its base search's) is priced: from `group_bound` (the bound of its work
     first, then with the collectives), then with its least gradient sync (`sync_past`):
-    its floor is under every leaf's bound (False where the group's states are the base
-    search's: `_prepared` drops it at once). A group number whose floor alone puts its
+    its floor is under every leaf's bound. Asked only of a group whose micro-batch takes a
+    state of the grid (`Space.takes_grid`: `Search._leaves` leaves the others out, whose
+    leaves are the base search's). A group number whose floor alone puts its
     meshes of so many micro-batches per stage past (`_throughput_past`) is past for each
     mesh of as many or more that meets it after."""
     number = group[4]
     rate, past_from = (walk[3] // group[2]) / mesh[PP], search._floors.get(("past", number))
     if past_from is not None and rate >= past_from:
         return True
-    if not search.space.takes_grid(mesh[TP], group[2], mesh[CP] > 1):
-        return False
     pipe = group_bound(search, mesh, walk, group, work=True)  # (first the one shared more)
     if pipe is None or pipe >= search._cutoff:
         _throughput_past(search, group, ("work", number), rate)
@@ -117,14 +116,21 @@ def with_sync(search, pending: Pending) -> float:
 
 
 def _params(search, mesh, walk, group) -> float:
-    """`floors.group_params` of a group, once per group number and search."""
+    """`floors.group_params` of a group, once per group number and search, and once per
+    state list, cp size and ep size: a state's parameter bytes read no more of its Context
+    (`cost.model.state_params`), so the group numbers of one tensor size and micro-batch
+    that differ in placement or cp mode share them."""
     number = group[4]
     params = search._floors.get(("params", number))
     if params is None:
         pl, cp_mode, split = walk[0], group[0], group[1]
-        params = search._floors[("params", number)] = group_params(
-            search, search.space.kinds(mesh[TP], group[2], mesh[CP] > 1), search._context((
+        kinds = search.space.kinds(mesh[TP], group[2], mesh[CP] > 1)
+        key = ("params", id(kinds), mesh[CP], split.ep if split is not None else 1)
+        params = search._floors.get(key)
+        if params is None:
+            params = search._floors[key] = group_params(search, kinds, search._context((
                 pl[TP], pl[CP], cp_mode, split.dispatch if split is not None else None)))
+        search._floors[("params", number)] = params
     return params
 
 

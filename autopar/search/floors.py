@@ -246,10 +246,13 @@ def _new_works(search, lt, states, n: int, b: int, ctx) -> list:
     key = ("new works", id(states), n, b, ctx.cp.size)
     hit = search._cost_cache.get(key)
     if hit is None:
-        layouts = {s.layout for s in states[n:]}
-        states = [s for s in states if s.layout in layouts]
-        hit = search._cost_cache[key] = _sorted_works(lt, states, least_recompute(states), b,
-                                                      ctx)
+        known = ("new states", id(states), n)  # (the same for every micro-batch and cp size)
+        new = search._cost_cache.get(known)
+        if new is None:
+            layouts = {s.layout for s in states[n:]}
+            new = [s for s in states if s.layout in layouts]
+            new = search._cost_cache[known] = (new, least_recompute(new))
+        hit = search._cost_cache[key] = _sorted_works(lt, *new, b, ctx)
     return hit
 
 

@@ -282,7 +282,14 @@ class Search:
         pl, pp, per_replica = walk[0], mesh[PP], walk[3]
         out = []
         preps, bounded = self._by_group, self._cutoff < float("inf")
-        for cp_mode, split, b, leaf_zeros, group in walk[4]:
+        groups = walk[4]
+        if self._base is not None:  # a group whose micro-batch takes no state of this grid
+            # has the base search's states (1D) or none, so its leaves are the base's
+            # (`_prepared` gives None): left out before anything is asked of it
+            takes, tp, beside = self.space.takes_grid, mesh[TP], mesh[CP] > 1
+            micro = {b for b in {g[2] for g in groups} if takes(tp, b, beside)}
+            groups = [g for g in groups if g[2] in micro]
+        for cp_mode, split, b, leaf_zeros, group in groups:
             seq = next(self._group_seq)
             prep = preps.get(group, preps)  # (itself: not asked yet)
             if prep is preps and bounded and grid_past(self, mesh, walk, (
@@ -516,8 +523,9 @@ def _meshes(search: Search) -> tuple[list[dict], int]:
     meshes = search._shared.get("meshes")  # a grid search's are its base's (`_mesh_walk`)
     if meshes is None:
         meshes = search._shared["meshes"] = search.space.meshes(world)
-    if search._base is not None:
-        meshes = [m for m in meshes if search.space.has_grid(m[TP])]
+    if search._base is not None:  # (`has_grid` once per tensor size)
+        grid_tps = {tp for tp in {m[TP] for m in meshes} if search.space.has_grid(tp)}
+        meshes = [m for m in meshes if m[TP] in grid_tps]
     if not meshes:
         raise PlanError(why.no_mesh(search.c, search.chain, world, len(search.blocks)))
     if search.c.ep not in (None, 1):
