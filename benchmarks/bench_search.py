@@ -273,11 +273,11 @@ def print_time(t: dict) -> None:
               f"search: the same 1D leaves priced, without the grid states), and its grid "
               f"searches about {1000 * rest:.0f} ms (the median of each round's difference, "
               f"{rest / free:.3f}x)")
-    if t.get("calls"):
-        c = t["calls"]
-        print(f"  Python calls (cProfile; no load moves them)  free {c['free'] / 1e6:.3f}M, --executable "
-              f"{c['executable'] / 1e6:.3f}M ({c['executable'] / c['free']:.3f}x): its 1D search "
-              f"{c['executable_1d'] / 1e6:.3f}M, the rest {(c['executable'] - c['executable_1d']) / 1e6:.3f}M")
+    if calls:
+        print(f"  Python calls (cProfile; no load moves them)  free {calls['free'] / 1e6:.3f}M, "
+              f"--executable {calls['executable'] / 1e6:.3f}M ({by_calls:.3f}x): its 1D search "
+              f"{calls['executable_1d'] / 1e6:.3f}M, the rest "
+              f"{(calls['executable'] - calls['executable_1d']) / 1e6:.3f}M")
     cli = t["cli"]
     if cli is not None:
         ok = "meets" if cli["wall_s"] < 10 and cli["status"] == "ok" else "MISSES"
